@@ -1,0 +1,24 @@
+"""hf_vkv: a virtual-memory KV cache for HuggingFace Transformers.
+
+``import hf_vkv`` registers the ``"vkv"`` cache implementation with transformers and does nothing
+else (no device work).
+"""
+
+from .memory import (
+    Arena,
+    BackendError,
+    CacheClosedError,
+    CapacityError,
+    HostBackend,
+    InvariantError,
+    KVCacheOutOfMemory,
+    VirtualBuffer,
+    VKVError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Arena", "BackendError", "CacheClosedError", "CapacityError", "HostBackend", "InvariantError",
+    "KVCacheOutOfMemory", "VKVError", "VirtualBuffer", "__version__",
+]

@@ -1,0 +1,63 @@
+"""The three tiers of errors (STYLE.md §5).
+
+* bad input: ``ValueError`` / ``TypeError`` subclasses naming the argument and the fix;
+* exhaustion: :class:`KVCacheOutOfMemory`, raised *before* any bookkeeping changes;
+* bugs and broken backends: ``RuntimeError`` subclasses that say so.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "VKVError",
+    "KVCacheOutOfMemory",
+    "CapacityError",
+    "CacheClosedError",
+    "BackendError",
+    "InvariantError",
+]
+
+
+class VKVError(Exception):
+    """Base class of every error hf_vkv raises on purpose."""
+
+
+class KVCacheOutOfMemory(VKVError, MemoryError):
+    """The page budget cannot hold what was asked for.
+
+    Raised before any page table or mapping changes, so the cache stays usable: free rows (or
+    raise ``budget_bytes``) and retry the same call.
+    """
+
+    def __init__(self, *, requested_bytes: int, free_bytes: int, budget_bytes: int, what: str = "pages") -> None:
+        self.requested_bytes = requested_bytes
+        self.free_bytes = free_bytes
+        self.budget_bytes = budget_bytes
+        super().__init__(
+            f"KV cache out of memory: {what} need {requested_bytes:,} bytes but only {free_bytes:,} of the "
+            f"{budget_bytes:,}-byte budget are free. Free finished rows, lower the batch or max_new_tokens, "
+            f"or raise cache_config['budget_bytes']."
+        )
+
+
+class CapacityError(VKVError, ValueError):
+    """A row would grow past the tokens its virtual reservation was sized for."""
+
+
+class CacheClosedError(VKVError, RuntimeError):
+    """The cache (or buffer) was closed and its pages returned: it cannot be used any more."""
+
+
+class BackendError(VKVError, RuntimeError):
+    """A memory-backend call (mmap, fallocate, a CUDA driver call, ...) failed.
+
+    ``call`` names the failing call; the operation that made it was rolled back.
+    """
+
+    def __init__(self, call: str, detail: str) -> None:
+        self.call = call
+        self.detail = detail
+        super().__init__(f"{call} failed: {detail}")
+
+
+class InvariantError(VKVError, RuntimeError):
+    """A bookkeeping invariant does not hold: this is a bug in hf_vkv, please report it."""

@@ -1,0 +1,210 @@
+"""The host (CPU) backend: a memfd plays physical memory, ``mmap`` maps its pages into reservations.
+
+* physical page ``p`` = bytes ``[p * page_bytes, (p + 1) * page_bytes)`` of one ``memfd`` (sparse:
+  only touched pages hold memory);
+* reserve = ``mmap(PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)``;
+* map = ``mmap(MAP_SHARED | MAP_FIXED, memfd, p * page_bytes)``, one call per run of consecutive
+  ids (so the kernel merges a row's pages into one mapping: Linux allows ``vm.max_map_count``);
+* unmap = re-reserve the range with ``PROT_NONE`` (``munmap`` would open a hole that an unrelated
+  ``mmap`` could take);
+* release = ``fallocate(PUNCH_HOLE)``; resident bytes = the memfd's allocated blocks (RSS counts an
+  aliased page once per mapping).
+
+Reading an unmapped address kills the process with SIGSEGV: callers never build views over it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .errors import BackendError, CacheClosedError
+from .pool import PageId
+
+__all__ = ["HostBackend", "DEFAULT_HOST_PAGE_BYTES"]
+
+DEFAULT_HOST_PAGE_BYTES = 256 * 1024
+
+_PROT_NONE, _PROT_RW = 0x0, 0x3
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_long]
+        lib.munmap.restype = ctypes.c_int
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.fallocate.restype = ctypes.c_int
+        lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        _libc = lib
+    return _libc
+
+
+def _mmap(address: int | None, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    out = _lib().mmap(address, nbytes, prot, flags, fd, offset)
+    if out is None or out == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise BackendError("mmap", f"{os.strerror(err)} (errno {err}; {nbytes} bytes at {address!r})")
+    if address is not None and flags & _MAP_FIXED and out != address:
+        raise BackendError("mmap", f"MAP_FIXED returned {out:#x} instead of {address:#x}")
+    return int(out)
+
+
+def _munmap(address: int, nbytes: int) -> None:
+    if _lib().munmap(address, nbytes) != 0:
+        err = ctypes.get_errno()
+        raise BackendError("munmap", f"{os.strerror(err)} (errno {err})")
+
+
+def _runs(pages: Sequence[PageId]) -> Iterator[tuple[int, int, int]]:
+    """Split ``pages`` into runs of consecutive ids: ``(position, first id, length)``."""
+    i = 0
+    while i < len(pages):
+        j = i + 1
+        while j < len(pages) and pages[j] == pages[j - 1] + 1:
+            j += 1
+        yield i, int(pages[i]), j - i
+        i = j
+
+
+class _Mapping:
+    """An address range that is unmapped once nothing (no tensor) refers to it any more."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address = address
+        self.nbytes = nbytes
+        self._finalizer = weakref.finalize(self, _munmap, address, nbytes)
+
+
+class HostBackend:
+    """Physical pages in a ``memfd``, mapped with ``mmap`` (see the module docstring).
+
+    ``page_bytes`` must be a multiple of the OS page size. The memfd grows (sparsely) with the id
+    space; nothing is committed until a page is first written.
+    """
+
+    def __init__(self, *, page_bytes: int = DEFAULT_HOST_PAGE_BYTES, name: str = "hf_vkv") -> None:
+        if page_bytes <= 0 or page_bytes % mmap.PAGESIZE:
+            raise ValueError(
+                f"page_bytes must be a positive multiple of the OS page size ({mmap.PAGESIZE}), got {page_bytes}"
+            )
+        self.page_bytes = page_bytes
+        self.device = torch.device("cpu")
+        self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self._id_space = 0
+        self._pool_view: tuple[_Mapping, torch.Tensor] | None = None
+        self._reservations: dict[int, int] = {}
+        self._closed = False
+        self._fd_finalizer = weakref.finalize(self, os.close, self._fd)
+
+    def _fd_open(self) -> int:
+        if self._closed:
+            raise CacheClosedError("this host backend was closed; create a new cache")
+        return self._fd
+
+    # ----------------------------------------------------------------------------- physical pages
+    def ensure_id_space(self, num_pages: int) -> None:
+        if num_pages > self._id_space:
+            try:
+                os.ftruncate(self._fd_open(), num_pages * self.page_bytes)
+            except OSError as exc:
+                raise BackendError("ftruncate", str(exc)) from exc
+            self._id_space = num_pages
+            self._pool_view = None
+
+    def create(self, pages: Sequence[PageId]) -> None:
+        # A memfd page becomes resident on first touch; only check the ids are addressable.
+        self._fd_open()
+        for page in pages:
+            if not 0 <= page < self._id_space:
+                raise BackendError("create", f"page {page} is outside the id space {self._id_space}")
+
+    def release(self, pages: Sequence[PageId]) -> None:
+        fd = self._fd_open()
+        for _, first, count in _runs(sorted(pages)):
+            rc = _lib().fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                                  first * self.page_bytes, count * self.page_bytes)
+            if rc != 0:
+                err = ctypes.get_errno()
+                raise BackendError("fallocate(PUNCH_HOLE)", f"{os.strerror(err)} (errno {err})")
+
+    def resident_bytes(self) -> int:
+        return os.fstat(self._fd_open()).st_blocks * 512
+
+    # ----------------------------------------------------------------------------- address space
+    def reserve(self, nbytes: int) -> int:
+        if nbytes <= 0 or nbytes % self.page_bytes:
+            raise ValueError(f"nbytes must be a positive multiple of page_bytes ({self.page_bytes}), got {nbytes}")
+        raw = _mmap(None, nbytes + self.page_bytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        base = -(-raw // self.page_bytes) * self.page_bytes
+        if base > raw:
+            _munmap(raw, base - raw)
+        tail = raw + nbytes + self.page_bytes - (base + nbytes)
+        if tail:
+            _munmap(base + nbytes, tail)
+        self._reservations[base] = nbytes
+        return base
+
+    def unreserve(self, address: int, nbytes: int) -> None:
+        if self._reservations.pop(address, None) != nbytes:
+            raise BackendError("unreserve", f"no reservation of {nbytes} bytes at {address:#x}")
+        _munmap(address, nbytes)
+
+    def map(self, address: int, pages: Sequence[PageId]) -> None:
+        fd = self._fd_open()
+        for pos, first, count in _runs(pages):
+            if first + count > self._id_space:
+                raise BackendError("mmap", f"pages {first}..{first + count - 1} outside id space {self._id_space}")
+            _mmap(address + pos * self.page_bytes, count * self.page_bytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED,
+                  fd, first * self.page_bytes)
+
+    def unmap(self, address: int, num_pages: int) -> None:
+        if num_pages:
+            _mmap(address, num_pages * self.page_bytes, _PROT_NONE,
+                  _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+
+    # ----------------------------------------------------------------------------- tensors
+    def tensor(self, address: int, nbytes: int, owner: object) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        array = (ctypes.c_uint8 * nbytes).from_address(address)
+        array._hf_vkv_owner = owner  # type: ignore[attr-defined]  # keeps the address range alive
+        return torch.frombuffer(array, dtype=torch.uint8)
+
+    def pool_tensor(self) -> torch.Tensor:
+        if self._pool_view is None:
+            if self._id_space == 0:
+                return torch.empty(0, self.page_bytes, dtype=torch.uint8)
+            nbytes = self._id_space * self.page_bytes
+            address = _mmap(None, nbytes, _PROT_RW, _MAP_SHARED, self._fd_open(), 0)
+            mapping = _Mapping(address, nbytes)
+            self._pool_view = (mapping, self.tensor(address, nbytes, mapping).view(self._id_space, self.page_bytes))
+        return self._pool_view[1]
+
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+        if pairs:
+            view = self.pool_tensor()
+            for src, dst in pairs:
+                view[dst].copy_(view[src])
+
+    def close(self) -> None:
+        """Close the memfd: its memory goes once no mapping refers to it. Reservations are given
+        back by their owners (see :meth:`tensor`), not here, so no live view loses its range."""
+        if not self._closed:
+            self._closed = True
+            self._pool_view = None
+            self._fd_finalizer()

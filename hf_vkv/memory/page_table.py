@@ -1,0 +1,299 @@
+"""Per-row page tables over a :class:`~hf_vkv.memory.pool.PagePool`. Pure bookkeeping.
+
+A row holds ``length`` units (bytes for a contiguous buffer, tokens for a paged block pool) in
+pages of ``page_size`` units: unit ``u`` lives in page index ``u // page_size``. Pages wholly
+behind a sliding window can be dropped from the front, so a row is ``(length, start, pages)`` with
+``pages[k]`` holding page index ``start + k``.
+
+Every feature of the cache is one of these operations; none of them moves bytes. The two that need
+bytes moved or memory mapped say so in what they return (fresh pages to create, CoW copies to do),
+and the caller (a :class:`~hf_vkv.memory.buffer.VirtualBuffer`) does it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .errors import CapacityError, InvariantError
+from .pool import PageId, PagePool
+
+__all__ = ["Row", "PageTable", "CowCopy"]
+
+
+def _pages_for(length: int, page_size: int) -> int:
+    return -(-length // page_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row's table. Immutable: every operation replaces the record, so undo is a reference."""
+
+    length: int = 0  # units held
+    start: int = 0  # page index of pages[0]; earlier pages were dropped behind a window
+    pages: tuple[PageId, ...] = ()  # pages[k] holds page index start + k
+
+    @property
+    def end(self) -> int:
+        """One past the last page index held."""
+        return self.start + len(self.pages)
+
+    def page_at(self, index: int) -> PageId:
+        """The page holding page index ``index`` (must be live)."""
+        return self.pages[index - self.start]
+
+
+@dataclass(frozen=True, slots=True)
+class CowCopy:
+    """A copy-on-write the caller must perform: copy ``src`` to ``dst``, now at ``row``'s ``index``."""
+
+    row: int
+    index: int
+    src: PageId
+    dst: PageId
+
+
+class PageTable:
+    """Page tables for ``rows`` rows of at most ``pages_per_row`` pages each.
+
+    Invariants (checked by :meth:`check_invariants`, together with the pool's):
+
+    * a row's table covers exactly its units: ``start + len(pages) == ceil(length / page_size)``
+      and ``start <= ceil(length / page_size) <= pages_per_row``;
+    * every page in a table is in use in the pool, and its refcount equals the number of slots
+      (over all tables of the pool) that hold it; no page is both free and referenced.
+
+    Operations are atomic: they validate and check the budget before changing anything. Inside a
+    transaction (:meth:`begin`, mirrored on the pool by the caller) every replaced row is kept, so
+    :meth:`rollback` restores the table exactly and :meth:`changed_rows` tells what to re-map.
+    """
+
+    def __init__(self, pool: PagePool, *, rows: int, pages_per_row: int, page_size: int) -> None:
+        if rows <= 0 or pages_per_row <= 0 or page_size <= 0:
+            raise ValueError(
+                f"rows, pages_per_row and page_size must be positive, got {rows}, {pages_per_row}, {page_size}"
+            )
+        self.pool = pool
+        self.rows = rows
+        self.pages_per_row = pages_per_row
+        self.page_size = page_size
+        self._base = pool.add_segment(rows * pages_per_row)
+        self._rows: list[Row] = [Row()] * rows
+        self._undo: dict[int, Row] | None = None
+        self._undo_counters: tuple[int, int] = (0, 0)
+        self.cow_copies = 0  # pages copied by copy-on-write, over the table's life
+        self.remapped_rows = 0  # rows that took another row's table in reorders
+        pool.attach(self)
+
+    # ----------------------------------------------------------------------------- transactions
+    def begin(self) -> None:
+        """Start keeping replaced rows (call together with ``pool.begin()``)."""
+        if self._undo is not None:
+            raise InvariantError("PageTable.begin() inside an open transaction")
+        self._undo = {}
+        self._undo_counters = (self.cow_copies, self.remapped_rows)
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def rollback(self) -> None:
+        """Restore every row replaced since :meth:`begin`."""
+        undo, self._undo = self._undo or {}, None
+        for index, row in undo.items():
+            self._rows[index] = row
+        self.cow_copies, self.remapped_rows = self._undo_counters
+
+    def changed_rows(self) -> dict[int, Row]:
+        """Rows replaced in the open transaction, with their state at :meth:`begin`."""
+        return dict(self._undo or {})
+
+    def _set(self, index: int, row: Row) -> None:
+        if self._undo is not None and index not in self._undo:
+            self._undo[index] = self._rows[index]
+        self._rows[index] = row
+
+    # ----------------------------------------------------------------------------- queries
+    def row(self, index: int) -> Row:
+        """The table of row ``index``."""
+        return self._rows[self._check_row(index)]
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(self._rows)
+
+    def home(self, row: int, index: int) -> PageId:
+        """The id a row's page index prefers, so a row's pages are consecutive physical ids."""
+        return PageId(self._base + row * self.pages_per_row + index)
+
+    def referenced_pages(self) -> Iterator[PageId]:
+        """Every page of every row, once per slot that holds it."""
+        for row in self._rows:
+            yield from row.pages
+
+    def _check_row(self, index: int) -> int:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.rows:
+            raise IndexError(f"row {index!r} is out of range: this table has rows 0..{self.rows - 1}")
+        return index
+
+    def _check_length(self, row: int, length: int) -> int:
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        if _pages_for(length, self.page_size) > self.pages_per_row:
+            raise CapacityError(
+                f"row {row} would hold {length} units but its reservation holds "
+                f"{self.pages_per_row * self.page_size}: create the cache with a larger max length"
+            )
+        return length
+
+    # ----------------------------------------------------------------------------- operations
+    def grow(self, row: int, length: int) -> list[PageId]:
+        """Extend ``row`` to hold ``length`` units (no-op if it already does).
+
+        Returns the pages the backend must create (fresh memory) before they are used.
+        """
+        old = self._rows[self._check_row(row)]
+        self._check_length(row, length)
+        if length <= old.length:
+            return []
+        need = _pages_for(length, self.page_size)
+        last = old.pages[-1] if old.pages else None
+        hints = []
+        for k, index in enumerate(range(old.end, need)):
+            wanted = [PageId(last + 1 + k)] if last is not None else []
+            hints.append([*wanted, self.home(row, index)])
+        pages, created = self.pool.allocate(hints)
+        self._set(row, Row(length, old.start, old.pages + tuple(pages)))
+        return created
+
+    def share(self, src: int, dst: int, *, length: int | None = None) -> None:
+        """Make ``dst`` hold the first ``length`` units of ``src`` (all of it by default) by
+        referencing the same pages; ``dst``'s previous pages are dropped. Zero bytes move; a
+        partly filled last page stays shared until someone writes to it (see :meth:`cow`)."""
+        source = self._rows[self._check_row(src)]
+        self._check_row(dst)
+        length = source.length if length is None else length
+        if not 0 <= length <= source.length:
+            raise ValueError(f"length {length} is outside row {src}'s 0..{source.length} units")
+        end = _pages_for(length, self.page_size)
+        if length and end <= source.start:
+            raise ValueError(f"row {src}'s first {length} units were dropped behind its window")
+        self.assign(dst, Row(length, source.start, source.pages[: end - source.start]) if length else Row())
+
+    def assign(self, row: int, table: Row) -> None:
+        """Make ``row`` hold ``table`` (pages of this pool, e.g. another table's row: a fork),
+        adding a reference to each of its pages and dropping the row's previous pages."""
+        old = self._rows[self._check_row(row)]
+        if table == old:
+            return
+        need = _pages_for(table.length, self.page_size)
+        if table.end != need or table.start > need:
+            raise ValueError(f"row table {table} does not cover its length")
+        self._check_length(row, table.length)
+        self.pool.incref(table.pages)
+        self.pool.decref(old.pages)
+        self._set(row, table)
+
+    def reorder(self, index: Sequence[int]) -> None:
+        """Row ``i`` takes row ``index[i]``'s table (duplicates allowed, as in beam search);
+        rows from ``len(index)`` on become empty. Only references move."""
+        index = [self._check_row(int(i)) for i in index]
+        if len(index) > self.rows:
+            raise ValueError(f"index has {len(index)} entries but the table has {self.rows} rows")
+        old = list(self._rows)
+        new = [old[i] for i in index] + [Row()] * (self.rows - len(index))
+        delta: Counter[PageId] = Counter()
+        for i, (before, after) in enumerate(zip(old, new)):
+            if before is not after:
+                delta.update(after.pages)
+                delta.subtract(before.pages)
+        self.pool.incref(p for p, d in delta.items() for _ in range(d) if d > 0)
+        self.pool.decref(p for p, d in delta.items() for _ in range(-d) if d < 0)
+        for i, (before, after) in enumerate(zip(old, new)):
+            if before is not after:
+                self._set(i, after)
+                self.remapped_rows += i < len(index) and index[i] != i
+
+    def cow(self, row: int, start: int, end: int) -> tuple[list[CowCopy], list[PageId]]:
+        """Give ``row`` private copies of the shared pages that units ``[start, end)`` touch.
+
+        Call before writing those units. Returns the copies the caller must perform, and the
+        destination pages the backend must create first.
+        """
+        old = self._rows[self._check_row(row)]
+        if not 0 <= start <= end <= old.length:
+            raise ValueError(f"write range [{start}, {end}) is outside row {row}'s 0..{old.length} units")
+        if start == end:
+            return [], []
+        first = start // self.page_size
+        last = (end - 1) // self.page_size
+        if first < old.start:
+            raise ValueError(f"row {row} cannot write unit {start}: it was dropped behind the window")
+        shared = [i for i in range(first, last + 1) if self.pool.is_shared(old.page_at(i))]
+        if not shared:
+            return [], []
+        hints = []
+        for i in shared:
+            prev = [PageId(old.page_at(i - 1) + 1)] if i > old.start else []
+            hints.append([*prev, self.home(row, i)])
+        fresh, created = self.pool.allocate(hints)
+        pages = list(old.pages)
+        copies = []
+        for i, page in zip(shared, fresh):
+            copies.append(CowCopy(row, i, pages[i - old.start], page))
+            pages[i - old.start] = page
+        self.pool.decref(c.src for c in copies)
+        self._set(row, Row(old.length, old.start, tuple(pages)))
+        self.cow_copies += len(copies)
+        return copies, created
+
+    def truncate(self, row: int, length: int) -> None:
+        """Shrink ``row`` to ``length`` units, dropping pages past the end."""
+        old = self._rows[self._check_row(row)]
+        if not 0 <= length <= old.length:
+            raise ValueError(f"cannot truncate row {row} from {old.length} to {length} units")
+        if length == old.length:
+            return
+        end = _pages_for(length, self.page_size)
+        keep = max(end - old.start, 0)
+        self.pool.decref(old.pages[keep:])
+        self._set(row, Row(length, min(old.start, end), old.pages[:keep]) if length else Row())
+
+    def drop_before(self, row: int, unit: int) -> None:
+        """Drop the pages of ``row`` that lie wholly before ``unit`` (behind a sliding window)."""
+        old = self._rows[self._check_row(row)]
+        if not 0 <= unit <= old.length:
+            raise ValueError(f"unit {unit} is outside row {row}'s 0..{old.length} units")
+        new_start = min(unit // self.page_size, old.end)
+        if new_start <= old.start:
+            return
+        cut = new_start - old.start
+        self.pool.decref(old.pages[:cut])
+        self._set(row, Row(old.length, new_start, old.pages[cut:]))
+
+    def clear(self, row: int) -> None:
+        """Empty ``row``, dropping all its pages."""
+        old = self._rows[self._check_row(row)]
+        if old.length or old.pages:
+            self.pool.decref(old.pages)
+            self._set(row, Row())
+
+    # ----------------------------------------------------------------------------- checks
+    def shared_pages(self) -> int:
+        """Distinct pages of this table held by more than one slot (anywhere in the pool)."""
+        return sum(1 for p in {p for r in self._rows for p in r.pages} if self.pool.is_shared(p))
+
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` unless the table's and the pool's invariants hold."""
+        if self._undo is not None:
+            raise InvariantError("check_invariants() inside an open transaction")
+        for i, row in enumerate(self._rows):
+            need = _pages_for(row.length, self.page_size)
+            if row.end != need or row.start > need or need > self.pages_per_row:
+                raise InvariantError(
+                    f"row {i}: length {row.length} needs pages up to {need}, table covers "
+                    f"[{row.start}, {row.end}) of at most {self.pages_per_row}"
+                )
+            for page in row.pages:
+                if self.pool.refcount(page) < 1:
+                    raise InvariantError(f"row {i} holds page {page}, which the pool says is free")
+        self.pool.check_invariants()

@@ -1,0 +1,304 @@
+"""The physical page pool: ids, reference counts, free lists and a budget. Pure bookkeeping.
+
+A page is a fixed-size unit of physical memory named by a :data:`PageId`. The pool does not know
+what a page is made of (a slice of a memfd, a CUDA allocation, a block of a paged pool): a backend
+does. Each page is in exactly one of three states:
+
+* **in use**: referenced by one or more page-table slots (``refcount >= 1``);
+* **resident free**: unreferenced but still backed by memory, recycled before new memory is touched
+  (first-touching memory costs far more than mapping it, see ``notes/vmm.md`` §6);
+* **not resident**: never created, or released (hole punched / handle released).
+
+Ids live in an id space that grows by *segments*. A page table asks for pages with *hints* (the id
+after the row's previous page, then the slot's home id in its segment), so a row's consecutive
+pages usually sit at consecutive physical offsets and the host backend maps them with one call.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NewType
+
+from .errors import InvariantError, KVCacheOutOfMemory
+
+if TYPE_CHECKING:
+    from .page_table import PageTable
+
+__all__ = ["PageId", "PagePool", "PoolStats"]
+
+PageId = NewType("PageId", int)
+
+
+@dataclass(slots=True, frozen=True)
+class PoolStats:
+    """A snapshot of a pool's counters."""
+
+    page_bytes: int  # bytes of one page
+    budget_pages: int  # most pages that may be resident at once
+    in_use: int  # pages referenced by at least one slot
+    resident_free: int  # unreferenced pages still backed by memory
+    created: int  # pages made resident from nothing, over the pool's life
+    recycled: int  # allocations served by a resident free page
+    released: int  # resident free pages given back to the system
+    id_space: int  # ids handed out to segments so far
+
+    @property
+    def resident(self) -> int:
+        """Pages backed by memory now (in use + resident free)."""
+        return self.in_use + self.resident_free
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.resident * self.page_bytes
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self.in_use * self.page_bytes
+
+
+class PagePool:
+    """Reference-counted physical pages under a budget.
+
+    Invariants (checked by :meth:`check_invariants`):
+
+    * every id is < ``id_space``; in-use and resident-free ids are disjoint;
+    * ``refcount[p] >= 1`` for every in-use page, and equals the number of slots that hold ``p`` in
+      all page tables attached to this pool;
+    * ``in_use + resident_free <= budget_pages``: resident memory never exceeds the budget.
+
+    Mutations can run inside a transaction (:meth:`begin` / :meth:`commit` / :meth:`rollback`); a
+    rollback restores every counter and set exactly, so a failed backend call leaves no trace.
+    """
+
+    def __init__(self, *, page_bytes: int, budget_pages: int) -> None:
+        if page_bytes <= 0:
+            raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+        if budget_pages < 0:
+            raise ValueError(f"budget_pages must be >= 0, got {budget_pages}")
+        self.page_bytes = page_bytes
+        self.budget_pages = budget_pages
+        self._refs: dict[PageId, int] = {}
+        self._resident_free: dict[PageId, None] = {}  # insertion-ordered set: oldest first
+        self._id_space = 0
+        self._cursor = 0  # where the search for an unhinted fresh id resumes
+        self._created = 0
+        self._recycled = 0
+        self._released = 0
+        self._undo: list[Callable[[], None]] | None = None
+        self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
+
+    # ----------------------------------------------------------------------------- transactions
+    def begin(self) -> None:
+        """Start recording undo steps. Transactions do not nest."""
+        if self._undo is not None:
+            raise InvariantError("PagePool.begin() inside an open transaction")
+        self._undo = []
+
+    def commit(self) -> None:
+        """Keep the changes since :meth:`begin`."""
+        self._undo = None
+
+    def rollback(self) -> None:
+        """Undo every change since :meth:`begin`, newest first."""
+        undo, self._undo = self._undo or [], None
+        for step in reversed(undo):
+            step()
+
+    def _record(self, step: Callable[[], None]) -> None:
+        if self._undo is not None:
+            self._undo.append(step)
+
+    def _set_ref(self, page: PageId, count: int) -> None:
+        old = self._refs.get(page, 0)
+        if count:
+            self._refs[page] = count
+        else:
+            del self._refs[page]
+        self._record(lambda: self._restore_ref(page, old))
+
+    def _restore_ref(self, page: PageId, count: int) -> None:
+        if count:
+            self._refs[page] = count
+        else:
+            self._refs.pop(page, None)
+
+    def _set_resident_free(self, page: PageId, free: bool) -> None:
+        if free:
+            self._resident_free[page] = None
+            self._record(lambda: self._resident_free.pop(page, None))
+        else:
+            del self._resident_free[page]
+            # Re-inserting appends at the end: recycle order may differ after a rollback, which
+            # changes no state that matters (the set's contents are restored exactly).
+            self._record(lambda: self._resident_free.__setitem__(page, None))
+
+    def _bump(self, name: str, delta: int) -> None:
+        setattr(self, name, getattr(self, name) + delta)
+        self._record(lambda: setattr(self, name, getattr(self, name) - delta))
+
+    # ----------------------------------------------------------------------------- id space
+    def add_segment(self, num_pages: int) -> PageId:
+        """Extend the id space by ``num_pages`` ids and return the first one (a segment's base)."""
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        base = self._id_space
+        self._bump("_id_space", num_pages)
+        return PageId(base)
+
+    @property
+    def id_space(self) -> int:
+        """Number of page ids that exist (resident or not)."""
+        return self._id_space
+
+    def attach(self, table: PageTable) -> None:
+        """Register a page table so :meth:`check_invariants` can count its references."""
+        self._tables.add(table)
+
+    # ----------------------------------------------------------------------------- allocation
+    def allocate(self, hints: Sequence[Sequence[PageId]]) -> tuple[list[PageId], list[PageId]]:
+        """Take one page per entry of ``hints``, each with refcount 1.
+
+        ``hints[i]`` lists preferred ids for page ``i``, best first. A free hinted id is taken if
+        taking it keeps resident memory within the budget; else a resident free page is recycled;
+        else a fresh id is made resident.
+
+        Returns ``(pages, created)``: the pages in order, and those among them that must be made
+        resident by the backend before use. Raises :class:`KVCacheOutOfMemory` with nothing
+        changed when fewer than ``len(hints)`` pages fit in the budget.
+        """
+        n = len(hints)
+        if n == 0:
+            return [], []
+        in_use = len(self._refs)
+        if in_use + n > self.budget_pages:
+            raise KVCacheOutOfMemory(
+                requested_bytes=n * self.page_bytes,
+                free_bytes=(self.budget_pages - in_use) * self.page_bytes,
+                budget_bytes=self.budget_pages * self.page_bytes,
+            )
+        pages: list[PageId] = []
+        created: list[PageId] = []
+        for wanted in hints:
+            page = self._take(wanted)
+            if page in self._resident_free:
+                self._set_resident_free(page, False)
+                self._bump("_recycled", 1)
+            else:
+                created.append(page)
+                self._bump("_created", 1)
+            self._set_ref(page, 1)
+            pages.append(page)
+        return pages, created
+
+    def _take(self, wanted: Sequence[PageId]) -> PageId:
+        room = len(self._refs) + len(self._resident_free) < self.budget_pages
+        for page in wanted:
+            if 0 <= page < self._id_space and page not in self._refs:
+                if page in self._resident_free or room:
+                    return page
+        if self._resident_free and not room:
+            return next(iter(self._resident_free))
+        return self._fresh_id()
+
+    def _fresh_id(self) -> PageId:
+        """A free id that is not resident, scanning round the id space from a cursor."""
+        space = self._id_space
+        for step in range(space):
+            page = PageId((self._cursor + step) % space)
+            if page not in self._refs and page not in self._resident_free:
+                self._cursor = (page + 1) % space
+                return page
+        if self._resident_free:
+            return next(iter(self._resident_free))
+        raise InvariantError("page id space exhausted: a segment was not added for a page table")
+
+    def incref(self, pages: Iterable[PageId]) -> None:
+        """Add one reference to each page (all must be in use)."""
+        for page in pages:
+            count = self._refs.get(page, 0)
+            if count == 0:
+                raise InvariantError(f"incref of page {page}, which is not in use")
+            self._set_ref(page, count + 1)
+
+    def decref(self, pages: Iterable[PageId]) -> list[PageId]:
+        """Drop one reference from each page; return the pages that became free (kept resident)."""
+        freed: list[PageId] = []
+        for page in pages:
+            count = self._refs.get(page, 0)
+            if count == 0:
+                raise InvariantError(f"decref of page {page}, which is not in use")
+            self._set_ref(page, count - 1)
+            if count == 1:
+                self._set_resident_free(page, True)
+                freed.append(page)
+        return freed
+
+    def refcount(self, page: PageId) -> int:
+        """References to ``page`` (0 when free)."""
+        return self._refs.get(page, 0)
+
+    def is_shared(self, page: PageId) -> bool:
+        """Whether more than one slot holds ``page`` (a write to it needs copy-on-write)."""
+        return self._refs.get(page, 0) > 1
+
+    def take_releasable(self, keep: int = 0) -> list[PageId]:
+        """Remove all but ``keep`` resident free pages (oldest first) and return them for release."""
+        out: list[PageId] = []
+        while len(self._resident_free) > max(keep, 0):
+            page = next(iter(self._resident_free))
+            self._set_resident_free(page, False)
+            out.append(page)
+        self._bump("_released", len(out))
+        return out
+
+    # ----------------------------------------------------------------------------- inspection
+    def stats(self) -> PoolStats:
+        """Current counters."""
+        return PoolStats(
+            page_bytes=self.page_bytes,
+            budget_pages=self.budget_pages,
+            in_use=len(self._refs),
+            resident_free=len(self._resident_free),
+            created=self._created,
+            recycled=self._recycled,
+            released=self._released,
+            id_space=self._id_space,
+        )
+
+    def in_use_pages(self) -> set[PageId]:
+        """The ids of every page in use."""
+        return set(self._refs)
+
+    def resident_free_pages(self) -> set[PageId]:
+        """The ids of every resident free page."""
+        return set(self._resident_free)
+
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` unless every invariant in the class docstring holds."""
+        if self._undo is not None:
+            raise InvariantError("check_invariants() inside an open transaction")
+        both = self._refs.keys() & self._resident_free.keys()
+        if both:
+            raise InvariantError(f"pages both in use and free: {sorted(both)[:8]}")
+        for page, count in self._refs.items():
+            if count < 1 or not 0 <= page < self._id_space:
+                raise InvariantError(f"page {page} has refcount {count} (id space {self._id_space})")
+        for page in self._resident_free:
+            if not 0 <= page < self._id_space:
+                raise InvariantError(f"free page {page} outside the id space {self._id_space}")
+        if len(self._refs) + len(self._resident_free) > self.budget_pages:
+            raise InvariantError(
+                f"{len(self._refs)} in use + {len(self._resident_free)} resident free pages exceed the "
+                f"budget of {self.budget_pages}"
+            )
+        counts: dict[PageId, int] = {}
+        for table in list(self._tables):
+            for page in table.referenced_pages():
+                counts[page] = counts.get(page, 0) + 1
+        if counts != self._refs:
+            wrong = {p: (self._refs.get(p, 0), counts.get(p, 0)) for p in counts.keys() | self._refs.keys()
+                     if self._refs.get(p, 0) != counts.get(p, 0)}
+            raise InvariantError(f"refcount != occurrences in page tables (page: (refcount, seen)): "
+                                 f"{dict(list(wrong.items())[:8])}")

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs everything, then runs the whole test suite offline: once on the installed (newest)
+# transformers, then the integration tests again on transformers 5.17, the oldest we support.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+bash scripts/install.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+"$PY" -m pytest -q "$@"
+OLD=${HF_VKV_OLD_TRANSFORMERS_DIR:-/tmp/hf_vkv_transformers_5_17}
+if [ ! -d "$OLD/transformers" ]; then
+    "$PY" -m pip install -q --no-deps --target "$OLD" "transformers==5.17.0"
+fi
+if [ -n "$(find tests -name 'test_*.py' -exec grep -l 'pytest.mark.integration' {} +)" ]; then
+    PYTHONPATH="$OLD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -m integration "$@"
+fi
