@@ -4,6 +4,7 @@
 else (no device work).
 """
 
+from .cache import CacheOptions, CacheStats, LayerMismatchError, VKVCache, register
 from .memory import (
     Arena,
     BackendError,
@@ -18,7 +19,10 @@ from .memory import (
 
 __version__ = "0.1.0"
 
+register()
+
 __all__ = [
+    "CacheOptions", "CacheStats", "LayerMismatchError", "VKVCache", "register",
     "Arena", "BackendError", "CacheClosedError", "CapacityError", "HostBackend", "InvariantError",
     "KVCacheOutOfMemory", "VKVError", "VirtualBuffer", "__version__",
 ]

