@@ -147,9 +147,10 @@ class VirtualBuffer:
         return self._open().row(row).length // self.item_bytes
 
     def first_live(self, row: int) -> int:
-        """The first item of ``row`` still mapped (> 0 once pages were dropped behind a window)."""
+        """The first item of ``row`` still mapped (> 0 once pages were dropped behind a window;
+        ``length(row)`` when none is)."""
         r = self._open().row(row)
-        return -(-r.start * self.arena.page_bytes // self.item_bytes)
+        return min(-(-r.start * self.arena.page_bytes // self.item_bytes), r.length // self.item_bytes)
 
     def view(self, rows: range, start: int, end: int) -> torch.Tensor:
         """A zero-copy ``uint8`` view ``[len(rows), (end - start) * item_bytes]`` of items
@@ -261,9 +262,13 @@ class VirtualBuffer:
         if extra:
             raise ValueError(f"cannot fork into {rows} rows: rows {extra[:4]} hold items")
         other = VirtualBuffer(self.arena, rows=rows, capacity=self.capacity, item_bytes=self.item_bytes)
-        with other._transaction() as new:
-            for r in range(min(rows, self.rows)):
-                new.assign(r, table.row(r))
+        try:
+            with other._transaction() as new:
+                for r in range(min(rows, self.rows)):
+                    new.assign(r, table.row(r))
+        except BaseException:
+            other.close()  # now, not when a traceback that holds it goes: it counts as an open buffer
+            raise
         return other
 
     def close(self) -> None:
@@ -336,7 +341,7 @@ class VirtualBuffer:
     def _apply(self, row: int, first: int, pages: list[PageId | None], before: list[PageId | None]) -> None:
         """Set slots ``first ..`` of ``row`` to ``pages`` (None = unmapped), atomically."""
         backend = self.arena.backend
-        k = 0
+        k = j = 0
         try:
             while k < len(pages):
                 j = k + 1
@@ -349,9 +354,10 @@ class VirtualBuffer:
                     backend.map(address, pages[k:j])  # type: ignore[arg-type]
                 k = j
         except BaseException:
-            if k:
+            # Restore up to j, not k: a failed map of several runs may have mapped a prefix of them.
+            if j:
                 try:
-                    self._apply(row, first, before[:k], pages[:k])
+                    self._apply(row, first, before[:j], pages[:j])
                 except BaseException as again:
                     raise BackendError("rollback", f"could not restore the mappings ({again}); "
                                                    "this cache is unusable") from again
@@ -386,10 +392,12 @@ def _close(table: PageTable, arena: Arena, address: int, row_stride: int) -> Non
     try:
         if not arena.closed:
             pages = arena.page_bytes
-            for r, row in enumerate(table):
-                if row.pages:
-                    arena.backend.unmap(address + r * row_stride + row.start * pages, len(row.pages))
-            for r in range(table.rows):
-                table.clear(r)
+            try:
+                for r, row in enumerate(table):
+                    if row.pages:
+                        arena.backend.unmap(address + r * row_stride + row.start * pages, len(row.pages))
+            finally:  # the pages go back even if an unmap failed: the closed buffer is never read again
+                for r in range(table.rows):
+                    table.clear(r)
     finally:
         arena._buffer_closed()

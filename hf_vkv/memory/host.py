@@ -160,8 +160,9 @@ class HostBackend:
         return base
 
     def unreserve(self, address: int, nbytes: int) -> None:
-        if self._reservations.pop(address, None) != nbytes:
+        if self._reservations.get(address) != nbytes:  # a wrong call must not lose the record
             raise BackendError("unreserve", f"no reservation of {nbytes} bytes at {address:#x}")
+        del self._reservations[address]
         _munmap(address, nbytes)
 
     def map(self, address: int, pages: Sequence[PageId]) -> None:

@@ -189,6 +189,9 @@ class PageTable:
         if table.end != need or table.start > need:
             raise ValueError(f"row table {table} does not cover its length")
         self._check_length(row, table.length)
+        free = [p for p in table.pages if self.pool.refcount(p) < 1]
+        if free:  # checked first: incref would stop at the first one, half done
+            raise ValueError(f"row table {table} holds pages {free[:4]} that are not in use in this pool")
         self.pool.incref(table.pages)
         self.pool.decref(old.pages)
         self._set(row, table)

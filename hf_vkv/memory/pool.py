@@ -17,6 +17,7 @@ pages usually sit at consecutive physical offsets and the host backend maps them
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NewType
@@ -80,7 +81,9 @@ class PagePool:
         self.page_bytes = page_bytes
         self.budget_pages = budget_pages
         self._refs: dict[PageId, int] = {}
-        self._resident_free: dict[PageId, None] = {}  # insertion-ordered set: oldest first
+        # Insertion-ordered set, oldest first. An OrderedDict, not a dict: taking the oldest entry
+        # of a dict again and again scans the holes its deletions left (quadratic on large pools).
+        self._resident_free: OrderedDict[PageId, None] = OrderedDict()
         self._id_space = 0
         self._cursor = 0  # where the search for an unhinted fresh id resumes
         self._created = 0
@@ -198,7 +201,7 @@ class PagePool:
             if 0 <= page < self._id_space and page not in self._refs:
                 if page in self._resident_free or room:
                     return page
-        if self._resident_free and not room:
+        if self._resident_free:  # touching fresh memory costs far more than recycling
             return next(iter(self._resident_free))
         return self._fresh_id()
 

@@ -1,0 +1,186 @@
+"""Shared fixtures of the memory tests (pool, page tables, host backend, virtual buffer).
+
+* ``faulty_backend``: a :class:`FaultyBackend` factory, a host backend that fails a chosen call;
+* ``mapped_pages``: asserts the kernel (``/proc/self/maps``) maps exactly what page tables say;
+* ``buffer_snapshot``: everything a failed operation must leave exactly as it was;
+* ``rss``: resident bytes of an address range as RSS counts them (an aliased page once per mapping).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from hf_vkv.memory import BackendError, HostBackend, PageId, VirtualBuffer
+
+
+class FaultyBackend:
+    """A :class:`HostBackend` that fails the ``fail_at``-th call to one of its methods.
+
+    :meth:`arm` picks the method and the call (1 = the next one); the failing call raises
+    :class:`BackendError` without doing anything, or, with ``partial=True`` and a ``map`` of several
+    pages, after mapping the first half of them (as a real ``map`` of several runs can). Every call
+    is counted in ``calls``, so a dry run tells how many calls an operation makes.
+    """
+
+    FAULTABLE = ("create", "map", "unmap", "copy")
+
+    def __init__(self, *, page_bytes: int, name: str = "hf_vkv-test") -> None:
+        self.inner = HostBackend(page_bytes=page_bytes, name=name)
+        self.name = name  # the memfd shows in /proc/self/maps as /memfd:<name>
+        self.page_bytes = self.inner.page_bytes
+        self.device = self.inner.device
+        self.calls = dict.fromkeys(self.FAULTABLE, 0)
+        self.failures = 0
+        self.resident_bytes_at_close: int | None = None
+        self._armed: tuple[str, int, bool] | None = None
+
+    def arm(self, method: str, fail_at: int, *, partial: bool = False) -> None:
+        assert method in self.FAULTABLE and fail_at >= 1
+        self._armed = (method, self.calls[method] + fail_at, partial)
+
+    @property
+    def armed(self) -> bool:
+        return self._armed is not None
+
+    def disarm(self) -> bool:
+        """Forget the armed failure; return whether it was still pending."""
+        pending, self._armed = self._armed is not None, None
+        return pending
+
+    def _fails(self, method: str) -> bool:
+        self.calls[method] += 1
+        if self._armed is not None and self._armed[0] == method and self._armed[1] == self.calls[method]:
+            self._armed = None
+            self.failures += 1
+            return True
+        return False
+
+    def create(self, pages: Sequence[PageId]) -> None:
+        if self._fails("create"):
+            raise BackendError("create", "injected failure")
+        self.inner.create(pages)
+
+    def map(self, address: int, pages: Sequence[PageId]) -> None:
+        armed = self._armed
+        if self._fails("map"):
+            if armed is not None and armed[2] and len(pages) > 1:
+                self.inner.map(address, pages[: len(pages) // 2])
+            raise BackendError("mmap", "injected failure")
+        self.inner.map(address, pages)
+
+    def unmap(self, address: int, num_pages: int) -> None:
+        if self._fails("unmap"):
+            raise BackendError("mmap", "injected failure")
+        self.inner.unmap(address, num_pages)
+
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+        if self._fails("copy"):
+            raise BackendError("copy", "injected failure")
+        self.inner.copy(pairs)
+
+    def close(self) -> None:
+        if self.resident_bytes_at_close is None:
+            self.resident_bytes_at_close = self.inner.resident_bytes()
+        self.inner.close()
+
+    def __getattr__(self, name: str):  # ensure_id_space, release, reserve, tensor, ... unchanged
+        return getattr(self.inner, name)
+
+
+def memfd_mappings() -> list[str]:
+    """The lines of ``/proc/self/maps`` that map a memfd (the rest is reserved or elsewhere)."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f.read().splitlines() if "/memfd:" in line]
+
+
+def read_mapped_pages(buf: VirtualBuffer, lines: list[str] | None = None) -> dict[tuple[int, int], int]:
+    """``{(row, page slot): physical page}`` for every page of the memfd mapped in ``buf``'s
+    reservation, read from ``/proc/self/maps`` (the kernel's view, not the buffer's)."""
+    page = buf.arena.page_bytes
+    lo, hi = buf.address, buf.address + buf.rows * buf.row_stride
+    out: dict[tuple[int, int], int] = {}
+    for line in memfd_mappings() if lines is None else lines:
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if end <= lo or start >= hi:
+            continue
+        assert fields[1] == "rw-s", f"unexpected mapping {line}"
+        offset = int(fields[2], 16)
+        for addr in range(max(start, lo), min(end, hi), page):  # it may run on into a neighbour
+            rel = addr - lo
+            out[(rel // buf.row_stride, rel % buf.row_stride // page)] = (offset + addr - start) // page
+    return out
+
+
+def expected_mapped_pages(buf: VirtualBuffer) -> dict[tuple[int, int], int]:
+    """What the page table says must be mapped: each live slot's page, nothing else."""
+    return {(r, row.start + k): int(p) for r, row in enumerate(buf.table) for k, p in enumerate(row.pages)}
+
+
+def snapshot(*bufs: VirtualBuffer, id_space: bool = True) -> dict:
+    """Tables, pool state, kernel mappings and readable bytes of ``bufs`` (all of one arena)."""
+    pool = bufs[0].arena.pool
+    stats = pool.stats()
+    if not id_space:  # a failed fork adds a segment of ids: names only, no memory
+        stats = dataclasses.replace(stats, id_space=0)
+    lines = memfd_mappings()
+    return {
+        "rows": [tuple(b.table) for b in bufs],
+        "counters": [(b.table.cow_copies, b.table.remapped_rows) for b in bufs],
+        "stats": stats,
+        "in_use": pool.in_use_pages(),
+        "resident_free": pool.resident_free_pages(),
+        "refcounts": {p: pool.refcount(p) for p in pool.in_use_pages()},
+        "mapped": [read_mapped_pages(b, lines) for b in bufs],
+        "bytes": [
+            [bytes(b.view(range(r, r + 1), b.first_live(r), b.length(r)).numpy().tobytes()) for r in range(b.rows)]
+            for b in bufs
+        ],
+    }
+
+
+def read_rss(lo: int, hi: int) -> int:
+    """Resident bytes of the mappings inside ``[lo, hi)`` as RSS counts them: once per mapping."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                inside = start < hi and end > lo
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.fixture
+def rss() -> Callable[[int, int], int]:
+    """``rss(lo, hi)``: see :func:`read_rss`."""
+    return read_rss
+
+
+@pytest.fixture
+def faulty_backend() -> Callable[..., FaultyBackend]:
+    """``faulty_backend(page_bytes=...)`` makes a :class:`FaultyBackend`."""
+    return FaultyBackend
+
+
+@pytest.fixture
+def mapped_pages() -> Callable[..., None]:
+    """``mapped_pages(*bufs)`` asserts the kernel maps exactly what the buffers' page tables say."""
+
+    def check(*bufs: VirtualBuffer) -> None:
+        lines = memfd_mappings()
+        for buf in bufs:
+            assert read_mapped_pages(buf, lines) == expected_mapped_pages(buf)
+
+    return check
+
+
+@pytest.fixture
+def buffer_snapshot() -> Callable[..., dict]:
+    """``buffer_snapshot(*bufs, id_space=True)``: see :func:`snapshot`."""
+    return snapshot

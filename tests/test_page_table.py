@@ -1,0 +1,436 @@
+"""Executable specs of PageTable: exact Row records, page ids, refcounts and CoW copies.
+
+Tiny tables: pages of 4 units, 4 pages a row, so row ``r``'s page index ``i`` prefers the id
+``4 * r + i`` (its home). ``check_invariants()`` runs after every operation.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_vkv.memory import (
+    CapacityError,
+    CowCopy,
+    InvariantError,
+    KVCacheOutOfMemory,
+    PageId,
+    PagePool,
+    PageTable,
+    Row,
+)
+
+P = PageId
+
+
+def make(rows: int = 4, budget: int = 64) -> PageTable:
+    pool = PagePool(page_bytes=4096, budget_pages=budget)
+    return PageTable(pool, rows=rows, pages_per_row=4, page_size=4)
+
+
+def ok(table: PageTable) -> PageTable:
+    table.check_invariants()
+    return table
+
+
+def refs(table: PageTable, *pages: int) -> list[int]:
+    return [table.pool.refcount(P(p)) for p in pages]
+
+
+def state(*tables: PageTable) -> tuple:
+    pool = tables[0].pool
+    return ([tuple(t) for t in tables], [(t.cow_copies, t.remapped_rows) for t in tables], pool.stats(),
+            pool.in_use_pages(), pool.resident_free_pages(), {p: pool.refcount(p) for p in pool.in_use_pages()})
+
+
+# ------------------------------------------------------------------------------------ grow / free
+def test_grow_appends_home_pages_and_reports_what_to_create():
+    t = make()
+    assert t.grow(0, 5) == [0, 1]
+    assert ok(t).row(0) == Row(length=5, start=0, pages=(P(0), P(1)))
+    assert t.grow(0, 8) == [] and t.row(0) == Row(8, 0, (0, 1))  # same pages, longer
+    assert t.grow(0, 3) == [] and t.row(0).length == 8  # never shrinks
+    assert t.grow(2, 9) == [8, 9, 10]
+    assert ok(t).row(2) == Row(9, 0, (8, 9, 10))
+    assert refs(t, 0, 1, 8, 9, 10, 2) == [1, 1, 1, 1, 1, 0]
+    assert list(t) == [Row(8, 0, (0, 1)), Row(), Row(9, 0, (8, 9, 10)), Row()]
+
+
+def test_clear_frees_pages_and_a_regrown_row_recycles_them():
+    t = make()
+    t.grow(1, 8)
+    t.clear(1)
+    assert ok(t).row(1) == Row() and t.pool.resident_free_pages() == {4, 5}
+    assert t.grow(1, 5) == []  # home ids 4, 5 are resident: nothing to create
+    assert ok(t).row(1) == Row(5, 0, (4, 5))
+    assert t.pool.stats().recycled == 2 and t.pool.stats().created == 2
+    t.clear(3)  # an empty row: nothing happens
+    assert ok(t).row(3) == Row()
+
+
+def test_free_then_reuse_recycles_resident_pages_before_touching_fresh_ones():
+    t = make()
+    t.grow(0, 8)  # pages 0, 1
+    t.reorder([0, 0])  # row 1 shares row 0's pages, so row 0 can not grow onto ids 2 or 3 ...
+    t.grow(1, 12)  # ... once row 1 took page 2 (right after its last page 1)
+    assert ok(t).row(1) == Row(12, 0, (0, 1, 2))
+    t.grow(3, 4)
+    t.clear(3)  # page 12 is resident and free
+    # Row 0's hints are 2 (after its last page: in use) and its home 2 (in use): recycle 12.
+    assert t.grow(0, 12) == []
+    assert ok(t).row(0) == Row(12, 0, (0, 1, 12))
+
+
+def test_grow_after_a_recycled_page_follows_it_with_consecutive_ids():
+    t = make()
+    t.grow(2, 4)  # page 8
+    t.clear(2)
+    t.grow(0, 4)
+    t.reorder([0, 0])  # page 0 shared by rows 0 and 1
+    t.grow(1, 8)  # row 1: page 1 after its page 0
+    t.grow(0, 8)  # row 0: 1 in use, home 1 in use -> recycled 8
+    assert t.row(0).pages == (0, 8)
+    assert t.grow(0, 12) == [9]  # then 9, right after 8: one mapping on the host backend
+    assert ok(t).row(0) == Row(12, 0, (0, 8, 9))
+
+
+def test_grow_validates_before_changing_anything():
+    t = make()
+    t.grow(0, 5)
+    before = state(t)
+    with pytest.raises(CapacityError, match="reservation holds 16"):
+        t.grow(0, 17)
+    with pytest.raises(ValueError, match=">= 0"):
+        t.grow(0, -1)
+    for bad in (-1, 4, True, "0", 1.0):
+        with pytest.raises(IndexError, match="out of range"):
+            t.grow(bad, 4)  # type: ignore[arg-type]
+    assert state(ok(t)) == before
+
+
+# ------------------------------------------------------------------------------------ share / fork
+def test_share_points_rows_at_the_same_pages():
+    t = make()
+    t.grow(0, 10)  # pages 0, 1, 2
+    t.share(0, 1)
+    assert ok(t).row(1) == Row(10, 0, (0, 1, 2))
+    assert refs(t, 0, 1, 2) == [2, 2, 2] and t.shared_pages() == 3
+    t.share(0, 2, length=5)  # a prefix: the partly filled page 1 is shared too
+    assert ok(t).row(2) == Row(5, 0, (0, 1))
+    assert refs(t, 0, 1, 2) == [3, 3, 2]
+    t.share(2, 1, length=0)  # an empty prefix empties the row
+    assert ok(t).row(1) == Row() and refs(t, 0, 1, 2) == [2, 2, 1]
+    t.share(0, 0, length=4)  # sharing a row's own prefix with itself drops the rest
+    assert ok(t).row(0) == Row(4, 0, (0,)) and refs(t, 0, 1, 2) == [2, 1, 0]
+    assert t.pool.resident_free_pages() == {2}
+
+
+def test_share_replaces_the_destinations_own_pages():
+    t = make()
+    t.grow(0, 4)
+    t.grow(1, 8)  # pages 4, 5
+    t.share(0, 1)
+    assert ok(t).row(1) == Row(4, 0, (0,)) and t.pool.resident_free_pages() == {4, 5}
+
+
+def test_share_rejects_bad_lengths_and_dropped_prefixes():
+    t = make()
+    t.grow(0, 10)
+    t.drop_before(0, 8)  # pages 0, 1 dropped
+    before = state(t)
+    with pytest.raises(ValueError, match="outside row 0's 0..10"):
+        t.share(0, 1, length=11)
+    with pytest.raises(ValueError, match="outside"):
+        t.share(0, 1, length=-1)
+    with pytest.raises(ValueError, match="dropped behind its window"):
+        t.share(0, 1, length=8)  # all of it lies in dropped pages
+    with pytest.raises(IndexError):
+        t.share(0, 9)
+    assert state(ok(t)) == before
+    t.share(0, 1, length=9)  # reaches into page 2: the row starts where the source does
+    assert ok(t).row(1) == Row(9, 2, (2,))
+
+
+def test_assign_forks_rows_into_another_table_of_the_same_pool():
+    t = make()
+    t.grow(0, 6)  # pages 0, 1
+    u = PageTable(t.pool, rows=2, pages_per_row=4, page_size=4)  # ids 16..23
+    assert u.home(0, 0) == 16 and u.home(1, 3) == 23
+    u.assign(1, t.row(0))
+    assert ok(u).row(1) == Row(6, 0, (0, 1)) and refs(t, 0, 1) == [2, 2]
+    # The pool counts references from both tables: a grow in either sees the sharing.
+    assert u.grow(1, 9) == [2]  # after page 1 comes 2 (row 0's next home, free)
+    assert t.grow(0, 9) == [3]  # row 0: after 1 and its home are both 2, in use: a fresh id
+    assert ok(t).row(0) == Row(9, 0, (0, 1, 3)) and ok(u).row(1) == Row(9, 0, (0, 1, 2))
+    u.assign(1, Row())  # dropping a fork's row returns only its own references
+    assert refs(t, 0, 1, 2, 3) == [1, 1, 0, 1] and ok(u).row(1) == Row()
+
+
+def test_assign_rejects_rows_that_do_not_fit_with_nothing_changed():
+    t = make()
+    t.grow(0, 6)
+    t.grow(1, 4)
+    before = state(t)
+    with pytest.raises(ValueError, match="does not cover its length"):
+        t.assign(2, Row(9, 0, (P(0), P(1))))
+    with pytest.raises(ValueError, match="does not cover its length"):
+        t.assign(2, Row(4, 2, ()))
+    with pytest.raises(CapacityError):
+        t.assign(2, Row(17, 0, tuple(P(i) for i in range(5))))
+    with pytest.raises(ValueError, match="not in use"):
+        t.assign(2, Row(8, 0, (P(4), P(7))))  # page 7 is free: no reference can be taken on it
+    assert state(ok(t)) == before
+
+
+# ------------------------------------------------------------------------------------ copy-on-write
+def test_cow_returns_exact_copy_records():
+    t = make()
+    t.grow(0, 10)  # pages 0, 1, 2
+    t.share(0, 1)
+    # Row 1 writes units 9..10 (page 2 only): one copy to its home page 4 + 2 = 6.
+    t.grow(1, 11)
+    assert ok(t).row(1) == Row(11, 0, (0, 1, 2))  # the tail page is still shared after a grow
+    copies, created = t.cow(1, 9, 11)
+    assert copies == [CowCopy(row=1, index=2, src=P(2), dst=P(6))] and created == [6]
+    assert ok(t).row(1) == Row(11, 0, (0, 1, 6)) and t.row(0) == Row(10, 0, (0, 1, 2))
+    assert refs(t, 0, 1, 2, 6) == [2, 2, 1, 1] and t.cow_copies == 1
+    # Writing the now private page again copies nothing.
+    assert t.cow(1, 8, 11) == ([], [])
+    # Row 0 writes units 0..5 (pages 0 and 1, both shared): two copies, consecutive ids.
+    # Its homes 0 and 1 are the shared pages themselves: fresh ids from the pool's cursor.
+    copies, created = t.cow(0, 0, 5)
+    assert copies == [CowCopy(0, 0, P(0), P(3)), CowCopy(0, 1, P(1), P(4))] and created == [3, 4]
+    assert ok(t).row(0) == Row(10, 0, (3, 4, 2)) and refs(t, 0, 1, 2, 3, 4, 6) == [1, 1, 1, 1, 1, 1]
+    assert t.cow_copies == 3 and t.shared_pages() == 0
+
+
+def test_cow_hints_keep_a_rows_copies_consecutive():
+    t = make()
+    t.grow(0, 8)  # pages 0, 1
+    t.share(0, 1)
+    copies, created = t.cow(1, 0, 8)
+    # Page 0's copy goes to row 1's home 4; page 1's first hint (0 + 1) is in use, its home 5 is free.
+    assert copies == [CowCopy(1, 0, P(0), P(4)), CowCopy(1, 1, P(1), P(5))] and created == [4, 5]
+    assert ok(t).row(1) == Row(8, 0, (4, 5)) and refs(t, 0, 1, 4, 5) == [1, 1, 1, 1]
+    assert t.cow_copies == 2 and t.shared_pages() == 0
+
+
+def test_cow_of_a_recycled_page_creates_nothing():
+    t = make()
+    t.grow(1, 4)  # page 4
+    t.clear(1)  # 4 resident and free: row 1's home for index 0
+    t.grow(0, 4)
+    t.share(0, 1)
+    assert t.cow(1, 0, 1) == ([CowCopy(1, 0, P(0), P(4))], [])
+    ok(t)
+
+
+def test_cow_rejects_ranges_outside_the_live_units_with_nothing_changed():
+    t = make()
+    t.grow(0, 10)
+    t.share(0, 1)
+    t.drop_before(1, 4)  # row 1 drops page 0
+    before = state(t)
+    with pytest.raises(ValueError, match="outside row 0's 0..10"):
+        t.cow(0, 8, 11)
+    with pytest.raises(ValueError, match="outside"):
+        t.cow(0, 5, 4)
+    with pytest.raises(ValueError, match="dropped behind the window"):
+        t.cow(1, 3, 6)
+    assert t.cow(0, 7, 7) == ([], [])  # an empty range needs nothing
+    assert state(ok(t)) == before
+
+
+# ------------------------------------------------------------------------------------ reorder
+def test_reorder_with_duplicates_moves_only_references():
+    t = make()
+    for r in range(4):
+        t.grow(r, 4 * (r + 1) - 1)  # row r holds r + 1 pages
+    t.reorder([0, 0, 2, 2])
+    assert [ok(t).row(r) for r in range(4)] == [
+        Row(3, 0, (0,)), Row(3, 0, (0,)), Row(11, 0, (8, 9, 10)), Row(11, 0, (8, 9, 10))]
+    assert refs(t, 0, 8, 9, 10) == [2, 2, 2, 2]
+    assert t.pool.resident_free_pages() == {4, 5, 12, 13, 14, 15}
+    assert t.remapped_rows == 2 and t.pool.stats().created == 10
+
+
+def test_reorder_permutes_and_a_shorter_index_empties_the_remaining_rows():
+    t = make()
+    t.grow(0, 4)
+    t.grow(1, 8)
+    t.grow(2, 1)
+    t.reorder([2, 0, 1])
+    assert list(ok(t)) == [Row(1, 0, (8,)), Row(4, 0, (0,)), Row(8, 0, (4, 5)), Row()]
+    assert t.pool.resident_free_pages() == set() and t.remapped_rows == 3
+    t.reorder([1])
+    assert list(ok(t)) == [Row(4, 0, (0,)), Row(), Row(), Row()]
+    assert t.pool.resident_free_pages() == {8, 4, 5}
+    t.reorder([])
+    assert list(ok(t)) == [Row()] * 4
+
+
+def test_reorder_rejects_bad_indices_with_nothing_changed():
+    t = make()
+    t.grow(0, 4)
+    before = state(t)
+    with pytest.raises(IndexError):
+        t.reorder([0, 4])
+    with pytest.raises(IndexError):
+        t.reorder([-1])
+    with pytest.raises(ValueError, match="5 entries"):
+        t.reorder([0, 0, 0, 0, 0])
+    assert state(ok(t)) == before
+
+
+# ------------------------------------------------------------------------------------ truncate / window
+def test_truncate_drops_pages_past_the_end():
+    t = make()
+    t.grow(0, 15)  # pages 0..3
+    t.truncate(0, 9)
+    assert ok(t).row(0) == Row(9, 0, (0, 1, 2)) and t.pool.resident_free_pages() == {3}
+    t.truncate(0, 8)
+    assert ok(t).row(0) == Row(8, 0, (0, 1))
+    t.truncate(0, 8)  # no change
+    t.truncate(0, 0)
+    assert ok(t).row(0) == Row() and t.pool.resident_free_pages() == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="from 0 to 1"):
+        t.truncate(0, 1)
+
+
+def test_truncate_of_a_shared_row_keeps_the_other_rows_pages():
+    t = make()
+    t.grow(0, 12)
+    t.share(0, 1)
+    t.truncate(1, 2)
+    assert ok(t).row(1) == Row(2, 0, (0,)) and refs(t, 0, 1, 2) == [2, 1, 1]
+
+
+def test_drop_before_slides_a_window():
+    t = make()
+    t.grow(0, 11)  # pages 0, 1, 2
+    t.drop_before(0, 3)  # unit 3 is in page 0: nothing wholly behind
+    assert ok(t).row(0) == Row(11, 0, (0, 1, 2))
+    t.drop_before(0, 8)
+    assert ok(t).row(0) == Row(11, 2, (2,)) and t.pool.resident_free_pages() == {0, 1}
+    t.drop_before(0, 4)  # behind the window already: nothing to do
+    assert ok(t).row(0) == Row(11, 2, (2,))
+    assert t.grow(0, 14) == [3]  # after page 2 comes 3
+    assert ok(t).row(0) == Row(14, 2, (2, 3))
+    t.drop_before(0, 14)  # everything before unit 14: pages 2 (and 3 holds 12..13: kept)
+    assert ok(t).row(0) == Row(14, 3, (3,))
+    t.drop_before(0, 14)
+    assert ok(t).row(0) == Row(14, 3, (3,))
+
+
+def test_drop_before_the_end_of_a_full_last_page_empties_the_table_but_keeps_the_length():
+    t = make()
+    t.grow(0, 8)
+    t.drop_before(0, 8)
+    assert ok(t).row(0) == Row(8, 2, ())
+    assert t.grow(0, 9) == [2]  # no previous page to follow: the slot's home
+    assert ok(t).row(0) == Row(9, 2, (2,))
+
+
+def test_truncate_behind_the_window_keeps_the_row_consistent():
+    t = make()
+    t.grow(0, 14)
+    t.drop_before(0, 12)
+    assert ok(t).row(0) == Row(14, 3, (3,))
+    t.truncate(0, 6)  # ends in page 1, which was dropped
+    assert ok(t).row(0) == Row(6, 2, ())
+    t.truncate(0, 0)
+    assert ok(t).row(0) == Row()
+
+
+def test_drop_before_rejects_units_past_the_end():
+    t = make()
+    t.grow(0, 5)
+    before = state(t)
+    with pytest.raises(ValueError, match="outside row 0's 0..5"):
+        t.drop_before(0, 6)
+    with pytest.raises(ValueError):
+        t.drop_before(0, -1)
+    assert state(ok(t)) == before
+
+
+# ------------------------------------------------------------------------------------ budget
+def test_out_of_memory_changes_nothing_and_the_same_grow_succeeds_after_clearing():
+    t = make(budget=5)
+    t.grow(0, 12)  # 3 pages
+    t.share(0, 1)
+    before = state(t)
+    with pytest.raises(KVCacheOutOfMemory) as info:
+        t.grow(2, 12)  # 3 more pages: only 2 fit
+    assert (info.value.requested_bytes, info.value.free_bytes, info.value.budget_bytes) == (3 * 4096, 2 * 4096,
+                                                                                             5 * 4096)
+    assert state(ok(t)) == before
+    with pytest.raises(KVCacheOutOfMemory):
+        t.cow(1, 0, 12)  # 3 copies: the same
+    assert state(ok(t)) == before
+    t.clear(0)  # row 1 still holds the pages: nothing freed
+    with pytest.raises(KVCacheOutOfMemory):
+        t.grow(2, 12)
+    t.clear(1)
+    assert t.grow(2, 12) == [8, 9]  # homes 8, 9 fresh (room for 2), then page 0 recycled
+    assert ok(t).row(2) == Row(12, 0, (8, 9, 0)) and t.pool.stats().resident == 5
+
+
+# ------------------------------------------------------------------------------------ transactions
+def test_rollback_restores_rows_pool_and_counters_exactly():
+    t = make()
+    t.grow(0, 10)
+    t.grow(1, 3)
+    t.share(0, 2)
+    before = state(t)
+    t.pool.begin()
+    t.begin()
+    t.grow(3, 16)
+    t.cow(2, 0, 10)
+    t.reorder([2, 2, 1])
+    t.truncate(0, 5)
+    t.drop_before(1, 8)
+    t.clear(2)
+    assert set(t.changed_rows()) == {0, 1, 2, 3}
+    assert t.changed_rows()[3] == Row()  # the state at begin()
+    with pytest.raises(InvariantError, match="transaction"):
+        t.check_invariants()
+    t.rollback()
+    t.pool.rollback()
+    assert state(ok(t)) == before
+    assert t.changed_rows() == {}
+
+
+def test_commit_keeps_the_changes_and_transactions_do_not_nest():
+    t = make()
+    t.pool.begin()
+    t.begin()
+    t.grow(0, 4)
+    with pytest.raises(InvariantError, match="inside an open transaction"):
+        t.begin()
+    t.commit()
+    t.pool.commit()
+    assert ok(t).row(0) == Row(4, 0, (0,))
+
+
+# ------------------------------------------------------------------------------------ invariants
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda t: t._rows.__setitem__(0, Row(9, 0, (P(0), P(1)))), "length 9 needs pages up to 3"),
+    (lambda t: t._rows.__setitem__(0, Row(8, 1, (P(0), P(1)))), "length 8 needs pages up to 2"),
+    (lambda t: t._rows.__setitem__(3, Row(4, 0, (P(0),))), "refcount != occurrences"),
+    (lambda t: t._rows.__setitem__(3, Row(4, 0, (P(7),))), "pool says is free"),
+    (lambda t: t.pool._refs.__setitem__(P(1), 3), "refcount != occurrences"),
+    (lambda t: t.pool._resident_free.__setitem__(P(1), None), "both in use and free"),
+])
+def test_check_invariants_catches_corruption(corrupt, message):
+    t = make()
+    t.grow(0, 8)
+    ok(t)
+    corrupt(t)
+    with pytest.raises(InvariantError, match=message):
+        t.check_invariants()
+
+
+def test_bad_construction_is_a_value_error():
+    pool = PagePool(page_bytes=4096, budget_pages=4)
+    for rows, ppr, size in [(0, 1, 1), (1, 0, 1), (1, 1, 0)]:
+        with pytest.raises(ValueError, match="must be positive"):
+            PageTable(pool, rows=rows, pages_per_row=ppr, page_size=size)
