@@ -130,6 +130,11 @@ class LayerGroup:
         buffer = self._buf()
         if self._prepared == (start, end, self._epoch) and batch == self.batch:
             return
+        if batch > buffer.rows and not any(buffer.length(r) for r in range(buffer.rows)):
+            # an empty cache (new, or after reset()) takes a larger batch, as a DynamicCache does
+            old, self.buffer = buffer, buffer.fork(rows=batch)
+            old.close()
+            buffer = self.buffer
         if batch > buffer.rows:
             raise LayerMismatchError(
                 f"batch {batch} is larger than the {buffer.rows} rows the cache was created for; "
@@ -265,6 +270,7 @@ class LayerGroup:
     def close(self) -> None:
         if self.buffer is not None:
             self.buffer.close()
+            self._changed()  # drop the views kept for this epoch: they cover unmapped memory now
 
     def stats(self) -> BufferStats | None:
         return None if self.buffer is None or self.buffer.closed else self.buffer.stats()

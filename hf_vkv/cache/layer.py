@@ -20,7 +20,8 @@ __all__ = ["VKVLayer", "VKVSlidingLayer"]
 class VKVLayer(CacheLayerMixin):
     """One full-attention layer's view of its group.
 
-    ``keys`` / ``values`` (read-only) are ``[B, H, S, D]`` views of what is cached.
+    ``keys`` / ``values`` are ``[B, H, S, D]`` copies of what is cached (``update`` returns
+    zero-copy views, which attention uses at once).
     """
 
     is_sliding = False
@@ -34,24 +35,27 @@ class VKVLayer(CacheLayerMixin):
         super().__init__()
         group.register(self)
 
-    # The mixin's __init__ assigns None to keys/values; they are views of the group here.
+    # The mixin's __init__ assigns None to keys/values; here they are read from the group. As
+    # copies: a caller may keep them (as DynamicLayer's), and a kept view would change under later
+    # reorders and copy-on-write, and kill the process with SIGSEGV once its pages are unmapped
+    # (window moved on, crop, cache freed).
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        return self._cached()[0] if self.is_initialized else None
+        return self._cached()[0].clone() if self.is_initialized else None
 
     @keys.setter
     def keys(self, value: Any) -> None:
         if value is not None:
-            raise AttributeError("VKVLayer.keys is a view of the cache; write through update()")
+            raise AttributeError("VKVLayer.keys is read from the cache; write through update()")
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        return self._cached()[1] if self.is_initialized else None
+        return self._cached()[1].clone() if self.is_initialized else None
 
     @values.setter
     def values(self, value: Any) -> None:
         if value is not None:
-            raise AttributeError("VKVLayer.values is a view of the cache; write through update()")
+            raise AttributeError("VKVLayer.values is read from the cache; write through update()")
 
     @property
     def group(self) -> LayerGroup:
@@ -111,9 +115,13 @@ class VKVLayer(CacheLayerMixin):
         self._group.collective("reorder", self.layer_idx, lambda: self._group.reorder(index))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows ``indices``."""
-        index = [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()]
-        self._group.collective("select", self.layer_idx, lambda: self._group.reorder(index))
+        """Keep only the rows ``indices`` (whatever indexes a tensor's batch dimension, as in
+        ``DynamicLayer``: row numbers, negative ones, a bool mask)."""
+        if isinstance(indices, torch.Tensor):
+            indices = indices.cpu()
+        group = self._group
+        group.collective("select", self.layer_idx,
+                         lambda: group.reorder(torch.arange(group.batch)[indices].reshape(-1).tolist()))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times (pages shared, nothing copied)."""

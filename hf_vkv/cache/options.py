@@ -23,8 +23,9 @@ class CacheOptions:
       its own buffer (vAttention's layout).
     * ``share_prompts``: store the prompt once for the rows that ``generate`` expanded from it
       (beams, ``num_return_sequences``), after checking the rows really are equal.
-    * ``max_tokens``: tokens each row can hold (default: the generate call's ``max_length``, or the
-      model's ``max_position_embeddings``). Only virtual address space is reserved for it.
+    * ``max_tokens``: tokens each row can hold (default: the model's ``max_position_embeddings``,
+      or the generate call's ``max_length`` when larger). Only virtual address space is reserved
+      for it, so a returned cache can be passed back to ``generate()`` to continue.
     """
 
     page_bytes: int | None = None

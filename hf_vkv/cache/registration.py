@@ -7,8 +7,8 @@ Two hooks, both idempotent and free of device work (``notes/transformers.md`` §
    pipeline kwargs, a reloaded ``generation_config.json``);
 2. ``GenerationMixin._prepare_cache_for_generation`` is wrapped: for ``"vkv"`` it builds a
    :class:`VKVCache` sized by the call (rows = batch x max(num_beams, num_return_sequences),
-   tokens = max_length) with the options of ``cache_config``. Without this wrapper transformers
-   would silently build a ``DynamicCache`` for an unknown string.
+   tokens = max(max_length, max_position_embeddings)) with the options of ``cache_config``.
+   Without this wrapper transformers would silently build a ``DynamicCache`` for an unknown string.
 """
 
 from __future__ import annotations
@@ -54,7 +54,13 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
     if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
-    if model_kwargs.get("past_key_values") is not None:
+    past = model_kwargs.get("past_key_values")
+    if past is not None:
+        if generation_config.is_assistant and isinstance(past, VKVCache):
+            # assisted decoding: the candidate generator calls the assistant's generate() again with the
+            # cache this wrapper built for it in the first round (its config still says "vkv")
+            past._is_user_defined = True
+            return None
         raise ValueError(
             "Passing both `cache_implementation` (used to initialize certain caches) and `past_key_values` (a "
             "Cache object) is unsupported. Please use only one of the two."
@@ -65,7 +71,10 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
                         *args, **kwargs)
     options = CacheOptions.from_dict(generation_config.cache_config)
     if options.max_tokens is None:
-        options = dataclasses.replace(options, max_tokens=max_cache_length + 1)
+        # Only address space is reserved: room for the model's whole context too, so the returned cache can
+        # be passed back to generate() to continue (as a DynamicCache can), and an assistant's cache grows.
+        context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
+        options = dataclasses.replace(options, max_tokens=max(max_cache_length + 1, context))
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     cache: Any = VKVCache(
         model.config, batch_size=batch_size * expand, prompt_repeats=expand, options=options,

