@@ -9,7 +9,9 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 "$PY" -m pytest -q "$@"
 OLD=${HF_VKV_OLD_TRANSFORMERS_DIR:-/tmp/hf_vkv_transformers_5_17}
 if [ ! -d "$OLD/transformers" ]; then
-    "$PY" -m pip install -q --no-deps --target "$OLD" "transformers==5.17.0"
+    # 5.17 needs huggingface-hub < 2 (and with it httpx); they go beside it, not over the main install.
+    "$PY" -m pip install -q --no-deps --target "$OLD" "transformers==5.17.0" "huggingface-hub==1.33.0" \
+        "httpx==0.28.1" "httpcore==1.0.9" anyio h11 certifi idna sniffio
 fi
 if [ -n "$(find tests -name 'test_*.py' -exec grep -l 'pytest.mark.integration' {} +)" ]; then
     PYTHONPATH="$OLD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -m integration "$@"
