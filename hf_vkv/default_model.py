@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import contextlib
 import os
 import shutil
 import tempfile
@@ -182,11 +183,9 @@ def _remove_orphans(target: Path, max_age_s: float = 3600.0) -> None:
     now = time.time()
     for pattern in (f".{target.name}.tmp-*", f".{target.name}.stale-*"):
         for path in target.parent.glob(pattern):
-            try:
+            with contextlib.suppress(OSError):  # another process may remove it first
                 if now - path.stat().st_mtime > max_age_s:
                     shutil.rmtree(path, ignore_errors=True)
-            except OSError:
-                pass
 
 
 def _strip_quantization_state(model: PreTrainedModel) -> None:
