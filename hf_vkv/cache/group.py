@@ -132,9 +132,7 @@ class LayerGroup:
             return
         if batch > buffer.rows and not any(buffer.length(r) for r in range(buffer.rows)):
             # an empty cache (new, or after reset()) takes a larger batch, as a DynamicCache does
-            old, self.buffer = buffer, buffer.fork(rows=batch)
-            old.close()
-            buffer = self.buffer
+            buffer = self._more_rows(batch)
         if batch > buffer.rows:
             raise LayerMismatchError(
                 f"batch {batch} is larger than the {buffer.rows} rows the cache was created for; "
@@ -233,11 +231,17 @@ class LayerGroup:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
         index = [r for r in range(self.batch) for _ in range(repeats)]
         if len(index) > self.buffer.rows:
-            old, self.buffer = self.buffer, self.buffer.fork(rows=len(index))
-            old.close()
+            self._more_rows(len(index))
         self.buffer.reorder(index)
         self.batch = len(index)
         self._changed()
+
+    def _more_rows(self, rows: int) -> VirtualBuffer:
+        """Move to a buffer of ``rows`` rows sharing every page (a remap, no copy)."""
+        old = self._buf()
+        self.buffer = old.fork(rows=rows)
+        old.close()
+        return self.buffer
 
     def truncate_to_members(self) -> None:
         """Drop the tokens past the longest member (after members were cropped)."""
@@ -274,6 +278,11 @@ class LayerGroup:
 
     def stats(self) -> BufferStats | None:
         return None if self.buffer is None or self.buffer.closed else self.buffer.stats()
+
+    @property
+    def prompt_sharing_rows(self) -> int:
+        """Rows that took their prompt from another row's pages (including a prefill in progress)."""
+        return self.shared_prompt_rows + len(self._followers)
 
     def _settle_followers(self) -> None:
         """The prefill's writes are over: rows still following a leader share its prompt."""
