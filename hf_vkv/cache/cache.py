@@ -11,8 +11,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from ..memory import Arena, BufferStats, HostBackend
-from ..memory.errors import VKVError
+from ..memory import Arena, BufferStats
+from .backends import UnsupportedDeviceError, arena_for_device
 from .group import LayerGroup
 from .layer import VKVLayer, VKVSlidingLayer
 from .options import CacheOptions
@@ -21,10 +21,6 @@ __all__ = ["VKVCache", "CacheStats", "GroupStats", "UnsupportedDeviceError"]
 
 _FULL = "full_attention"
 _SLIDING = "sliding_attention"
-
-
-class UnsupportedDeviceError(VKVError, ValueError):
-    """Key/value states arrived on a device no backend of this installation serves."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,14 +153,8 @@ class VKVCache(Cache):
         device = torch.device(device)
         arena = self._arenas.get(device)
         if arena is None or arena.closed:
-            if device.type != "cpu":
-                raise UnsupportedDeviceError(
-                    f"key/value states are on {device}, but this installation of hf_vkv has only the host (CPU) "
-                    f"backend; the CUDA backend comes with the hf_vkv[cuda] extra"
-                )
-            page = self.options.page_bytes
-            backend = HostBackend(page_bytes=page) if page else HostBackend()
-            arena = Arena(backend, budget_bytes=self.options.budget_bytes)
+            arena = arena_for_device(device, page_bytes=self.options.page_bytes,
+                                     budget_bytes=self.options.budget_bytes)
             self._arenas[device] = arena
         return arena
 
