@@ -1,0 +1,1 @@
+"""Paged attention: the ``"vkv_paged"`` attention implementation and its kernels."""
