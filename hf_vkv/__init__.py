@@ -16,6 +16,16 @@ from .memory import (
     VirtualBuffer,
     VKVError,
 )
+from .prefix import (
+    PrefixFileCorruptError,
+    PrefixFileError,
+    PrefixFormatError,
+    PrefixMismatchError,
+    PrefixStats,
+    PrefixStore,
+    load_prefix,
+    save_prefix,
+)
 
 __version__ = "0.1.0"
 
@@ -25,4 +35,6 @@ __all__ = [
     "CacheOptions", "CacheStats", "LayerMismatchError", "VKVCache", "register",
     "Arena", "BackendError", "CacheClosedError", "CapacityError", "HostBackend", "InvariantError",
     "KVCacheOutOfMemory", "VKVError", "VirtualBuffer", "__version__",
+    "PrefixFileCorruptError", "PrefixFileError", "PrefixFormatError", "PrefixMismatchError", "PrefixStats",
+    "PrefixStore", "load_prefix", "save_prefix",
 ]

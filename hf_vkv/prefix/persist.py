@@ -1,0 +1,228 @@
+"""Prefix files: one batch-1 cache and its token ids in a safetensors file.
+
+Layout of a file (format version 1, layout ``"contiguous"``):
+
+* tensors ``layers.{i}.keys`` / ``layers.{i}.values``: layer ``i``'s cached K/V, ``[1, kv_heads,
+  T_i, head_dim]`` in the cache's dtype. ``T_i`` is the whole prefix for full-attention layers and
+  its last ``window - 1`` tokens for sliding-window layers (all they keep);
+* metadata key ``"hf_vkv_prefix"``: JSON with ``format``, ``version``, ``layout``, ``dtype``,
+  ``length``, ``token_ids``, ``config_fingerprint`` and ``config_fields`` (what was hashed, to say
+  what differs), ``weights_fingerprint`` (when saved with the model), and per layer its
+  ``start`` (the position of its first saved token) and ``window``.
+
+Loading rebuilds a :class:`~hf_vkv.VKVCache` by writing the states through each layer's
+``update``. A sliding layer gets placeholder NaN K/V at positions ``[0, start)``, which it never
+returns again: its next update drops them behind the window. The rebuilt cache continues a
+generation exactly; it is not cut back below its length (see ``cache_ops.mark_reliable_from``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..cache import VKVCache
+from .cache_ops import mark_reliable_from, rows
+from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
+from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
+from .store import token_list
+
+__all__ = ["save_prefix", "load_prefix", "FORMAT", "VERSION", "LAYOUT"]
+
+FORMAT = "hf_vkv.prefix"
+VERSION = 1
+LAYOUT = "contiguous"
+_META_KEY = "hf_vkv_prefix"
+
+
+def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *,
+                model: torch.nn.Module | None = None) -> Path:
+    """Write a batch-1 ``cache`` and the ids of its tokens (``[T]``, ``[1, T]`` or a list; ``T``
+    must equal ``cache.get_seq_length()``) to ``path`` (written to a temporary name, then renamed).
+
+    With ``model``, a fingerprint of its weights is stored too, and :func:`load_prefix` given a
+    model rejects one with other weights. Returns the path.
+    """
+    tokens = token_list(token_ids)
+    if not isinstance(cache, VKVCache):
+        raise TypeError(f"save_prefix needs a hf_vkv.VKVCache, got {type(cache).__name__}")
+    n = cache.get_seq_length()
+    if rows(cache) != 1:
+        raise ValueError(f"save_prefix saves batch-1 caches, this one holds {rows(cache)} rows")
+    if len(tokens) != n or n == 0:
+        raise ValueError(f"token_ids has {len(tokens)} ids but the cache holds {n} tokens; pass the ids of "
+                         f"the cached positions: out.sequences[0, :cache.get_seq_length()]")
+    if model is not None and config_fingerprint(model.config) != config_fingerprint(cache.config):
+        raise PrefixMismatchError("config", "the cache was not made by this model (config fingerprints differ)")
+    tensors: dict[str, torch.Tensor] = {}
+    layers: list[dict[str, Any]] = []
+    dtype: torch.dtype | None = None
+    for i, layer in enumerate(cache.layers):
+        keys, values = layer.keys, layer.values
+        if keys is None or values is None:
+            raise ValueError(f"layer {i} of the cache holds no states: nothing to save")
+        dtype = dtype or keys.dtype
+        tensors[f"layers.{i}.keys"] = keys.detach().to("cpu").contiguous()
+        tensors[f"layers.{i}.values"] = values.detach().to("cpu").contiguous()
+        layers.append({"start": n - keys.shape[2], "window": getattr(layer, "sliding_window", None)})
+    assert dtype is not None
+    meta = {
+        "format": FORMAT, "version": VERSION, "layout": LAYOUT, "writer": f"hf_vkv {_version()}",
+        "dtype": str(dtype).removeprefix("torch."), "length": n, "token_ids": tokens,
+        "config_fingerprint": config_fingerprint(cache.config), "config_fields": config_fields(cache.config),
+        "weights_fingerprint": None if model is None else weights_fingerprint(model), "layers": layers,
+    }
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_prefix(
+    path: str | os.PathLike[str], *, model: torch.nn.Module | None = None, config: Any = None,
+    dtype: torch.dtype | None = None, device: str | torch.device = "cpu", cache_config: dict[str, Any] | None = None,
+) -> tuple[VKVCache, list[int]]:
+    """Read a prefix file into a new :class:`~hf_vkv.VKVCache` on ``device``; return it and its token ids.
+
+    Give the ``model`` it is for (config, dtype and, if saved with one, weights are checked) or
+    its ``config`` (and optionally the expected ``dtype``). Continue with
+    ``model.generate(ids, past_key_values=cache)`` where ``ids`` starts with the token ids and has
+    at least one more. ``cache_config`` holds :class:`~hf_vkv.CacheOptions` for the new cache.
+    Only the host (CPU) backend exists today: another device raises the cache's
+    ``UnsupportedDeviceError`` when the states are written.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        PrefixFileCorruptError: the file is truncated or not safetensors.
+        PrefixFormatError: it is not an hf_vkv prefix of this format version and layout.
+        PrefixMismatchError: it was saved for another model (``field="config"``), other weights
+            (``"weights"``) or another dtype (``"dtype"``).
+    """
+    if (model is None) == (config is None):
+        raise TypeError("load_prefix needs exactly one of model=... or config=...")
+    config = model.config if model is not None else config
+    path = Path(path)
+    meta, tensors = _read(path)
+    _check_model(path, meta, config, model, dtype)
+    n, tokens = meta["length"], meta["token_ids"]
+    cache = VKVCache(config, batch_size=1, **(cache_config or {}))
+    if len(meta["layers"]) != len(cache.layers):
+        raise PrefixFormatError(f"{path} holds {len(meta['layers'])} layers, the model has {len(cache.layers)}")
+    reliable_from = 0
+    try:
+        for i, (layer, info) in enumerate(zip(cache.layers, meta["layers"])):
+            keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
+            start = info["start"]
+            if start > 0:  # a sliding layer kept its window only: placeholders before it
+                if info["window"] is None or getattr(layer, "sliding_window", None) != info["window"]:
+                    raise PrefixFormatError(f"{path}: layer {i} starts at token {start} but is not sliding")
+                pad = keys.new_full((1, keys.shape[1], start, keys.shape[3]), float("nan"))
+                keys, values = torch.cat([pad, keys], dim=2), torch.cat([pad, values], dim=2)
+                reliable_from = max(reliable_from, start + info["window"] - 1)
+            layer.update(keys.to(device), values.to(device))
+    except BaseException:
+        cache.close()
+        raise
+    if reliable_from:
+        mark_reliable_from(cache, reliable_from)
+    assert cache.get_seq_length() == n
+    return cache, list(tokens)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The metadata and the tensors of a prefix file, checked against each other."""
+    with open(path, "rb") as f:  # FileNotFoundError / PermissionError as they are
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise PrefixFileCorruptError(f"{path} has {size} bytes: too short for a safetensors file")
+        header_len = int.from_bytes(head, "little")
+        if header_len > size - 8:
+            raise PrefixFileCorruptError(f"{path} is truncated or not safetensors: its header claims "
+                                         f"{header_len:,} bytes, the file has {size:,}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PrefixFileCorruptError(f"{path} is not safetensors (its header is not JSON: {e})") from None
+    meta_raw = header.pop("__metadata__", None) or {}
+    try:
+        end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    except (TypeError, KeyError, IndexError):
+        raise PrefixFileCorruptError(f"{path} is not safetensors (malformed tensor header)") from None
+    if 8 + header_len + end != size:
+        raise PrefixFileCorruptError(f"{path} is truncated: its header describes {8 + header_len + end:,} bytes, "
+                                     f"the file has {size:,}")
+    if _META_KEY not in meta_raw:
+        raise PrefixFormatError(f"{path} is a safetensors file but not an hf_vkv prefix (no {_META_KEY!r} metadata)")
+    try:
+        meta = json.loads(meta_raw[_META_KEY])
+    except json.JSONDecodeError as e:
+        raise PrefixFormatError(f"{path}: the {_META_KEY!r} metadata is not JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise PrefixFormatError(f"{path}: metadata format is {meta.get('format') if isinstance(meta, dict) else meta!r}"
+                                f", expected {FORMAT!r}")
+    if meta.get("version") != VERSION:
+        raise PrefixFormatError(f"{path} has prefix format version {meta.get('version')!r}; this hf_vkv reads "
+                                f"version {VERSION}: save it again with this version")
+    if meta.get("layout") != LAYOUT:
+        raise PrefixFormatError(f"{path} has layout {meta.get('layout')!r}; this hf_vkv reads {LAYOUT!r}")
+    missing = [k for k in ("dtype", "length", "token_ids", "config_fingerprint", "layers") if k not in meta]
+    if missing:
+        raise PrefixFormatError(f"{path}: metadata lacks {missing}")
+    try:
+        tensors = load_file(str(path))
+    except SafetensorError as e:
+        raise PrefixFileCorruptError(f"{path} cannot be read as safetensors: {e}") from None
+    _check_tensors(path, meta, tensors)
+    return meta, tensors
+
+
+def _check_tensors(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    n, tokens, layers = meta["length"], meta["token_ids"], meta["layers"]
+    if not (isinstance(n, int) and n > 0 and isinstance(tokens, list) and len(tokens) == n
+            and all(isinstance(t, int) for t in tokens)):
+        raise PrefixFormatError(f"{path}: metadata length {n!r} does not match its {len(tokens)} token ids")
+    expected = {f"layers.{i}.{kv}" for i in range(len(layers)) for kv in ("keys", "values")}
+    if set(tensors) != expected:
+        raise PrefixFormatError(f"{path}: tensors {sorted(set(tensors) ^ expected)[:4]} are missing or unexpected")
+    for i, info in enumerate(layers):
+        keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
+        start = info.get("start")
+        if (keys.shape != values.shape or keys.dim() != 4 or keys.shape[0] != 1 or not isinstance(start, int)
+                or keys.shape[2] != n - start or start < 0 or str(keys.dtype).removeprefix("torch.") != meta["dtype"]):
+            raise PrefixFormatError(f"{path}: layer {i} holds {tuple(keys.shape)} {keys.dtype} K/V, which does not "
+                                    f"match {n} tokens from {start!r} in {meta['dtype']}")
+
+
+def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.Module | None,
+                 dtype: torch.dtype | None) -> None:
+    if meta["config_fingerprint"] != config_fingerprint(config):
+        detail = describe_difference(meta.get("config_fields") or {}, config_fields(config), a_name="file",
+                                     b_name="model")
+        raise PrefixMismatchError("config", f"{path} was saved for another model ({detail})")
+    if dtype is None and model is not None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is not None and str(dtype).removeprefix("torch.") != meta["dtype"]:
+        raise PrefixMismatchError("dtype", f"{path} holds {meta['dtype']} K/V but the model runs in "
+                                  f"{str(dtype).removeprefix('torch.')}; save the prefix again from a model in that "
+                                  f"dtype (converted K/V would not give the same tokens)")
+    saved_weights = meta.get("weights_fingerprint")
+    if model is not None and saved_weights is not None and saved_weights != weights_fingerprint(model):
+        raise PrefixMismatchError("weights", f"{path} was saved for a model of the same architecture with other "
+                                  f"weights (weights fingerprints differ)")

@@ -1,0 +1,299 @@
+"""``PrefixStore``: finished prompts and conversations kept as KV pages, reused by later requests.
+
+A request looks its prompt up; the store answers with a zero-copy fork of the stored cache that
+shares the longest prefix with it, and ``generate()`` prefills only the rest::
+
+    store = hf_vkv.PrefixStore(model.config, budget_bytes=512 << 20)
+    cache = store.lookup(input_ids)                       # a fork, or an empty cache on a miss
+    out = model.generate(input_ids, past_key_values=cache, return_dict_in_generate=True, ...)
+    n = out.past_key_values.get_seq_length()
+    store.insert(out.sequences[0, :n], out.past_key_values)   # the store keeps its own fork
+
+Entries are batch-1 caches: one prompt (or conversation) per entry, unpadded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cache import VKVCache
+from .cache_ops import fork_prefix, held_pages, min_reusable_length, rows
+from .errors import PrefixMismatchError
+from .fingerprint import config_fields, config_fingerprint, describe_difference
+from .radix import RadixTree
+
+__all__ = ["PrefixStore", "PrefixStats", "token_list"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixStats:
+    """Counters of a :class:`PrefixStore` (since it was created) and what it holds now."""
+
+    entries: int  # stored prefixes now
+    lookups: int  # lookup() calls
+    hits: int  # lookups answered with a stored prefix
+    tokens_reused: int  # prefix tokens handed out by hits (not prefilled again)
+    inserts: int  # insert() calls that stored a new entry
+    evictions: int  # entries dropped to stay under the budget
+    bytes_held: int  # physical bytes of the entries' pages, each page once however many entries share it
+    budget_bytes: int | None  # the budget (None: unbounded)
+
+    @property
+    def misses(self) -> int:
+        return self.lookups - self.hits
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    id: int
+    tokens: tuple[int, ...]  # token ids of the cached positions, exactly
+    cache: VKVCache  # a batch-1 fork owned by the store; nobody writes into it
+    min_reuse: int  # shortest prefix the cache can be cut back to (sliding windows)
+    pages: dict[Hashable, int]  # physical pages it holds -> bytes (fixed: the cache never changes)
+
+
+def token_list(token_ids: Any, *, name: str = "token_ids") -> list[int]:
+    """Token ids of one sequence as ints: a ``[T]`` or ``[1, T]`` integer tensor, or a sequence."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() == 2 and token_ids.shape[0] == 1:
+            token_ids = token_ids[0]
+        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be one sequence of integer token ids ([T] or [1, T]), got a {token_ids.dtype} "
+                f"tensor of shape {tuple(token_ids.shape)}; entries are batch-1: pass one row"
+            )
+        return [int(t) for t in token_ids.tolist()]
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise TypeError(f"{name} must be a tensor or a sequence of int token ids, got {type(token_ids).__name__}")
+    out = list(token_ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
+        raise TypeError(f"{name} must hold ints only")
+    return out
+
+
+class PrefixStore:
+    """KV caches of finished prompts, keyed by their exact token ids in a radix tree.
+
+    * :meth:`lookup` forks (zero copy) the entry that shares the longest prefix with a prompt,
+      cut back to that prefix and to at most ``len(prompt) - 1`` tokens, so ``generate()`` has at
+      least one token to prefill. A miss returns a new, empty :class:`VKVCache` (so a caller
+      always passes what it gets as ``past_key_values``; ``get_seq_length()`` tells the tokens
+      reused).
+    * :meth:`insert` keeps a fork of a finished cache; the caller may go on using its own. A new
+      entry that extends an entry makes that one redundant (the longer one serves its prefixes
+      by cutting back), so a conversation holds one entry, its latest turn.
+    * Matching compares token ids exactly. A stored cache is never written: requests write into
+      their forks, and a write into a page shared with an entry copies the page first.
+    * ``budget_bytes`` bounds :attr:`PrefixStats.bytes_held` (the entries' distinct physical
+      pages); least recently used entries go first, and an entry's pages go back to their pool
+      unless another entry or a live request still holds them.
+
+    Sliding-window layers drop pages behind their window, so an entry serves a prefix of ``m``
+    tokens only if the window before ``m`` is still mapped; a prompt that shares less with it is
+    served by another entry or is a miss (never wrong K/V).
+
+    Invariants (:meth:`check_invariants`): the radix tree holds exactly the entries' token ids;
+    every entry is a batch-1 cache of exactly ``len(tokens)`` tokens, and after any insert
+    ``bytes_held <= budget_bytes``.
+    """
+
+    def __init__(self, config: Any, *, budget_bytes: int | None = None, cache_config: dict[str, Any] | None = None
+                 ) -> None:
+        if config is None or not hasattr(config, "get_text_config"):
+            raise TypeError("PrefixStore needs the model's config: PrefixStore(model.config, ...)")
+        self.config = config
+        self._budget: int | None = None
+        self.budget_bytes = budget_bytes
+        self.cache_config = dict(cache_config or {})
+        VKVCache(config, **self.cache_config)  # checks cache_config now (no memory until a first update)
+        self._fingerprint = config_fingerprint(config)
+        self._tree: RadixTree[int] = RadixTree()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._ids = itertools.count()
+        self._dtype: torch.dtype | None = None
+        self._lookups = self._hits = self._reused = self._inserts = self._evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """Most bytes the entries may hold (``None``: unbounded). Setting it evicts at once."""
+        return self._budget
+
+    @budget_bytes.setter
+    def budget_bytes(self, budget_bytes: int | None) -> None:
+        if budget_bytes is not None and (
+            not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0
+        ):
+            raise ValueError(f"budget_bytes must be a positive int (or None for no bound), got {budget_bytes!r}")
+        self._budget = budget_bytes
+        if hasattr(self, "_entries"):
+            self._evict()
+
+    # ----------------------------------------------------------------------------- requests
+    def lookup(self, input_ids: Any) -> VKVCache:
+        """A cache holding the longest stored prefix of ``input_ids`` (``[T]`` or ``[1, T]``).
+
+        The prefix is at most ``T - 1`` tokens; the cache is a fork that shares the entry's
+        pages; pass it as ``past_key_values`` with the whole ``input_ids``. On a miss the cache
+        is new and empty.
+        """
+        tokens = token_list(input_ids, name="input_ids")
+        self._lookups += 1
+        cap = len(tokens) - 1
+        for shared, key in self._tree.common_prefixes(tokens[:cap]):
+            entry = self._entries[key]
+            m = min(shared, cap)
+            if m >= max(entry.min_reuse, 1):
+                fork = fork_prefix(entry.cache, m)
+                self._entries.move_to_end(key)
+                self._hits += 1
+                self._reused += m
+                return fork
+        return VKVCache(self.config, **self.cache_config)
+
+    def insert(self, token_ids: Any, cache: VKVCache) -> bool:
+        """Keep a fork of ``cache``'s first ``len(token_ids)`` tokens, whose ids are ``token_ids``.
+
+        After ``generate()``, the returned cache holds ``sequences[:, :cache.get_seq_length()]``
+        (the last sampled token was never fed back). ``cache`` must be batch 1 and may be used on;
+        the store's fork does not change when it is.
+
+        Returns whether the entry is held afterwards (``False``: it alone is over the budget).
+        An identical or longer entry that already serves these tokens is kept instead (and
+        counts as used).
+
+        Raises:
+            TypeError: ``cache`` is not a :class:`VKVCache`, or ``token_ids`` are not token ids.
+            ValueError: ``cache`` holds more than one row, fewer tokens than ``token_ids``, or
+                cannot be cut back to them (sliding windows).
+            PrefixMismatchError: ``cache`` belongs to another model, or its dtype differs from
+                the entries' (``field`` says which).
+        """
+        tokens = tuple(token_list(token_ids))
+        self._check_cache(cache, len(tokens))
+        for shared, key in self._tree.common_prefixes(tokens):
+            if shared < len(tokens):
+                break  # longest matches come first: no further entry holds all of tokens
+            if self._entries[key].min_reuse <= len(tokens):
+                self._entries.move_to_end(key)  # a stored entry already serves these tokens
+                return True
+        fork = fork_prefix(cache, len(tokens))
+        entry = _Entry(id=next(self._ids), tokens=tokens, cache=fork, min_reuse=min_reusable_length(fork),
+                       pages=held_pages(fork))
+        for shared, key in self._tree.common_prefixes(tokens):
+            old = self._entries[key]
+            if len(old.tokens) == shared and entry.min_reuse <= shared:
+                self._drop(old)  # a prefix of the new entry, which serves it as well
+        self._tree.insert(tokens, entry.id)
+        self._entries[entry.id] = entry
+        self._dtype = _dtype_of(fork) or self._dtype
+        self._inserts += 1
+        self._evict()
+        return entry.id in self._entries
+
+    # ----------------------------------------------------------------------------- accounting
+    def bytes_held(self) -> int:
+        """Physical bytes of every page the entries hold, a page shared by entries counted once."""
+        pages: dict[Hashable, int] = {}
+        for entry in self._entries.values():
+            pages.update(entry.pages)
+        return sum(pages.values())
+
+    def stats(self) -> PrefixStats:
+        """Hits, tokens reused, bytes held, ... (see :class:`PrefixStats`)."""
+        return PrefixStats(entries=len(self._entries), lookups=self._lookups, hits=self._hits,
+                           tokens_reused=self._reused, inserts=self._inserts, evictions=self._evictions,
+                           bytes_held=self.bytes_held(), budget_bytes=self.budget_bytes)
+
+    def prefixes(self) -> list[tuple[int, ...]]:
+        """The stored token-id sequences, least recently used first."""
+        return [e.tokens for e in self._entries.values()]
+
+    def clear(self) -> None:
+        """Drop every entry (pages go back unless live requests still hold them)."""
+        for entry in list(self._entries.values()):
+            self._drop(entry)
+
+    close = clear
+
+    def check_invariants(self) -> None:
+        """Check the radix tree, that it holds exactly the entries, each entry's shape and cache
+        invariants, and the budget (raises :class:`~hf_vkv.InvariantError`)."""
+        from ..memory.errors import InvariantError
+
+        self._tree.check_invariants()
+        listed = {key: tokens for tokens, key in self._tree.items()}
+        if listed != {e.id: e.tokens for e in self._entries.values()}:
+            raise InvariantError("the prefix tree and the entries disagree")
+        for entry in self._entries.values():
+            if rows(entry.cache) != 1 or entry.cache.get_seq_length() != len(entry.tokens):
+                raise InvariantError(f"entry {entry.id} holds {rows(entry.cache)} rows of "
+                                     f"{entry.cache.get_seq_length()} tokens for {len(entry.tokens)} token ids")
+            entry.cache.check_invariants()
+        if self.budget_bytes is not None and self.bytes_held() > self.budget_bytes:
+            raise InvariantError(f"the store holds {self.bytes_held():,} bytes over its {self.budget_bytes:,} budget")
+
+    # ----------------------------------------------------------------------------- internals
+    def _check_cache(self, cache: Any, length: int) -> None:
+        if not isinstance(cache, VKVCache):
+            raise TypeError(
+                f"insert needs a hf_vkv.VKVCache, got {type(cache).__name__}: generate with "
+                f"cache_implementation='vkv' or past_key_values=store.lookup(...)"
+            )
+        if config_fingerprint(cache.config) != self._fingerprint:
+            detail = describe_difference(config_fields(cache.config), config_fields(self.config), a_name="cache",
+                                         b_name="store")
+            raise PrefixMismatchError("config", f"the cache belongs to another model than this store's ({detail})")
+        dtype = _dtype_of(cache)
+        if self._entries and dtype is not None and self._dtype is not None and dtype != self._dtype:
+            raise PrefixMismatchError("dtype", f"the cache holds {dtype} K/V but the store's entries are "
+                                      f"{self._dtype}; use one store per dtype")
+        n_rows = rows(cache)
+        if n_rows != 1:
+            raise ValueError(f"insert stores batch-1 caches, this one holds {n_rows} rows; keep one row first "
+                             f"(cache.batch_select_indices(torch.tensor([row])) on a fork)")
+        n = cache.get_seq_length()
+        if not 0 < length <= n:
+            raise ValueError(
+                f"token_ids has {length} ids but the cache holds {n} tokens; pass the ids of the cached "
+                f"positions: out.sequences[0, :cache.get_seq_length()]"
+            )
+
+    def _drop(self, entry: _Entry) -> None:
+        del self._entries[entry.id]
+        self._tree.remove(entry.id)
+        entry.cache.close()
+
+    def _evict(self) -> None:
+        if self.budget_bytes is None:
+            return
+        counts: Counter[Hashable] = Counter()
+        size: dict[Hashable, int] = {}
+        for entry in self._entries.values():
+            counts.update(entry.pages.keys())
+            size.update(entry.pages)
+        held = sum(size.values())
+        while held > self.budget_bytes and self._entries:
+            oldest = next(iter(self._entries.values()))
+            for page, nbytes in oldest.pages.items():
+                counts[page] -= 1
+                if counts[page] == 0:
+                    held -= nbytes
+            self._drop(oldest)
+            self._evictions += 1
+
+
+def _dtype_of(cache: VKVCache) -> torch.dtype | None:
+    for layer in cache.layers:
+        dtype = getattr(layer, "dtype", None)
+        if dtype is not None:
+            return dtype
+    return None

@@ -1,0 +1,431 @@
+"""Prefix reuse across generate() calls: the radix tree, ``PrefixStore`` and prefix files.
+
+The oracle is a full prefill with ``DynamicCache``: a generation that starts from a stored prefix
+must give the very same tokens (greedy and seeded sampling) as one that prefills the whole prompt.
+Tiny models use 4 KiB pages (8 tokens of a group per page), so sliding-window layers really drop
+pages behind their window and the store has to refuse prefixes whose window is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
+from models import SMALL_PAGE, assert_same_tokens, prompts, tiny
+from safetensors.torch import save_file
+from transformers.cache_utils import DynamicCache
+
+import hf_vkv
+from hf_vkv import (
+    PrefixFileCorruptError,
+    PrefixFileError,
+    PrefixFormatError,
+    PrefixMismatchError,
+    PrefixStore,
+    VKVCache,
+    load_prefix,
+    save_prefix,
+)
+from hf_vkv.prefix import RadixTree
+
+SMALL = {"page_bytes": SMALL_PAGE}
+PROMPT = 20  # tokens of the first request
+NEW = 12  # tokens generated per request: the windows (8 and 6) are passed
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    return prompts(1, length, seed=seed)["input_ids"]
+
+
+def _generate(model: Any, ids: torch.Tensor, cache: Any = None, *, sample: bool = False, new: int = NEW,
+              seed: int = 0) -> Any:
+    """``generate`` on ``ids`` ([1, T]) with ``cache`` (None: a fresh DynamicCache, full prefill)."""
+    torch.manual_seed(seed)
+    extra = {"do_sample": True, "top_k": 0} if sample else {"do_sample": False}
+    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+                          return_dict_in_generate=True, **extra)
+
+
+def _cached(out: Any) -> tuple[torch.Tensor, Any]:
+    """The token ids of the positions a generate() output's cache holds, and the cache."""
+    cache = out.past_key_values
+    return out.sequences[0, : cache.get_seq_length()], cache
+
+
+def _kv(cache: VKVCache) -> list[torch.Tensor]:
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def _in_use_bytes(store: PrefixStore, probe: torch.Tensor) -> int:
+    """Bytes in use in the page pool of the entry that ``probe`` ([1, T]) hits (the store's
+    entries share one arena in the tests that call this). The probe's fork is closed at once: a
+    fork dropped without ``close()`` holds its pages until the garbage collector finds it."""
+    fork = store.lookup(probe)
+    try:
+        assert fork.get_seq_length() > 0
+        pools = {id(g.buffer.arena.pool): g.buffer.arena.pool for g in fork.groups if g.buffer is not None}
+        assert len(pools) == 1
+        return next(iter(pools.values())).stats().in_use_bytes
+    finally:
+        fork.close()
+
+
+# ------------------------------------------------------------------------------------ the radix tree
+def test_radix_tree_exact_matches() -> None:
+    tree: RadixTree[str] = RadixTree()
+    tree.insert([1, 2, 3, 4], "a")
+    tree.insert([1, 2, 5], "b")  # splits the edge after [1, 2]
+    tree.insert([1, 2], "c")  # a key on the split node
+    tree.insert([7], "d")
+    tree.check_invariants()
+    got = tree.common_prefixes([1, 2, 3, 9])
+    assert got[0] == (3, "a") and sorted(got[1:]) == [(2, "b"), (2, "c")]
+    assert tree.common_prefixes([1, 2, 3, 4, 5])[0] == (4, "a")
+    assert sorted(tree.common_prefixes([1])) == [(1, "a"), (1, "b"), (1, "c")]
+    assert tree.common_prefixes([8, 1]) == [] and tree.common_prefixes([]) == []
+    assert tree.get([1, 2]) == "c" and tree.get([1]) is None and tree.get([1, 2, 3]) is None
+    assert tree.insert([1, 2, 5], "e") == "b"  # replaced
+    tree.remove("c")
+    tree.check_invariants()
+    tree.remove("a")  # [1, 2] is keyless with one child now: merged
+    tree.check_invariants()
+    assert tree.tokens("e") == (1, 2, 5) and len(tree) == 2
+    with pytest.raises(KeyError):
+        tree.remove("a")
+    with pytest.raises(ValueError, match="at least one token"):
+        tree.insert([], "z")
+
+
+def test_radix_tree_against_brute_force() -> None:
+    rng = random.Random(0)
+    tree: RadixTree[int] = RadixTree()
+    stored: dict[int, tuple[int, ...]] = {}
+    for step in range(600):
+        if stored and rng.random() < 0.3:
+            key = rng.choice(list(stored))
+            tree.remove(key)
+            del stored[key]
+        else:
+            tokens = tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 8)))
+            replaced = tree.insert(tokens, step)
+            if replaced is not None:
+                assert stored.pop(replaced) == tokens
+            stored[step] = tokens
+        tree.check_invariants()
+        query = tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 9)))
+        expected = {}
+        for key, tokens in stored.items():
+            n = next((i for i, (a, b) in enumerate(zip(tokens, query)) if a != b), min(len(tokens), len(query)))
+            if n:
+                expected[key] = n
+        got = tree.common_prefixes(query)
+        assert dict((k, n) for n, k in got) == expected and len(got) == len(expected)
+        assert [n for n, _ in got] == sorted((n for n, _ in got), reverse=True)
+
+
+# ------------------------------------------------------------------------------------ reuse == full prefill
+@pytest.mark.integration
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+def test_reuse_is_token_identical(arch: str, sample: bool) -> None:
+    """Prompts sharing 5, 15, 25 or all tokens with a stored entry: same tokens as a full prefill.
+    Sliding-window models must refuse short prefixes whose window pages are gone."""
+    model = tiny(arch)
+    store = PrefixStore(model.config, cache_config=SMALL)
+    first = _ids(PROMPT, seed=0)
+    miss = store.lookup(first)
+    assert isinstance(miss, VKVCache) and miss.get_seq_length() == 0
+    out = _generate(model, first, miss, sample=sample)
+    tokens, cache = _cached(out)
+    assert store.insert(tokens, cache)
+    n = len(tokens)
+    reused = {}
+    shares = (15, n + 1) if sample else (5, 15, 25, n - 1, n, n + 1)
+    for shared in shares:
+        query = torch.cat([out.sequences[:, :shared], _ids(6, seed=shared)], dim=1)
+        fork = store.lookup(query)
+        reused[shared] = fork.get_seq_length()
+        got = _generate(model, query, fork, sample=sample, seed=shared)
+        ref = _generate(model, query, None, sample=sample, seed=shared)
+        assert isinstance(ref.past_key_values, DynamicCache)
+        assert_same_tokens(ref.sequences, got.sequences)
+        fork.check_invariants()
+    store.check_invariants()
+    for shared, r in reused.items():
+        assert r in (0, min(shared, n)), (shared, r)  # all of the shared prefix, or a miss
+    assert reused[n + 1] == n  # the whole entry (the query's last cached-position token is new)
+    if arch in ("llama", "qwen2"):
+        assert all(r == min(s, n) for s, r in reused.items())
+    elif not sample:
+        assert reused[5] == 0  # the window before token 5 was dropped: refused, not served wrong
+        assert reused[n - 1] == n - 1  # cut back inside the pages the window kept
+        if arch == "mistral":
+            assert reused[25] == 25
+    stats = store.stats()
+    assert stats.hits == sum(1 for r in reused.values() if r) and stats.tokens_reused == sum(reused.values())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_stored_prefix_is_never_changed(arch: str) -> None:
+    """Copy-on-write: requests that reuse an entry (and the caller's own cache, going on after
+    insert) write into their pages, never into the store's."""
+    model = tiny(arch)
+    store = PrefixStore(model.config, cache_config=SMALL)
+    out = _generate(model, _ids(PROMPT, seed=1), store.lookup(_ids(PROMPT, seed=1)))
+    tokens, cache = _cached(out)
+    store.insert(tokens, cache)
+    probe = torch.cat([tokens[None], torch.tensor([[7]])], dim=1)
+    before = _kv(store.lookup(probe))
+    cut = store.lookup(torch.cat([tokens[None, :-3], _ids(4, seed=5)], dim=1))  # shares a partial page
+    assert cut.get_seq_length() == len(tokens) - 3
+    _generate(model, torch.cat([tokens[None, :-3], _ids(4, seed=5)], dim=1), cut)
+    _generate(model, torch.cat([out.sequences, _ids(3, seed=6)], dim=1), store.lookup(probe))
+    _generate(model, torch.cat([out.sequences, _ids(3, seed=7)], dim=1), cache)  # the caller goes on
+    after = _kv(store.lookup(probe))
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert sum(g.cow_copies for g in cache.stats().groups) + sum(g.cow_copies for g in cut.stats().groups) > 0
+    store.check_invariants()
+
+
+# ------------------------------------------------------------------------------------ conversations
+@pytest.mark.integration
+def test_five_turn_chat_reuses_every_earlier_turn() -> None:
+    model = tiny("llama")
+    store = PrefixStore(model.config, cache_config=SMALL)
+    history = torch.empty(1, 0, dtype=torch.long)
+    expected_reuse = []
+    for turn in range(5):
+        ids = torch.cat([history, _ids(7, seed=100 + turn)], dim=1)  # earlier turns + a new user message
+        cache = store.lookup(ids)
+        assert cache.get_seq_length() == (expected_reuse[-1] if turn else 0)
+        out = _generate(model, ids, cache, new=8)
+        assert_same_tokens(_generate(model, ids, None, new=8).sequences, out.sequences)
+        tokens, cache = _cached(out)
+        store.insert(tokens, cache)
+        cache.close()
+        expected_reuse.append(len(tokens))
+        history = out.sequences
+        stats = store.stats()
+        assert stats.entries == 1  # each turn supersedes the one before
+        assert stats.bytes_held == _in_use_bytes(store, torch.cat([tokens, tokens[:1]])[None])
+    stats = store.stats()
+    assert (stats.lookups, stats.hits, stats.misses) == (10, 4 + 5, 1)  # 5 turns + 5 probes; only turn 1 misses
+    assert stats.tokens_reused == 2 * sum(expected_reuse[:4]) + expected_reuse[4]  # turns 2-5, probes 1-5
+    store.check_invariants()
+
+
+@pytest.mark.integration
+def test_eviction_keeps_the_newest_and_frees_the_rest() -> None:
+    """Requests sharing a system prompt (one arena); a budget of 1.6 entries keeps the newest ones,
+    and the pool holds exactly the pages the store reports once the requests are done."""
+    model = tiny("llama")
+    system = _ids(24, seed=50)  # 24 tokens x 512 bytes = three whole 4 KiB pages
+    store = PrefixStore(model.config, cache_config=SMALL)
+    inserted = []
+    for i in range(4):
+        ids = torch.cat([system, _ids(8, seed=60 + i)], dim=1)
+        fork = store.lookup(ids)
+        assert fork.get_seq_length() == (0 if i == 0 else 24)
+        tokens, cache = _cached(_generate(model, ids, fork, new=8))
+        if i == 0:
+            one = cache.stats().resident_bytes
+            store.budget_bytes = int(one * 1.6)  # applies from now on
+        assert store.insert(tokens, cache)
+        cache.close()
+        inserted.append(tuple(tokens.tolist()))
+        stats = store.stats()
+        assert stats.bytes_held <= store.budget_bytes
+        assert store.prefixes() == inserted[-stats.entries:]  # the newest entries, oldest first
+        assert _in_use_bytes(store, torch.cat([system, system], dim=1)) == stats.bytes_held
+        store.check_invariants()
+    stats = store.stats()
+    assert stats.evictions >= 2 and stats.entries == 4 - stats.evictions
+    # an evicted request is a prefix hit on the system prompt only (its own pages are gone)
+    assert store.lookup(torch.tensor([inserted[0]])).get_seq_length() == 24
+    # an entry over the whole budget is not kept
+    tiny_store = PrefixStore(model.config, budget_bytes=SMALL_PAGE, cache_config=SMALL)
+    tokens, cache = _cached(_generate(model, system, tiny_store.lookup(system), new=4))
+    assert not tiny_store.insert(tokens, cache)
+    assert tiny_store.stats().entries == 0 and tiny_store.stats().bytes_held == 0
+    assert cache.get_seq_length() == len(tokens)  # the caller's cache is untouched
+
+
+@pytest.mark.integration
+def test_bad_input_is_rejected_and_the_store_stays_usable() -> None:
+    model = tiny("llama")
+    store = PrefixStore(model.config, cache_config=SMALL)
+    out = _generate(model, _ids(10, seed=3), store.lookup(_ids(10, seed=3)), new=4)
+    tokens, cache = _cached(out)
+    with pytest.raises(TypeError, match="VKVCache"):
+        store.insert(tokens, DynamicCache())
+    with pytest.raises(ValueError, match="token_ids has"):
+        store.insert(out.sequences[0], cache)  # one id more than the cache holds
+    with pytest.raises(TypeError, match="integer token ids"):
+        store.insert(tokens.float(), cache)
+    two = model.generate(**prompts(2, 6), cache_implementation="vkv", max_new_tokens=2, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match="batch-1"):
+        store.insert(two.sequences[0, :7], two.past_key_values)
+    with pytest.raises(TypeError, match="one sequence"):
+        store.lookup(prompts(2, 6)["input_ids"])
+    qwen = PrefixStore(tiny("qwen2").config).lookup(_ids(4, seed=1))
+    _generate(tiny("qwen2"), _ids(10, seed=3), qwen, new=2)
+    with pytest.raises(PrefixMismatchError, match="another model") as err:
+        store.insert(_ids(5, seed=3)[0], qwen)
+    assert err.value.field == "config"
+    with pytest.raises(ValueError, match="budget_bytes"):
+        PrefixStore(model.config, budget_bytes=0)
+    with pytest.raises(ValueError, match="cache_config"):
+        PrefixStore(model.config, cache_config={"page_size": 1})
+    assert store.stats().entries == 0
+    assert store.insert(tokens, cache) and store.lookup(out.sequences).get_seq_length() == len(tokens)
+    store.check_invariants()
+
+
+# ------------------------------------------------------------------------------------ prefix files
+_CHILD = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    torch.set_num_threads(1)
+    from models import tiny, SMALL_PAGE
+    import hf_vkv
+    model = tiny("gemma3")
+    query = torch.tensor([{query}])
+    out = {{}}
+    for mode, extra in (("greedy", {{"do_sample": False}}), ("sampled", {{"do_sample": True, "top_k": 0}})):
+        cache, tokens = hf_vkv.load_prefix({path!r}, model=model, cache_config={{"page_bytes": SMALL_PAGE}})
+        assert tokens == query[0, :len(tokens)].tolist()
+        torch.manual_seed(0)
+        seq = model.generate(query, attention_mask=torch.ones_like(query), past_key_values=cache,
+                             max_new_tokens={new}, **extra)
+        out[mode] = seq[0].tolist()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.integration
+def test_save_then_load_in_a_new_process_generates_the_same(tmp_path: Path) -> None:
+    """gemma3: a full-attention layer and sliding layers past their window (saved as windows)."""
+    model = tiny("gemma3")
+    out = _generate(model, _ids(PROMPT, seed=8), VKVCache(model.config, **SMALL))
+    tokens, cache = _cached(out)
+    path = save_prefix(tmp_path / "prefix.safetensors", cache, tokens, model=model)
+    query = torch.cat([out.sequences, _ids(5, seed=9)], dim=1)
+    child = _CHILD.format(tests=str(Path(__file__).parent), query=query[0].tolist(), path=str(path), new=NEW)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    for mode, sample in (("greedy", False), ("sampled", True)):
+        ref = _generate(model, query, None, sample=sample, seed=0)
+        assert_same_tokens(ref.sequences, torch.tensor([got[mode]]))
+
+
+@pytest.mark.integration
+def test_loaded_sliding_prefix_serves_only_what_it_has(tmp_path: Path) -> None:
+    """A loaded mistral prefix kept only its window: the store serves it whole, never cut back
+    (its earlier positions are placeholders), and a reused load gives the same tokens."""
+    model = tiny("mistral")
+    tokens, cache = _cached(_generate(model, _ids(PROMPT, seed=11), VKVCache(model.config, **SMALL)))
+    path = save_prefix(tmp_path / "m.safetensors", cache, tokens.tolist())
+    loaded, ids = load_prefix(path, model=model, cache_config=SMALL)
+    assert ids == tokens.tolist() and loaded.get_seq_length() == len(ids)
+    store = PrefixStore(model.config, cache_config=SMALL)
+    assert store.insert(ids, loaded)
+    assert store.lookup(ids[:-2] + [5, 6]).get_seq_length() == 0  # would need dropped positions: a miss
+    query = torch.tensor([ids + [9, 10, 11]])
+    fork = store.lookup(query)
+    assert fork.get_seq_length() == len(ids)
+    assert_same_tokens(_generate(model, query, None).sequences, _generate(model, query, fork).sequences)
+
+
+@pytest.mark.integration
+def test_prefix_files_are_checked_on_load(tmp_path: Path) -> None:
+    model = tiny("llama")
+    tokens, cache = _cached(_generate(model, _ids(12, seed=4), VKVCache(model.config, **SMALL), new=4))
+    path = save_prefix(tmp_path / "p.safetensors", cache, tokens, model=model)
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(PrefixFileCorruptError, match="truncated"):
+        load_prefix(tmp_path / "cut.safetensors", model=model)
+    (tmp_path / "head.safetensors").write_bytes(data[:20])
+    with pytest.raises(PrefixFileCorruptError):
+        load_prefix(tmp_path / "head.safetensors", model=model)
+    with pytest.raises(PrefixMismatchError, match="another model.*num_hidden_layers") as err:
+        load_prefix(path, model=tiny("llama", layers=3))
+    assert err.value.field == "config"
+    with pytest.raises(PrefixMismatchError, match="holds float32 K/V but the model runs in bfloat16") as err:
+        load_prefix(path, config=model.config, dtype=torch.bfloat16)
+    assert err.value.field == "dtype"
+    with pytest.raises(PrefixMismatchError, match="other weights") as err:
+        load_prefix(path, model=tiny("llama", seed=1))
+    assert err.value.field == "weights"
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(PrefixFormatError, match="not an hf_vkv prefix"):
+        load_prefix(tmp_path / "plain.safetensors", model=model)
+    with pytest.raises(FileNotFoundError):
+        load_prefix(tmp_path / "missing.safetensors", model=model)
+    with pytest.raises(TypeError, match="exactly one"):
+        load_prefix(path)
+    with pytest.raises(ValueError, match="token_ids has"):
+        save_prefix(tmp_path / "x.safetensors", cache, tokens[:-1])
+    assert issubclass(PrefixFileCorruptError, PrefixFileError) and issubclass(PrefixFormatError, PrefixFileError)
+    loaded, ids = load_prefix(path, config=model.config)  # config only: weights are not checked
+    assert all(torch.equal(a, b) for a, b in zip(_kv(loaded), _kv(cache))) and ids == tokens.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_load_onto_cuda_needs_the_cuda_backend(tmp_path: Path) -> None:
+    model = tiny("llama")
+    tokens, cache = _cached(_generate(model, _ids(12, seed=4), VKVCache(model.config), new=2))
+    path = save_prefix(tmp_path / "p.safetensors", cache, tokens)
+    try:
+        loaded, _ = load_prefix(path, config=model.config, device="cuda")
+    except hf_vkv.cache.UnsupportedDeviceError:
+        return  # this installation has no CUDA backend: the cache says so
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(_kv(loaded), _kv(cache)))
+
+
+# ------------------------------------------------------------------------------------ the real model
+def _smollm2() -> Any:
+    from hf_vkv.default_model import find_smollm2_gguf, is_converted, load_default_model
+
+    try:
+        if not is_converted():
+            find_smollm2_gguf()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        pytest.skip(f"SmolLM2 is not installed: {e}")
+    return load_default_model()
+
+
+@pytest.mark.integration
+def test_smollm2_two_turn_chat_matches_a_full_prefill() -> None:
+    model, tok = _smollm2()
+    store = PrefixStore(model.config)
+    chat = [{"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Name a prime number."}]
+    previous_prompt = 0
+    for turn, sample in enumerate((False, True)):
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = ids["input_ids"]
+        fork = store.lookup(ids)
+        reused = fork.get_seq_length()
+        assert reused == 0 if turn == 0 else reused >= previous_prompt  # at least the whole earlier prompt
+        previous_prompt = ids.shape[1]
+        out = _generate(model, ids, fork, sample=sample, new=10, seed=turn)
+        ref = _generate(model, ids, None, sample=sample, new=10, seed=turn)
+        assert_same_tokens(ref.sequences, out.sequences)
+        tokens, cache = _cached(out)
+        store.insert(tokens, cache)
+        answer = tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+        chat += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And another one?"}]
+    assert store.stats().hits == 1
