@@ -16,6 +16,7 @@ Architectures (what each one exercises):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -178,20 +179,61 @@ def cache_kv_bytes(cache: Cache) -> int:
     return total
 
 
+#: The VKV layout the A/B helpers below run (``vkv_layout`` switches it for a test).
+_LAYOUT = ["contiguous"]
+#: Tokens per block of the paged layout in tests: small, so generations cross many blocks.
+PAGED_BLOCK_TOKENS = 4
+
+
+@contextlib.contextmanager
+def vkv_layout(layout: str) -> Iterator[None]:
+    """Run the VKV side of :func:`generate_both` (and :func:`vkv_attention`) in ``layout``."""
+    before = _LAYOUT[0]
+    _LAYOUT[0] = layout
+    try:
+        yield
+    finally:
+        _LAYOUT[0] = before
+
+
+def current_layout() -> str:
+    return _LAYOUT[0]
+
+
+@contextlib.contextmanager
+def vkv_attention(model: PreTrainedModel) -> Iterator[None]:
+    """The model's attention for a VKV run of the current layout: ``"vkv_paged"`` for the paged
+    layout (a ``VKVCache`` made meanwhile is paged), the model's own otherwise."""
+    if _LAYOUT[0] != "paged":
+        yield
+        return
+    before = model.config._attn_implementation
+    model.set_attn_implementation("vkv_paged")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
 def generate_both(model: PreTrainedModel, inputs: dict[str, torch.Tensor], *, seed: int = 0,
                   vkv: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Any, Any]:
-    """``generate`` with ``DynamicCache`` and with ``cache_implementation="vkv"`` (``vkv`` is the
-    ``cache_config``), the same seed before each; returns both outputs (``return_dict_in_generate``)."""
-    out = []
-    for impl in ("dynamic", "vkv"):
-        # the reference passes no cache_implementation: the default is DynamicCache (and an explicit
-        # "dynamic" breaks assisted decoding in transformers itself: the assistant inherits it)
-        extra = {"cache_implementation": "vkv", **({"cache_config": vkv} if vkv else {})} if impl == "vkv" else {}
+    """``generate`` with ``DynamicCache`` (the model's own attention) and with
+    ``cache_implementation="vkv"`` (``vkv`` is the ``cache_config``) in the current layout, the same
+    seed before each; returns both outputs (``return_dict_in_generate``)."""
+    if _LAYOUT[0] == "paged":
+        vkv = {"block_tokens": PAGED_BLOCK_TOKENS, **(vkv or {})}
+    # the reference passes no cache_implementation: the default is DynamicCache (and an explicit
+    # "dynamic" breaks assisted decoding in transformers itself: the assistant inherits it)
+    torch.manual_seed(seed)
+    ref = model.generate(**inputs, return_dict_in_generate=True, **kwargs)
+    with vkv_attention(model):
         torch.manual_seed(seed)
-        out.append(model.generate(**inputs, return_dict_in_generate=True, **extra, **kwargs))
-    assert isinstance(out[0].past_key_values, DynamicCache)
-    assert isinstance(out[1].past_key_values, hf_vkv.VKVCache)
-    return out[0], out[1]
+        got = model.generate(**inputs, return_dict_in_generate=True, cache_implementation="vkv",
+                             **({"cache_config": vkv} if vkv else {}), **kwargs)
+    assert isinstance(ref.past_key_values, DynamicCache)
+    assert isinstance(got.past_key_values, hf_vkv.VKVCache)
+    assert got.past_key_values.layout == _LAYOUT[0]
+    return ref, got
 
 
 def assert_same_tokens(expected: torch.Tensor, got: torch.Tensor) -> None:

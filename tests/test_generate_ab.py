@@ -6,13 +6,19 @@ sampling with ``num_return_sequences``, beam search, beam sampling, continuation
 cache and assisted decoding (which crops the cache). Tiny models use 4 KiB pages so a generation
 crosses many page boundaries and copy-on-write happens mid-run; the real SmolLM2 uses the
 default page size.
+
+Every test runs in both layouts: contiguous, and paged (the model switched to the ``"vkv_paged"``
+attention for the VKV run, blocks of 4 tokens), each against DynamicCache with the model's own
+attention — so the paged layout is also token-identical to the contiguous one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib.util
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,10 +31,13 @@ from models import (
     SMALL_PAGE,
     assert_same_tokens,
     assistant,
+    current_layout,
     generate_both,
     needs_sliding_rollback,
     prompts,
     tiny,
+    vkv_attention,
+    vkv_layout,
 )
 from transformers.cache_utils import DynamicCache
 
@@ -39,6 +48,12 @@ pytestmark = pytest.mark.integration
 
 SMALL = {"page_bytes": SMALL_PAGE}
 NEW = 20  # new tokens: more than both sliding windows, several 8-token pages
+
+
+@pytest.fixture(autouse=True, params=["contiguous", "paged"])
+def layout(request: pytest.FixtureRequest) -> Iterator[str]:
+    with vkv_layout(request.param):
+        yield request.param
 
 
 def _check(cache: VKVCache) -> None:
@@ -115,8 +130,9 @@ def test_continue_from_returned_cache(arch: str) -> None:
     for first in (ref, got):
         ids = torch.cat([first.sequences, more], dim=1)
         mask = torch.cat([inputs["attention_mask"], torch.ones(2, ids.shape[1] - 7, dtype=torch.long)], dim=1)
-        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=first.past_key_values,
-                             max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+        with vkv_attention(model) if first is got else contextlib.nullcontext():
+            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=first.past_key_values,
+                                 max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
         assert out.past_key_values is first.past_key_values
         results.append(out)
     assert_same_tokens(results[0].sequences, results[1].sequences)
@@ -159,8 +175,10 @@ def test_cache_object_passed_directly(arch: str) -> None:
     for kwargs in ({"do_sample": False}, {"num_beams": 4, "num_return_sequences": 2, "do_sample": False}):
         ref = model.generate(**inputs, max_new_tokens=NEW, past_key_values=DynamicCache(config=model.config),
                              **kwargs)
-        cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE)
-        got = model.generate(**inputs, max_new_tokens=NEW, past_key_values=cache, **kwargs)
+        with vkv_attention(model):
+            cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE)  # paged when the attention is vkv_paged
+            assert cache.layout == current_layout()
+            got = model.generate(**inputs, max_new_tokens=NEW, past_key_values=cache, **kwargs)
         assert_same_tokens(ref, got)
         _check(cache)
         assert cache.get_seq_length() == ref.shape[1] - 1
@@ -169,6 +187,8 @@ def test_cache_object_passed_directly(arch: str) -> None:
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("mode", ["greedy", "padded", "beam"])
 def test_llama_attention_implementations(attn: str, mode: str) -> None:
+    if attn == "eager" and current_layout() == "paged":
+        pytest.skip("the paged layout is read by the vkv_paged attention, which computes as sdpa does")
     model = tiny("llama", attn=attn)
     assert model.config._attn_implementation == attn
     inputs = prompts(2, 9, seed=10, left_pad=[0, 5] if mode != "greedy" else None)

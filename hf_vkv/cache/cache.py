@@ -15,7 +15,8 @@ from ..memory import Arena, BufferStats
 from .backends import UnsupportedDeviceError, arena_for_device
 from .group import LayerGroup
 from .layer import VKVLayer, VKVSlidingLayer
-from .options import CacheOptions
+from .options import CacheOptions, Layout
+from .paged import DEFAULT_BLOCK_TOKENS, PagedLayerGroup
 
 __all__ = ["VKVCache", "CacheStats", "GroupStats", "UnsupportedDeviceError"]
 
@@ -77,11 +78,31 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
     return list(types), list(kwargs)
 
 
+#: The attention implementation that reads the paged layout (registered on ``import hf_vkv``).
+PAGED_ATTENTION = "vkv_paged"
+
+
+def _layout(options: CacheOptions, config: PretrainedConfig) -> Layout:
+    """The layout asked for, or the one the model's attention implementation reads."""
+    attn = getattr(config, "_attn_implementation", None)
+    if options.layout is None:
+        return "paged" if attn == PAGED_ATTENTION else "contiguous"
+    if options.layout == "paged" and attn != PAGED_ATTENTION:
+        raise ValueError(
+            f"cache_config['layout']='paged' is read only by the {PAGED_ATTENTION!r} attention, but the model uses "
+            f"{attn!r}: load it with attn_implementation={PAGED_ATTENTION!r} (or call "
+            f"model.set_attn_implementation({PAGED_ATTENTION!r})), or leave 'layout' unset"
+        )
+    return options.layout
+
+
 class VKVCache(Cache):
     """A KV cache in contiguous virtual memory with pages mapped on demand and shared between rows.
 
     Pass it as ``past_key_values`` or let ``generate(..., cache_implementation="vkv")`` build it.
-    Full-attention and sliding-window layers get :class:`VKVLayer` / :class:`VKVSlidingLayer`
+    The layout is contiguous (any attention reads the rows as strided tensors) or, when the model's
+    attention implementation is ``"vkv_paged"``, paged (rows are block tables; see
+    :mod:`hf_vkv.cache.paged`). Full-attention and sliding-window layers get :class:`VKVLayer` / :class:`VKVSlidingLayer`
     (stored in token-major layer groups); other layer kinds (chunked, linear, ...) get
     transformers' own dynamic layers.
 
@@ -121,6 +142,12 @@ class VKVCache(Cache):
         self._arenas: dict[torch.device, Arena] = {}
         self._groups: dict[tuple[str, int | None, str], LayerGroup] = {}
 
+        self.layout = _layout(self.options, text_config)
+        group_type: type[LayerGroup] = LayerGroup
+        extra: dict[str, Any] = {}
+        if self.layout == "paged":
+            group_type = PagedLayerGroup
+            extra["block_tokens"] = self.options.block_tokens or DEFAULT_BLOCK_TOKENS
         types, kwargs = _layer_types(text_config)
         layers = []
         members: dict[tuple[str, int | None, str], list[int]] = {}
@@ -132,10 +159,10 @@ class VKVCache(Cache):
                 members.setdefault(key, []).append(idx)
         for key, idxs in members.items():
             kind, window, _ = key
-            self._groups[key] = LayerGroup(
+            self._groups[key] = group_type(
                 name=f"{kind}" + (f"[{idxs[0]}]" if self.options.group_policy == "layer" else ""),
                 members=idxs, sliding_window=window, arena_for=self._arena_for, rows_hint=batch_size,
-                capacity=capacity, prompt_repeats=prompt_repeats, share_prompts=self.options.share_prompts,
+                capacity=capacity, prompt_repeats=prompt_repeats, share_prompts=self.options.share_prompts, **extra,
             )
         group_of = {i: g for g in self._groups.values() for i in g.members}
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):

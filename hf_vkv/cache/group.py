@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..memory import Arena, BufferStats, VirtualBuffer
+from ..memory import Arena, BufferStats, RowBuffer, VirtualBuffer
 from ..memory.errors import InvariantError
 
 __all__ = ["LayerGroup", "GroupGeometry", "LayerMismatchError"]
@@ -71,7 +71,7 @@ class LayerGroup:
         self._arena_for = arena_for
         self._rows_hint = rows_hint
         self.geometry: GroupGeometry | None = None
-        self.buffer: VirtualBuffer | None = None
+        self.buffer: RowBuffer | None = None
         self.batch = 0  # rows in use (the batch transformers sees)
         self.record_past = False  # keep pages behind a window (assisted decoding may crop back)
         self.shared_prompt_rows = 0  # rows that took their prompt from another row's pages
@@ -109,9 +109,14 @@ class LayerGroup:
             g = self.geometry
             item = len(self.members) * 2 * g.kv_heads * g.head_dim * g.dtype.itemsize
             rows = max(self._rows_hint or 0, key_states.shape[0])
-            self.buffer = VirtualBuffer(self._arena_for(g.device), rows=rows, capacity=self.capacity, item_bytes=item)
+            self.buffer = self._new_buffer(rows=rows, item_bytes=item)
 
-    def _buf(self) -> VirtualBuffer:
+    def _new_buffer(self, *, rows: int, item_bytes: int) -> RowBuffer:
+        assert self.geometry is not None
+        return VirtualBuffer(self._arena_for(self.geometry.device), rows=rows, capacity=self.capacity,
+                             item_bytes=item_bytes)
+
+    def _buf(self) -> RowBuffer:
         if self.buffer is None:
             raise InvariantError(f"group {self.name!r} used before its first update")
         return self.buffer
@@ -161,35 +166,46 @@ class LayerGroup:
         typed = self._views.get((start, end))
         if typed is None:
             g = self.geometry
-            assert g is not None
-            raw = self._buf().view(range(self.batch), start, end)
+            buffer = self._buf()
+            assert g is not None and isinstance(buffer, VirtualBuffer)
+            raw = buffer.view(range(self.batch), start, end)
             typed = raw.view(g.dtype).view(self.batch, end - start, len(self.members), 2, g.kv_heads, g.head_dim)
             self._views[(start, end)] = typed
         return typed
 
     def write(self, layer: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store ``[B, H, q, D]`` states of ``layer`` at tokens ``[start, start + q)``."""
-        q = key_states.shape[2]
-        slot = self.slot[layer]
-        store = self.view(start, start + q)[:, :, slot]  # [B, q, 2, H, D]
-        if not self._followers:
+        rows = None  # all of them
+        if self._followers:
+            rows = [r for r in range(self.batch) if not self._follows_leader(r, start, key_states, value_states)]
+        self._store(self.slot[layer], start, key_states, value_states, rows)
+
+    def _follows_leader(self, row: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether ``row`` still shares its prompt's pages with its leader: its states equal the
+        leader's. If not, the row gets its own pages (copies of the leader's, right for the layers
+        written so far, which all compared equal) and is written on its own from now on."""
+        leader = self._followers.get(row)
+        if leader is None:
+            return False
+        if torch.equal(key_states[row], key_states[leader]) and torch.equal(value_states[row], value_states[leader]):
+            return True
+        del self._followers[row]
+        end = start + key_states.shape[2]
+        self._buf().prepare_write([row], start, end)
+        self._new_epoch()
+        self._prepared = (start, end, self._epoch)
+        return False
+
+    def _store(self, slot: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor,
+               rows: list[int] | None) -> None:
+        """Write ``[B, H, q, D]`` states into member ``slot`` at tokens ``[start, start + q)`` of
+        ``rows`` (``None``: every row)."""
+        store = self.view(start, start + key_states.shape[2])[:, :, slot]  # [B, q, 2, H, D]
+        if rows is None:
             store[:, :, 0].copy_(key_states.transpose(1, 2))
             store[:, :, 1].copy_(value_states.transpose(1, 2))
             return
-        for row in range(self.batch):
-            leader = self._followers.get(row)
-            if leader is not None:
-                if torch.equal(key_states[row], key_states[leader]) and torch.equal(
-                    value_states[row], value_states[leader]
-                ):
-                    continue
-                # Not the same prompt after all: give the row its own pages (a copy of the
-                # leader's, right for the layers written so far, which all compared equal).
-                del self._followers[row]
-                self._buf().prepare_write([row], start, start + q)
-                self._new_epoch()
-                self._prepared = (start, start + q, self._epoch)
-                store = self.view(start, start + q)[:, :, slot]
+        for row in rows:
             store[row, :, 0].copy_(key_states[row].transpose(0, 1))
             store[row, :, 1].copy_(value_states[row].transpose(0, 1))
 
@@ -197,6 +213,12 @@ class LayerGroup:
         """Zero-copy ``[B, H, T, D]`` key and value views of ``layer`` over tokens ``[start, end)``."""
         block = self.view(start, end)[:, :, self.slot[layer]]  # [B, T, 2, H, D]
         return block[:, :, 0].transpose(1, 2), block[:, :, 1].transpose(1, 2)
+
+    def attention_inputs(self, layer: int, start: int, end: int, key_states: torch.Tensor,
+                         value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns to attention after writing ``key_states``/``value_states``:
+        here the ``[B, H, end - start, D]`` views of tokens ``[start, end)``."""
+        return self.states(layer, start, end)
 
     # ----------------------------------------------------------------------------- collective ops
     def collective(self, op: str, layer: int, action: Callable[[], None]) -> None:
@@ -236,7 +258,7 @@ class LayerGroup:
         self.batch = len(index)
         self._changed()
 
-    def _more_rows(self, rows: int) -> VirtualBuffer:
+    def _more_rows(self, rows: int) -> RowBuffer:
         """Move to a buffer of ``rows`` rows sharing every page (a remap, no copy)."""
         old = self._buf()
         self.buffer = old.fork(rows=rows)
@@ -257,13 +279,15 @@ class LayerGroup:
             self.batch = 0
             self._changed()
 
+    def _settings(self) -> dict[str, Any]:
+        """Constructor arguments (but ``arena_for``) of a group like this one."""
+        return dict(name=self.name, members=self.members, sliding_window=self.sliding_window,
+                    rows_hint=self._rows_hint, capacity=self.capacity, prompt_repeats=self.prompt_repeats,
+                    share_prompts=self.share_prompts)
+
     def fork(self, arena_for: Callable[[torch.device], Arena]) -> LayerGroup:
         """A copy sharing every page (zero copy); both sides copy a page only when writing it."""
-        other = LayerGroup(
-            name=self.name, members=self.members, sliding_window=self.sliding_window, arena_for=arena_for,
-            rows_hint=self._rows_hint, capacity=self.capacity, prompt_repeats=self.prompt_repeats,
-            share_prompts=self.share_prompts,
-        )
+        other = type(self)(arena_for=arena_for, **self._settings())
         other.geometry = self.geometry
         other.batch = self.batch
         other.record_past = self.record_past

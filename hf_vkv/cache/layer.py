@@ -88,7 +88,10 @@ class VKVLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, H, q, D]`` states after the cached tokens; return ``[B, H, kv_length, D]``
-        views of everything attention needs (``kv_length`` as given by :meth:`get_mask_sizes`)."""
+        views of everything attention needs (``kv_length`` as given by :meth:`get_mask_sizes`).
+
+        In the paged layout the new states come back instead, tagged for the ``"vkv_paged"``
+        attention, which reads the cached tokens through block tables (see ``hf_vkv.cache.paged``)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         group = self._group
@@ -97,7 +100,7 @@ class VKVLayer(CacheLayerMixin):
         group.write(self.layer_idx, start, key_states, value_states)
         visible = self._visible_start(start)
         self._length = end
-        return group.states(self.layer_idx, visible, end)
+        return group.attention_inputs(self.layer_idx, visible, end, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._length + query_length, 0

@@ -8,6 +8,7 @@ from typing import Any, Literal
 __all__ = ["CacheOptions"]
 
 GroupPolicy = Literal["model", "layer"]
+Layout = Literal["contiguous", "paged"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,6 +24,11 @@ class CacheOptions:
       its own buffer (vAttention's layout).
     * ``share_prompts``: store the prompt once for the rows that ``generate`` expanded from it
       (beams, ``num_return_sequences``), after checking the rows really are equal.
+    * ``layout``: ``"contiguous"`` (rows mapped into virtual memory, read by any attention) or
+      ``"paged"`` (rows as block tables, read by the ``"vkv_paged"`` attention). Default: paged
+      when the model's attention implementation is ``"vkv_paged"``, else contiguous.
+    * ``block_tokens``: tokens per block in the paged layout (default
+      :data:`~hf_vkv.cache.paged.DEFAULT_BLOCK_TOKENS`); sharing and copy-on-write work per block.
     * ``max_tokens``: tokens each row can hold (default: the model's ``max_position_embeddings``,
       or the generate call's ``max_length`` when larger). Only virtual address space is reserved
       for it, so a returned cache can be passed back to ``generate()`` to continue.
@@ -33,6 +39,8 @@ class CacheOptions:
     group_policy: GroupPolicy = "model"
     share_prompts: bool = True
     max_tokens: int | None = None
+    layout: Layout | None = None
+    block_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_bytes is not None and (not isinstance(self.page_bytes, int) or self.page_bytes <= 0):
@@ -45,6 +53,10 @@ class CacheOptions:
             raise TypeError(f"cache_config['share_prompts'] must be a bool, got {self.share_prompts!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
             raise ValueError(f"cache_config['max_tokens'] must be a positive int, got {self.max_tokens!r}")
+        if self.layout not in (None, "contiguous", "paged"):
+            raise ValueError(f"cache_config['layout'] must be 'contiguous' or 'paged', got {self.layout!r}")
+        if self.block_tokens is not None and (not isinstance(self.block_tokens, int) or self.block_tokens <= 0):
+            raise ValueError(f"cache_config['block_tokens'] must be a positive int, got {self.block_tokens!r}")
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | None) -> CacheOptions:

@@ -33,7 +33,11 @@ _MARK = "_hf_vkv_wrapped"
 
 
 def register() -> None:
-    """Make ``cache_implementation="vkv"`` work in transformers (safe to call many times)."""
+    """Make ``cache_implementation="vkv"`` and ``attn_implementation="vkv_paged"`` work in
+    transformers (safe to call many times)."""
+    from ..attention.paged import register_attention
+
+    register_attention()
     if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS = (
             *configuration_utils.ALL_CACHE_IMPLEMENTATIONS, CACHE_IMPLEMENTATION

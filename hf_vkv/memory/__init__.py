@@ -2,7 +2,9 @@
 backend and the virtual buffer. Nothing here imports transformers."""
 
 from .backend import Backend
-from .buffer import Arena, BufferStats, VirtualBuffer
+from .arena import Arena, PageStore
+from .blocks import BlockBuffer, BlockStore
+from .buffer import VirtualBuffer
 from .errors import (
     BackendError,
     CacheClosedError,
@@ -14,9 +16,10 @@ from .errors import (
 from .host import DEFAULT_HOST_PAGE_BYTES, HostBackend
 from .page_table import CowCopy, PageTable, Row
 from .pool import PageId, PagePool, PoolStats
+from .rows import BufferStats, RowBuffer
 
 __all__ = [
-    "Arena", "Backend", "BackendError", "BufferStats", "CacheClosedError", "CapacityError", "CowCopy",
+    "Arena", "Backend", "BackendError", "BlockBuffer", "BlockStore", "BufferStats", "CacheClosedError", "CapacityError", "CowCopy",
     "DEFAULT_HOST_PAGE_BYTES", "HostBackend", "InvariantError", "KVCacheOutOfMemory", "PageId", "PagePool",
-    "PageTable", "PoolStats", "Row", "VKVError", "VirtualBuffer",
+    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "VKVError", "VirtualBuffer",
 ]

@@ -69,7 +69,8 @@ class PageTable:
     :meth:`rollback` restores the table exactly and :meth:`changed_rows` tells what to re-map.
     """
 
-    def __init__(self, pool: PagePool, *, rows: int, pages_per_row: int, page_size: int) -> None:
+    def __init__(self, pool: PagePool, *, rows: int, pages_per_row: int, page_size: int,
+                 hinted: bool = True) -> None:
         if rows <= 0 or pages_per_row <= 0 or page_size <= 0:
             raise ValueError(
                 f"rows, pages_per_row and page_size must be positive, got {rows}, {pages_per_row}, {page_size}"
@@ -78,6 +79,9 @@ class PageTable:
         self.rows = rows
         self.pages_per_row = pages_per_row
         self.page_size = page_size
+        # Hinted tables ask for ids that keep a row's pages consecutive (so they merge into few
+        # mappings); a paged block pool wants dense ids instead (its store grows to the highest id).
+        self.hinted = hinted
         self._base = pool.add_segment(rows * pages_per_row)
         self._rows: list[Row] = [Row()] * rows
         self._undo: dict[int, Row] | None = None
@@ -160,7 +164,7 @@ class PageTable:
         hints = []
         for k, index in enumerate(range(old.end, need)):
             wanted = [PageId(last + 1 + k)] if last is not None else []
-            hints.append([*wanted, self.home(row, index)])
+            hints.append([*wanted, self.home(row, index)] if self.hinted else [])
         pages, created = self.pool.allocate(hints)
         self._set(row, Row(length, old.start, old.pages + tuple(pages)))
         return created
@@ -237,7 +241,7 @@ class PageTable:
         hints = []
         for i in shared:
             prev = [PageId(old.page_at(i - 1) + 1)] if i > old.start else []
-            hints.append([*prev, self.home(row, i)])
+            hints.append([*prev, self.home(row, i)] if self.hinted else [])
         fresh, created = self.pool.allocate(hints)
         pages = list(old.pages)
         copies = []

@@ -1,0 +1,83 @@
+"""The ``"vkv_paged"`` attention implementation: reads a paged :class:`~hf_vkv.VKVCache` through
+its block tables.
+
+``model.set_attn_implementation("vkv_paged")`` (or ``from_pretrained(...,
+attn_implementation="vkv_paged")``) makes the model call :func:`vkv_paged_attention`, and
+``VKVCache`` then picks its paged layout by itself. The paged layer's ``update`` returns the new
+states with a :class:`~hf_vkv.cache.paged.PagedKV` tag on the key (see :mod:`hf_vkv.cache.paged`
+for why a tag rather than a forward kwarg); this function reads the cached tokens through the tag:
+
+* on CPU, and wherever exact equality with sdpa is the point (dropout, ``output_attentions``,
+  non-causal modules), it gathers the layer's tokens out of the blocks (one index per tensor) and
+  runs transformers' own sdpa attention on them, so tokens are identical to ``DynamicCache`` +
+  ``"sdpa"``;
+* on CUDA it runs the paged kernel (:func:`hf_vkv.attention.kernels.paged_attention`: flash-attn's
+  paged path when installed and the block size allows, else Triton), which reads the blocks in
+  place.
+
+Untagged key/value (any other cache, or a contiguous ``VKVCache``) are plain tensors: they go to
+sdpa as they are. The mask function registered for ``"vkv_paged"`` is transformers' ``sdpa_mask``
+(bool ``[B, 1, q, kv]`` or ``None``), without which padding would be silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..cache.cache import PAGED_ATTENTION
+from ..cache.paged import PAGED_TAG, PagedKV
+from .kernels import gather_kv, paged_attention
+
+__all__ = ["vkv_paged_attention", "register_attention", "PAGED_ATTENTION"]
+
+
+def vkv_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a paged cache layer (or plain K/V); the transformers attention contract.
+
+    Args:
+        query: ``[B, Hq, q, D]``.
+        key, value: ``[B, Hkv, kv, D]`` plain tensors, or the new ``[B, Hkv, q, D]`` states tagged
+            by a paged cache layer (whose cached tokens are then read through block tables).
+        attention_mask: ``sdpa_mask``'s bool ``[B, 1, q, kv]`` (True = attend) or ``None`` (causal).
+    Returns:
+        ``([B, q, Hq, D], None)`` like transformers' sdpa attention.
+    """
+    tag: PagedKV | None = getattr(key, PAGED_TAG, None)
+    if tag is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    key_cache, value_cache, tables = tag.caches()
+    exact = (
+        query.device.type != "cuda" or dropout > 0 or kwargs.get("output_attentions")
+        or kwargs.get("is_causal", getattr(module, "is_causal", True)) is False
+        or kwargs.get("position_bias") is not None
+    )
+    if exact:
+        k, v = gather_kv(key_cache, value_cache, tables, kv_offset=tag.kv_offset, kv_len=tag.kv_len)
+        return sdpa_attention_forward(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention(query, key_cache, value_cache, tables, kv_offset=tag.kv_offset, kv_len=tag.kv_len,
+                          scale=scale, mask=attention_mask)  # [B, Hq, q, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Register ``"vkv_paged"`` and its mask function with transformers (idempotent)."""
+    if AttentionInterface._global_mapping.get(PAGED_ATTENTION) is not vkv_paged_attention:
+        AttentionInterface.register(PAGED_ATTENTION, vkv_paged_attention)
+    if AttentionMaskInterface._global_mapping.get(PAGED_ATTENTION) is not sdpa_mask:
+        AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)

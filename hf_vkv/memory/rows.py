@@ -1,0 +1,250 @@
+"""Rows of items over one page table: the operations both translators share.
+
+A :class:`RowBuffer` holds ``rows`` rows of up to ``capacity`` items of ``item_bytes`` bytes (for
+the cache, an item is one token of a layer group). Every feature is a page-table operation here;
+the two subclasses only differ in how a page table becomes something attention reads:
+
+* :class:`~hf_vkv.memory.buffer.VirtualBuffer` maps each row's pages, in order, into the row's
+  slice of one reserved address range (the contiguous layout: the MMU translates);
+* :class:`~hf_vkv.memory.blocks.BlockBuffer` leaves the pages (blocks) where they are and hands
+  out block tables (the paged layout: the attention kernel translates).
+
+Every operation is a transaction: the page table changes first (pure bookkeeping, which checks
+the budget before changing anything), then the page store creates and copies pages and the
+subclass syncs its translation; if any of that fails, the table and the pool are restored
+exactly, pages created on the way are given back, and the error propagates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+from .arena import PageStore
+from .errors import CacheClosedError, CapacityError
+from .page_table import PageTable, Row
+from .pool import PageId
+
+__all__ = ["RowBuffer", "BufferStats"]
+
+_Self = TypeVar("_Self", bound="RowBuffer")
+
+
+@dataclass(frozen=True, slots=True)
+class BufferStats:
+    """Memory accounting of one buffer (bytes; shared pages counted once)."""
+
+    page_bytes: int
+    mapped_slots: int  # page slots held over all rows (a shared page counts once per slot)
+    distinct_pages: int  # pages these rows hold
+    shared_pages: int  # of those, pages held by more than one slot anywhere in the store
+    resident_bytes: int  # distinct_pages * page_bytes
+    live_bytes: int  # bytes of live items in those pages, each shared page counted once
+    cow_copies: int  # pages copied on write over the buffer's life
+
+    @property
+    def utilization(self) -> float:
+        """live_bytes / resident_bytes (1.0 when empty)."""
+        return self.live_bytes / self.resident_bytes if self.resident_bytes else 1.0
+
+
+class RowBuffer:
+    """``rows`` rows of up to ``capacity`` items of ``item_bytes`` bytes, in pages of ``store``.
+
+    All lengths and positions are in items; the page table counts bytes (``page_size`` =
+    ``store.page_bytes``). A row holds items ``[0, length)``, minus the pages dropped behind a
+    window by :meth:`drop_before`. The buffer counts as open in its store from construction to
+    :meth:`close` (the store closes with its last buffer). Subclasses implement :meth:`_sync` (make the translation follow
+    changed rows), :meth:`_sibling` (an empty buffer of the same kind, for :meth:`fork`) and
+    :meth:`close`.
+    """
+
+    def __init__(self, store: PageStore, *, rows: int, capacity: int, item_bytes: int, hinted: bool) -> None:
+        if rows <= 0 or capacity <= 0 or item_bytes <= 0:
+            raise ValueError(f"rows, capacity and item_bytes must be positive, got {rows}, {capacity}, {item_bytes}")
+        page = store.page_bytes
+        self.arena = store
+        self.rows = rows
+        self.capacity = capacity
+        self.item_bytes = item_bytes
+        self.pages_per_row = -(-capacity * item_bytes // page)
+        store.buffer_opened()  # a subclass whose own set-up fails calls store.buffer_closed()
+        self._table = PageTable(store.pool, rows=rows, pages_per_row=self.pages_per_row, page_size=page,
+                                hinted=hinted)
+        self._created: list[PageId] = []
+        self._closed = False
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def table(self) -> PageTable:
+        """The page table (read it; change it only through this buffer)."""
+        return self._table
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def length(self, row: int) -> int:
+        """Items row ``row`` holds."""
+        return self._open().row(row).length // self.item_bytes
+
+    def first_live(self, row: int) -> int:
+        """The first item of ``row`` still held (> 0 once pages were dropped behind a window;
+        ``length(row)`` when none is)."""
+        r = self._open().row(row)
+        return min(-(-r.start * self.arena.page_bytes // self.item_bytes), r.length // self.item_bytes)
+
+    def stats(self) -> BufferStats:
+        """Memory accounting (see :class:`BufferStats`)."""
+        table = self._open()
+        page = self.arena.page_bytes
+        used: dict[PageId, int] = {}
+        slots = 0
+        for row in table:
+            slots += len(row.pages)
+            for k, p in enumerate(row.pages):
+                fill = min(page, row.length - (row.start + k) * page)
+                if fill > used.get(p, 0):
+                    used[p] = fill
+        pool = self.arena.pool
+        return BufferStats(
+            page_bytes=page,
+            mapped_slots=slots,
+            distinct_pages=len(used),
+            shared_pages=sum(1 for p in used if pool.is_shared(p)),
+            resident_bytes=len(used) * page,
+            live_bytes=sum(used.values()),
+            cow_copies=table.cow_copies,
+        )
+
+    def check_invariants(self) -> None:
+        """Check the page table's and the pool's invariants (the translation follows the table
+        by construction; the state-machine tests check it through the memory)."""
+        self._open().check_invariants()
+
+    # ----------------------------------------------------------------------------- operations
+    def grow(self, rows: Iterable[int], length: int) -> None:
+        """Make each row hold at least ``length`` items (new items are uninitialized)."""
+        self._check_capacity(length)
+        with self._transaction() as table:
+            self._create([p for r in rows for p in table.grow(r, length * self.item_bytes)])
+
+    def prepare_write(self, rows: Iterable[int], start: int, end: int) -> None:
+        """Get items ``[start, end)`` of each row ready to be written: grow the rows to ``end``
+        and give them private copies of shared pages in the range (copy-on-write)."""
+        self._check_capacity(end)
+        if start < 0 or start > end:
+            raise ValueError(f"invalid write range [{start}, {end})")
+        with self._transaction() as table:
+            ib = self.item_bytes
+            for r in rows:
+                self._create(table.grow(r, end * ib))
+                copies, created = table.cow(r, start * ib, end * ib)
+                self._create(created)
+                self.arena.copy([(c.src, c.dst) for c in copies])
+
+    def share(self, src: int, dsts: Iterable[int], *, length: int | None = None) -> None:
+        """Make each row of ``dsts`` hold the first ``length`` items of ``src`` (all by default)
+        on the same pages: no bytes move."""
+        with self._transaction() as table:
+            units = None if length is None else length * self.item_bytes
+            for d in dsts:
+                if d != src:
+                    table.share(src, d, length=units)
+
+    def reorder(self, index: Sequence[int]) -> None:
+        """Row ``i`` takes row ``index[i]``'s pages (duplicates allowed); later rows are emptied."""
+        with self._transaction() as table:
+            table.reorder(index)
+
+    def truncate(self, rows: Iterable[int], length: int) -> None:
+        """Shrink each row to ``length`` items (rows already shorter are left alone)."""
+        with self._transaction() as table:
+            for r in rows:
+                table.truncate(r, min(length * self.item_bytes, table.row(r).length))
+
+    def drop_before(self, rows: Iterable[int], item: int) -> None:
+        """Drop the pages of each row that lie wholly before ``item``."""
+        with self._transaction() as table:
+            for r in rows:
+                table.drop_before(r, min(item * self.item_bytes, table.row(r).length))
+
+    def clear(self, rows: Iterable[int]) -> None:
+        """Empty the rows, returning their pages."""
+        with self._transaction() as table:
+            for r in rows:
+                table.clear(r)
+
+    def fork(self: _Self, *, rows: int | None = None) -> _Self:
+        """A new buffer of the same store whose rows share this buffer's pages (zero copy).
+
+        ``rows`` (default: the same) sizes the new buffer; rows past it must be empty."""
+        table = self._open()
+        rows = self.rows if rows is None else rows
+        extra = [r for r in range(rows, self.rows) if table.row(r).length]
+        if extra:
+            raise ValueError(f"cannot fork into {rows} rows: rows {extra[:4]} hold items")
+        other = self._sibling(rows)
+        try:
+            with other._transaction() as new:
+                for r in range(min(rows, self.rows)):
+                    new.assign(r, table.row(r))
+        except BaseException:
+            other.close()  # now, not when a traceback that holds it goes: it counts as an open buffer
+            raise
+        return other
+
+    def close(self) -> None:
+        """Return every page. Views taken earlier must not be used again."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------- for subclasses
+    def _sibling(self: _Self, rows: int) -> _Self:
+        """An empty buffer like this one with ``rows`` rows, on the same store."""
+        raise NotImplementedError
+
+    def _sync(self, changed: dict[int, Row]) -> None:
+        """Make the translation of the ``changed`` rows (old states given) follow the table; undo
+        all of it before raising on failure."""
+        raise NotImplementedError
+
+    def _open(self) -> PageTable:
+        if self._closed:
+            raise CacheClosedError("this buffer was closed and its pages returned; create a new cache")
+        return self._table
+
+    def _check_capacity(self, length: int) -> None:
+        if length > self.capacity:
+            raise CapacityError(
+                f"{length} items do not fit: rows were reserved for {self.capacity}; create the cache "
+                f"with a larger max length (max_cache_len / max_new_tokens)"
+            )
+
+    def _create(self, pages: list[PageId]) -> None:
+        if pages:
+            self.arena.create(pages)
+            self._created.extend(pages)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[PageTable]:
+        table = self._open()
+        pool = self.arena.pool
+        pool.begin()
+        table.begin()
+        self._created = []
+        try:
+            yield table
+            self._sync(table.changed_rows())
+        except BaseException:
+            table.rollback()
+            pool.rollback()
+            if self._created:
+                self.arena.release(self._created)
+            raise
+        else:
+            table.commit()
+            pool.commit()
+        finally:
+            self._created = []
