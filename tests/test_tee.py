@@ -11,23 +11,53 @@ shadow with the same inputs, and checks at each call that the answers are identi
 
 The generate wrapper is made to build a ``TeeCache`` instead of a ``VKVCache``, so the cache sees
 exactly what ``cache_implementation="vkv"`` gives it (row count, prompt repeats, options).
+
+Every test runs in both layouts. In the paged one (model on the ``"vkv_paged"`` attention, blocks
+of 4 tokens) ``update`` returns the new states tagged for the paged attention, so what is
+compared at each update is what that attention reads: the layer's tokens gathered through the
+block tables of the tag.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
-from models import SMALL_PAGE, assert_same_tokens, assistant, needs_sliding_rollback, prompts, tiny
+from models import (
+    PAGED_BLOCK_TOKENS,
+    SMALL_PAGE,
+    assert_same_tokens,
+    assistant,
+    current_layout,
+    needs_sliding_rollback,
+    prompts,
+    tiny,
+    vkv_attention,
+    vkv_layout,
+)
 from transformers.cache_utils import DynamicCache
 
 import hf_vkv.cache.registration as registration
 from hf_vkv import VKVCache
+from hf_vkv.attention.kernels import gather_kv
+from hf_vkv.cache.paged import PAGED_TAG
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True, params=["contiguous", "paged"])
+def layout(request: pytest.FixtureRequest) -> Iterator[str]:
+    with vkv_layout(request.param):
+        yield request.param
+
+
+def options() -> dict[str, int]:
+    """The VKV cache options of these tests in the current layout."""
+    return {"page_bytes": SMALL_PAGE, **({"block_tokens": PAGED_BLOCK_TOKENS} if current_layout() == "paged" else {})}
 
 
 class TeeCache(VKVCache):
@@ -49,8 +79,12 @@ class TeeCache(VKVCache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         exp_k, exp_v = self.shadow.update(key_states.clone(), value_states.clone(), layer_idx, *args, **kwargs)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        seen = keys, values
+        if self.layout == "paged":  # what the vkv_paged attention reads
+            tag = getattr(keys, PAGED_TAG)
+            seen = gather_kv(*tag.caches(), kv_offset=tag.kv_offset, kv_len=tag.kv_len)
         step = f"update #{self.calls['update']} of layer {layer_idx} (q={key_states.shape[2]})"
-        for name, got, exp in (("keys", keys, exp_k), ("values", values, exp_v)):
+        for name, got, exp in (("keys", seen[0], exp_k), ("values", seen[1], exp_v)):
             assert got.shape == exp.shape, f"{step}: {name} {tuple(got.shape)} vs {tuple(exp.shape)}"
             assert got.dtype == exp.dtype
             assert torch.equal(got, exp), f"{step}: returned {name} differ"
@@ -119,8 +153,9 @@ def _run(model: Any, inputs: dict[str, torch.Tensor], seed: int = 0, **kwargs: A
     torch.manual_seed(seed)
     ref = model.generate(**inputs, **kwargs)
     torch.manual_seed(seed)
-    got = model.generate(**inputs, cache_implementation="vkv", cache_config={"page_bytes": SMALL_PAGE},
-                         return_dict_in_generate=True, **kwargs)
+    with vkv_attention(model):
+        got = model.generate(**inputs, cache_implementation="vkv", cache_config=options(),
+                             return_dict_in_generate=True, **kwargs)
     assert_same_tokens(ref, got.sequences)
     return ref, got
 
@@ -142,7 +177,7 @@ def test_tee_generate(tee: type[TeeCache], case: str) -> None:
     model = tiny(arch)
     _, got = _run(model, prompts(2, 10, seed=21, **prompt_kwargs), max_new_tokens=20, **kwargs)
     (cache,) = tee.instances
-    assert got.past_key_values is cache
+    assert got.past_key_values is cache and cache.layout == current_layout()
     n_layers = model.config.num_hidden_layers
     assert cache.calls["update"] == 20 * n_layers  # prefill + 19 decode steps, every layer checked
     assert cache.calls["get_mask_sizes"] >= 20
@@ -157,7 +192,8 @@ def test_tee_generate(tee: type[TeeCache], case: str) -> None:
 def test_tee_assisted(tee: type[TeeCache], arch: str) -> None:
     """Assisted decoding: many-token updates and crops, on the main cache and the assistant's."""
     _run(tiny(arch), prompts(1, 9, seed=22), max_new_tokens=30, do_sample=False, assistant_model=assistant(arch))
-    assert len(tee.instances) == 2  # the main model's and the assistant's
+    assert len(tee.instances) == 2  # the main model's and the assistant's (whose attention is sdpa)
+    assert [c.layout for c in tee.instances] == [current_layout(), "contiguous"]
     for cache in tee.instances:
         assert cache.calls["crop"] > 0 and cache.calls["update"] > 0
         cache.check_invariants()
@@ -166,7 +202,12 @@ def test_tee_assisted(tee: type[TeeCache], arch: str) -> None:
 def test_tee_manual_loop_with_row_operations() -> None:
     """A hand-written decode loop on gemma3 (mixed window layers) with every row operation in between."""
     model = tiny("gemma3")
-    cache = TeeCache(model.config, page_bytes=SMALL_PAGE)
+    with vkv_attention(model):
+        _manual_loop(model)
+
+
+def _manual_loop(model: Any) -> None:
+    cache = TeeCache(model.config, **options())
     inputs = prompts(3, 7, seed=23, left_pad=[0, 2, 5])
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
 
@@ -226,7 +267,12 @@ def test_row_operations_match_dynamic_cache(arch: str) -> None:
     batch_repeat_interleave and reset leave the same K/V as in DynamicCache (compared after each),
     and decoding on top of them stays identical."""
     model = tiny(arch)
-    cache = TeeCache(model.config, page_bytes=SMALL_PAGE)
+    with vkv_attention(model):
+        _row_operations(model, arch)
+
+
+def _row_operations(model: Any, arch: str) -> None:
+    cache = TeeCache(model.config, **options())
     if arch == "mistral":
         cache.activate_past_recording()  # a sliding window can be cropped back only when recording
     _prefill(cache, model, 3, 11, seed=31)
@@ -255,12 +301,14 @@ def test_row_operations_match_dynamic_cache(arch: str) -> None:
 def test_reset_then_larger_batch() -> None:
     """After reset() a DynamicCache takes any batch; so does the VKV cache (and writes no stale rows)."""
     model = tiny("gemma3")
-    cache = TeeCache(model.config, page_bytes=SMALL_PAGE)
-    _prefill(cache, model, 2, 9, seed=39)
-    _decode(cache, model, 6, seed=40)
-    _reset_both(cache)
-    _prefill(cache, model, 5, 8, seed=41)
-    _decode(cache, model, 6, seed=42)
+    with vkv_attention(model):
+        cache = TeeCache(model.config, **options())
+        _prefill(cache, model, 2, 9, seed=39)
+        _decode(cache, model, 6, seed=40)
+        _reset_both(cache)
+        _prefill(cache, model, 5, 8, seed=41)
+        _decode(cache, model, 6, seed=42)
     cache.compare_all("larger batch after reset")
     assert cache.layers[0].keys.shape[0] == 5
     cache.check_invariants()
+

@@ -1,0 +1,115 @@
+"""The paged layout's own contract (token identity in every generate mode runs in
+``test_generate_ab.py`` and ``test_tee.py``, which cover both layouts).
+
+* the layout follows the attention implementation, and asking for ``layout="paged"`` on a model
+  whose attention cannot read it is a clear error;
+* ``from_pretrained(..., attn_implementation="vkv_paged")`` and ``pipeline`` work unchanged;
+* the attention reads the blocks in place: reorders and copy-on-write never move more than the
+  partly written tail block of a row;
+* with untagged K/V (any other cache) ``"vkv_paged"`` computes exactly as sdpa.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
+from models import SMALL_PAGE, assert_same_tokens, prompts, tiny, tokenizer, words
+from transformers import AutoModelForCausalLM, pipeline
+from transformers.cache_utils import DynamicCache
+
+from hf_vkv import VKVCache
+from hf_vkv.cache.paged import PAGED_TAG, PagedLayerGroup
+
+pytestmark = pytest.mark.integration
+
+
+def test_layout_follows_the_attention_implementation(tmp_path: Any) -> None:
+    tiny("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="vkv_paged")
+    assert model.config._attn_implementation == "vkv_paged"
+    cache = VKVCache(model.config)
+    assert cache.layout == "paged" and all(isinstance(g, PagedLayerGroup) for g in cache.groups)
+    assert VKVCache(model.config, layout="contiguous").layout == "contiguous"
+    assert VKVCache(tiny("llama").config).layout == "contiguous"
+
+
+def test_paged_layout_needs_the_paged_attention() -> None:
+    with pytest.raises(ValueError, match="attn_implementation='vkv_paged'"):
+        VKVCache(tiny("llama").config, layout="paged")
+    with pytest.raises(ValueError, match="block_tokens"):
+        VKVCache(tiny("llama").config, block_tokens=0)
+    with pytest.raises(ValueError, match="layout"):
+        VKVCache(tiny("llama").config, layout="ring")
+
+
+def test_from_pretrained_and_pipeline(tmp_path: Any) -> None:
+    tiny("qwen2").save_pretrained(tmp_path)
+    tok = tokenizer()
+    texts = [words(torch.arange(10, 19)), words(torch.arange(40, 44)), words(torch.arange(100, 113))]
+    out = {}
+    for attn in ("sdpa", "vkv_paged"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=attn)
+        pipe = pipeline("text-generation", model=model, tokenizer=tok)
+        extra = {"cache_implementation": "vkv"} if attn == "vkv_paged" else {}
+        torch.manual_seed(0)
+        out[attn] = pipe(texts, batch_size=2, max_new_tokens=12, do_sample=True, num_return_sequences=2, **extra)
+    assert out["sdpa"] == out["vkv_paged"]
+
+
+def test_beam_steps_copy_at_most_one_block_per_row_and_never_remap() -> None:
+    model = tiny("llama")
+    inputs = prompts(2, 9, seed=3, left_pad=[0, 2])
+    ref = model.generate(**inputs, max_new_tokens=16, num_beams=4, do_sample=False)
+    model.set_attn_implementation("vkv_paged")
+    try:
+        copies: list[int] = []
+        cache = VKVCache(model.config, block_tokens=4, page_bytes=SMALL_PAGE, batch_size=8, prompt_repeats=4)
+        (group,) = cache.groups
+        original = group.prepare
+
+        def counting_prepare(batch: int, start: int, end: int) -> None:
+            before = group.buffer.table.cow_copies if group.buffer is not None else 0
+            original(batch, start, end)
+            copies.append(group.buffer.table.cow_copies - before)
+
+        group.prepare = counting_prepare  # type: ignore[method-assign]
+        got = model.generate(**inputs, max_new_tokens=16, num_beams=4, do_sample=False, past_key_values=cache)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert_same_tokens(ref, got)
+    assert max(copies) <= 8 and sum(copies) > 0  # <= one block per row per step, and beams did copy
+    # the block store never moved: its memory is the high-water mark of blocks in use
+    store = group.buffer.arena
+    assert store.num_blocks <= store.pool.stats().in_use + store.pool.stats().resident_free
+    cache.check_invariants()
+
+
+def test_untagged_key_values_compute_as_sdpa() -> None:
+    """A DynamicCache under "vkv_paged": the attention gets plain K/V and gives sdpa's tokens."""
+    model = tiny("gemma3")
+    inputs = prompts(2, 9, seed=5, left_pad=[3, 0])
+    ref = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    model.set_attn_implementation("vkv_paged")
+    try:
+        got = model.generate(**inputs, max_new_tokens=12, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert_same_tokens(ref, got)
+
+
+def test_update_tags_only_its_own_tensor() -> None:
+    model = tiny("llama")
+    model.set_attn_implementation("vkv_paged")
+    try:
+        cache = VKVCache(model.config, block_tokens=4)
+        states = torch.randn(1, 2, 3, 16)
+        keys, values = cache.update(states, states.clone(), 0)
+    finally:
+        model.set_attn_implementation("sdpa")
+    tag = getattr(keys, PAGED_TAG)
+    assert (tag.layer, tag.kv_offset, tag.kv_len) == (0, 0, 3)
+    assert not hasattr(states, PAGED_TAG)  # the model's own tensor stays untagged
+    assert torch.equal(cache.layers[0].keys, states)  # gathered back through the block tables
