@@ -99,7 +99,8 @@ def load_prefix(
     ``model.generate(ids, past_key_values=cache)`` where ``ids`` starts with the token ids and has
     at least one more. ``cache_config`` holds :class:`~hf_vkv.CacheOptions` for the new cache.
     Only the host (CPU) backend exists today: another device raises the cache's
-    ``UnsupportedDeviceError`` when the states are written.
+    ``UnsupportedDeviceError`` when the states are written (a torch built without CUDA refuses
+    to move them there first).
 
     Raises:
         FileNotFoundError: no file at ``path``.

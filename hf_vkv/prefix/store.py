@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..cache import VKVCache
+from ..memory.errors import InvariantError
 from .cache_ops import fork_prefix, held_pages, min_reusable_length, rows
 from .errors import PrefixMismatchError
 from .fingerprint import config_fields, config_fingerprint, describe_difference
@@ -192,7 +193,8 @@ class PrefixStore:
             old = self._entries[key]
             if len(old.tokens) == shared and entry.min_reuse <= shared:
                 self._drop(old)  # a prefix of the new entry, which serves it as well
-        self._tree.insert(tokens, entry.id)
+        if self._tree.insert(tokens, entry.id) is not None:
+            raise InvariantError("an entry with the same token ids survived an insert (a bug in PrefixStore)")
         self._entries[entry.id] = entry
         self._dtype = _dtype_of(fork) or self._dtype
         self._inserts += 1
@@ -227,8 +229,6 @@ class PrefixStore:
     def check_invariants(self) -> None:
         """Check the radix tree, that it holds exactly the entries, each entry's shape and cache
         invariants, and the budget (raises :class:`~hf_vkv.InvariantError`)."""
-        from ..memory.errors import InvariantError
-
         self._tree.check_invariants()
         listed = {key: tokens for tokens, key in self._tree.items()}
         if listed != {e.id: e.tokens for e in self._entries.values()}:
@@ -256,16 +256,16 @@ class PrefixStore:
         if self._entries and dtype is not None and self._dtype is not None and dtype != self._dtype:
             raise PrefixMismatchError("dtype", f"the cache holds {dtype} K/V but the store's entries are "
                                       f"{self._dtype}; use one store per dtype")
-        n_rows = rows(cache)
-        if n_rows != 1:
-            raise ValueError(f"insert stores batch-1 caches, this one holds {n_rows} rows; keep one row first "
-                             f"(cache.batch_select_indices(torch.tensor([row])) on a fork)")
         n = cache.get_seq_length()
         if not 0 < length <= n:
             raise ValueError(
                 f"token_ids has {length} ids but the cache holds {n} tokens; pass the ids of the cached "
                 f"positions: out.sequences[0, :cache.get_seq_length()]"
             )
+        n_rows = rows(cache)
+        if n_rows != 1:
+            raise ValueError(f"insert stores batch-1 caches, this one holds {n_rows} rows; keep one row first "
+                             f"(cache.batch_select_indices(torch.tensor([row])) on a fork)")
 
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.id]
