@@ -1,30 +1,78 @@
-"""Which physical-memory backend serves key/value states on a given device."""
+"""Which physical-memory backend serves key/value states on a given device.
+
+* CPU states → the host backend (memfd pages mapped with ``mmap``);
+* CUDA states → the CUDA backend (``cuMemCreate`` pages mapped with ``cuMemMap``), imported only
+  here and only then, so ``import hf_vkv`` never touches CUDA. Without ``cuda-bindings`` or an
+  NVIDIA driver this raises :class:`~hf_vkv.cuda.driver.CudaUnavailableError` (an ``ImportError``)
+  naming ``pip install 'hf_vkv[cuda]'``;
+* anything else → :class:`UnsupportedDeviceError`.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from ..memory import Arena, HostBackend
-from ..memory.errors import VKVError
+from ..memory.errors import KVCacheOutOfMemory, VKVError
 
-__all__ = ["UnsupportedDeviceError", "arena_for_device"]
+__all__ = ["CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES", "UnsupportedDeviceError", "arena_for_device",
+           "default_cuda_budget"]
+
+#: The default CUDA budget leaves this share of the device's memory free for torch (activations,
+#: logits, its caching allocator) ...
+CUDA_MARGIN_FRACTION = 0.05
+#: ... and at least this many bytes.
+CUDA_MIN_MARGIN_BYTES = 1 << 30
 
 
 class UnsupportedDeviceError(VKVError, ValueError):
     """Key/value states arrived on a device no backend of this installation serves."""
 
 
-def arena_for_device(device: torch.device, *, page_bytes: int | None, budget_bytes: int | None) -> Arena:
-    """A new :class:`Arena` for ``device``: the host (memfd/mmap) backend for CPU states.
+def default_cuda_budget(free_bytes: int, total_bytes: int) -> int:
+    """The KV budget on a CUDA device when ``cache_config`` gives none: the memory the driver
+    reports free when the cache first sees the device (``torch.cuda.mem_get_info``; blocks held
+    by torch's caching allocator count as used) minus a margin of
+    ``max(CUDA_MIN_MARGIN_BYTES, CUDA_MARGIN_FRACTION * total_bytes)`` for torch's own
+    allocations during generation. Pages are created on demand up to it, not up front."""
+    return free_bytes - max(CUDA_MIN_MARGIN_BYTES, int(CUDA_MARGIN_FRACTION * total_bytes))
 
-    ``page_bytes`` / ``budget_bytes`` come from ``cache_config`` (``None``: the backend's default
-    page size, no budget beyond the reservation).
+
+def arena_for_device(device: torch.device, *, page_bytes: int | None, budget_bytes: int | None) -> Arena:
+    """A new :class:`Arena` for ``device``.
+
+    ``page_bytes`` / ``budget_bytes`` come from ``cache_config``. ``None`` page size: the
+    backend's default (host 256 KiB; CUDA the driver's allocation granularity, 2 MiB on
+    H100/H200). ``None`` budget: none beyond the reservation on the CPU; on CUDA
+    :func:`default_cuda_budget`.
     """
     device = torch.device(device)
-    if device.type != "cpu":
-        raise UnsupportedDeviceError(
-            f"key/value states are on {device}, but this installation of hf_vkv has only the host (CPU) "
-            f"backend; the CUDA backend comes with the hf_vkv[cuda] extra"
-        )
-    backend = HostBackend(page_bytes=page_bytes) if page_bytes else HostBackend()
+    if device.type == "cpu":
+        backend = HostBackend(page_bytes=page_bytes) if page_bytes else HostBackend()
+        return Arena(backend, budget_bytes=budget_bytes)
+    if device.type == "cuda":
+        return _cuda_arena(device, page_bytes=page_bytes, budget_bytes=budget_bytes)
+    raise UnsupportedDeviceError(
+        f"key/value states are on {device}, but hf_vkv has backends for CPU and CUDA devices only; "
+        f"move the model to 'cpu' or 'cuda', or use another cache_implementation"
+    )
+
+
+def _cuda_arena(device: torch.device, *, page_bytes: int | None, budget_bytes: int | None) -> Arena:
+    from ..cuda import CudaBackend, Driver  # lazy: the only place the package reaches for CUDA
+
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    driver = Driver(device.index)
+    page = page_bytes or driver.granularity()
+    if budget_bytes is None:
+        free, total = torch.cuda.mem_get_info(device)
+        budget_bytes = default_cuda_budget(free, total)
+        if budget_bytes < page:
+            raise KVCacheOutOfMemory(requested_bytes=page, free_bytes=max(budget_bytes, 0),
+                                     budget_bytes=max(budget_bytes, 0), what=f"one KV page on {device}")
+    if budget_bytes < page:
+        raise ValueError(f"cache_config['budget_bytes']={budget_bytes:,} is smaller than one page "
+                         f"({page:,} bytes) on {device}")
+    backend = CudaBackend(device, page_bytes=page, max_pages=budget_bytes // page, driver=driver)
     return Arena(backend, budget_bytes=budget_bytes)

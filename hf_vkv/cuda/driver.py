@@ -1,0 +1,192 @@
+"""The thin layer over CUDA's virtual memory management driver calls (``cuda.bindings.driver``).
+
+Every call goes through :func:`check`, which turns a non-success ``CUresult`` into a
+:class:`CudaDriverError` naming the call, the result's name and the driver's description of it.
+:class:`Driver` gives the eight VMM calls (granularity, reserve, create, map, set access, unmap,
+release, address free) and a device-to-device copy plain-int signatures; it keeps no state
+beyond the device it serves, so the policy (what to map where, when to synchronize) stays in
+:class:`~hf_vkv.cuda.backend.CudaBackend`.
+
+The bindings module is injectable (``Driver(module=...)``): the CPU tests pass a recording fake
+with the same names, and nothing here imports ``cuda.bindings`` until :func:`load_bindings` runs.
+CuPy has no VMM entry points, so nothing goes through it (``notes/vmm.md`` §1.1).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from ..memory.errors import BackendError, VKVError
+
+__all__ = ["CudaDriverError", "CudaUnavailableError", "Driver", "INSTALL_HINT", "check", "load_bindings"]
+
+#: How to get the driver bindings (named in :class:`CudaUnavailableError`).
+INSTALL_HINT = "pip install 'hf_vkv[cuda]'"
+
+
+class CudaUnavailableError(VKVError, ImportError):
+    """The CUDA backend cannot run here: ``cuda-bindings`` is not installed, or no NVIDIA driver
+    (``libcuda.so.1``) can be loaded. The message says which and what to do."""
+
+
+class CudaDriverError(BackendError):
+    """A CUDA driver call returned an error.
+
+    ``call`` names the call (``"cuMemCreate"``), ``result`` is the ``CUresult`` name
+    (``"CUDA_ERROR_OUT_OF_MEMORY"``) and ``code`` its integer value.
+    """
+
+    def __init__(self, call: str, result: str, code: int, description: str) -> None:
+        self.result = result
+        self.code = code
+        super().__init__(call, f"{result} ({code}): {description}")
+
+
+def load_bindings() -> ModuleType:
+    """Import ``cuda.bindings.driver`` (cuda-python 12.6+/13.x), or raise :class:`CudaUnavailableError`
+    naming the ``hf_vkv[cuda]`` extra."""
+    try:
+        return importlib.import_module("cuda.bindings.driver")
+    except ImportError as exc:
+        raise CudaUnavailableError(
+            f"the CUDA backend of hf_vkv needs NVIDIA's driver bindings (cuda-bindings), which are not "
+            f"installed ({exc}); install them with {INSTALL_HINT}"
+        ) from exc
+
+
+def _result_name(module: Any, err: Any) -> tuple[str, int]:
+    code = int(err)
+    name = getattr(err, "name", None)
+    if name is None:
+        try:
+            name = module.CUresult(code).name
+        except (ValueError, AttributeError):
+            name = "CUresult"
+    return str(name), code
+
+
+def _describe(module: Any, err: Any) -> str:
+    """The driver's own sentence for ``err`` (needs the driver; falls back to a placeholder)."""
+    try:
+        status, text = module.cuGetErrorString(err)
+    except Exception:  # noqa: BLE001  (no driver to ask: the name alone must do)
+        return "no description (the driver could not be asked)"
+    if int(status) != 0 or text is None:
+        return "no description"
+    return text.decode() if isinstance(text, bytes) else str(text)
+
+
+def check(call: str, result: Any, *, module: Any) -> Any:
+    """Unpack the ``(CUresult, *outputs)`` tuple a binding returns.
+
+    Returns ``None`` for no output, the output for one, a tuple for several; raises
+    :class:`CudaDriverError` (naming ``call`` and the error) when the result is not success.
+    """
+    if not isinstance(result, tuple) or not result:
+        raise BackendError(call, f"unexpected return value {result!r} from the driver bindings")
+    err, *out = result
+    if int(err) != 0:  # CUDA_SUCCESS is 0 in every CUDA version
+        name, code = _result_name(module, err)
+        raise CudaDriverError(call, name, code, _describe(module, err))
+    if not out:
+        return None
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+class Driver:
+    """The VMM calls for one device, with plain ints for addresses, sizes and handles.
+
+    ``device_index`` is the CUDA ordinal (the ``N`` of ``cuda:N``). Construction runs ``cuInit``
+    and builds the allocation properties (pinned device memory on that device, no export handle)
+    and the read-write access descriptor once. A missing driver library surfaces as
+    :class:`CudaUnavailableError`.
+    """
+
+    def __init__(self, device_index: int, *, module: Any | None = None) -> None:
+        self.cu = load_bindings() if module is None else module
+        self.device_index = device_index
+        try:
+            self._check("cuInit", self.cu.cuInit(0))
+        except CudaDriverError:
+            raise
+        except (OSError, RuntimeError) as exc:  # cuda.pathfinder's DynamicLibNotFoundError is a RuntimeError
+            raise CudaUnavailableError(
+                f"the NVIDIA driver library (libcuda.so.1) could not be loaded ({exc}): the CUDA backend needs a "
+                f"machine with an NVIDIA GPU and driver; on CPU-only machines keep key/value states on the CPU"
+            ) from exc
+        cu = self.cu
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device_index
+        self._prop = prop
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device_index
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]
+
+    def _check(self, call: str, result: Any) -> Any:
+        return check(call, result, module=self.cu)
+
+    # ----------------------------------------------------------------------------- queries
+    def granularity(self) -> int:
+        """Bytes of one physical page: the larger of the minimum and recommended granularities
+        (2 MiB on H100/H200; queried, never assumed)."""
+        flags = self.cu.CUmemAllocationGranularity_flags
+        low = self._check("cuMemGetAllocationGranularity",
+                          self.cu.cuMemGetAllocationGranularity(self._prop, flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+        rec = self._check("cuMemGetAllocationGranularity",
+                          self.cu.cuMemGetAllocationGranularity(self._prop,
+                                                                flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        return max(int(low), int(rec))
+
+    def driver_version(self) -> int:
+        """``cuDriverGetVersion`` (e.g. 13000 for CUDA 13.0)."""
+        return int(self._check("cuDriverGetVersion", self.cu.cuDriverGetVersion()))
+
+    # ----------------------------------------------------------------------------- address space
+    def reserve(self, nbytes: int, alignment: int) -> int:
+        """``cuMemAddressReserve``: ``nbytes`` of virtual address space aligned to ``alignment``."""
+        return int(self._check("cuMemAddressReserve", self.cu.cuMemAddressReserve(nbytes, alignment, 0, 0)))
+
+    def address_free(self, address: int, nbytes: int) -> None:
+        """``cuMemAddressFree`` of exactly one reservation."""
+        self._check("cuMemAddressFree", self.cu.cuMemAddressFree(address, nbytes))
+
+    # ----------------------------------------------------------------------------- physical memory
+    def create(self, nbytes: int) -> int:
+        """``cuMemCreate``: one physical allocation of ``nbytes`` on the device; returns its handle."""
+        return int(self._check("cuMemCreate", self.cu.cuMemCreate(nbytes, self._prop, 0)))
+
+    def release(self, handle: int) -> None:
+        """``cuMemRelease``: the memory goes once no mapping of it remains."""
+        self._check("cuMemRelease", self.cu.cuMemRelease(handle))
+
+    # ----------------------------------------------------------------------------- mappings
+    def map(self, address: int, nbytes: int, handle: int) -> None:
+        """``cuMemMap`` of a whole allocation (offset 0, as the driver requires) at ``address``."""
+        self._check("cuMemMap", self.cu.cuMemMap(address, nbytes, 0, handle, 0))
+
+    def set_access(self, address: int, nbytes: int) -> None:
+        """``cuMemSetAccess``: read-write for this device over a fully mapped range (it may span
+        several mappings)."""
+        self._check("cuMemSetAccess", self.cu.cuMemSetAccess(address, nbytes, self._access, 1))
+
+    def unmap(self, address: int, nbytes: int) -> None:
+        """``cuMemUnmap`` of whole mappings (several adjacent ones at once). No kernel may be using
+        the range: the caller synchronizes first."""
+        self._check("cuMemUnmap", self.cu.cuMemUnmap(address, nbytes))
+
+    def retain_handle(self, address: int) -> int:
+        """``cuMemRetainAllocationHandle``: the handle mapped at ``address`` (one more reference:
+        give it back with :meth:`release`). Used by tests to ask the driver what is mapped."""
+        return int(self._check("cuMemRetainAllocationHandle", self.cu.cuMemRetainAllocationHandle(address)))
+
+    # ----------------------------------------------------------------------------- copies
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cuMemcpyDtoDAsync`` on ``stream`` (a ``CUstream`` as int, 0 = the legacy default)."""
+        self._check("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream))
