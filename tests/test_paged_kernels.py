@@ -208,7 +208,7 @@ def naive_attention(case: Case) -> torch.Tensor:
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 @pytest.mark.parametrize("padded", [False, True], ids=["causal", "padded"])
 @pytest.mark.parametrize("kv_offset,ragged", [(0, False), (19, True)], ids=["full", "offset+ragged"])
-@pytest.mark.parametrize("q", [1, 5], ids=["decode", "prefill"])
+@pytest.mark.parametrize("q", [1, 5, 37], ids=["decode", "prefill", "first-prefill"])  # kv_len is 37
 def test_reference_matches_naive_per_row_sdpa(block_size, padded, kv_offset, ragged, q):
     case = make_case(block_size=block_size, padded=padded, kv_offset=kv_offset, ragged=ragged, q=q)
     out = paged_attention_reference(*case.args(), **case.kwargs())
