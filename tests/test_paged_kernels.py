@@ -227,6 +227,22 @@ def test_gather_kv_is_an_exact_copy(block_size, dtype):
     assert empty.shape == (3, 2, 0, 16)
 
 
+def test_gather_and_reference_on_caches_whose_blocks_do_not_flatten():
+    """Blocks with spare slots (``stride(0) != block_size * stride(1)``) take the advanced-index path."""
+    case = make_case(block_size=7, kv_offset=9, q=3, padded=True)
+    caches = []
+    for cache in (case.key_cache, case.value_cache):
+        roomy = torch.randn(cache.shape[0], 9, *cache.shape[2:])
+        roomy[:, :7] = cache
+        caches.append(roomy[:, :7])
+    assert caches[0].stride(0) != 7 * caches[0].stride(1)
+    keys, values = gather_kv(*caches, case.block_tables, kv_offset=9, kv_len=37)
+    assert torch.equal(keys, case.keys[:, :, 9:]) and torch.equal(values, case.values[:, :, 9:])
+    roomy_case = dataclasses.replace(case, key_cache=caches[0], value_cache=caches[1])
+    out = paged_attention_reference(*roomy_case.args(), **roomy_case.kwargs())
+    torch.testing.assert_close(out.double(), naive_attention(case), atol=1e-5, rtol=1e-5)
+
+
 def test_hand_built_padding_mask_is_what_transformers_makes():
     masking_utils = pytest.importorskip("transformers.masking_utils")
     pads, lengths, q, kv_offset, kv_len = [0, 3, 11], [12, 12, 12], 4, 2, 12
