@@ -1,90 +1,266 @@
-"""The ``hf-vkv`` command: ``hf-vkv demo`` runs the embedded model with the vkv cache and compares
-it with DynamicCache."""
+"""The ``hf-vkv`` command.
+
+* ``hf-vkv demo``: generate on the embedded SmolLM2 with the vkv cache, print the text, then a
+  compact A/B table against DynamicCache (greedy, beam search, sampling).
+* ``hf-vkv ab``: one A/B run of your choice (model, prompts, mode, layout), step by step, as a
+  table, JSON (``--json``) and a plot of KV memory over the steps (``--plot``).
+* ``hf-vkv bench``: the benchmark grid (quick by default, ``--full`` for the whole one), as a table
+  and JSON.
+
+Exit status: 0 when every A/B run was identical to DynamicCache (tokens, logits and, with the tee,
+K/V), 1 when one diverged, 2 for a usage error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .ab import ABReport
+
+__all__ = ["DEMO_PROMPT", "exit_code", "main"]
 
 DEMO_PROMPT = "Explain in two sentences why a key-value cache makes text generation faster."
+#: ``--model`` value that means the embedded SmolLM2-135M-Instruct.
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
 
 
-def _kv_bytes(cache: Any) -> int:
-    """Physical KV bytes: VKV's resident pages, or the tensors of a transformers cache."""
-    from .cache import VKVCache
-
-    if isinstance(cache, VKVCache):
-        return cache.stats().resident_bytes
-    return sum(
-        t.numel() * t.element_size()
-        for layer in getattr(cache, "layers", [])
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-        if t is not None and hasattr(t, "numel")
-    )
+def exit_code(reports: Sequence[ABReport]) -> int:
+    """0 when every report is identical to DynamicCache, else 1."""
+    return 0 if all(r.identical for r in reports) else 1
 
 
-def _run(model: Any, inputs: dict, *, cache: str, **kwargs: Any) -> tuple[Any, float, int]:
+def _load(name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``"default"``: the embedded SmolLM2 (float32); otherwise a local model folder with its tokenizer."""
     import torch
 
-    extra = {"cache_implementation": "vkv"} if cache == "vkv" else {}
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(**inputs, return_dict_in_generate=True, **extra, **kwargs)
-    return out.sequences, time.perf_counter() - t0, _kv_bytes(out.past_key_values)
+    if name == DEFAULT_MODEL:
+        from .default_model import load_default_model
+
+        print("loading the embedded SmolLM2-135M-Instruct (converted once to safetensors, then cached)...",
+              file=sys.stderr, flush=True)
+        return load_default_model(dtype=torch.float32)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
 
 
+def _encode(tok: PreTrainedTokenizerBase, texts: Sequence[str], *, chat: bool) -> dict[str, Any]:
+    """Left-padded ``input_ids`` / ``attention_mask`` ``[len(texts), longest]``; with ``chat`` (and a
+    chat template), each text is one user message."""
+    if chat and getattr(tok, "chat_template", None):
+        texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+                 for t in texts]
+    tok.padding_side = "left"
+    return dict(tok(list(texts), return_tensors="pt", padding=True))
+
+
+def _check_model(name: str, parser: argparse.ArgumentParser) -> None:
+    if name != DEFAULT_MODEL and not Path(name).is_dir():
+        parser.error(f"--model {name!r} is neither 'default' nor a local model folder (this tool never downloads: "
+                     "save a model and its tokenizer with save_pretrained and pass the folder)")
+
+
+def _pad_id(tok: PreTrainedTokenizerBase) -> int | None:
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------------------- demo
 def demo(args: argparse.Namespace) -> int:
     """Generate on the embedded SmolLM2 with vkv, print the text and an A/B table."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
+    from .ab import format_summary, run_ab
 
-    from .default_model import load_default_model
-
-    print("loading the embedded SmolLM2-135M-Instruct (converted once to safetensors, then cached)...", flush=True)
-    model, tok = load_default_model(dtype=torch.float32)
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                   add_generation_prompt=True)
-    inputs = dict(tok(text, return_tensors="pt"))
+    _threads(args.threads)
+    model, tok = _load(DEFAULT_MODEL)
+    inputs = _encode(tok, [args.prompt], chat=True)
     prompt_len = inputs["input_ids"].shape[1]
-    common = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id)
+    common = dict(max_new_tokens=args.max_new_tokens, pad_token_id=_pad_id(tok), progress=True)
+    reports = []
+    for label, kwargs in (("greedy", {}), ("beam search, 4 beams", {"num_beams": 4}),
+                          ("sampling, n=8", {"do_sample": True, "num_return_sequences": 8})):
+        print(f"A/B run: {label} ...", file=sys.stderr, flush=True)
+        reports.append((label, run_ab(model, inputs, **common, **kwargs)))
+        if len(reports) == 1:  # the greedy vkv run's text, as soon as it exists
+            print("\n" + tok.decode(list(reports[0][1].generated_vkv[0]), skip_special_tokens=True).strip() + "\n",
+                  flush=True)
+    print(f"A/B against DynamicCache (prompt {prompt_len} tokens, {args.max_new_tokens} new tokens, CPU fp32; "
+          "K/V: every layer's keys/values compared at every step; KV: peak resident bytes; step: mean decode step):")
+    print(format_summary(reports))
+    print("\nOne run step by step, with JSON and a plot: hf-vkv ab --model default --mode beam --json ab.json "
+          "--plot ab.png")
+    return exit_code([r for _, r in reports])
 
-    seq, _, _ = _run(model, inputs, cache="vkv", **common)
-    print("\n" + tok.decode(seq[0, prompt_len:], skip_special_tokens=True).strip() + "\n")
 
-    rows = []
-    for name, kwargs in (("greedy", {}), ("beam search, 4 beams", {"num_beams": 4}),
-                         ("sampling, n=8", {"do_sample": True, "num_return_sequences": 8})):
-        ref, t_ref, kv_ref = _run(model, inputs, cache="dynamic", **common, **kwargs)
-        got, t_got, kv_got = _run(model, inputs, cache="vkv", **common, **kwargs)
-        rows.append((name, torch.equal(ref, got), kv_ref, kv_got, t_ref, t_got))
+# ------------------------------------------------------------------------------------------- ab
+_MODE_KWARGS = {"greedy": {"do_sample": False}, "sample": {"do_sample": True}, "beam": {"do_sample": False}}
 
-    print(f"A/B against DynamicCache (prompt {prompt_len} tokens, {args.max_new_tokens} new tokens, CPU fp32):")
-    header = f"{'mode':22s} {'tokens':>10s} {'KV dynamic':>11s} {'KV vkv':>9s} {'ratio':>6s} {'time dyn':>9s} {'time vkv':>9s}"
-    print(header)
-    print("-" * len(header))
-    for name, same, kv_ref, kv_got, t_ref, t_got in rows:
-        print(f"{name:22s} {'identical' if same else 'DIFFERENT':>10s} {kv_ref / 2**20:9.2f}Mi {kv_got / 2**20:7.2f}Mi "
-              f"{kv_got / kv_ref if kv_ref else float('nan'):6.2f} {t_ref:8.2f}s {t_got:8.2f}s")
-    return 0 if all(r[1] for r in rows) else 1
+
+def _ab_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Generation arguments of ``--mode`` / ``--num-beams`` / ``--num-return-sequences``, checked."""
+    kwargs: dict[str, Any] = dict(_MODE_KWARGS[args.mode])
+    if args.mode == "beam":
+        kwargs["num_beams"] = args.num_beams or 4
+        if kwargs["num_beams"] < 2:
+            parser.error("--num-beams must be >= 2 with --mode beam")
+        if args.num_return_sequences > kwargs["num_beams"]:
+            parser.error("--num-return-sequences cannot exceed --num-beams")
+    elif args.num_beams not in (None, 1):
+        parser.error("--num-beams needs --mode beam")
+    if args.num_return_sequences < 1:
+        parser.error("--num-return-sequences must be >= 1")
+    if args.num_return_sequences > 1:
+        if args.mode == "greedy":
+            parser.error("greedy decoding returns one sequence per prompt: use --mode sample or --mode beam "
+                         "with --num-return-sequences")
+        kwargs["num_return_sequences"] = args.num_return_sequences
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be >= 1")
+    return kwargs
+
+
+def _prompt_texts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    if args.prompts_file is not None:
+        try:
+            lines = [line.strip() for line in Path(args.prompts_file).read_text().splitlines()]
+        except OSError as e:
+            parser.error(f"--prompts-file: cannot read {args.prompts_file}: {e.strerror}")
+        texts = [line for line in lines if line]
+        if not texts:
+            parser.error(f"--prompts-file {args.prompts_file} has no non-empty line (one prompt per line)")
+        return texts
+    return args.prompt or [DEMO_PROMPT]
+
+
+def ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """One A/B run: table on stdout, optional JSON and plot."""
+    from .ab import format_report, paged_attention_available, plot_report, run_ab
+
+    kwargs = _ab_kwargs(args, parser)
+    texts = _prompt_texts(args, parser)
+    if args.layout == "paged" and not paged_attention_available():
+        parser.error("--layout paged needs the 'vkv_paged' attention implementation, which this hf_vkv does not "
+                     "register yet; use --layout contiguous")
+    _check_model(args.model, parser)
+    _threads(args.threads)
+    model, tok = _load(args.model)
+    inputs = _encode(tok, texts, chat=not args.raw)
+    report = run_ab(model, inputs, max_new_tokens=args.max_new_tokens, layout=args.layout, tee=not args.no_tee,
+                    seed=args.seed, progress=True, pad_token_id=_pad_id(tok), **kwargs)
+    if args.model == DEFAULT_MODEL:
+        report = dataclasses.replace(report, model=DEFAULT_MODEL_NAME)
+    text = tok.decode(list(report.generated_vkv[0]), skip_special_tokens=True).strip()
+    print(f"vkv, sequence 0: {text!r}\n")
+    print(format_report(report))
+    if args.json is not None:
+        print(f"wrote {report.write_json(args.json)}")
+    if args.plot is not None:
+        print(f"wrote {plot_report(report, args.plot)}")
+    return exit_code([report])
+
+
+# ---------------------------------------------------------------------------------------- bench
+def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The benchmark grid: table on stdout, JSON to ``--json``."""
+    import json
+
+    from .ab.bench import FULL_GRID, QUICK_GRID, Grid, bench_report, format_bench, run_bench
+    from .ab.harness import describe_environment
+
+    grid = FULL_GRID if args.full else QUICK_GRID
+    try:
+        grid = Grid(prompt_lengths=tuple(args.prompt_lengths or grid.prompt_lengths),
+                    batches=tuple(args.batches or grid.batches), modes=tuple(args.modes or grid.modes),
+                    new_tokens=args.new_tokens or grid.new_tokens)
+    except ValueError as e:
+        parser.error(str(e))
+    _check_model(args.model, parser)
+    _threads(args.threads)
+    model, _ = _load(args.model)
+    results = run_bench(model, grid, seed=args.seed, progress=True)
+    name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL else args.model
+    report = bench_report(results, model=name, grid=grid, command=" ".join(["hf-vkv", *sys.argv[1:]]),
+                          environment=describe_environment(model))
+    print(format_bench(results))
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path} ({len(results)} runs, grid {dataclasses.asdict(grid)})")
+    return 0 if all(r["identical"] for r in results) else 1
+
+
+# ----------------------------------------------------------------------------------------- main
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-vkv", description="A virtual-memory KV cache for transformers. "
+                                     "Exit status: 0 identical to DynamicCache, 1 diverged, 2 usage error.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="generate on the embedded SmolLM2 with vkv and A/B it against DynamicCache")
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.set_defaults(func=lambda args, _: demo(args), command_parser=p)
+
+    p = sub.add_parser("ab", help="one A/B run against DynamicCache, step by step (table, JSON, plot)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="'default' (the embedded SmolLM2) or a local model folder "
+                   "with its tokenizer (default: %(default)s)")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; default: the demo's)")
+    prompts.add_argument("--prompts-file", help="a text file with one prompt per line (a left-padded batch)")
+    p.add_argument("--raw", action="store_true", help="do not wrap prompts in the tokenizer's chat template")
+    p.add_argument("--mode", choices=sorted(_MODE_KWARGS), default="greedy")
+    p.add_argument("--num-beams", type=int, default=None, help="beams of --mode beam (default 4)")
+    p.add_argument("--num-return-sequences", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--layout", choices=("contiguous", "paged"), default="contiguous",
+                   help="paged: the vkv run reads pages through the 'vkv_paged' attention")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tee", action="store_true", help="compare tokens and logits only, not every layer's K/V")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON (hf_vkv.ab/1)")
+    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="plot KV memory and step time")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.set_defaults(func=ab, command_parser=p)
+
+    p = sub.add_parser("bench", help="A/B benchmark grid: speed and KV memory against DynamicCache, as JSON")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="'default' or a local model folder (default: %(default)s)")
+    p.add_argument("--full", action="store_true", help="the full grid: prompts 64 512 2048, batches 1 4 8, "
+                   "32 new tokens (tens of minutes on 2 CPU cores); default: prompt 64, batches 1 4, 16 new tokens")
+    p.add_argument("--prompt-lengths", type=int, nargs="+", default=None)
+    p.add_argument("--batches", type=int, nargs="+", default=None)
+    p.add_argument("--modes", nargs="+", default=None, choices=("greedy", "beam4", "sample8"))
+    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", default="hf-vkv-bench.json", metavar="OUT", help="default: %(default)s")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.set_defaults(func=bench, command_parser=p)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hf-vkv`` console script."""
-    parser = argparse.ArgumentParser(prog="hf-vkv", description="A virtual-memory KV cache for transformers.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="generate on the embedded SmolLM2 with vkv and A/B it against DynamicCache")
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.set_defaults(func=demo)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = _parser()
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    return int(args.func(args, args.command_parser))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,23 @@
+"""A/B against DynamicCache: the same ``generate()`` with both caches, compared step by step.
+
+    from hf_vkv.ab import run_ab, format_report
+    report = run_ab(model, inputs, max_new_tokens=32, num_beams=4)
+    print(format_report(report))          # per step: tokens, K/V, max |logit diff|, KV bytes, time
+    assert report.identical, report.first_divergence
+    report.write_json("ab.json")          # schema: hf_vkv.ab.schema.AB_REPORT_SCHEMA
+
+Modules: :mod:`.harness` (``run_ab``), :mod:`.probes` (what is attached to each run),
+:mod:`.records` (the report), :mod:`.schema` (its JSON schema), :mod:`.table`, :mod:`.plot`,
+:mod:`.bench` (the benchmark grid of ``hf-vkv bench``).
+"""
+
+from .harness import PAGED_ATTENTION, paged_attention_available, run_ab
+from .plot import plot_report
+from .records import SCHEMA_VERSION, ABReport, Divergence, RunSummary, StepReport
+from .schema import AB_REPORT_SCHEMA
+from .table import format_report, format_summary
+
+__all__ = [
+    "AB_REPORT_SCHEMA", "ABReport", "Divergence", "PAGED_ATTENTION", "RunSummary", "SCHEMA_VERSION", "StepReport",
+    "format_report", "format_summary", "paged_attention_available", "plot_report", "run_ab",
+]

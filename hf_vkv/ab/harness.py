@@ -1,0 +1,361 @@
+"""``run_ab``: the same ``generate()`` with DynamicCache and with vkv, compared step by step.
+
+Both runs get a cache built here and passed as ``past_key_values`` (``DynamicCache(config=...)``
+and ``VKVCache(config, batch_size=rows, prompt_repeats=k)``, sized and configured as
+``cache_implementation="vkv"`` would size it), the same seed, and a :class:`~.probes.StepProbe`
+in ``logits_processor``; with ``tee=True`` an :class:`~.probes.UpdateTee` on each cache. Logits
+come from ``output_logits=True``. The comparison is exact: the A/B is an oracle, so any difference
+in tokens, logits or K/V is a divergence (there is no tolerance).
+
+Beam search reorders rows between steps: row ``i`` of one run is compared with row ``i`` of the
+other at the same step, which is right as long as both made the same choices so far, i.e. up to
+the first divergence, the only place reported precisely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import platform
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from transformers import LogitsProcessorList, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+
+from ..cache import CacheOptions, VKVCache
+from .probes import StepProbe, UpdateTee, kv_bytes
+from .records import ABReport, Divergence, RunSummary, StepReport
+
+__all__ = [
+    "Layout", "PAGED_ATTENTION", "VKVCacheFactory", "describe_environment", "paged_attention_available", "run_ab",
+]
+
+Layout = Literal["contiguous", "paged"]
+#: The attention implementation that reads the vkv cache through block tables (layout "paged").
+PAGED_ATTENTION = "vkv_paged"
+#: Builds the cache under test: ``factory(config, batch_size=rows, prompt_repeats=k, options=...)``.
+VKVCacheFactory = Callable[..., Cache]
+
+# run_ab sets these itself; a caller passing them would change what is compared
+_RESERVED = ("past_key_values", "cache_implementation", "cache_config", "logits_processor", "output_logits",
+             "return_dict_in_generate", "streamer", "assistant_model", "prompt_lookup_num_tokens", "max_new_tokens",
+             "input_ids", "attention_mask")
+
+
+def paged_attention_available() -> bool:
+    """Whether ``"vkv_paged"`` is registered with transformers' ``AttentionInterface``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return PAGED_ATTENTION in ALL_ATTENTION_FUNCTIONS
+
+
+@dataclass(slots=True)
+class _Run:
+    """What one generate() left behind (tensors on the CPU)."""
+
+    sequences: torch.Tensor  # [returned rows, prompt + new]
+    logits: list[torch.Tensor]  # per step: [rows, vocab] float32
+    probe: StepProbe
+    tee: UpdateTee | None
+    wall_s: float
+    final_kv_bytes: int  # after generate() returned (beam search reorders once more after the last step)
+
+
+def run_ab(
+    model: PreTrainedModel,
+    inputs: Mapping[str, torch.Tensor],
+    *,
+    max_new_tokens: int = 32,
+    layout: Layout = "contiguous",
+    tee: bool = True,
+    seed: int = 0,
+    cache_config: Mapping[str, Any] | None = None,
+    vkv_cache_factory: VKVCacheFactory | None = None,
+    progress: bool = False,
+    **generate_kwargs: Any,
+) -> ABReport:
+    """Run ``model.generate(**inputs, **generate_kwargs)`` with DynamicCache, then with vkv; compare.
+
+    Args:
+        model: a causal LM (any architecture ``cache_implementation="vkv"`` supports).
+        inputs: ``input_ids`` ``[batch, prompt]`` (int64) and optionally ``attention_mask``
+            ``[batch, prompt]`` (left padding), on the model's device.
+        max_new_tokens: tokens to generate per row.
+        layout: ``"contiguous"`` (attention as the model has it) or ``"paged"`` (the vkv run uses the
+            ``"vkv_paged"`` attention implementation; the model's own is restored afterwards).
+        tee: record every layer's K/V at every step in both runs and compare them (costs a
+            digest of each update; excluded from the step times).
+        seed: ``torch.manual_seed(seed)`` before each run (sampling draws the same numbers).
+        cache_config: options of the vkv cache (as ``generate(cache_config=...)``).
+        vkv_cache_factory: builds the cache of the vkv run instead of :class:`VKVCache` (tests use
+            it to inject faults): called as ``factory(model.config, batch_size=rows,
+            prompt_repeats=k, options=CacheOptions, layer_devices=...)``.
+        progress: show a progress bar per run on stderr.
+        **generate_kwargs: the generation mode: ``do_sample``, ``num_beams``,
+            ``num_return_sequences``, ``temperature``, ... (not the ones this function sets:
+            caches, logits processors, output options).
+
+    Returns:
+        An :class:`ABReport`; ``report.identical`` is the verdict, ``report.first_divergence``
+        says where a difference started.
+
+    Raises:
+        ValueError / TypeError: bad arguments (named in the message); ``layout="paged"`` when
+            ``"vkv_paged"`` is not registered.
+    """
+    _check_arguments(model, inputs, max_new_tokens=max_new_tokens, layout=layout, tee=tee, seed=seed,
+                     generate_kwargs=generate_kwargs)
+    options = CacheOptions.from_dict(dict(cache_config or {}))
+    config = model.generation_config
+    num_beams = int(generate_kwargs.get("num_beams", config.num_beams) or 1)
+    num_return = int(generate_kwargs.get("num_return_sequences", config.num_return_sequences) or 1)
+    do_sample = bool(generate_kwargs.get("do_sample", config.do_sample))
+    batch, prompt_len = inputs["input_ids"].shape
+    expand = max(num_beams, num_return)
+    rows = batch * expand
+    if options.max_tokens is None:  # as the generate wrapper does: room for the whole context
+        context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
+        options = dataclasses.replace(options, max_tokens=max(prompt_len + max_new_tokens + 1, context))
+    factory = vkv_cache_factory or VKVCache
+
+    def dynamic_cache() -> Cache:
+        return DynamicCache(config=model.config)
+
+    def vkv_cache() -> Cache:
+        from ..cache.registration import _layer_devices
+
+        return factory(model.config, batch_size=rows, prompt_repeats=expand, options=options,
+                       layer_devices=_layer_devices(model))
+
+    common = dict(inputs, max_new_tokens=max_new_tokens, **generate_kwargs)
+    ref = _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",
+                    progress=progress)
+    gc.collect()
+    previous = model.config._attn_implementation
+    if layout == "paged":
+        model.set_attn_implementation(PAGED_ATTENTION)
+    try:
+        got = _generate(model, vkv_cache, common, seed=seed, tee=tee, source=_source(layout), label="vkv",
+                        progress=progress)
+    finally:
+        if layout == "paged":
+            model.set_attn_implementation(previous)
+    gc.collect()
+
+    steps, first = _compare(ref, got, tee=tee)
+    kwargs_json = {k: v for k, v in {**generate_kwargs, "max_new_tokens": max_new_tokens}.items()
+                   if isinstance(v, (bool, int, float, str, type(None)))}
+    return ABReport(
+        model=str(getattr(model.config, "name_or_path", "") or type(model).__name__),
+        layout=layout,
+        mode="beam" if num_beams > 1 else "sample" if do_sample else "greedy",
+        tee=tee, seed=seed, generate_kwargs=kwargs_json, prompt_tokens=int(prompt_len), batch=int(batch),
+        rows=rows, tokens_identical=_same_tensor(ref.sequences, got.sequences), first_divergence=first,
+        dynamic=_summary("dynamic", ref), vkv=_summary("vkv", got), steps=steps,
+        generated_dynamic=_generated(ref.sequences, prompt_len), generated_vkv=_generated(got.sequences, prompt_len),
+        environment=describe_environment(model),
+    )
+
+
+def _check_arguments(model: Any, inputs: Any, *, max_new_tokens: Any, layout: Any, tee: Any, seed: Any,
+                     generate_kwargs: dict[str, Any]) -> None:
+    if not callable(getattr(model, "generate", None)) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers model with generate(), got {type(model).__name__}")
+    if not isinstance(inputs, Mapping) or not isinstance(inputs.get("input_ids"), torch.Tensor):
+        raise TypeError("inputs must be a mapping with an 'input_ids' tensor [batch, prompt] "
+                        "(e.g. dict(tokenizer(texts, return_tensors='pt', padding=True)))")
+    if inputs["input_ids"].dim() != 2:
+        raise ValueError(f"inputs['input_ids'] must be [batch, prompt], got shape {tuple(inputs['input_ids'].shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if layout not in ("contiguous", "paged"):
+        raise ValueError(f"layout must be 'contiguous' or 'paged', got {layout!r}")
+    if layout == "paged" and not paged_attention_available():
+        raise ValueError(
+            f"layout='paged' needs the {PAGED_ATTENTION!r} attention implementation, which this hf_vkv does not "
+            "register (transformers.AttentionInterface has no such name); use layout='contiguous'"
+        )
+    if not isinstance(tee, bool):
+        raise TypeError(f"tee must be a bool, got {tee!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    reserved = sorted(set(generate_kwargs) & set(_RESERVED))
+    if reserved:
+        raise ValueError(f"run_ab sets {reserved} itself (caches, probes and outputs it compares); leave them out, "
+                         "and pass the vkv options as cache_config=..., the length as max_new_tokens=...")
+
+
+def _source(layout: Layout) -> Literal["returned", "stored"]:
+    # the paged attention reads pages, not what update returns: compare what the layers store
+    return "stored" if layout == "paged" else "returned"
+
+
+def _generate(model: PreTrainedModel, make_cache: Callable[[], Cache], kwargs: dict[str, Any], *, seed: int,
+              tee: bool, source: Literal["returned", "stored"], label: str, progress: bool) -> _Run:
+    from tqdm.auto import tqdm
+
+    cache = make_cache()
+    recorder = UpdateTee(source=source) if tee else None
+    if recorder is not None:
+        recorder.attach(cache)
+    bar = tqdm(total=kwargs["max_new_tokens"], desc=f"{label:>7s}", unit="step", file=sys.stderr, leave=False,
+               disable=not progress)
+    probe = StepProbe(cache, tee=recorder, progress=bar)
+    try:
+        torch.manual_seed(seed)
+        probe.start()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**kwargs, past_key_values=cache, logits_processor=LogitsProcessorList([probe]),
+                                 output_logits=True, return_dict_in_generate=True)
+        wall = time.perf_counter() - t0
+    finally:
+        bar.close()
+        UpdateTee.detach(cache)
+    final = kv_bytes(cache)
+    logits = [step.detach().float().cpu() for step in out.logits]
+    sequences = out.sequences.detach().cpu()
+    probe.cache = None  # the runs' caches go as soon as the outputs do
+    return _Run(sequences=sequences, logits=logits, probe=probe, tee=recorder, wall_s=wall, final_kv_bytes=final)
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
+
+
+def _step_tokens(run: _Run, step: int) -> torch.Tensor | None:
+    """``[rows]`` tokens chosen at ``step``: the last ids the probe sees one step later; for the
+    last step, the last column of the returned sequences."""
+    if step + 1 < len(run.probe.last_ids):
+        return run.probe.last_ids[step + 1]
+    if step + 1 == len(run.probe.last_ids):
+        return run.sequences[:, -1]
+    return None
+
+
+def _differing_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
+    """Rows ``i`` with ``a[i] != b[i]`` anywhere (NaN equals NaN); all rows when shapes differ."""
+    if a.shape != b.shape:
+        return tuple(range(max(a.shape[0], b.shape[0])))
+    same = a == b
+    if a.is_floating_point():
+        same |= a.isnan() & b.isnan()
+    return tuple(int(i) for i in (~same.reshape(a.shape[0], -1)).any(dim=1).nonzero().flatten())
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    same = (a == b) | (a.isnan() & b.isnan())
+    if bool(same.all()):
+        return 0.0
+    return float((a - b).abs()[~same].max())  # nan where one side is nan
+
+
+def _kv_differences(ref: UpdateTee, got: UpdateTee, step: int) -> list[tuple[int, int, str]]:
+    """(layer, row, "keys"/"values") that differ at ``step``, in computation order."""
+    out = []
+    for layer in sorted(set(ref.digests) | set(got.digests)):
+        a = ref.digests.get(layer, [])
+        b = got.digests.get(layer, [])
+        if step >= len(a) and step >= len(b):
+            continue
+        if step >= len(a) or step >= len(b):
+            out.append((layer, 0, "keys"))
+            continue
+        for row in range(max(len(a[step].keys), len(b[step].keys))):
+            for name in ("keys", "values"):
+                da, db = getattr(a[step], name), getattr(b[step], name)
+                if row >= len(da) or row >= len(db) or da[row] != db[row]:
+                    out.append((layer, row, name))
+                    break
+    return out
+
+
+def _compare(ref: _Run, got: _Run, *, tee: bool) -> tuple[tuple[StepReport, ...], Divergence | None]:
+    n_ref, n_got = len(ref.probe.times), len(got.probe.times)
+    steps: list[StepReport] = []
+    first: Divergence | None = None
+    for t in range(max(n_ref, n_got)):
+        both = t < n_ref and t < n_got
+        kv_diff = _kv_differences(ref.tee, got.tee, t) if tee and ref.tee and got.tee else []
+        tokens_equal = logit_diff = None
+        rows: tuple[int, ...] = ()
+        found: Divergence | None = None
+        if kv_diff:
+            layer, row, name = kv_diff[0]
+            found = Divergence(step=t, kind="kv", layer=layer, row=row, tensor=name,
+                               detail=f"layer {layer}'s {name} of row {row} differ from DynamicCache's")
+        if both:
+            logit_diff = _max_abs_diff(ref.logits[t], got.logits[t])
+            logit_rows = _differing_rows(ref.logits[t], got.logits[t])
+            if logit_rows and found is None:
+                found = Divergence(step=t, kind="logits", layer=None, row=logit_rows[0], tensor=None,
+                                   detail=f"logits differ (max |difference| {logit_diff:.3g})")
+            a, b = _step_tokens(ref, t), _step_tokens(got, t)
+            token_rows = _differing_rows(a, b) if a is not None and b is not None else ()
+            tokens_equal = not token_rows
+            rows = tuple(sorted(set(token_rows) | set(logit_rows)))
+            if token_rows and found is None:
+                r = token_rows[0]
+                found = Divergence(step=t, kind="tokens", layer=None, row=r, tensor=None,
+                                   detail=f"token {_token_at(got, t, r)} instead of {_token_at(ref, t, r)}")
+        elif found is None:
+            longer = "vkv" if t < n_got else "DynamicCache"
+            found = Divergence(step=t, kind="steps", layer=None, row=None, tensor=None,
+                               detail=f"only the {longer} run has this step ({n_ref} steps vs {n_got})")
+        if first is None:
+            first = found
+        steps.append(StepReport(
+            step=t, tokens_equal=tokens_equal, rows_differing=rows, max_abs_logit_diff=logit_diff,
+            kv_equal=(not kv_diff) if tee else None, layers_differing=tuple(sorted({d[0] for d in kv_diff})),
+            kv_bytes_dynamic=ref.probe.kv_bytes[t] if t < n_ref else None,
+            kv_bytes_vkv=got.probe.kv_bytes[t] if t < n_got else None,
+            time_dynamic_s=ref.probe.times[t] if t < n_ref else None,
+            time_vkv_s=got.probe.times[t] if t < n_got else None,
+        ))
+    if first is None and not _same_tensor(ref.sequences, got.sequences):
+        # every step agreed but the returned sequences differ (beam search's final selection)
+        rows_ = _differing_rows(ref.sequences, got.sequences)
+        first = Divergence(step=max(n_ref, n_got) - 1, kind="tokens", layer=None, row=rows_[0] if rows_ else None,
+                           tensor=None, detail="the returned sequences differ")
+    return tuple(steps), first
+
+
+def _token_at(run: _Run, step: int, row: int) -> int | None:
+    tokens = _step_tokens(run, step)
+    return int(tokens[row]) if tokens is not None and row < tokens.shape[0] else None
+
+
+def _summary(cache: Literal["dynamic", "vkv"], run: _Run) -> RunSummary:
+    times = run.probe.times
+    kv = run.probe.kv_bytes
+    return RunSummary(
+        cache=cache, steps=len(times), wall_s=run.wall_s, prefill_s=times[0] if times else 0.0,
+        decode_step_s=sum(times[1:]) / (len(times) - 1) if len(times) > 1 else None,
+        kv_peak_bytes=max([*kv, run.final_kv_bytes]), kv_final_bytes=run.final_kv_bytes,
+    )
+
+
+def _generated(sequences: torch.Tensor, prompt_len: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(x) for x in row) for row in sequences[:, prompt_len:])
+
+
+def describe_environment(model: PreTrainedModel) -> dict[str, str]:
+    """Device, dtype and library versions of a run (strings, for the JSON reports)."""
+    import transformers
+
+    from .. import __version__
+
+    device = next(model.parameters()).device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {
+        "device": f"{device.type}: {name}", "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "torch": torch.__version__, "transformers": transformers.__version__, "hf_vkv": __version__,
+        "python": platform.python_version(), "torch_threads": str(torch.get_num_threads()),
+    }

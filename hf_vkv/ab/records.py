@@ -1,0 +1,140 @@
+"""The records an A/B run produces: per step, per run, the first divergence, the whole report.
+
+Every record is a frozen slots dataclass of plain Python values (no tensors), so a report can be
+kept, compared and written as JSON (:meth:`ABReport.to_json`, schema in :mod:`hf_vkv.ab.schema`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["SCHEMA_VERSION", "ABReport", "Divergence", "DivergenceKind", "RunSummary", "StepReport"]
+
+#: Version of the JSON written by :meth:`ABReport.to_json`; bumped on any incompatible change.
+SCHEMA_VERSION = "hf_vkv.ab/1"
+
+#: What differed first: a layer's K/V (tee), a row's logits, a row's chosen token, or the number of
+#: steps (one run stopped earlier).
+DivergenceKind = Literal["kv", "logits", "tokens", "steps"]
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """The first place where the vkv run differs from the DynamicCache run.
+
+    Within a step the order is the order of computation: K/V of layer 0..L-1 (keys before values),
+    then logits, then the chosen tokens. ``row`` indexes the running rows of that step
+    (``batch x max(num_beams, num_return_sequences)`` of them); at the last step of beam search,
+    ``kind="tokens"`` indexes the returned sequences instead.
+    """
+
+    step: int  # 0 is the prefill
+    kind: DivergenceKind
+    layer: int | None  # set for kind "kv"
+    row: int | None  # None for kind "steps"
+    tensor: Literal["keys", "values"] | None  # set for kind "kv"
+    detail: str  # one human-readable sentence
+
+    def describe(self) -> str:
+        """``"step 3, layer 1, row 0 (keys): ..."``."""
+        where = [f"step {self.step}"]
+        if self.layer is not None:
+            where.append(f"layer {self.layer}")
+        if self.row is not None:
+            where.append(f"row {self.row}")
+        what = f" ({self.tensor})" if self.tensor else ""
+        return f"{', '.join(where)}{what}: {self.detail}"
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One generation step (a forward and the choice of the next tokens) of both runs.
+
+    A field is ``None`` where it cannot be compared: the step exists in one run only, or the tee
+    was off (``kv_equal``).
+    """
+
+    step: int  # 0 is the prefill
+    tokens_equal: bool | None  # the tokens chosen at this step, all rows
+    rows_differing: tuple[int, ...]  # rows whose token or logits differ
+    max_abs_logit_diff: float | None  # max over rows and vocabulary of |logit_vkv - logit_dynamic|
+    kv_equal: bool | None  # every layer's K/V equal, every row (tee mode)
+    layers_differing: tuple[int, ...]  # layers whose K or V differ in some row (tee mode)
+    kv_bytes_dynamic: int | None  # DynamicCache: bytes of its layers' key/value tensors
+    kv_bytes_vkv: int | None  # VKVCache: resident bytes of its pages
+    time_dynamic_s: float | None  # wall time of the step, the harness's own bookkeeping excluded
+    time_vkv_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """One run (one cache) as a whole."""
+
+    cache: Literal["dynamic", "vkv"]
+    steps: int
+    wall_s: float  # the whole generate() call, bookkeeping included
+    prefill_s: float  # step 0 (generate's set-up, prefill, first token)
+    decode_step_s: float | None  # mean time of steps 1.. (None with a single step)
+    kv_peak_bytes: int  # the most over the steps and at the end
+    kv_final_bytes: int  # after generate() returned
+
+
+@dataclass(frozen=True, slots=True)
+class ABReport:
+    """The outcome of :func:`hf_vkv.ab.run_ab`: the same ``generate()`` with DynamicCache and vkv.
+
+    ``identical`` is the verdict: same tokens, same logits, and (tee mode) the same K/V at every
+    step, layer and row. Otherwise ``first_divergence`` says where it started.
+    """
+
+    model: str
+    layout: Literal["contiguous", "paged"]
+    mode: Literal["greedy", "sample", "beam"]
+    tee: bool
+    seed: int
+    generate_kwargs: dict[str, Any]  # JSON-able generation arguments of both runs
+    prompt_tokens: int  # input length (padding included)
+    batch: int
+    rows: int  # batch x max(num_beams, num_return_sequences)
+    tokens_identical: bool  # the returned sequences are equal
+    first_divergence: Divergence | None
+    dynamic: RunSummary
+    vkv: RunSummary
+    steps: tuple[StepReport, ...]
+    generated_dynamic: tuple[tuple[int, ...], ...]  # returned sequences, prompt removed
+    generated_vkv: tuple[tuple[int, ...], ...]
+    environment: dict[str, str] = field(default_factory=dict)  # versions and device
+
+    @property
+    def identical(self) -> bool:
+        """Tokens, logits and (tee mode) K/V identical everywhere."""
+        return self.tokens_identical and self.first_divergence is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of :data:`~hf_vkv.ab.schema.AB_REPORT_SCHEMA` (``schema`` key first)."""
+        body = asdict(self)
+        body["identical"] = self.identical
+        for key in ("steps", "generated_dynamic", "generated_vkv"):
+            body[key] = [list(x) if isinstance(x, tuple) else x for x in body[key]]
+        for step in body["steps"]:
+            step["rows_differing"] = list(step["rows_differing"])
+            step["layers_differing"] = list(step["layers_differing"])
+            diff = step["max_abs_logit_diff"]
+            if diff is not None and not math.isfinite(diff):  # JSON has no inf/nan
+                step["max_abs_logit_diff"] = "nan" if math.isnan(diff) else "inf"
+        return {"schema": SCHEMA_VERSION, **body}
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """The report as JSON text (see :meth:`to_dict`)."""
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def write_json(self, path: str | Path) -> Path:
+        """Write :meth:`to_json` to ``path`` (parent folders created); return the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n")
+        return path

