@@ -1,0 +1,169 @@
+"""Shared pieces of the GPU suite: the skip rule, a fault-injecting CUDA backend, and the
+driver-side views of what is mapped (the GPU counterparts of ``tests/conftest.py``'s helpers).
+
+Every test here is marked ``gpu`` and skipped, with the reason, where torch sees no CUDA device
+or ``cuda-bindings`` is missing. Run with ``pytest -m gpu tests/gpu`` (see ``docs/gpu.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from hf_vkv.memory import BackendError, PageId, VirtualBuffer
+
+HAS_GPU = torch.cuda.is_available()
+HAS_BINDINGS = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
+
+#: Apply to every GPU test module: ``pytestmark = GPU``.
+GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(not HAS_BINDINGS, reason="needs cuda-bindings: pip install 'hf_vkv[cuda]'"),
+]
+
+
+def cuda_backend(**kwargs):
+    """A CudaBackend on the current device (imported lazily: the module imports on CPU too)."""
+    from hf_vkv.cuda import CudaBackend
+
+    return CudaBackend(torch.device("cuda", torch.cuda.current_device()), **kwargs)
+
+
+class FaultyCudaBackend:
+    """A :class:`~hf_vkv.cuda.CudaBackend` that fails the ``fail_at``-th call to one of its
+    methods, with the interface of ``tests/conftest.py``'s ``FaultyBackend`` (so the state machine
+    of ``tests/test_state_machine.py`` runs on it). ``page_bytes`` must be the device's granularity
+    (the state machine is run with its ``PAGE`` set to it); ``create_ahead=1`` keeps no spare
+    handles, so ``resident_bytes()`` counts pages only."""
+
+    FAULTABLE = ("create", "map", "unmap", "copy")
+
+    def __init__(self, *, page_bytes: int, name: str = "hf_vkv-gpu-test") -> None:
+        self.inner = cuda_backend(page_bytes=page_bytes, create_ahead=1, max_pages=256)
+        self.name = name
+        self.page_bytes = self.inner.page_bytes
+        self.device = self.inner.device
+        self.calls = dict.fromkeys(self.FAULTABLE, 0)
+        self.failures = 0
+        self.resident_bytes_at_close: int | None = None
+        self._armed: tuple[str, int, bool] | None = None
+
+    def arm(self, method: str, fail_at: int, *, partial: bool = False) -> None:
+        assert method in self.FAULTABLE and fail_at >= 1
+        self._armed = (method, self.calls[method] + fail_at, partial)
+
+    @property
+    def armed(self) -> bool:
+        return self._armed is not None
+
+    def disarm(self) -> bool:
+        pending, self._armed = self._armed is not None, None
+        return pending
+
+    def _fails(self, method: str) -> bool:
+        self.calls[method] += 1
+        if self._armed is not None and self._armed[0] == method and self._armed[1] == self.calls[method]:
+            self._armed = None
+            self.failures += 1
+            return True
+        return False
+
+    def create(self, pages: Sequence[PageId]) -> None:
+        if self._fails("create"):
+            raise BackendError("create", "injected failure")
+        self.inner.create(pages)
+
+    def map(self, address: int, pages: Sequence[PageId]) -> None:
+        armed = self._armed
+        if self._fails("map"):
+            if armed is not None and armed[2] and len(pages) > 1:
+                self.inner.map(address, pages[: len(pages) // 2])
+            raise BackendError("cuMemMap", "injected failure")
+        self.inner.map(address, pages)
+
+    def unmap(self, address: int, num_pages: int) -> None:
+        if self._fails("unmap"):
+            raise BackendError("cuMemUnmap", "injected failure")
+        self.inner.unmap(address, num_pages)
+
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+        if self._fails("copy"):
+            raise BackendError("cuMemcpyDtoDAsync", "injected failure")
+        self.inner.copy(pairs)
+
+    def close(self) -> None:
+        if self.resident_bytes_at_close is None:
+            self.resident_bytes_at_close = self.inner.resident_bytes()
+        self.inner.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def _inner(buf: VirtualBuffer):
+    backend = buf.arena.backend
+    return getattr(backend, "inner", backend)
+
+
+def driver_mapped_pages(buf: VirtualBuffer) -> dict[tuple[int, int], int]:
+    """``{(row, slot): page}`` as the *driver* sees it: for every page slot of ``buf``'s
+    reservation, ``cuMemRetainAllocationHandle`` says which allocation is mapped there (or fails:
+    nothing is); the handle is translated back to the backend's page id."""
+    from hf_vkv.cuda import CudaDriverError
+
+    backend = _inner(buf)
+    by_handle = {backend.handle(p): int(p) for p in backend._slot_of}
+    page = backend.page_bytes
+    out: dict[tuple[int, int], int] = {}
+    for r in range(buf.rows):
+        for s in range(buf.row_stride // page):
+            address = buf.address + r * buf.row_stride + s * page
+            try:
+                handle = backend._driver.retain_handle(address)
+            except CudaDriverError:
+                continue
+            backend._driver.release(handle)  # retain took a reference
+            out[(r, s)] = by_handle.get(handle, -handle)
+    return out
+
+
+def expected_mapped_pages(buf: VirtualBuffer) -> dict[tuple[int, int], int]:
+    return {(r, row.start + k): int(p) for r, row in enumerate(buf.table) for k, p in enumerate(row.pages)}
+
+
+def check_mapped_pages(*bufs: VirtualBuffer) -> None:
+    """The driver maps exactly what the page tables say (the GPU ``mapped_pages`` fixture)."""
+    for buf in bufs:
+        expected = expected_mapped_pages(buf)
+        backend = _inner(buf)
+        lo, hi = buf.address, buf.address + buf.rows * buf.row_stride
+        recorded = {((a - lo) // buf.row_stride, (a - lo) % buf.row_stride // backend.page_bytes): int(p)
+                    for a, p in backend.mapped().items() if lo <= a < hi}
+        assert recorded == expected
+        assert driver_mapped_pages(buf) == expected
+
+
+def gpu_snapshot(*bufs: VirtualBuffer, id_space: bool = True) -> dict:
+    """``tests/conftest.py``'s ``snapshot`` for device buffers: bytes are read back to the host."""
+    pool = bufs[0].arena.pool
+    stats = pool.stats()
+    if not id_space:
+        stats = dataclasses.replace(stats, id_space=0)
+    return {
+        "rows": [tuple(b.table) for b in bufs],
+        "counters": [(b.table.cow_copies, b.table.remapped_rows) for b in bufs],
+        "stats": stats,
+        "in_use": pool.in_use_pages(),
+        "resident_free": pool.resident_free_pages(),
+        "refcounts": {p: pool.refcount(p) for p in pool.in_use_pages()},
+        "mapped": [driver_mapped_pages(b) for b in bufs],
+        "bytes": [
+            [b.view(range(r, r + 1), b.first_live(r), b.length(r)).cpu().numpy().tobytes() for r in range(b.rows)]
+            for b in bufs
+        ],
+    }
