@@ -334,7 +334,7 @@ def test_missing_cuda_bindings_names_the_extra(monkeypatch) -> None:
 
 
 def test_other_devices_are_refused_and_cpu_keeps_the_host_backend() -> None:
-    with pytest.raises(UnsupportedDeviceError, match="CPU and CUDA"):
+    with pytest.raises(UnsupportedDeviceError, match=r"only the host \(CPU\) and CUDA devices"):
         arena_for_device(torch.device("meta"), page_bytes=None, budget_bytes=None)
     arena = arena_for_device(torch.device("cpu"), page_bytes=8192, budget_bytes=None)
     assert type(arena.backend).__name__ == "HostBackend" and arena.page_bytes == 8192

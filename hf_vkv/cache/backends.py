@@ -53,7 +53,7 @@ def arena_for_device(device: torch.device, *, page_bytes: int | None, budget_byt
     if device.type == "cuda":
         return _cuda_arena(device, page_bytes=page_bytes, budget_bytes=budget_bytes)
     raise UnsupportedDeviceError(
-        f"key/value states are on {device}, but hf_vkv has backends for CPU and CUDA devices only; "
+        f"key/value states are on {device}, but hf_vkv serves only the host (CPU) and CUDA devices; "
         f"move the model to 'cpu' or 'cuda', or use another cache_implementation"
     )
 
