@@ -127,10 +127,10 @@ def run_ab(
         return DynamicCache(config=model.config)
 
     def vkv_cache() -> Cache:
-        from ..cache.registration import _layer_devices
+        from ..cache.registration import layer_devices_of
 
         return factory(model.config, batch_size=rows, prompt_repeats=expand, options=options,
-                       layer_devices=_layer_devices(model))
+                       layer_devices=layer_devices_of(model))
 
     common = dict(inputs, max_new_tokens=max_new_tokens, **generate_kwargs)
     ref = _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",

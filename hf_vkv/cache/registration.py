@@ -26,7 +26,7 @@ from transformers.generation.utils import GenerationMixin
 from .cache import VKVCache
 from .options import CacheOptions
 
-__all__ = ["register", "CACHE_IMPLEMENTATION"]
+__all__ = ["register", "CACHE_IMPLEMENTATION", "layer_devices_of"]
 
 CACHE_IMPLEMENTATION = "vkv"
 _MARK = "_hf_vkv_wrapped"
@@ -82,7 +82,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     cache: Any = VKVCache(
         model.config, batch_size=batch_size * expand, prompt_repeats=expand, options=options,
-        layer_devices=_layer_devices(model),
+        layer_devices=layer_devices_of(model),
     )
     if model.config.is_encoder_decoder:
         cache = EncoderDecoderCache(cache, DynamicCache(config=model.config.get_text_config(decoder=True)))
@@ -92,7 +92,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
     return None
 
 
-def _layer_devices(model: Any) -> dict[int, torch.device] | None:
+def layer_devices_of(model: Any) -> dict[int, torch.device] | None:
     """Execution device of each decoder layer when accelerate spread them over several devices.
 
     Offloaded layers ("cpu"/"disk" in ``hf_device_map``) run on the main device, so their KV

@@ -25,9 +25,8 @@ Decisions, in one place:
   extends another makes the shorter one redundant: it is dropped at insert.
 * **Files** (``persist.py``): safetensors, per-layer K/V plus JSON metadata (format version,
   layout ``"contiguous"``, dtype, token ids, config fingerprint and fields, optional weights
-  fingerprint). A file loads only onto a device whose backend exists: today the host (CPU)
-  backend; ``device="cuda"`` raises the cache's ``UnsupportedDeviceError`` until the CUDA backend
-  lands (a torch built without CUDA refuses the move before that).
+  fingerprint). A file loads onto any device the cache has a backend for: the host (CPU) backend,
+  or the CUDA backend on a CUDA device (``hf_vkv[cuda]``; not yet run on a GPU).
 """
 
 from .errors import PrefixFileCorruptError, PrefixFileError, PrefixFormatError, PrefixMismatchError

@@ -98,9 +98,8 @@ def load_prefix(
     its ``config`` (and optionally the expected ``dtype``). Continue with
     ``model.generate(ids, past_key_values=cache)`` where ``ids`` starts with the token ids and has
     at least one more. ``cache_config`` holds :class:`~hf_vkv.CacheOptions` for the new cache.
-    Only the host (CPU) backend exists today: another device raises the cache's
-    ``UnsupportedDeviceError`` when the states are written (a torch built without CUDA refuses
-    to move them there first).
+    ``device`` picks the backend as the cache does: host pages on CPU, the CUDA backend on a
+    CUDA device (``hf_vkv[cuda]``; not yet run on a GPU), ``UnsupportedDeviceError`` elsewhere.
 
     Raises:
         FileNotFoundError: no file at ``path``.
