@@ -32,7 +32,7 @@ __all__ = ["PagedLayerGroup", "PagedKV", "PAGED_TAG", "DEFAULT_BLOCK_TOKENS"]
 #: Attribute of the key tensor ``update`` returns in the paged layout.
 PAGED_TAG = "_hf_vkv_paged"
 #: Default tokens per block (chosen by ``benchmarks/paged_cpu.py``; see the README).
-DEFAULT_BLOCK_TOKENS = 64
+DEFAULT_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
