@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers.generation.streamers import BaseStreamer
 
 import hf_vkv
+from common import StepClock  # benchmarks/common.py
 from hf_vkv.default_model import load_default_model
 
 MODES = {
@@ -40,19 +40,6 @@ MODES = {
     "sample8": dict(do_sample=True, num_return_sequences=8, top_k=0, top_p=1.0, temperature=1.0),
 }
 CACHES = ("dynamic", "static", "vkv")
-
-
-class StepClock(BaseStreamer):
-    """Records the time each ``put`` arrives (the first one is the prompt)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def kv_bytes(cache: object) -> int:
@@ -79,10 +66,7 @@ def run_one(model, input_ids, attention_mask, *, cache: str, mode: str, new_toke
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, streamer=clock,
                              pad_token_id=model.generation_config.eos_token_id, **kwargs)
     wall = time.perf_counter() - t0
-    steps = None
-    if clock is not None and len(clock.times) > 2:
-        gen = clock.times[1:]  # drop the prompt's put
-        steps = (gen[-1] - gen[0]) / (len(gen) - 1)
+    steps = clock.step_seconds() if clock is not None else None
     result = dict(cache=cache, mode=mode, wall_s=wall, decode_step_s=steps, kv_bytes=kv_bytes(out.past_key_values))
     result["_sequences"] = out.sequences
     del out

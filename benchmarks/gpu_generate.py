@@ -36,25 +36,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 import hf_vkv
+from common import StepClock  # benchmarks/common.py
 
 CACHES = ("dynamic", "static", "vkv", "vkv-layer")
 MAPPING_CALLS = ("create", "map", "set_access", "synchronize", "unmap", "release")
-
-
-class StepClock(BaseStreamer):
-    """Records when each ``put`` arrives (the first is the prompt)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 class DriverLog:

@@ -28,24 +28,11 @@ from pathlib import Path
 import torch
 import transformers
 from transformers.cache_utils import Cache
-from transformers.generation.streamers import BaseStreamer
 
 import hf_vkv
+from common import StepClock  # benchmarks/common.py
 from hf_vkv import VKVCache
 from hf_vkv.default_model import load_default_model
-
-
-class StepClock(BaseStreamer):
-    """Records when each ``put`` arrives (the first one is the prompt)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def run(model, ids, *, attn: str, cache_config: dict | None, new_tokens: int, beams: int) -> dict:
@@ -74,10 +61,7 @@ def run(model, ids, *, attn: str, cache_config: dict | None, new_tokens: int, be
         Cache.reorder_cache = original
         model.set_attn_implementation("sdpa")
     cache = out.past_key_values
-    step = None
-    if clock is not None:
-        gen = clock.times[1:]
-        step = (gen[-1] - gen[0]) / (len(gen) - 1)
+    step = clock.step_seconds() if clock is not None else None
     if isinstance(cache, VKVCache):
         kv = cache.stats().resident_bytes
     else:

@@ -22,13 +22,14 @@ class FaultyBackend:
     :meth:`arm` picks the method and the call (1 = the next one); the failing call raises
     :class:`BackendError` without doing anything, or, with ``partial=True`` and a ``map`` of several
     pages, after mapping the first half of them (as a real ``map`` of several runs can). Every call
-    is counted in ``calls``, so a dry run tells how many calls an operation makes.
+    is counted in ``calls``, so a dry run tells how many calls an operation makes. ``inner``
+    replaces the host backend it wraps (the GPU suite wraps a CUDA backend).
     """
 
     FAULTABLE = ("create", "map", "unmap", "copy")
 
-    def __init__(self, *, page_bytes: int, name: str = "hf_vkv-test") -> None:
-        self.inner = HostBackend(page_bytes=page_bytes, name=name)
+    def __init__(self, *, page_bytes: int, name: str = "hf_vkv-test", inner: object | None = None) -> None:
+        self.inner = inner if inner is not None else HostBackend(page_bytes=page_bytes, name=name)
         self.name = name  # the memfd shows in /proc/self/maps as /memfd:<name>
         self.page_bytes = self.inner.page_bytes
         self.device = self.inner.device

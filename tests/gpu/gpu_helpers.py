@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from collections.abc import Sequence
 
 import pytest
 import torch
+from conftest import FaultyBackend  # tests/conftest.py (pytest puts tests/ on sys.path for it)
 
-from hf_vkv.memory import BackendError, PageId, VirtualBuffer
+from hf_vkv.memory import VirtualBuffer
 
 HAS_GPU = torch.cuda.is_available()
 HAS_BINDINGS = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
@@ -34,75 +34,15 @@ def cuda_backend(**kwargs):
     return CudaBackend(torch.device("cuda", torch.cuda.current_device()), **kwargs)
 
 
-class FaultyCudaBackend:
-    """A :class:`~hf_vkv.cuda.CudaBackend` that fails the ``fail_at``-th call to one of its
-    methods, with the interface of ``tests/conftest.py``'s ``FaultyBackend`` (so the state machine
-    of ``tests/test_state_machine.py`` runs on it). ``page_bytes`` must be the device's granularity
-    (the state machine is run with its ``PAGE`` set to it); ``create_ahead=1`` keeps no spare
-    handles, so ``resident_bytes()`` counts pages only."""
-
-    FAULTABLE = ("create", "map", "unmap", "copy")
+class FaultyCudaBackend(FaultyBackend):
+    """``tests/conftest.py``'s ``FaultyBackend`` around a :class:`~hf_vkv.cuda.CudaBackend` (so the
+    state machine of ``tests/test_state_machine.py`` runs on it). ``page_bytes`` must be the
+    device's granularity (the state machine is run with its ``PAGE`` set to it);
+    ``create_ahead=1`` keeps no spare handles, so ``resident_bytes()`` counts pages only."""
 
     def __init__(self, *, page_bytes: int, name: str = "hf_vkv-gpu-test") -> None:
-        self.inner = cuda_backend(page_bytes=page_bytes, create_ahead=1, max_pages=256)
-        self.name = name
-        self.page_bytes = self.inner.page_bytes
-        self.device = self.inner.device
-        self.calls = dict.fromkeys(self.FAULTABLE, 0)
-        self.failures = 0
-        self.resident_bytes_at_close: int | None = None
-        self._armed: tuple[str, int, bool] | None = None
-
-    def arm(self, method: str, fail_at: int, *, partial: bool = False) -> None:
-        assert method in self.FAULTABLE and fail_at >= 1
-        self._armed = (method, self.calls[method] + fail_at, partial)
-
-    @property
-    def armed(self) -> bool:
-        return self._armed is not None
-
-    def disarm(self) -> bool:
-        pending, self._armed = self._armed is not None, None
-        return pending
-
-    def _fails(self, method: str) -> bool:
-        self.calls[method] += 1
-        if self._armed is not None and self._armed[0] == method and self._armed[1] == self.calls[method]:
-            self._armed = None
-            self.failures += 1
-            return True
-        return False
-
-    def create(self, pages: Sequence[PageId]) -> None:
-        if self._fails("create"):
-            raise BackendError("create", "injected failure")
-        self.inner.create(pages)
-
-    def map(self, address: int, pages: Sequence[PageId]) -> None:
-        armed = self._armed
-        if self._fails("map"):
-            if armed is not None and armed[2] and len(pages) > 1:
-                self.inner.map(address, pages[: len(pages) // 2])
-            raise BackendError("cuMemMap", "injected failure")
-        self.inner.map(address, pages)
-
-    def unmap(self, address: int, num_pages: int) -> None:
-        if self._fails("unmap"):
-            raise BackendError("cuMemUnmap", "injected failure")
-        self.inner.unmap(address, num_pages)
-
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
-        if self._fails("copy"):
-            raise BackendError("cuMemcpyDtoDAsync", "injected failure")
-        self.inner.copy(pairs)
-
-    def close(self) -> None:
-        if self.resident_bytes_at_close is None:
-            self.resident_bytes_at_close = self.inner.resident_bytes()
-        self.inner.close()
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
+        super().__init__(page_bytes=page_bytes, name=name,
+                         inner=cuda_backend(page_bytes=page_bytes, create_ahead=1, max_pages=256))
 
 
 def _inner(buf: VirtualBuffer):

@@ -1,0 +1,30 @@
+"""Pieces the benchmark scripts share (they run as ``python benchmarks/<name>.py``, so this
+module imports as ``common``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+__all__ = ["StepClock"]
+
+
+class StepClock(BaseStreamer):
+    """A streamer that records when each ``put`` arrives: the first is the prompt, then one per
+    decode step (tokens reach the streamer on the host, so on a GPU each time follows a sync)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def step_seconds(self) -> float | None:
+        """Mean seconds per decode step, prefill excluded (None with fewer than two steps)."""
+        gen = self.times[1:]
+        return (gen[-1] - gen[0]) / (len(gen) - 1) if len(gen) > 1 else None
