@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
-from models import SMALL_PAGE, assert_same_tokens, prompts, tiny
+from models import PAGED_BLOCK_TOKENS, SMALL_PAGE, assert_same_tokens, prompts, tiny, vkv_attention, vkv_layout
 from safetensors.torch import save_file
 from transformers.cache_utils import DynamicCache
 
@@ -172,6 +172,33 @@ def test_reuse_is_token_identical(arch: str, sample: bool) -> None:
             assert reused[25] == 25
     stats = store.stats()
     assert stats.hits == sum(1 for r in reused.values() if r) and stats.tokens_reused == sum(reused.values())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+def test_reuse_in_the_paged_layout(arch: str) -> None:
+    """The store holds paged caches when the model reads the paged layout ("vkv_paged"); reuse is
+    token-identical to a full DynamicCache prefill with the model's own sdpa attention."""
+    model = tiny(arch)
+    first = _ids(PROMPT, seed=0)
+    with vkv_layout("paged"), vkv_attention(model):
+        store = PrefixStore(model.config, cache_config={**SMALL, "block_tokens": PAGED_BLOCK_TOKENS})
+        out = _generate(model, first, store.lookup(first))
+        assert out.past_key_values.layout == "paged"
+        assert store.insert(*_cached(out))
+    n = out.past_key_values.get_seq_length()
+    for shared in (15, n - 1, n + 1):
+        query = torch.cat([out.sequences[:, :shared], _ids(6, seed=shared)], dim=1)
+        ref = _generate(model, query, None, seed=shared)
+        with vkv_layout("paged"), vkv_attention(model):
+            fork = store.lookup(query)
+            reused = fork.get_seq_length()
+            assert fork.layout == "paged" and reused in (0, min(shared, n))  # sliding windows may refuse
+            assert reused == min(shared, n) or (arch != "llama" and shared < n + 1)
+            got = _generate(model, query, fork, seed=shared)
+        assert_same_tokens(ref.sequences, got.sequences)
+        fork.check_invariants()
+    store.check_invariants()
 
 
 @pytest.mark.integration
