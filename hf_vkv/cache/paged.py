@@ -61,6 +61,7 @@ class PagedLayerGroup(LayerGroup):
         self.block_tokens = block_tokens
         self._tables: torch.Tensor | None = None  # block tables of the active rows, this epoch
         self._blocks: torch.Tensor | None = None  # typed [N, block_tokens, layers, 2, H, D], this epoch
+        self._slot_cache: dict[tuple[int, int], torch.Tensor] = {}  # token slots of all rows, this epoch
 
     def _new_buffer(self, *, rows: int, item_bytes: int) -> RowBuffer:
         assert self.geometry is not None
@@ -106,17 +107,28 @@ class PagedLayerGroup(LayerGroup):
         picked = range(b) if rows is None else rows
         if not picked:
             return
-        bs = self.block_tokens
-        tables = self.block_tables().to(torch.long)
-        if rows is not None:
-            tables = tables[rows]
-            key_states, value_states = key_states[rows], value_states[rows]
-        tokens = torch.arange(start, start + q)
-        slots = (tables[:, tokens // bs] * bs + tokens % bs).reshape(-1)  # [R * q] flat token slots
         flat = self._blocks_typed().view(-1, len(self.members), 2, h, d)[:, slot]  # [N * bs, 2, H, D]
-        slots = slots.to(flat.device)
+        if rows is not None:
+            key_states, value_states = key_states[rows], value_states[rows]
+        slots = self._slots(start, q, rows, flat.device)
         flat[:, 0].index_copy_(0, slots, key_states.transpose(1, 2).reshape(-1, h, d))
         flat[:, 1].index_copy_(0, slots, value_states.transpose(1, 2).reshape(-1, h, d))
+
+    def _slots(self, start: int, q: int, rows: list[int] | None, device: torch.device) -> torch.Tensor:
+        """Flat token slots ``[R * q]`` (block * block_tokens + offset) of tokens ``[start, start + q)``
+        of ``rows`` (``None``: all; then kept for the other members' writes of this epoch)."""
+        key = (start, q)
+        if rows is None and key in self._slot_cache:
+            return self._slot_cache[key]
+        bs = self.block_tokens
+        tables = self.block_tables().to(device=device, dtype=torch.long)
+        if rows is not None:
+            tables = tables[rows]
+        tokens = torch.arange(start, start + q, device=device)
+        slots = (tables[:, tokens // bs] * bs + tokens % bs).reshape(-1)
+        if rows is None:
+            self._slot_cache[key] = slots
+        return slots
 
     def states(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, H, T, D]`` copies of ``layer``'s keys and values over tokens ``[start, end)``,
@@ -137,3 +149,4 @@ class PagedLayerGroup(LayerGroup):
         super()._new_epoch()
         self._tables = None
         self._blocks = None
+        self._slot_cache = {}

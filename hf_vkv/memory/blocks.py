@@ -81,8 +81,8 @@ class BlockStore:
     def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
         if pairs:
             blocks = self.blocks()
-            src = torch.tensor([s for s, _ in pairs])
-            dst = torch.tensor([d for _, d in pairs])
+            src = torch.tensor([s for s, _ in pairs], device=blocks.device)
+            dst = torch.tensor([d for _, d in pairs], device=blocks.device)
             blocks.index_copy_(0, dst, blocks.index_select(0, src))
 
     def release(self, pages: Sequence[PageId]) -> None:
