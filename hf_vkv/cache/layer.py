@@ -132,6 +132,7 @@ class VKVLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (a negative int, as for DynamicLayer)."""
+        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted decoding passes a 0-d tensor
         if tokens_to_remove > 0:
             raise ValueError(
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
