@@ -43,7 +43,8 @@ class GroupGeometry:
 
 
 class LayerGroup:
-    """The layers ``members`` (model layer indices) of one kind, in one :class:`VirtualBuffer`.
+    """The layers ``members`` (model layer indices) of one kind, in one row buffer (a
+    :class:`VirtualBuffer`; :class:`~hf_vkv.cache.paged.PagedLayerGroup` uses a block buffer).
 
     ``sliding_window`` is ``None`` for full attention. The buffer is created at the first update
     (rows and dtype come from the states); ``arena_for(device)`` supplies physical memory.
