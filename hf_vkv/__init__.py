@@ -1,7 +1,7 @@
 """hf_vkv: a virtual-memory KV cache for HuggingFace Transformers.
 
-``import hf_vkv`` registers the ``"vkv"`` cache implementation with transformers and does nothing
-else (no device work).
+``import hf_vkv`` registers the ``"vkv"`` cache implementation and the ``"vkv_paged"`` attention
+(with its mask function) with transformers and does nothing else (no device work).
 """
 
 from .cache import CacheOptions, CacheStats, LayerMismatchError, VKVCache, register
