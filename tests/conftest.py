@@ -121,13 +121,18 @@ def expected_mapped_pages(buf: VirtualBuffer) -> dict[tuple[int, int], int]:
     return {(r, row.start + k): int(p) for r, row in enumerate(buf.table) for k, p in enumerate(row.pages)}
 
 
-def snapshot(*bufs: VirtualBuffer, id_space: bool = True) -> dict:
-    """Tables, pool state, kernel mappings and readable bytes of ``bufs`` (all of one arena)."""
+def snapshot(*bufs: VirtualBuffer, id_space: bool = True,
+             mapped: Callable[[VirtualBuffer], dict[tuple[int, int], int]] | None = None) -> dict:
+    """Tables, pool state, mappings and readable bytes of ``bufs`` (all of one arena). ``mapped``
+    reads what is mapped in a buffer (default: the kernel's memfd mappings; the GPU suite asks the
+    driver); bytes are read back to the host."""
     pool = bufs[0].arena.pool
     stats = pool.stats()
     if not id_space:  # a failed fork adds a segment of ids: names only, no memory
         stats = dataclasses.replace(stats, id_space=0)
-    lines = memfd_mappings()
+    if mapped is None:
+        lines = memfd_mappings()
+        mapped = lambda b: read_mapped_pages(b, lines)  # noqa: E731
     return {
         "rows": [tuple(b.table) for b in bufs],
         "counters": [(b.table.cow_copies, b.table.remapped_rows) for b in bufs],
@@ -135,9 +140,9 @@ def snapshot(*bufs: VirtualBuffer, id_space: bool = True) -> dict:
         "in_use": pool.in_use_pages(),
         "resident_free": pool.resident_free_pages(),
         "refcounts": {p: pool.refcount(p) for p in pool.in_use_pages()},
-        "mapped": [read_mapped_pages(b, lines) for b in bufs],
+        "mapped": [mapped(b) for b in bufs],
         "bytes": [
-            [bytes(b.view(range(r, r + 1), b.first_live(r), b.length(r)).numpy().tobytes()) for r in range(b.rows)]
+            [b.view(range(r, r + 1), b.first_live(r), b.length(r)).cpu().numpy().tobytes() for r in range(b.rows)]
             for b in bufs
         ],
     }

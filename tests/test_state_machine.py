@@ -282,7 +282,7 @@ class BufferMachine(RuleBasedStateMachine):
                 assert (buf.length(r), buf.first_live(r)) == (m.length, first), r
                 row = buf.table.row(r)
                 assert (row.length, row.start, row.end) == (m.length * self.item, m.start, self._end_page(m)), r
-                got = buf.view(range(r, r + 1), first, m.length)[0]
+                got = buf.view(range(r, r + 1), first, m.length)[0].cpu()  # (device memory in the GPU suite)
                 span = slice(first * self.item, m.length * self.item)
                 known = m.known[span]
                 assert torch.equal(got[known], m.data[span][known]), f"row {r} reads other bytes"

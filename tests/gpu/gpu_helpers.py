@@ -7,12 +7,11 @@ or ``cuda-bindings`` is missing. Run with ``pytest -m gpu tests/gpu`` (see ``doc
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import pytest
 import torch
-from conftest import FaultyBackend  # tests/conftest.py (pytest puts tests/ on sys.path for it)
+from conftest import FaultyBackend, snapshot  # tests/conftest.py (pytest puts tests/ on sys.path for it)
 
 from hf_vkv.memory import VirtualBuffer
 
@@ -89,21 +88,5 @@ def check_mapped_pages(*bufs: VirtualBuffer) -> None:
 
 
 def gpu_snapshot(*bufs: VirtualBuffer, id_space: bool = True) -> dict:
-    """``tests/conftest.py``'s ``snapshot`` for device buffers: bytes are read back to the host."""
-    pool = bufs[0].arena.pool
-    stats = pool.stats()
-    if not id_space:
-        stats = dataclasses.replace(stats, id_space=0)
-    return {
-        "rows": [tuple(b.table) for b in bufs],
-        "counters": [(b.table.cow_copies, b.table.remapped_rows) for b in bufs],
-        "stats": stats,
-        "in_use": pool.in_use_pages(),
-        "resident_free": pool.resident_free_pages(),
-        "refcounts": {p: pool.refcount(p) for p in pool.in_use_pages()},
-        "mapped": [driver_mapped_pages(b) for b in bufs],
-        "bytes": [
-            [b.view(range(r, r + 1), b.first_live(r), b.length(r)).cpu().numpy().tobytes() for r in range(b.rows)]
-            for b in bufs
-        ],
-    }
+    """``tests/conftest.py``'s ``snapshot`` with the mappings read from the driver."""
+    return snapshot(*bufs, id_space=id_space, mapped=driver_mapped_pages)
