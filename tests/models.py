@@ -179,7 +179,8 @@ def cache_kv_bytes(cache: Cache) -> int:
     return total
 
 
-#: The VKV layout the A/B helpers below run (``vkv_layout`` switches it for a test).
+#: The VKV layout the A/B helpers below run (``vkv_layout`` switches it for a test): "contiguous",
+#: "paged", or "head" (contiguous with ``group_policy="head"``).
 _LAYOUT = ["contiguous"]
 #: Tokens per block of the paged layout in tests: small, so generations cross many blocks.
 PAGED_BLOCK_TOKENS = 4
@@ -197,6 +198,11 @@ def vkv_layout(layout: str) -> Iterator[None]:
 
 
 def current_layout() -> str:
+    """The cache layout of the current variant ("head" is a contiguous layout)."""
+    return "paged" if _LAYOUT[0] == "paged" else "contiguous"
+
+
+def current_variant() -> str:
     return _LAYOUT[0]
 
 
@@ -222,6 +228,8 @@ def generate_both(model: PreTrainedModel, inputs: dict[str, torch.Tensor], *, se
     seed before each; returns both outputs (``return_dict_in_generate``)."""
     if _LAYOUT[0] == "paged":
         vkv = {"block_tokens": PAGED_BLOCK_TOKENS, **(vkv or {})}
+    elif _LAYOUT[0] == "head":
+        vkv = {"group_policy": "head", **(vkv or {})}
     # the reference passes no cache_implementation: the default is DynamicCache (and an explicit
     # "dynamic" breaks assisted decoding in transformers itself: the assistant inherits it)
     torch.manual_seed(seed)
@@ -232,7 +240,7 @@ def generate_both(model: PreTrainedModel, inputs: dict[str, torch.Tensor], *, se
                              **({"cache_config": vkv} if vkv else {}), **kwargs)
     assert isinstance(ref.past_key_values, DynamicCache)
     assert isinstance(got.past_key_values, hf_vkv.VKVCache)
-    assert got.past_key_values.layout == _LAYOUT[0]
+    assert got.past_key_values.layout == current_layout()
     return ref, got
 
 

@@ -7,9 +7,10 @@ cache and assisted decoding (which crops the cache). Tiny models use 4 KiB pages
 crosses many page boundaries and copy-on-write happens mid-run; the real SmolLM2 uses the
 default page size.
 
-Every test runs in both layouts: contiguous, and paged (the model switched to the ``"vkv_paged"``
-attention for the VKV run, blocks of 4 tokens), each against DynamicCache with the model's own
-attention — so the paged layout is also token-identical to the contiguous one.
+Every test runs in three variants: contiguous, paged (the model switched to the ``"vkv_paged"``
+attention for the VKV run, blocks of 4 tokens) and head-major (``group_policy="head"``), each
+against DynamicCache with the model's own attention — so they are also token-identical to each
+other.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from models import (
     assert_same_tokens,
     assistant,
     current_layout,
+    current_variant,
     generate_both,
     needs_sliding_rollback,
     prompts,
@@ -50,7 +52,7 @@ SMALL = {"page_bytes": SMALL_PAGE}
 NEW = 20  # new tokens: more than both sliding windows, several 8-token pages
 
 
-@pytest.fixture(autouse=True, params=["contiguous", "paged"])
+@pytest.fixture(autouse=True, params=["contiguous", "paged", "head"])
 def layout(request: pytest.FixtureRequest) -> Iterator[str]:
     with vkv_layout(request.param):
         yield request.param
@@ -227,9 +229,11 @@ def test_bfloat16_and_chunked_prefill(monkeypatch: pytest.MonkeyPatch, arch: str
 
 
 @pytest.mark.parametrize("page_bytes", [None, SMALL_PAGE, 3 * SMALL_PAGE])
-@pytest.mark.parametrize("group_policy", ["model", "layer"])
+@pytest.mark.parametrize("group_policy", ["model", "layer", "head"])
 def test_page_size_and_group_policy(page_bytes: int | None, group_policy: str) -> None:
     """Options change where bytes go, never the tokens (gemma3: a sliding and a full group)."""
+    if group_policy == "head" and current_layout() == "paged":
+        pytest.skip("the paged layout keeps tokens in blocks; group_policy='head' is contiguous only")
     model = tiny("gemma3")
     options = {"group_policy": group_policy, **({"page_bytes": page_bytes} if page_bytes else {})}
     ref, got = generate_both(model, prompts(2, 9, seed=12, left_pad=[2, 0]), max_new_tokens=NEW, num_beams=3,
@@ -237,20 +241,29 @@ def test_page_size_and_group_policy(page_bytes: int | None, group_policy: str) -
     assert_same_tokens(ref.sequences, got.sequences)
     cache = got.past_key_values
     assert len(cache.groups) == (3 if group_policy == "layer" else 2)
+    if group_policy == "head":  # each head's tokens are adjacent, as in a DynamicCache
+        keys = cache.layers[2].keys
+        assert torch.equal(keys, ref.past_key_values.layers[2].keys)
+        group = cache.layers[2].group
+        k_view, _ = group.states(2, 0, cache.get_seq_length())
+        assert k_view.stride(2) == k_view.shape[-1] and k_view.stride(3) == 1
     _check(cache)
 
 
 def test_sliding_window_pages_are_dropped() -> None:
     """Mistral (window 8): pages wholly behind the window go back; the returned K/V match."""
     model = tiny("mistral")
-    ref, got = generate_both(model, prompts(1, 10, seed=13), max_new_tokens=40, do_sample=False, vkv=SMALL)
+    head = current_variant() == "head"
+    new = 300 if head else 40  # head-major: a 4 KiB page holds 64 tokens of one head
+    ref, got = generate_both(model, prompts(1, 10, seed=13), max_new_tokens=new, do_sample=False, vkv=SMALL)
     assert_same_tokens(ref.sequences, got.sequences)
     cache = got.past_key_values
     assert all(isinstance(layer, VKVSlidingLayer) for layer in cache.layers)
-    # 49 tokens cached; a window of 8 needs at most 2 pages of 8 tokens (+1 while it straddles)
+    # 49 tokens cached; a window of 8 needs at most 2 pages of 8 tokens (+1 while it straddles);
+    # head-major: 309 tokens, at most 2 pages for each of the 2 layers x (K, V) x 2 heads
     (group,) = cache.groups
     assert group.buffer.first_live(0) > 0
-    assert cache.stats().resident_bytes <= 3 * SMALL_PAGE
+    assert cache.stats().resident_bytes <= (2 * 2 * 2 * 2 if head else 3) * SMALL_PAGE
     for layer, ref_layer in zip(cache.layers, ref.past_key_values.layers):
         assert torch.equal(layer.keys[:, :, -(MISTRAL_WINDOW - 1):], ref_layer.keys[:, :, -(MISTRAL_WINDOW - 1):])
         assert torch.equal(layer.values[:, :, -(MISTRAL_WINDOW - 1):],

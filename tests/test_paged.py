@@ -43,6 +43,13 @@ def test_paged_layout_needs_the_paged_attention() -> None:
         VKVCache(tiny("llama").config, block_tokens=0)
     with pytest.raises(ValueError, match="layout"):
         VKVCache(tiny("llama").config, layout="ring")
+    model = tiny("llama")
+    model.set_attn_implementation("vkv_paged")
+    try:
+        with pytest.raises(ValueError, match="group_policy='head' is a contiguous layout"):
+            VKVCache(model.config, group_policy="head")
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 def test_from_pretrained_and_pipeline(tmp_path: Any) -> None:

@@ -16,6 +16,7 @@ from .backends import UnsupportedDeviceError, arena_for_device
 from .group import LayerGroup
 from .layer import VKVLayer, VKVSlidingLayer
 from .options import CacheOptions, Layout
+from .heads import HEAD_MAJOR_PAGE_BYTES, HeadMajorLayerGroup
 from .paged import DEFAULT_BLOCK_TOKENS, PagedLayerGroup
 
 __all__ = ["VKVCache", "CacheStats", "GroupStats", "UnsupportedDeviceError"]
@@ -146,8 +147,13 @@ class VKVCache(Cache):
         group_type: type[LayerGroup] = LayerGroup
         extra: dict[str, Any] = {}
         if self.layout == "paged":
+            if self.options.group_policy == "head":
+                raise ValueError("group_policy='head' is a contiguous layout; the paged layout keeps tokens in "
+                                 "blocks: use group_policy 'model' or 'layer' with it")
             group_type = PagedLayerGroup
             extra["block_tokens"] = self.options.block_tokens or DEFAULT_BLOCK_TOKENS
+        elif self.options.group_policy == "head":
+            group_type = HeadMajorLayerGroup
         types, kwargs = _layer_types(text_config)
         layers = []
         members: dict[tuple[str, int | None, str], list[int]] = {}
@@ -155,7 +161,7 @@ class VKVCache(Cache):
             if kind in (_FULL, _SLIDING):
                 window = kw.get("sliding_window") if kind == _SLIDING else None
                 device = str(layer_devices.get(idx, "")) if layer_devices else ""
-                key = (kind, window, device if self.options.group_policy == "model" else f"{device}#{idx}")
+                key = (kind, window, f"{device}#{idx}" if self.options.group_policy == "layer" else device)
                 members.setdefault(key, []).append(idx)
         for key, idxs in members.items():
             kind, window, _ = key
@@ -180,8 +186,10 @@ class VKVCache(Cache):
         device = torch.device(device)
         arena = self._arenas.get(device)
         if arena is None or arena.closed:
-            arena = arena_for_device(device, page_bytes=self.options.page_bytes,
-                                     budget_bytes=self.options.budget_bytes)
+            page = self.options.page_bytes
+            if page is None and self.options.group_policy == "head" and device.type == "cpu":
+                page = HEAD_MAJOR_PAGE_BYTES
+            arena = arena_for_device(device, page_bytes=page, budget_bytes=self.options.budget_bytes)
             self._arenas[device] = arena
         return arena
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 __all__ = ["CacheOptions"]
 
-GroupPolicy = Literal["model", "layer"]
+GroupPolicy = Literal["model", "layer", "head"]
 Layout = Literal["contiguous", "paged"]
 
 
@@ -21,7 +21,9 @@ class CacheOptions:
       the reservation's size bounds it). Going over raises ``KVCacheOutOfMemory``.
     * ``group_policy``: ``"model"`` puts all layers of one kind (full / sliding) in one token-major
       buffer (at most one partly filled page per row per group); ``"layer"`` gives every layer
-      its own buffer (vAttention's layout).
+      its own buffer (vAttention's layout); ``"head"`` groups layers as ``"model"`` does but stores
+      each (layer, K/V, head) of a row contiguously, as a ``DynamicCache`` does, with small pages
+      (see :mod:`hf_vkv.cache.heads`).
     * ``share_prompts``: store the prompt once for the rows that ``generate`` expanded from it
       (beams, ``num_return_sequences``), after checking the rows really are equal.
     * ``layout``: ``"contiguous"`` (rows mapped into virtual memory, read by any attention) or
@@ -47,8 +49,10 @@ class CacheOptions:
             raise ValueError(f"cache_config['page_bytes'] must be a positive int, got {self.page_bytes!r}")
         if self.budget_bytes is not None and (not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0):
             raise ValueError(f"cache_config['budget_bytes'] must be a positive int, got {self.budget_bytes!r}")
-        if self.group_policy not in ("model", "layer"):
-            raise ValueError(f"cache_config['group_policy'] must be 'model' or 'layer', got {self.group_policy!r}")
+        if self.group_policy not in ("model", "layer", "head"):
+            raise ValueError(
+                f"cache_config['group_policy'] must be 'model', 'layer' or 'head', got {self.group_policy!r}"
+            )
         if not isinstance(self.share_prompts, bool):
             raise TypeError(f"cache_config['share_prompts'] must be a bool, got {self.share_prompts!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
