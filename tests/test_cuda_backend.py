@@ -528,13 +528,6 @@ def test_close_frees_everything_even_pages_still_mapped_in_rows() -> None:
         backend.create([PageId(2)])
 
 
-def test_pool_tensor_is_not_offered() -> None:
-    backend, _ = fake_backend()
-    with pytest.raises(NotImplementedError, match="no view of its pages by id"):
-        backend.pool_tensor()
-    backend.close()
-
-
 # ------------------------------------------------------------------------------------ rollback
 @pytest.mark.parametrize("failing", [1, 2, 3])
 def test_a_failing_map_in_a_run_unmaps_what_it_mapped(failing: int) -> None:

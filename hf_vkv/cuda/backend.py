@@ -325,12 +325,6 @@ class CudaBackend:
     def tensor(self, address: int, nbytes: int, owner: object) -> torch.Tensor:
         return self._hooks.tensor(address, nbytes, owner)
 
-    def pool_tensor(self) -> torch.Tensor:
-        raise NotImplementedError(
-            "the CUDA backend has no view of its pages by id: pages live in a window indexed by handle slot, "
-            "not by page id; read blocks through a buffer's own views"
-        )
-
     def close(self) -> None:
         """Unmap every page still mapped in a row, release every handle and free the window.
         Row reservations stay until their owners give them back (:meth:`unreserve` works after

@@ -57,10 +57,6 @@ class Backend(Protocol):
         """A zero-copy ``uint8`` tensor ``[nbytes]`` over ``[address, address + nbytes)`` that keeps
         ``owner`` alive as long as the tensor (or any view of it) lives."""
 
-    def pool_tensor(self) -> torch.Tensor:
-        """A zero-copy ``uint8`` tensor ``[id_space, page_bytes]``: every physical page by id (only
-        resident pages may be read or written)."""
-
     def resident_bytes(self) -> int:
         """Physical bytes the backend holds now, as the operating system or driver counts them."""
 

@@ -187,6 +187,8 @@ class HostBackend:
         return torch.frombuffer(array, dtype=torch.uint8)
 
     def pool_tensor(self) -> torch.Tensor:
+        """A zero-copy ``uint8`` tensor ``[id_space, page_bytes]``: every physical page by id (only
+        resident pages may be read or written). Host only: page copies and tests use it."""
         if self._pool_view is None:
             if self._id_space == 0:
                 return torch.empty(0, self.page_bytes, dtype=torch.uint8)

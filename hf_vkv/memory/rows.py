@@ -17,6 +17,7 @@ exactly, pages created on the way are given back, and the error propagates.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class BufferStats:
         return self.live_bytes / self.resident_bytes if self.resident_bytes else 1.0
 
 
-class RowBuffer:
+class RowBuffer(ABC):
     """``rows`` rows of up to ``capacity`` items of ``item_bytes`` bytes, in pages of ``store``.
 
     All lengths and positions are in items; the page table counts bytes (``page_size`` =
@@ -196,19 +197,19 @@ class RowBuffer:
             raise
         return other
 
+    @abstractmethod
     def close(self) -> None:
         """Return every page. Views taken earlier must not be used again."""
-        raise NotImplementedError
 
     # ----------------------------------------------------------------------------- for subclasses
+    @abstractmethod
     def _sibling(self: _Self, rows: int) -> _Self:
         """An empty buffer like this one with ``rows`` rows, on the same store."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _sync(self, changed: dict[int, Row]) -> None:
         """Make the translation of the ``changed`` rows (old states given) follow the table; undo
         all of it before raising on failure."""
-        raise NotImplementedError
 
     def _open(self) -> PageTable:
         if self._closed:
