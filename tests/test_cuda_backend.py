@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_vkv.cache.backends import UnsupportedDeviceError, arena_for_device, default_cuda_budget
+from hf_vkv.devices import UnsupportedDeviceError, arena_for_device, default_cuda_budget
 from hf_vkv.cuda import CudaBackend, CudaDriverError, CudaUnavailableError, Driver, TorchHooks, check, load_bindings
 from hf_vkv.memory import Arena, BackendError, KVCacheOutOfMemory, PageId, VirtualBuffer
 
@@ -351,7 +351,7 @@ def test_importing_hf_vkv_loads_no_cuda_bindings() -> None:
     # torch itself may import cuda.bindings when it is installed: compare with what torch and
     # transformers loaded before hf_vkv
     code = ("import sys, torch, transformers; before = set(sys.modules); "
-            "import hf_vkv, hf_vkv.cuda, hf_vkv.cache.backends; "
+            "import hf_vkv, hf_vkv.cuda, hf_vkv.devices; "
             "bad = [m for m in set(sys.modules) - before if m.startswith('cuda')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

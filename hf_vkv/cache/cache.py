@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from ..memory import Arena, BufferStats
-from .backends import UnsupportedDeviceError, arena_for_device
+from ..devices import UnsupportedDeviceError, arena_for_device
 from .group import LayerGroup
 from .layer import VKVLayer, VKVSlidingLayer
 from .options import CacheOptions, Layout

@@ -209,7 +209,7 @@ def test_budget_is_a_typed_error_and_the_buffer_stays_usable() -> None:
 
 
 def test_arena_for_a_cuda_device_uses_the_cuda_backend() -> None:
-    from hf_vkv.cache.backends import arena_for_device
+    from hf_vkv.devices import arena_for_device
     from hf_vkv.cuda import CudaBackend
 
     arena = arena_for_device(torch.device("cuda"), page_bytes=None, budget_bytes=None)

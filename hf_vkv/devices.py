@@ -1,4 +1,6 @@
-"""Which physical-memory backend serves key/value states on a given device.
+"""Device policy, in one place: which backend, page size, layout and budget a device gets.
+
+Backends:
 
 * CPU states → the host backend (memfd pages mapped with ``mmap``);
 * CUDA states → the CUDA backend (``cuMemCreate`` pages mapped with ``cuMemMap``), imported only
@@ -12,11 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ..memory import Arena, HostBackend
-from ..memory.errors import KVCacheOutOfMemory, VKVError
+from dataclasses import dataclass
 
-__all__ = ["CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES", "UnsupportedDeviceError", "arena_for_device",
-           "default_cuda_budget"]
+from .memory import Arena, HostBackend
+from .memory.errors import KVCacheOutOfMemory, VKVError
+
+__all__ = ["CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES", "DevicePolicy", "UnsupportedDeviceError",
+           "arena_for_device", "default_cuda_budget", "policy_for"]
 
 #: The default CUDA budget leaves this share of the device's memory free for torch (activations,
 #: logits, its caching allocator) ...
@@ -27,6 +31,44 @@ CUDA_MIN_MARGIN_BYTES = 1 << 30
 
 class UnsupportedDeviceError(VKVError, ValueError):
     """Key/value states arrived on a device no backend of this installation serves."""
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePolicy:
+    """What a cache gets on one device type when ``cache_config`` says nothing.
+
+    * ``backend``: ``"host"`` (memfd pages mapped with ``mmap``) or ``"cuda"`` (driver VMM);
+    * ``layout``: the contiguous layout used by default (see :mod:`hf_vkv.cache.layouts` and
+      ``docs/layouts.md`` for the measurements behind it);
+    * ``budget``: ``"unbounded"`` (the reservation bounds it) or ``"free-memory"``
+      (:func:`default_cuda_budget`).
+
+    Page sizes are the layouts' (each states its preferred page size per backend).
+    """
+
+    device_type: str
+    backend: str
+    layout: str
+    budget: str
+
+
+_POLICIES = {
+    "cpu": DevicePolicy(device_type="cpu", backend="host", layout="head_major", budget="unbounded"),
+    "cuda": DevicePolicy(device_type="cuda", backend="cuda", layout="token_major", budget="free-memory"),
+}
+
+
+def policy_for(device: torch.device | str) -> DevicePolicy:
+    """The :class:`DevicePolicy` of ``device``; :class:`UnsupportedDeviceError` for a device no
+    backend serves."""
+    device = torch.device(device)
+    policy = _POLICIES.get(device.type)
+    if policy is None:
+        raise UnsupportedDeviceError(
+            f"key/value states are on {device}, but hf_vkv serves only the host (CPU) and CUDA devices; "
+            f"move the model to 'cpu' or 'cuda', or use another cache_implementation"
+        )
+    return policy
 
 
 def default_cuda_budget(free_bytes: int, total_bytes: int) -> int:
@@ -47,19 +89,14 @@ def arena_for_device(device: torch.device, *, page_bytes: int | None, budget_byt
     :func:`default_cuda_budget`.
     """
     device = torch.device(device)
-    if device.type == "cpu":
+    if policy_for(device).backend == "host":
         backend = HostBackend(page_bytes=page_bytes) if page_bytes else HostBackend()
         return Arena(backend, budget_bytes=budget_bytes)
-    if device.type == "cuda":
-        return _cuda_arena(device, page_bytes=page_bytes, budget_bytes=budget_bytes)
-    raise UnsupportedDeviceError(
-        f"key/value states are on {device}, but hf_vkv serves only the host (CPU) and CUDA devices; "
-        f"move the model to 'cpu' or 'cuda', or use another cache_implementation"
-    )
+    return _cuda_arena(device, page_bytes=page_bytes, budget_bytes=budget_bytes)
 
 
 def _cuda_arena(device: torch.device, *, page_bytes: int | None, budget_bytes: int | None) -> Arena:
-    from ..cuda import CudaBackend, Driver  # lazy: the only place the package reaches for CUDA
+    from .cuda import CudaBackend, Driver  # lazy: the only place the package reaches for CUDA
 
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
