@@ -29,8 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..cache.cache import PAGED_ATTENTION
-from ..cache.paged import PAGED_TAG, PagedKV
+from .paged_kv import PAGED_ATTENTION, PagedKV, paged_kv_of
 from .kernels import gather_kv, paged_attention
 
 __all__ = ["vkv_paged_attention", "register_attention", "PAGED_ATTENTION"]
@@ -56,7 +55,7 @@ def vkv_paged_attention(
     Returns:
         ``([B, q, Hq, D], None)`` like transformers' sdpa attention.
     """
-    tag: PagedKV | None = getattr(key, PAGED_TAG, None)
+    tag: PagedKV | None = paged_kv_of(key)
     if tag is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
