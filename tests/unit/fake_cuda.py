@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import enum
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -415,12 +414,3 @@ def assert_nothing_held(cu: FakeCu) -> None:
     assert (cu.allocations, cu.mappings, cu.reservations) == ({}, {}, {})
     assert cu.primary_refs.get(0, 0) <= 1, cu.primary_refs
 
-
-@contextmanager
-def no_current_context(cu: FakeCu):
-    """Run the block with no context current on this thread (a fresh thread's state)."""
-    saved, cu._tls.stack = cu._stack(), []
-    try:
-        yield
-    finally:
-        cu._tls.stack = saved
