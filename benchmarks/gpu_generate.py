@@ -10,7 +10,7 @@ For each context (1k / 4k / 16k prompt tokens) and batch (1 / 8 / 32), greedy ``
   for VKV, utilization = live token bytes / resident page bytes;
 * for VKV, the share of decode time spent in the backend's driver calls (create, map, set
   access, the synchronize before an unmap, unmap): every call is timed by the backend;
-* VKV with ``group_policy="model"`` (token-major groups, the default) and ``"layer"`` (one buffer
+* VKV token-major with ``groups="kind"`` (one buffer per layer kind, the GPU default) and ``"layer"`` (one buffer
   per layer, vAttention's layout);
 * whether each run's tokens equal DynamicCache's (they must);
 * beam search (4 beams) at ``--beam-context``: remapped pages per decode step and bytes copied
@@ -173,7 +173,7 @@ def run_one(model, ids: torch.Tensor, *, cache: str, new_tokens: int, log: Drive
         kwargs["disable_compile"] = True  # else generate compiles it: compile + graph capture, not decode
     elif cache.startswith("vkv"):
         kwargs["cache_implementation"] = "vkv"
-        kwargs["cache_config"] = {"group_policy": "layer" if cache == "vkv-layer" else "model"}
+        kwargs["cache_config"] = {"layout": "token_major", "groups": "layer" if cache == "vkv-layer" else "kind"}
     gc.collect()
     torch.cuda.empty_cache()  # the VKV budget is sized from the driver's free memory
     torch.cuda.synchronize()

@@ -103,18 +103,22 @@ def _cuda_arena(device: torch.device, *, page_bytes: int | None, budget_bytes: i
 
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    driver = Driver(device.index)
-    page = page_bytes or driver.granularity()
-    if budget_bytes is None:
-        free, total = torch.cuda.mem_get_info(device)
-        budget_bytes = default_cuda_budget(free, total)
+    driver = Driver(device.index)  # retains the primary context: released by the backend, or here on failure
+    try:
+        page = page_bytes or driver.granularity()
+        if budget_bytes is None:
+            free, total = torch.cuda.mem_get_info(device)
+            budget_bytes = default_cuda_budget(free, total)
+            if budget_bytes < page:
+                raise KVCacheOutOfMemory(requested_bytes=page, free_bytes=max(budget_bytes, 0),
+                                         budget_bytes=max(budget_bytes, 0), what=f"one KV page on {device}")
         if budget_bytes < page:
-            raise KVCacheOutOfMemory(requested_bytes=page, free_bytes=max(budget_bytes, 0),
-                                     budget_bytes=max(budget_bytes, 0), what=f"one KV page on {device}")
-    if budget_bytes < page:
-        raise ValueError(f"cache_config['budget_bytes']={budget_bytes:,} is smaller than one page "
-                         f"({page:,} bytes) on {device}")
-    backend = CudaBackend(device, page_bytes=page, max_pages=budget_bytes // page, driver=driver)
+            raise ValueError(f"cache_config['budget_bytes']={budget_bytes:,} is smaller than one page "
+                             f"({page:,} bytes) on {device}")
+        backend = CudaBackend(device, page_bytes=page, max_pages=budget_bytes // page, driver=driver)
+    except BaseException:
+        driver.close()
+        raise
     return Arena(backend, budget_bytes=budget_bytes)
 
 

@@ -1,6 +1,6 @@
 """The CUDA backend: physical pages are ``cuMemCreate`` allocations mapped into reserved device
 virtual memory with ``cuMemMap`` (the vAttention approach), behind the
-:class:`~hf_vkv.memory.backend.Backend` protocol.
+:class:`~hf_vkv.memory.backend_protocol.Backend` protocol.
 
 * **Pages and handles.** Page id ``p`` is backed by one allocation handle of ``page_bytes`` (the
   driver maps whole allocations only: one handle per page). Creating a handle is the slow call

@@ -150,7 +150,7 @@ def test_aliasing_across_rows_and_copy_on_write() -> None:
     del row0, row1
     buf.close()
     gc.collect()
-    assert buf.arena.closed and backend.resident_bytes() == 0
+    assert buf.store.closed and backend.resident_bytes() == 0
 
 
 def test_unmap_waits_for_kernels_still_reading_the_range() -> None:

@@ -68,7 +68,7 @@ def _check_cache(cache: VKVCache) -> None:
     assert isinstance(cache, VKVCache)
     cache.check_invariants()
     buffers = [g.buffer for g in cache.groups if g.buffer is not None]
-    assert buffers and all(isinstance(b.arena.backend, CudaBackend) for b in buffers)
+    assert buffers and all(isinstance(b.store.backend, CudaBackend) for b in buffers)
 
 
 def _run(model, inputs, mode: str, new: int) -> None:
@@ -119,7 +119,7 @@ def test_pages_go_back_after_generate() -> None:
     free0 = _free_after_empty_cache()
     for _ in range(3):
         out = model.generate(**inputs, max_new_tokens=10, cache_implementation="vkv", return_dict_in_generate=True)
-        arenas = {id(g.buffer.arena): g.buffer.arena for g in out.past_key_values.groups if g.buffer is not None}
+        arenas = {id(g.buffer.store): g.buffer.store for g in out.past_key_values.groups if g.buffer is not None}
         del out
         gc.collect()
         assert arenas and all(a.closed for a in arenas.values())

@@ -417,7 +417,7 @@ def _table_rows(buf: VirtualBuffer, backend: CudaBackend) -> dict[tuple[int, int
 
 
 def _state(buf: VirtualBuffer, backend: CudaBackend, cu: FakeCu) -> tuple:
-    pool = buf.arena.pool
+    pool = buf.store.pool
     return (tuple(buf.table), pool.stats(), {p: pool.refcount(p) for p in pool.in_use_pages()},
             _driver_rows(buf, backend, cu),
             # pages' handles (create-ahead spares may stay behind: they are the backend's, not the buffer's)

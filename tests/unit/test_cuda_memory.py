@@ -35,13 +35,13 @@ def test_device_out_of_memory_retries_with_the_missing_pages_then_is_a_typed_err
     buf.grow([0], 2 * 32)  # two pages: the batch of 16 fails, then exactly 2 are made
     assert buf.length(0) == 64 and backend.counters()["create_retries"] == 1
     assert backend.resident_bytes() == 2 * PAGE and backend.spare_pages == 0
-    before = _rows_state(buf, cu), buf.arena.pool.stats()
+    before = _rows_state(buf, cu), buf.store.pool.stats()
     with pytest.raises(KVCacheOutOfMemory, match="device page") as info:
         buf.grow([1], 4 * 32)  # four more pages: only three left on the device
     assert info.value.requested_bytes == 4 * PAGE and info.value.free_bytes == 3 * PAGE
     assert isinstance(info.value.__cause__, CudaDriverError)
     del info  # its traceback holds the buffer's frames
-    assert (_rows_state(buf, cu), buf.arena.pool.stats()) == before and buf.length(1) == 0
+    assert (_rows_state(buf, cu), buf.store.pool.stats()) == before and buf.length(1) == 0
     buf.grow([1], 3 * 32)  # what fits still works
     assert buf.length(1) == 96
     buf.check_invariants()
