@@ -11,6 +11,7 @@ an architecture missing from the installed version is skipped with that reason) 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ class Spec:
     config: str  # config class name in transformers
     kwargs: dict[str, Any] = field(default_factory=dict)
     encoder_decoder: bool = False
+    depth_key: str = "num_hidden_layers"  # the config field holding the (decoder) depth
 
 
 #: Llama-style config fields (most decoder-only architectures accept them).
@@ -142,7 +144,7 @@ SPECS: dict[str, Spec] = {
     "xglm": Spec("XGLMForCausalLM", "XGLMConfig", dict(d_model=32, num_layers=2, attention_heads=2, ffn_dim=64,
                                                        max_position_embeddings=64, vocab_size=VOCAB)),
     # ---- encoder-decoder
-    "bart": Spec("BartForConditionalGeneration", "BartConfig", _BART, encoder_decoder=True),
+    "bart": Spec("BartForConditionalGeneration", "BartConfig", _BART, encoder_decoder=True, depth_key="decoder_layers"),
     "t5": Spec("T5ForConditionalGeneration", "T5Config", _T5, encoder_decoder=True),
 }
 
@@ -151,7 +153,7 @@ class ArchitectureMissing(Exception):
     """The installed transformers has no such model or config class."""
 
 
-def _seeded_build(spec: Spec, attn: str | None) -> PreTrainedModel:
+def _seeded_build(spec: Spec, attn: str | None, seed: int = 0) -> PreTrainedModel:
     config_cls = getattr(transformers, spec.config, None)
     model_cls = getattr(transformers, spec.model, None)
     if config_cls is None or model_cls is None:
@@ -162,7 +164,7 @@ def _seeded_build(spec: Spec, attn: str | None) -> PreTrainedModel:
     if attn is not None:
         config._attn_implementation = attn
     state = torch.random.get_rng_state()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     try:
         return model_cls(config)
     finally:
@@ -170,10 +172,13 @@ def _seeded_build(spec: Spec, attn: str | None) -> PreTrainedModel:
 
 
 @functools.cache
-def tiny(arch: str) -> PreTrainedModel:
-    """The tiny ``arch`` model with its own (default) attention; raises :class:`ArchitectureMissing`."""
+def tiny(arch: str, depth: int | None = None) -> PreTrainedModel:
+    """The tiny ``arch`` model with its own (default) attention (``depth`` overrides its number of
+    (decoder) layers, with other weights: an assistant); raises :class:`ArchitectureMissing`."""
     spec = SPECS[arch]
-    model = _seeded_build(spec, None).eval()
+    if depth is not None:
+        spec = dataclasses.replace(spec, kwargs={**spec.kwargs, spec.depth_key: depth})
+    model = _seeded_build(spec, None, seed=0 if depth is None else 1).eval()
     with torch.no_grad():
         head = model.get_output_embeddings().weight
         head.mul_(LOGIT_SCALE)
