@@ -18,6 +18,7 @@ device work; ``notes/transformers.md`` §0, §2):
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 from transformers.cache_utils import DynamicCache
@@ -27,6 +28,7 @@ from transformers.generation.utils import GenerationMixin
 from .attention import register_attention
 from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
+from .cache.export import register_pytree
 
 __all__ = ["register", "CACHE_IMPLEMENTATION"]
 
@@ -38,6 +40,7 @@ def register() -> None:
     """Make ``cache_implementation="vkv"`` and ``attn_implementation="vkv_paged"`` work in
     transformers (safe to call many times)."""
     register_attention()
+    register_pytree()
     if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS = (
             *configuration_utils.ALL_CACHE_IMPLEMENTATIONS, CACHE_IMPLEMENTATION
@@ -71,6 +74,13 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         )
     if generation_config.use_cache is False or not model._supports_default_dynamic_cache():
         # transformers warns and ignores the string for models without Cache support
+        return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
+                        *args, **kwargs)
+    if not VKVCache.stores_kv(model.config):
+        warnings.warn(
+            f"cache_implementation='vkv': a {model.config.model_type} model keeps no key/value states that vkv "
+            f"stores (its layers hold recurrent or linear-attention state); generating with transformers' default "
+            f"cache instead", UserWarning, stacklevel=4)
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)

@@ -87,6 +87,12 @@ def paged_refusal(model_class: type, config: Any) -> UnsupportedModelError | Non
         return UnsupportedModelError(
             model_type=model_type,
             feature=f"attention logit softcapping (attn_logit_softcapping={cap}) is not part of the paged attention")
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return UnsupportedModelError(
+            model_type=model_type,
+            feature="multi-head latent attention caches compressed latents and expands them into keys after the "
+                    "cache update, so the paged cache's record of what to read never reaches the attention",
+        )
     if "position_bias=" in source:
         return UnsupportedModelError(
             model_type=model_type,

@@ -122,6 +122,12 @@ class VKVCache(Cache):
                 layers.append(VKVLayer(group, idx))
         super().__init__(layers=layers)
 
+    @staticmethod
+    def stores_kv(config: PretrainedConfig) -> bool:
+        """Whether any layer of ``config``'s model keeps K/V that vkv stores."""
+        types, _ = _layer_types(config.get_text_config(decoder=True))
+        return any(kind in _VKV_KINDS for kind in types)
+
     @classmethod
     def for_generate(cls, model: Any, *, batch_size: int, expand: int, max_length: int,
                      cache_config: Mapping[str, Any] | None) -> VKVCache:
@@ -192,12 +198,12 @@ class VKVCache(Cache):
         pool = sum(a.pool.stats().resident_bytes for a in self._arenas.values() if not a.closed)
         others = len(self._other_layers())
         return CacheStats(groups=tuple(out), pool_resident_bytes=pool, vkv_layers=len(self.layers) - others,
-                          other_layers=others)
+                          transformers_layers=others)
 
     def __repr__(self) -> str:
         others = len(self._other_layers())
-        return (f"VKVCache(layout={self.layout or 'device default'}, {len(self.layers) - others} layers stored by vkv "
-                f"in {len(self._groups)} group(s), {others} kept in transformers' own classes, rows={self.rows})")
+        return (f"VKVCache(layout={self.layout or 'device default'}, vkv_layers={len(self.layers) - others} "
+                f"in {len(self._groups)} group(s), transformers_layers={others}, rows={self.rows})")
 
     def check_invariants(self) -> None:
         """Check every group's rows, page tables and pools (see ``hf_vkv.memory``)."""

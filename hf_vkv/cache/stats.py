@@ -34,7 +34,7 @@ class CacheStats:
     groups: tuple[GroupStats, ...]
     pool_resident_bytes: int  # physical bytes held by the cache's arenas (free pages kept for reuse too)
     vkv_layers: int  # layers whose KV vkv stores
-    other_layers: int  # layers kept in transformers' own classes (linear/recurrent state, ...)
+    transformers_layers: int  # layers kept in transformers' own classes (linear/recurrent state, ...)
 
     @property
     def resident_bytes(self) -> int:

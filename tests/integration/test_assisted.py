@@ -22,12 +22,6 @@ pytestmark = pytest.mark.integration
 
 NEW = 12  # prompt 10 + 12 new tokens: twice past Mistral's window
 
-_CROP_XFAIL = pytest.mark.xfail(
-    strict=True, raises=TypeError,
-    reason="cache: EncoderDecoderCache.crop/batch ops accept only a DynamicCache self-attention cache "
-           "('crop is only defined for dynamic cache')")
-
-
 def _speculative(kind: str, arch: str) -> dict[str, Any]:
     if kind == "assisted":
         return {"assistant_model": tiny(arch, depth=1)}
@@ -36,7 +30,7 @@ def _speculative(kind: str, arch: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("kind", ["assisted", "prompt_lookup"])
 @pytest.mark.parametrize("arch", [
-    pytest.param("bart", marks=_CROP_XFAIL),
+    "bart",
     pytest.param("mistral", marks=needs_sliding_rollback),
 ])
 def test_speculative_decoding_identical(arch: str, kind: str) -> None:
@@ -64,9 +58,6 @@ def _recording_layer0_keys(cache: Any, model: Any) -> torch.Tensor:
 
 
 @needs_sliding_rollback
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="cache: a recording VKVSlidingLayer's .keys shows only the window, "
-                          "DynamicSlidingWindowLayer shows every recorded token")
 def test_recording_sliding_layer_shows_every_recorded_token() -> None:
     model = tiny("mistral")
     expected = _recording_layer0_keys(DynamicCache(config=model.config), model)

@@ -30,6 +30,7 @@ from breadth_models import SPECS, ArchitectureMissing, build_with_attention, pro
 from transformers.cache_utils import EncoderDecoderCache, get_layer_types_and_kwargs
 
 import hf_vkv
+from hf_vkv.devices import policy_for
 from hf_vkv.attention import UnsupportedModelError
 from hf_vkv.cache import LayerMismatchError
 
@@ -69,18 +70,12 @@ def cache_xfail(reason: str, raises: type[Exception] = AssertionError) -> Expect
 
 
 _OWN_ATTENTION = refused(UnsupportedModelError, "does not call transformers' AttentionInterface")
-_MLA = cache_xfail("MLA (key head dim != value head dim) is refused with LayerMismatchError, not stored",
-                   LayerMismatchError)
-_NO_ATTENTION = cache_xfail("a model without attention layers (cache_params) gets transformers' ValueError, "
-                            "not one hf_vkv warning and transformers' default cache", ValueError)
 _HYBRID = cache_xfail("the attention part of hybrid layers stays in transformers' classes (VKVCache stores none)")
-_CHUNKED = cache_xfail("chunked-attention layers stay in DynamicSlidingWindowLayer (VKVCache does not store them)")
-_STRIDED_MATMUL = cache_xfail("the model's own eager matmul over VKV's strided K/V views rounds differently "
-                              "from DynamicCache's contiguous tensors (last-bit logits)")
 _PAGED_REFUSALS = {
     "gemma2": refused(UnsupportedModelError, "softcapping"),
     "gpt_oss": refused(UnsupportedModelError, "attention sinks (s_aux)"),
     "t5": refused(UnsupportedModelError, "position bias is computed from the length of the keys"),
+    "deepseek_v3": refused(UnsupportedModelError, "multi-head latent attention caches compressed latents"),
     **{arch: _OWN_ATTENTION for arch in ("mpt", "bloom", "codegen", "gptj", "falcon", "gpt_neo", "xglm")},
 }
 
@@ -89,13 +84,9 @@ def _table() -> dict[tuple[str, str], Expect]:
     table = {(arch, mode): IDENTICAL for arch in SPECS for mode in MODES}
     for arch, expect in _PAGED_REFUSALS.items():
         table[arch, "paged_greedy"] = table[arch, "paged_beams"] = expect
-    for arch, expect in {"deepseek_v3": _MLA, "mamba": _NO_ATTENTION, "falcon_h1": _HYBRID, "zamba2": _HYBRID,
-                         "llama4": _CHUNKED}.items():
+    for arch, expect in {"falcon_h1": _HYBRID, "zamba2": _HYBRID}.items():
         for mode in MODES:
             table[arch, mode] = expect
-    for arch in ("gpt_neo", "codegen"):
-        for mode in ("greedy", "beams", "sample"):
-            table[arch, mode] = _STRIDED_MATMUL
     return table
 
 
@@ -160,7 +151,7 @@ def assert_cache_holds_kv(model: Any, past: Any, *, paged: bool) -> None:
     if isinstance(past, EncoderDecoderCache):
         past = past.self_attention_cache
     assert isinstance(past, hf_vkv.VKVCache), f"generate returned {type(past).__name__}, not a VKVCache"
-    assert past.layout == ("paged" if paged else "contiguous")
+    assert past.layout == ("paged" if paged else policy_for("cpu").layout)
     assert stored_layers(past) == kv_layers(model), (
         f"VKVCache stores {stored_layers(past)} of the model's {kv_layers(model)} K/V layers")
     past.check_invariants()

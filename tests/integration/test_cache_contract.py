@@ -26,9 +26,6 @@ def _filled(cache: Any, arch: str) -> Any:
     return cache
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError,
-                   reason="cache: VKVLayer.batch_select_indices indexes arange(batch) with the tuple itself "
-                          "(torch reads (0, 2) as two dimensions)")
 def test_batch_select_indices_takes_a_tuple() -> None:
     model = tiny("llama")
     expected = _filled(DynamicCache(config=model.config), "llama")
@@ -40,9 +37,6 @@ def test_batch_select_indices_takes_a_tuple() -> None:
         assert torch.equal(mine.values, theirs.values)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="cache: stats()/repr() do not say how many layers vkv stores and how many stay with "
-                          "transformers (proposed: CacheStats.vkv_layers / transformers_layers, shown by repr)")
 def test_stats_and_repr_count_layers() -> None:
     model = tiny("jamba")
     cache = _filled(hf_vkv.VKVCache(model.config), "jamba")

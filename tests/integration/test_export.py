@@ -78,9 +78,6 @@ def test_dynamic_cache_exports_with_transformers_registration() -> None:
     assert torch.equal(expected, got)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="cache: VKVCache is not a pytree node; transformers' generic flattener fails on its "
-                          "CacheOptions ('Cannot flatten CacheOptions for pytree context')")
 def test_export_vkv_past_with_transformers_registration() -> None:
     _export_or_typed_error()
 

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_vkv  # noqa: F401  (registers "vkv")
+from hf_vkv.devices import policy_for
 
 MODES = {"greedy": {}, "beams": {"num_beams": 4}}
 
@@ -29,9 +30,9 @@ def main(path: str) -> None:
     own = model.config._attn_implementation
     for mode, extra in MODES.items():
         ref = model.generate(**common, **extra)
-        for layout in ("contiguous", "paged"):
+        for layout in (policy_for("cpu").layout, "paged"):
             model.set_attn_implementation("vkv_paged" if layout == "paged" else own)
-            got = model.generate(**common, **extra, cache_implementation="vkv")
+            got = model.generate(**common, **extra, cache_implementation="vkv")  # the layout follows the attention
             model.set_attn_implementation(own)
             heads = got.past_key_values.layers[0].keys.shape[1]
             same = torch.equal(ref.sequences, got.sequences) and got.past_key_values.layout == layout
