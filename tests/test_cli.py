@@ -194,3 +194,20 @@ def test_demo_on_the_embedded_model(tmp_path: Path) -> None:
     sample = runs["n=8 sampling, document"]
     assert sample["steps"] == 3 and sample["vkv_stats"]["shared_prompt_rows"] == 7
     assert sample["kv_peak_bytes"]["vkv"] < sample["kv_peak_bytes"]["dynamic"]
+
+
+def test_a_refusal_is_one_logged_line_and_exit_status_3(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import hf_vkv.ab
+    from hf_vkv import KVCacheOutOfMemory
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise KVCacheOutOfMemory(requested_bytes=1 << 20, free_bytes=0, budget_bytes=1 << 20, what="one KV page")
+
+    monkeypatch.setattr(hf_vkv.ab, "run_ab", refuse)
+    code, out, _ = run_main(capsys, "ab", "--model", model_dir, "--prompt", "w5 w6", "--max-new-tokens", "2")
+    assert code == cli.EXIT_REFUSED and out == ""
+    [record] = [r for r in caplog.records if r.name == "hf_vkv"]
+    assert record.levelname == "ERROR" and "\n" not in record.getMessage()
+    assert record.getMessage().startswith("hf-vkv ab: vkv refused to run: KVCacheOutOfMemory: ")
