@@ -123,7 +123,7 @@ def _answer(tok: PreTrainedTokenizerBase, report: ABReport, limit: int = 160) ->
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def demo(args: argparse.Namespace) -> int:
+def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The demo (:mod:`hf_vkv.ab.demo`): a ~1k-token document answered with n=8 sampling and 4 beams
     and a short greedy prompt, each an A/B against DynamicCache; the table and where the savings
     come from on stdout."""
@@ -131,6 +131,10 @@ def demo(args: argparse.Namespace) -> int:
     from .ab.harness import describe_environment
     from .ab.table import format_savings, format_summary
 
+    if args.max_new_tokens < 2:
+        parser.error("--max-new-tokens must be >= 2 (a prefill and at least one decode step)")
+    if args.document_tokens is not None and args.document_tokens < 1:
+        parser.error("--document-tokens must be >= 1")
     t0 = time.perf_counter()
     _threads(args.threads)
     model, tok = _load(DEFAULT_MODEL, quiet=args.quiet)
@@ -295,7 +299,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress, no generated text: the tables only")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON (hf_vkv.demo/1); "
                    "'-': JSON on stdout instead of the tables")
-    p.set_defaults(func=lambda args, _: demo(args), command_parser=p)
+    p.set_defaults(func=demo, command_parser=p)
 
     p = sub.add_parser("doctor", help="what this machine gives the cache: backend, page size and layout, map limit, "
                        "CUDA, Triton, versions; each OK or a fix (exit 1 when vkv cannot run here)",

@@ -211,3 +211,12 @@ def test_a_refusal_is_one_logged_line_and_exit_status_3(model_dir: Path, monkeyp
     [record] = [r for r in caplog.records if r.name == "hf_vkv"]
     assert record.levelname == "ERROR" and "\n" not in record.getMessage()
     assert record.getMessage().startswith("hf-vkv ab: vkv refused to run: KVCacheOutOfMemory: ")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--max-new-tokens", "1"), "--max-new-tokens must be >= 2"),
+    (("--document-tokens", "0"), "--document-tokens must be >= 1"),
+])
+def test_demo_usage_errors(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str) -> None:
+    code, _, err = run_main(capsys, "demo", *args)
+    assert code == 2 and message in err, err

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .demo_text import SHORT_PROMPT, document_prompt
+from .demo_text import DOCUMENT, QUESTION, SHORT_PROMPT, document_prompt
 from .harness import run_ab
 from .records import ABReport
 
@@ -105,8 +105,6 @@ def encode_prompt(tok: PreTrainedTokenizerBase, text: str) -> dict[str, Any]:
 
 def _document(tok: PreTrainedTokenizerBase, max_tokens: int | None) -> str:
     """The document prompt, cut to its first ``max_tokens`` tokens when given (the question kept)."""
-    from .demo_text import DOCUMENT, QUESTION
-
     if max_tokens is None:
         return document_prompt()
     ids = tok(DOCUMENT, add_special_tokens=False)["input_ids"][:max_tokens]
