@@ -186,6 +186,14 @@ def check_map_count() -> Check:
     return Check("vm.max_map_count", "ok", detail)
 
 
+def _has_cuda_bindings() -> bool:
+    """Whether ``cuda.bindings`` can be imported (found, not imported)."""
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):  # no ``cuda`` package at all
+        return False
+
+
 def check_cuda() -> Check:
     """The CUDA backend: a device, ``cuda-bindings``, the driver, its granularity and VMM support."""
     import torch
@@ -195,7 +203,7 @@ def check_cuda() -> Check:
         return Check("cuda", "ok", f"no CUDA device ({build}): the host backend serves CPU models")
     index = torch.cuda.current_device()
     name = torch.cuda.get_device_name(index)
-    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+    if not _has_cuda_bindings():
         return Check("cuda", "fail", f"{name}: cuda-bindings is not installed, so vkv cannot map pages on the GPU",
                      fix="pip install 'hf_vkv[cuda]'")
     from .cuda import CudaUnavailableError, Driver, check  # lazy: the doctor's only reach for CUDA

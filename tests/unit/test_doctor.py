@@ -85,3 +85,57 @@ def test_importing_hf_vkv_and_the_doctor_imports_no_cuda() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
+
+
+class _FakeCu:
+    """The two driver calls the doctor makes itself, as ``cuda.bindings.driver`` returns them."""
+
+    class CUdevice_attribute:  # noqa: N801
+        CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
+
+    def __init__(self, vmm: int) -> None:
+        self.vmm = vmm
+
+    def cuDeviceGet(self, index: int) -> tuple[int, int]:  # noqa: N802
+        return 0, index
+
+    def cuDeviceGetAttribute(self, attr: int, device: int) -> tuple[int, int]:  # noqa: N802
+        return 0, self.vmm
+
+
+def _fake_gpu(monkeypatch: pytest.MonkeyPatch, *, bindings: bool = True, vmm: int = 1) -> None:
+    import torch
+
+    import hf_vkv.cuda
+
+    class FakeDriver:
+        def __init__(self, index: int) -> None:
+            self.cu = _FakeCu(vmm)
+
+        def driver_version(self) -> int:
+            return 13000
+
+        def granularity(self) -> int:
+            return 2 << 20
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake H100")
+    monkeypatch.setattr(doctor, "_has_cuda_bindings", lambda: bindings)
+    monkeypatch.setattr(hf_vkv.cuda, "Driver", FakeDriver)
+
+
+def test_cuda_with_vmm_is_ok(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpu(monkeypatch)
+    check = doctor.check_cuda()
+    assert check.status == "ok", check
+    assert check.detail.startswith("Fake H100: driver CUDA 13.0") and "granularity 2 MiB" in check.detail
+
+
+def test_cuda_without_vmm_or_bindings_fails_with_a_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpu(monkeypatch, vmm=0)
+    check = doctor.check_cuda()
+    assert check.status == "fail" and "does not support virtual memory management" in check.detail
+    _fake_gpu(monkeypatch, bindings=False)
+    check = doctor.check_cuda()
+    assert check.status == "fail" and check.fix == "pip install 'hf_vkv[cuda]'"
