@@ -68,27 +68,20 @@ def _size(n: int) -> str:
 # ---------------------------------------------------------------------- what the cache chooses
 def default_layout_and_page(device_type: str, *, granularity: int | None = None) -> tuple[str, int | None]:
     """The layout and page size a cache with an empty ``cache_config`` chooses on ``device_type``
-    (``"cpu"`` or ``"cuda"``; on CUDA the page is the driver's ``granularity``, ``None`` if unknown).
+    (``"cpu"`` or ``"cuda"``; on CUDA a layout without a preferred page takes the driver's
+    ``granularity``, ``None`` if unknown): the device policy's layout and that layout's page size
+    for the policy's backend."""
+    from .cache.layouts import layout_class
+    from .devices import policy_for
 
-    SWITCH-TO-LAYOUTS: derived here from ``CacheOptions()``'s default ``group_policy`` and the
-    page constants, as ``VKVCache`` does today. When the layout objects land (each states its
-    preferred page size per backend), replace the body with the public query they offer; this is
-    the only place the doctor computes a page size.
-    """
-    from .cache import CacheOptions
-    from .cache.heads import HEAD_MAJOR_PAGE_BYTES
-    from .memory import DEFAULT_HOST_PAGE_BYTES
-
-    head = CacheOptions().group_policy == "head"
-    if device_type == "cpu":
-        return ("head_major", HEAD_MAJOR_PAGE_BYTES) if head else ("token_major", DEFAULT_HOST_PAGE_BYTES)
-    return ("token_major", granularity)
+    policy = policy_for(device_type)
+    page = layout_class(policy.layout).page_bytes(policy.backend)
+    return policy.layout, page if page is not None else granularity
 
 
-def _layout_of(group: Any) -> str:
-    """The layout name of a built layer group (SWITCH-TO-LAYOUTS: read the group's layout object)."""
-    return {"LayerGroup": "token_major", "HeadMajorLayerGroup": "head_major",
-            "PagedLayerGroup": "paged"}.get(type(group).__name__, type(group).__name__)
+def _layout_of(cache: Any) -> str:
+    """The layout name a built cache chose (``VKVCache.layout``)."""
+    return str(cache.layout)
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -125,8 +118,7 @@ def check_host_backend() -> Check:
                 return Check("host backend", "fail", f"layer {layer}: the states read back differ from those written",
                              fix="report this as a bug with `hf-vkv doctor --json` attached")
         stats = cache.stats()
-        group = cache.groups[0]
-        layout, page = _layout_of(group), group.buffer.arena.page_bytes
+        layout, page = _layout_of(cache), cache.groups[0].buffer.arena.page_bytes
     finally:
         cache.close()
     expected = default_layout_and_page("cpu")

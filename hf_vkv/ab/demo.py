@@ -73,23 +73,30 @@ def ideal_kv_bytes(report: ABReport) -> int | None:
 
 
 class _KeepingFactory:
-    """A ``vkv_cache_factory`` that builds a :class:`~hf_vkv.VKVCache` and keeps it, so its
-    ``stats()`` can be read after ``generate()`` returned."""
+    """Makes a ``vkv_cache_factory`` (a :class:`~hf_vkv.VKVCache` subclass whose ``for_generate``
+    keeps the cache it builds), so the cache's ``stats()`` can be read after ``generate()``."""
 
     def __init__(self) -> None:
-        self.cache: Any = None
-
-    def __call__(self, config: Any, **kwargs: Any) -> Any:
         from ..cache import VKVCache
 
-        self.cache = VKVCache(config, **kwargs)
-        return self.cache
+        kept: list[Any] = []
+
+        class Keeping(VKVCache):
+            @classmethod
+            def for_generate(cls, *args: Any, **kwargs: Any) -> Any:
+                cache = super().for_generate(*args, **kwargs)
+                kept.append(cache)
+                return cache
+
+        self.cache_class = Keeping
+        self._kept = kept
 
     def take_stats(self) -> CacheStats | None:
         """The kept cache's stats; the cache is closed and dropped (its pages go back)."""
-        cache, self.cache = self.cache, None
-        if cache is None:
+        if not self._kept:
             return None
+        cache = self._kept.pop()
+        self._kept.clear()
         stats = cache.stats()
         cache.close()
         return stats
@@ -135,7 +142,7 @@ def run_demo(model: PreTrainedModel, tok: PreTrainedTokenizerBase, *, max_new_to
             on_start(case, int(inputs["input_ids"].shape[1]))
         keep = _KeepingFactory()
         report = run_ab(model, inputs, max_new_tokens=max_new_tokens, tee=False, seed=seed, progress=progress,
-                        vkv_cache_factory=keep, pad_token_id=pad, **case.generate_kwargs)
+                        vkv_cache_factory=keep.cache_class, pad_token_id=pad, **case.generate_kwargs)
         rows.append(DemoRow(case=case, report=report, stats=keep.take_stats(), ideal_kv_bytes=ideal_kv_bytes(report)))
     return rows
 
