@@ -118,12 +118,12 @@ def check_host_backend() -> Check:
                 return Check("host backend", "fail", f"layer {layer}: the states read back differ from those written",
                              fix="report this as a bug with `hf-vkv doctor --json` attached")
         stats = cache.stats()
-        layout, page = _layout_of(cache), cache.groups[0].buffer.arena.page_bytes
+        layout, page = _layout_of(cache), cache.groups[0].buffer.store.page_bytes
     finally:
         cache.close()
     expected = default_layout_and_page("cpu")
-    detail = (f"memfd pages mapped with mmap: a 2-row cache wrote, shared ({stats.shared_pages} page held by both "
-              f"rows) and read back its K/V exactly; it chose {layout} with {_size(page)} pages")
+    detail = (f"memfd pages mapped with mmap: a 2-row cache wrote, shared ({stats.shared_pages} page{'s' * (stats.shared_pages != 1)} held by "
+              f"both rows) and read back its K/V exactly; it chose {layout} with {_size(page)} pages")
     if (layout, page) != expected:
         return Check("host backend", "warn", detail + f", but the doctor expected {expected[0]} / {_size(expected[1])}",
                      fix="the doctor's default_layout_and_page() is out of date: report it")
