@@ -6,17 +6,25 @@
   table, JSON (``--json``) and a plot of KV memory over the steps (``--plot``).
 * ``hf-vkv bench``: the benchmark grid (quick by default, ``--full`` for the whole one), as a table
   and JSON.
+* ``hf-vkv doctor``: what this machine gives the cache (:mod:`hf_vkv.doctor`), each line OK or a fix.
+
+Output: results on stdout; progress on stderr, as bars on a terminal and one plain line per run
+otherwise (:mod:`hf_vkv.ab.progress`); ``--quiet`` leaves only the results; ``--json`` writes
+JSON. When vkv refuses a run (out of its budget, an unsupported device or model, no CUDA
+bindings) one line says why, through the ``hf_vkv`` logger (transformers' logging).
 
 Exit status: 0 when every A/B run was identical to DynamicCache (tokens, logits and, with the tee,
-K/V), 1 when one diverged, 2 for a usage error.
+K/V), 1 when one diverged (doctor: a check failed), 2 for a usage error, 3 when vkv refused to run.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,9 +34,17 @@ if TYPE_CHECKING:
 
     from .ab import ABReport
 
-__all__ = ["DEMO_PROMPT", "exit_code", "main"]
+from .ab.demo_text import SHORT_PROMPT as DEMO_PROMPT
+from .memory.errors import InvariantError, VKVError
 
-DEMO_PROMPT = "Explain in two sentences why a key-value cache makes text generation faster."
+__all__ = ["DEMO_PROMPT", "EXIT_REFUSED", "exit_code", "main"]
+
+#: Exit status when vkv refused to run (the reason is logged in one line).
+EXIT_REFUSED = 3
+#: New tokens per row of ``hf-vkv demo`` (chosen by timing the demo on 2 CPU cores).
+DEMO_NEW_TOKENS = 16
+SIMULATE_HELP = ("To see a failure: HF_VKV_DOCTOR_FAIL='host backend' hf-vkv doctor (a comma-separated list of check "
+                 "names; each fails without running).")
 #: ``--model`` value that means the embedded SmolLM2-135M-Instruct.
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
@@ -39,15 +55,19 @@ def exit_code(reports: Sequence[ABReport]) -> int:
     return 0 if all(r.identical for r in reports) else 1
 
 
-def _load(name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load(name: str, *, quiet: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``"default"``: the embedded SmolLM2 (float32); otherwise a local model folder with its tokenizer."""
     import torch
 
+    from .ab.progress import quiet_library_progress
+
+    quiet_library_progress(quiet=quiet)
     if name == DEFAULT_MODEL:
         from .default_model import load_default_model
 
-        print("loading the embedded SmolLM2-135M-Instruct (converted once to safetensors, then cached)...",
-              file=sys.stderr, flush=True)
+        if not quiet:
+            print("loading the embedded SmolLM2-135M-Instruct (converted once to safetensors, then cached)...",
+                  file=sys.stderr, flush=True)
         return load_default_model(dtype=torch.float32)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,6 +98,18 @@ def _pad_id(tok: PreTrainedTokenizerBase) -> int | None:
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
+def _write_json(target: str | Path, data: dict[str, Any]) -> None:
+    """``data`` as JSON to the file ``target`` (``"-"``: stdout)."""
+    text = json.dumps(data, indent=2) + "\n"
+    if str(target) == "-":
+        sys.stdout.write(text)
+        return
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def _threads(n: int | None) -> None:
     if n:
         import torch
@@ -86,29 +118,60 @@ def _threads(n: int | None) -> None:
 
 
 # ----------------------------------------------------------------------------------------- demo
-def demo(args: argparse.Namespace) -> int:
-    """Generate on the embedded SmolLM2 with vkv, print the text and an A/B table."""
-    from .ab import format_summary, run_ab
+def _answer(tok: PreTrainedTokenizerBase, report: ABReport, limit: int = 160) -> str:
+    text = " ".join(tok.decode(list(report.generated_vkv[0]), skip_special_tokens=True).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
+
+def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The demo (:mod:`hf_vkv.ab.demo`): a ~1k-token document answered with n=8 sampling and 4 beams
+    and a short greedy prompt, each an A/B against DynamicCache; the table and where the savings
+    come from on stdout."""
+    from .ab.demo import demo_to_dict, run_demo
+    from .ab.harness import describe_environment
+    from .ab.table import format_savings, format_summary
+
+    if args.max_new_tokens < 2:
+        parser.error("--max-new-tokens must be >= 2 (a prefill and at least one decode step)")
+    if args.document_tokens is not None and args.document_tokens < 1:
+        parser.error("--document-tokens must be >= 1")
+    t0 = time.perf_counter()
     _threads(args.threads)
-    model, tok = _load(DEFAULT_MODEL)
-    inputs = _encode(tok, [args.prompt], chat=True)
-    prompt_len = inputs["input_ids"].shape[1]
-    common = dict(max_new_tokens=args.max_new_tokens, pad_token_id=_pad_id(tok), progress=True)
-    reports = []
-    for label, kwargs in (("greedy", {}), ("beam search, 4 beams", {"num_beams": 4}),
-                          ("sampling, n=8", {"do_sample": True, "num_return_sequences": 8})):
-        print(f"A/B run: {label} ...", file=sys.stderr, flush=True)
-        reports.append((label, run_ab(model, inputs, **common, **kwargs)))
-        if len(reports) == 1:  # the greedy vkv run's text, as soon as it exists
-            print("\n" + tok.decode(list(reports[0][1].generated_vkv[0]), skip_special_tokens=True).strip() + "\n",
-                  flush=True)
-    print(f"A/B against DynamicCache (prompt {prompt_len} tokens, {args.max_new_tokens} new tokens, CPU fp32; "
-          "K/V: every layer's keys/values compared at every step; KV: peak resident bytes; step: mean decode step):")
-    print(format_summary(reports))
-    print("\nOne run step by step, with JSON and a plot: hf-vkv ab --model default --mode beam --json ab.json "
-          "--plot ab.png")
-    return exit_code([r for _, r in reports])
+    model, tok = _load(DEFAULT_MODEL, quiet=args.quiet)
+
+    def started(case: Any, prompt_tokens: int) -> None:
+        if not args.quiet:
+            print(f"A/B run: {case.label} ({prompt_tokens}-token prompt) ...", file=sys.stderr, flush=True)
+
+    rows = run_demo(model, tok, max_new_tokens=args.max_new_tokens, document_tokens=args.document_tokens,
+                    progress=not args.quiet, on_start=started)
+    wall = time.perf_counter() - t0
+    env = describe_environment(model)
+    if args.json is not None:
+        _write_json(args.json, demo_to_dict(rows, wall_s=wall, environment=env))
+        if str(args.json) == "-":
+            return exit_code([r.report for r in rows])
+    if not args.quiet:
+        for row in rows:
+            print(f"{row.case.label}, vkv, sequence 0: {_answer(tok, row.report)!r}")
+        print()
+    labelled = [(row.case.label, row.report) for row in rows]
+    print(f"A/B against DynamicCache: {DEFAULT_MODEL_NAME}, {env['device']} ({os.cpu_count()} cores, "
+          f"{env['torch_threads']} torch threads), {env['dtype']}, {args.max_new_tokens} new tokens per row.")
+    print("tokens: tokens and logits equal at every step; KV: peak bytes held (vkv: resident pages, a shared page "
+          "counted once); step: mean decode step")
+    print(format_summary(labelled, ideal_kv_bytes=[row.ideal_kv_bytes for row in rows]))
+    print("\nWhere vkv's memory goes (stats() after generate):")
+    print(format_savings([(row.case.label, row.stats) for row in rows]))
+    if all(row.ideal_kv_bytes is None for row in rows):
+        print("\nvkv/ideal: not measured by this build (the benchmark's ideal cache is not in it yet).")
+    for label, r in labelled:
+        if not r.identical:
+            where = r.first_divergence.describe() if r.first_divergence else "the returned sequences differ"
+            print(f"DIVERGED: {label}: {where}")
+    print(f"\ndemo: {wall:.0f} s on this machine, model load included. One run step by step, with JSON and a plot: "
+          "hf-vkv ab --model default --mode beam --json ab.json --plot ab.png")
+    return exit_code([r for _, r in labelled])
 
 
 # ------------------------------------------------------------------------------------------- ab
@@ -162,10 +225,10 @@ def ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "register yet; use --layout contiguous")
     _check_model(args.model, parser)
     _threads(args.threads)
-    model, tok = _load(args.model)
+    model, tok = _load(args.model, quiet=args.quiet)
     inputs = _encode(tok, texts, chat=not args.raw)
     report = run_ab(model, inputs, max_new_tokens=args.max_new_tokens, layout=args.layout, tee=not args.no_tee,
-                    seed=args.seed, progress=True, pad_token_id=_pad_id(tok), **kwargs)
+                    seed=args.seed, progress=not args.quiet, pad_token_id=_pad_id(tok), **kwargs)
     if args.model == DEFAULT_MODEL:
         report = dataclasses.replace(report, model=DEFAULT_MODEL_NAME)
     text = tok.decode(list(report.generated_vkv[0]), skip_special_tokens=True).strip()
@@ -208,17 +271,41 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0 if all(r["identical"] for r in results) else 1
 
 
+# --------------------------------------------------------------------------------------- doctor
+def doctor(args: argparse.Namespace) -> int:
+    """What this machine gives the cache: one line per check (or JSON); 1 when a check failed."""
+    from .doctor import doctor_exit_code, doctor_to_dict, format_checks, run_checks
+
+    checks = run_checks()
+    if args.json:
+        _write_json("-", doctor_to_dict(checks))
+    else:
+        print(format_checks(checks))
+    return doctor_exit_code(checks)
+
+
 # ----------------------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-vkv", description="A virtual-memory KV cache for transformers. "
                                      "Exit status: 0 identical to DynamicCache, 1 diverged, 2 usage error.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="generate on the embedded SmolLM2 with vkv and A/B it against DynamicCache")
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p = sub.add_parser("demo", help="where vkv wins: a ~1k-token document answered with n=8 sampling and 4 beams, "
+                       "and a short greedy prompt, each A/B-checked against DynamicCache on the embedded SmolLM2")
+    p.add_argument("--max-new-tokens", type=int, default=DEMO_NEW_TOKENS, help="per row (default: %(default)s)")
+    p.add_argument("--document-tokens", type=int, default=None, metavar="N",
+                   help="cut the shared document to its first N tokens (default: all of it, ~1k)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.set_defaults(func=lambda args, _: demo(args), command_parser=p)
+    p.add_argument("--quiet", action="store_true", help="no progress, no generated text: the tables only")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON (hf_vkv.demo/1); "
+                   "'-': JSON on stdout instead of the tables")
+    p.set_defaults(func=demo, command_parser=p)
+
+    p = sub.add_parser("doctor", help="what this machine gives the cache: backend, page size and layout, map limit, "
+                       "CUDA, Triton, versions; each OK or a fix (exit 1 when vkv cannot run here)",
+                       epilog=f"{SIMULATE_HELP}")
+    p.add_argument("--json", action="store_true", help="the checks as JSON (hf_vkv.doctor/1) on stdout")
+    p.set_defaults(func=lambda args, _: doctor(args), command_parser=p)
 
     p = sub.add_parser("ab", help="one A/B run against DynamicCache, step by step (table, JSON, plot)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'default' (the embedded SmolLM2) or a local model folder "
@@ -238,6 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON (hf_vkv.ab/1)")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="plot KV memory and step time")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=ab, command_parser=p)
 
     p = sub.add_parser("bench", help="A/B benchmark grid: speed and KV memory against DynamicCache, as JSON")
@@ -260,7 +348,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = _parser()
     args = parser.parse_args(argv)
-    return int(args.func(args, args.command_parser))
+    try:
+        return int(args.func(args, args.command_parser))
+    except InvariantError:
+        raise  # a bug in hf_vkv, not a refusal: the traceback is wanted
+    except VKVError as exc:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.get_logger("hf_vkv").error(
+            f"hf-vkv {args.command}: vkv refused to run: {type(exc).__name__}: {' '.join(str(exc).split())} "
+            "(see `hf-vkv doctor`)")
+        return EXIT_REFUSED
 
 
 if __name__ == "__main__":

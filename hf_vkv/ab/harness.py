@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import platform
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..cache import CacheOptions, VKVCache
+from .progress import progress_bar
 from .probes import StepProbe, UpdateTee, kv_bytes
 from .records import ABReport, Divergence, RunSummary, StepReport
 
@@ -94,7 +94,8 @@ def run_ab(
         cache_config: options of the vkv cache (as ``generate(cache_config=...)``).
         vkv_cache_factory: a :class:`VKVCache` subclass whose ``for_generate`` builds the cache of
             the vkv run (tests use it to inject faults); default :class:`VKVCache`.
-        progress: show a progress bar per run on stderr.
+        progress: show each run's progress on stderr: a bar on a terminal, one line per run
+            otherwise (see :func:`~hf_vkv.ab.progress.progress_bar`).
         **generate_kwargs: the generation mode: ``do_sample``, ``num_beams``,
             ``num_return_sequences``, ``temperature``, ... (not the ones this function sets:
             caches, logits processors, output options).
@@ -191,14 +192,11 @@ def _source(layout: Layout) -> Literal["returned", "stored"]:
 
 def _generate(model: PreTrainedModel, make_cache: Callable[[], Cache], kwargs: dict[str, Any], *, seed: int,
               tee: bool, source: Literal["returned", "stored"], label: str, progress: bool) -> _Run:
-    from tqdm.auto import tqdm
-
     cache = make_cache()
     recorder = UpdateTee(source=source) if tee else None
     if recorder is not None:
         recorder.attach(cache)
-    bar = tqdm(total=kwargs["max_new_tokens"], desc=f"{label:>7s}", unit="step", file=sys.stderr, leave=False,
-               disable=not progress)
+    bar = progress_bar(total=kwargs["max_new_tokens"], label=f"{label:>7s}", unit="step", enabled=progress)
     probe = StepProbe(cache, tee=recorder, progress=bar)
     try:
         torch.manual_seed(seed)

@@ -124,7 +124,7 @@ class StepProbe(LogitsProcessor):
     def __init__(self, cache: Cache, *, tee: UpdateTee | None = None, progress: Any = None) -> None:
         self.cache = cache
         self.tee = tee
-        self.progress = progress  # a tqdm bar (or None), advanced once per step
+        self.progress = progress  # a progress.Progress (or None), advanced once per step
         self.times: list[float] = []
         self.kv_bytes: list[int] = []
         self.last_ids: list[torch.Tensor] = []  # [rows] each: ids[:, -1] seen at each step (CPU)

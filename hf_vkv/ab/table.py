@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .records import ABReport, StepReport
 
-__all__ = ["format_report", "format_summary"]
+if TYPE_CHECKING:
+    from ..cache import CacheStats
+
+__all__ = ["format_report", "format_savings", "format_summary"]
 
 MiB = 2**20
 
@@ -91,17 +95,41 @@ def format_report(report: ABReport, *, max_steps: int = 24) -> str:
     return "\n".join(lines)
 
 
-def format_summary(reports: Sequence[tuple[str, ABReport]]) -> str:
-    """One line per labelled report: tokens, K/V, KV peak of each cache, decode step of each."""
-    header = (f"{'mode':22s} {'tokens':>10s} {'K/V':>5s} {'KV dynamic':>10s} {'KV vkv':>9s} {'ratio':>5s} "
-              f"{'step dyn':>8s} {'step vkv':>8s}")
+def format_summary(reports: Sequence[tuple[str, ABReport]], *,
+                   ideal_kv_bytes: Sequence[int | None] | None = None) -> str:
+    """One line per labelled report: rows, prompt, verdict, KV peak of each cache and their ratio,
+    vkv against an ideal cache (``ideal_kv_bytes``, one per report; ``-`` where unknown), mean
+    decode step of each cache.
+
+    ``identical`` means tokens, logits and (with the tee) K/V equal at every step."""
+    ideal = list(ideal_kv_bytes) if ideal_kv_bytes is not None else [None] * len(reports)
+    header = (f"{'run':24s} {'rows':>4s} {'prompt':>6s} {'tokens':>9s} {'KV dynamic':>10s} {'KV vkv':>9s} "
+              f"{'vkv/dyn':>7s} {'vkv/ideal':>9s} {'step dyn':>9s} {'step vkv':>9s}")
     lines = [header, "-" * len(header)]
-    for label, r in reports:
+    for (label, r), best in zip(reports, ideal):
         lines.append(
-            f"{label:22s} {'identical' if r.tokens_identical else 'DIFFERENT':>10s} "
-            f"{'-' if not r.tee else 'same' if all(s.kv_equal for s in r.steps) else 'DIFF':>5s} "
+            f"{label:24s} {r.rows:4d} {r.prompt_tokens:6d} {'identical' if r.identical else 'DIFFERENT':>9s} "
             f"{_mib(r.dynamic.kv_peak_bytes):>10s} {_mib(r.vkv.kv_peak_bytes):>9s} "
-            f"{_ratio(r.dynamic.kv_peak_bytes, r.vkv.kv_peak_bytes):>5s} "
-            f"{_ms(r.dynamic.decode_step_s) + 'ms':>8s} {_ms(r.vkv.decode_step_s) + 'ms':>8s}"
+            f"{_ratio(r.dynamic.kv_peak_bytes, r.vkv.kv_peak_bytes):>7s} {_ratio(best, r.vkv.kv_peak_bytes):>9s} "
+            f"{_ms(r.dynamic.decode_step_s) + 'ms':>9s} {_ms(r.vkv.decode_step_s) + 'ms':>9s}"
+        )
+    return "\n".join(lines)
+
+
+def format_savings(items: Sequence[tuple[str, CacheStats | None]]) -> str:
+    """Where vkv's memory goes, one line per labelled ``VKVCache.stats()`` (taken after
+    ``generate()`` returned): resident and live bytes, their ratio (utilization), pages held by
+    more than one row, pages copied on write, rows that took their prompt from another row."""
+    header = (f"{'run':24s} {'resident':>9s} {'live KV':>9s} {'utilization':>11s} {'shared pages':>12s} "
+              f"{'CoW copies':>10s} {'rows sharing the prompt':>23s}")
+    lines = [header, "-" * len(header)]
+    for label, s in items:
+        if s is None:
+            lines.append(f"{label:24s} {'-':>9s}")
+            continue
+        prompt_rows = sum(g.shared_prompt_rows for g in s.groups)
+        lines.append(
+            f"{label:24s} {_mib(s.resident_bytes):>9s} {_mib(s.token_bytes):>9s} {s.utilization:11.0%} "
+            f"{s.shared_pages:12d} {s.cow_copies:10d} {prompt_rows:23d}"
         )
     return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""``hf_vkv.doctor`` in process: the checks on this machine, a simulated failure, a crashing
+check, the formatting, the JSON and the exit status; and that nothing of CUDA is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_vkv import doctor
+from hf_vkv.doctor import CHECKS, SIMULATE_ENV, Check, doctor_exit_code, doctor_to_dict, format_checks, run_checks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_check_passes_or_warns_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SIMULATE_ENV, raising=False)
+    checks = run_checks()
+    assert [c.name for c in checks] == [name for name, _ in CHECKS]
+    assert all(c.status in ("ok", "warn") for c in checks), format_checks(checks)
+    assert doctor_exit_code(checks) == 0
+    by_name = {c.name: c for c in checks}
+    layout, page = doctor.default_layout_and_page("cpu")
+    assert by_name["host backend"].status == "ok" and f"chose {layout}" in by_name["host backend"].detail
+    limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    assert by_name["vm.max_map_count"].detail.startswith(f"{limit:,} (")
+    if not __import__("torch").cuda.is_available():
+        assert by_name["cuda"].status == "ok" and "the host backend serves CPU models" in by_name["cuda"].detail
+
+
+def test_a_simulated_failure_fails_that_check_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SIMULATE_ENV, "host backend, torch")
+    checks = run_checks()
+    failed = [c.name for c in checks if c.status == "fail"]
+    assert failed == ["host backend", "torch"]
+    assert doctor_exit_code(checks) == 1
+    text = format_checks(checks)
+    assert "FAIL  host backend" in text and f"fix: unset {SIMULATE_ENV}" in text
+    assert text.splitlines()[-1] == "verdict: NOT READY: host backend, torch failed (exit status 1)"
+
+
+def test_a_crashing_check_is_a_failure_and_the_others_still_run() -> None:
+    def broken() -> Check:
+        raise OSError("no such file")
+
+    checks = run_checks((("broken", broken), ("platform", doctor.check_platform)))
+    assert checks[0] == Check("broken", "fail", "OSError: no such file",
+                              fix="report this as a bug with `hf-vkv doctor --json` attached")
+    assert checks[1].name == "platform" and checks[1].status == "ok"
+
+
+def test_version_outside_the_supported_range_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "_dist_version", lambda name: "4.40.0")
+    check = doctor.check_transformers()
+    assert check.status == "fail" and "outside the supported range" in check.detail
+    assert check.fix is not None and check.fix.startswith("pip install 'transformers")
+
+
+def test_a_small_map_limit_warns_with_the_sysctl_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "_read_int", lambda path: 1000)
+    monkeypatch.setattr(doctor, "_own_mappings", lambda: 900)
+    check = doctor.check_map_count()
+    assert check.status == "warn" and "1,000 (900 used by this process)" in check.detail
+    assert check.fix is not None and "sysctl -w vm.max_map_count" in check.fix
+
+
+def test_json_and_warn_formatting() -> None:
+    checks = [Check("a", "ok", "fine"), Check("b", "warn", "limited", fix="do x")]
+    assert doctor_exit_code(checks) == 0
+    assert format_checks(checks).splitlines()[-1] == "verdict: vkv runs here (1 warning)"
+    data = json.loads(json.dumps(doctor_to_dict(checks)))
+    assert data == {"schema": "hf_vkv.doctor/1", "ok": True, "checks": [
+        {"name": "a", "status": "ok", "detail": "fine", "fix": None},
+        {"name": "b", "status": "warn", "detail": "limited", "fix": "do x"}]}
+
+
+def test_importing_hf_vkv_and_the_doctor_imports_no_cuda() -> None:
+    code = ("import sys, hf_vkv, hf_vkv.doctor; "
+            "bad = sorted(m for m in sys.modules if m == 'hf_vkv.cuda' or m.startswith(('hf_vkv.cuda.', 'cuda.'))); "
+            "assert not bad, bad")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+
+
+class _FakeCu:
+    """The two driver calls the doctor makes itself, as ``cuda.bindings.driver`` returns them."""
+
+    class CUdevice_attribute:  # noqa: N801
+        CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
+
+    def __init__(self, vmm: int) -> None:
+        self.vmm = vmm
+
+    def cuDeviceGet(self, index: int) -> tuple[int, int]:  # noqa: N802
+        return 0, index
+
+    def cuDeviceGetAttribute(self, attr: int, device: int) -> tuple[int, int]:  # noqa: N802
+        return 0, self.vmm
+
+
+def _fake_gpu(monkeypatch: pytest.MonkeyPatch, *, bindings: bool = True, vmm: int = 1) -> None:
+    import torch
+
+    import hf_vkv.cuda
+
+    class FakeDriver:
+        def __init__(self, index: int) -> None:
+            self.cu = _FakeCu(vmm)
+
+        def driver_version(self) -> int:
+            return 13000
+
+        def granularity(self) -> int:
+            return 2 << 20
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake H100")
+    monkeypatch.setattr(doctor, "_has_cuda_bindings", lambda: bindings)
+    monkeypatch.setattr(hf_vkv.cuda, "Driver", FakeDriver)
+
+
+def test_cuda_with_vmm_is_ok(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpu(monkeypatch)
+    check = doctor.check_cuda()
+    assert check.status == "ok", check
+    assert check.detail.startswith("Fake H100: driver CUDA 13.0") and "granularity 2 MiB" in check.detail
+
+
+def test_cuda_without_vmm_or_bindings_fails_with_a_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpu(monkeypatch, vmm=0)
+    check = doctor.check_cuda()
+    assert check.status == "fail" and "does not support virtual memory management" in check.detail
+    _fake_gpu(monkeypatch, bindings=False)
+    check = doctor.check_cuda()
+    assert check.status == "fail" and check.fix == "pip install 'hf_vkv[cuda]'"
