@@ -1,0 +1,85 @@
+"""The package's shape, checked: subpackages import one another without cycles, the memory core
+imports no transformers, and a beam step converts ``beam_idx`` to Python once for every group."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+
+from hf_vkv import VKVCache
+from transformers import LlamaConfig
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hf_vkv"
+
+
+def _subpackage_imports() -> dict[str, set[str]]:
+    """``{subpackage: subpackages it imports}`` from the relative imports of every module."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if len(rel.parts) < 2:
+            continue  # top-level modules (registration, devices, cli, ...) may import any subpackage
+        here = rel.parts[0]
+        deps = graph.setdefault(here, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                target = (node.module or "").split(".")[0]
+                if node.level == len(rel.parts) and target and (PACKAGE / target).is_dir() and target != here:
+                    deps.add(target)
+    return graph
+
+
+def test_subpackages_import_without_cycles() -> None:
+    graph = _subpackage_imports()
+    assert graph["cache"] >= {"memory"} and "cache" not in graph["memory"]
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        if state.get(node) == 1:
+            raise AssertionError(f"import cycle: {' -> '.join([*path, node])}")
+        if state.get(node) == 2:
+            return
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            visit(dep, [*path, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_memory_imports_no_transformers() -> None:
+    """The memory core (``import hf_vkv`` itself registers with transformers, so read the sources)."""
+    for path in (PACKAGE / "memory").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("transformers", "hf_vkv") for n in names), (path, names)
+
+
+class _CountingIndex(torch.Tensor):
+    calls = 0
+
+    def tolist(self):  # type: ignore[no-untyped-def]
+        type(self).calls += 1
+        return super().tolist()
+
+
+def test_a_beam_step_converts_beam_idx_once() -> None:
+    config = LlamaConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                         vocab_size=64, intermediate_size=64, max_position_embeddings=64,
+                         layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                         sliding_window=8)
+    cache = VKVCache(config, page_bytes=4096)
+    states = torch.randn(3, 2, 5, 16)
+    for layer in range(4):
+        cache.update(states, states, layer)
+    assert len(cache.groups) == 2
+    beam_idx = torch.tensor([2, 2, 0], dtype=torch.int32).as_subclass(_CountingIndex)
+    _CountingIndex.calls = 0
+    cache.reorder_cache(beam_idx)
+    assert _CountingIndex.calls == 1  # once for every group and layer
+    assert torch.equal(cache.layers[0].keys, states[[2, 2, 0]])
+    cache.check_invariants()
