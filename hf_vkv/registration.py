@@ -45,6 +45,17 @@ def register() -> None:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS = (
             *configuration_utils.ALL_CACHE_IMPLEMENTATIONS, CACHE_IMPLEMENTATION
         )
+    prepare_inputs = GenerationMixin.prepare_inputs_for_generation
+    if not getattr(prepare_inputs, _MARK, False):
+
+        @functools.wraps(prepare_inputs)
+        def inputs_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            model_inputs = prepare_inputs(self, *args, **kwargs)
+            _map_ahead(model_inputs)
+            return model_inputs
+
+        setattr(inputs_method, _MARK, True)
+        GenerationMixin.prepare_inputs_for_generation = inputs_method  # type: ignore[method-assign]
     original = GenerationMixin._prepare_cache_for_generation
     if not getattr(original, _MARK, False):
 
@@ -54,6 +65,17 @@ def register() -> None:
 
         setattr(method, _MARK, True)
         GenerationMixin._prepare_cache_for_generation = method  # type: ignore[method-assign]
+
+
+def _map_ahead(model_inputs: Any) -> None:
+    """Before each forward of ``generate``: a static-layout cache maps the pages the step writes
+    (outside a compiled step, which cannot run page-table code)."""
+    past = model_inputs.get("past_key_values") if isinstance(model_inputs, dict) else None
+    if isinstance(past, VKVEncoderDecoderCache):
+        past = past.self_attention_cache
+    if isinstance(past, VKVCache) and past.layout == "static":
+        ids = model_inputs.get("input_ids")
+        past.map_ahead(ids.shape[-1] if ids is not None else None)
 
 
 def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwargs: dict, generation_mode: Any,
@@ -84,8 +106,14 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    cache_config = dict(generation_config.cache_config or {})
+    if generation_config.compile_config is not None and cache_config.get("layout") is None:
+        cache_config["layout"] = "static"  # compiling: the layout StaticLayer's contract holds for
+    if cache_config.get("layout") == "static" and cache_config.get("max_tokens") is None:
+        # attention reads the whole capacity: StaticCache's, so the same keys (and sums) as it
+        cache_config["max_tokens"] = max_cache_length
     cache: Any = VKVCache.for_generate(model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1,
-                                       cache_config=generation_config.cache_config)
+                                       cache_config=cache_config)
     if model.config.is_encoder_decoder:
         cache = VKVEncoderDecoderCache(cache, DynamicCache(config=model.config.get_text_config(decoder=True)))
     model_kwargs["past_key_values"] = cache

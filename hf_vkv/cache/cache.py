@@ -15,8 +15,8 @@ from ..devices import arena_for_device, layer_devices_of, policy_for
 from ..memory import Arena
 from .geometry import GroupGeometry
 from .group import LayerGroup
-from .layer import VKVLayer, VKVSlidingLayer
-from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, layout_class
+from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
+from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, layout_class
 from .options import CacheOptions
 from .stats import CacheStats, GroupStats
 
@@ -116,6 +116,14 @@ class VKVCache(Cache):
             group = group_of.get(idx)
             if group is None:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
+            elif self._layout_name == "static":
+                if group.sliding_window is not None:
+                    raise ValueError(
+                        f"cache_config['layout']='static' serves full-attention layers only, and layer {idx} of this "
+                        f"{getattr(text_config, 'model_type', 'model')} model slides over a window of "
+                        f"{group.sliding_window} tokens: generate without compile_config (any other vkv layout), or "
+                        f"compile with transformers' StaticCache (cache_implementation='static')")
+                layers.append(VKVStaticLayer(group, idx))
             elif group.sliding_window is not None:
                 layers.append(VKVSlidingLayer(group, idx, sliding_window=group.sliding_window))
             else:
@@ -156,13 +164,16 @@ class VKVCache(Cache):
 
     def _make_layout(self, geometry: GroupGeometry, members: int) -> Layout:
         name = self._layout_name or policy_for(geometry.device).layout
+        if name == "static":
+            base = layout_class(policy_for(geometry.device).layout)
+            return StaticLayout(geometry, members=members, base=base)
         if name == "paged":
             return PagedLayout(geometry, members=members, block_tokens=self.options.block_tokens or DEFAULT_BLOCK_TOKENS)
         return layout_class(name)(geometry, members=members)
 
-    def _arena_for(self, device: torch.device, layout: type[Layout]) -> Arena:
+    def _arena_for(self, device: torch.device, layout: Layout) -> Arena:
         device = torch.device(device)
-        page = self.options.page_bytes or layout.page_bytes(policy_for(device).backend)
+        page = self.options.page_bytes or layout.preferred_page_bytes(policy_for(device).backend)
         arena = self._arenas.get((device, page))
         if arena is None or arena.closed:
             arena = arena_for_device(device, page_bytes=page, budget_bytes=self.options.budget_bytes)
@@ -210,14 +221,54 @@ class VKVCache(Cache):
         for group in self._groups:
             group.check_invariants()
 
+    # ----------------------------------------------------------------------------- static layout
+    def _static_layers(self) -> dict[int, VKVStaticLayer]:
+        """``{id(group): its first layer}`` for the groups in the static layout."""
+        out: dict[int, VKVStaticLayer] = {}
+        for layer in self.layers:
+            if isinstance(layer, VKVStaticLayer) and layer.is_initialized:
+                out.setdefault(id(layer.group), layer)
+        return out
+
+    def map_ahead(self, tokens: int | None = None) -> None:
+        """Static layout, before a (compiled) step: make the next ``tokens`` tokens of every row
+        writable — pages mapped and private — so the step writes only with ``index_copy_``
+        (default ``cache_config['map_ahead']``, 32). Called by ``generate`` before each step and
+        after every row operation; a no-op for the other layouts."""
+        ahead = max(tokens or 0, self.options.map_ahead or 32)
+        for group in self._groups:
+            first = self._static_layers().get(id(group))
+            if first is not None:
+                group.map_ahead(first.written_length(), ahead)
+
+    def _sync_static(self) -> None:
+        """Before a row operation: the groups learn the lengths compiled steps wrote."""
+        for group in self._groups:
+            first = self._static_layers().get(id(group))
+            if first is not None:
+                group.lengths = [first.written_length()] * len(group.members)
+
+    def _after_row_operation(self) -> None:
+        """After a row operation: static layers follow the group's lengths, and the next write's
+        pages are made private again (a reorder may have shared them)."""
+        layers = self._static_layers()
+        if not layers:
+            return
+        for layer in self.layers:
+            if isinstance(layer, VKVStaticLayer) and layer.is_initialized:
+                layer.set_length(layer.group.length(layer.layer_idx))
+        self.map_ahead()
+
     # ----------------------------------------------------------------------------- row operations
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` takes row ``beam_idx[i]``'s pages (``beam_idx``: int tensor, any device): no copy."""
         index = [int(i) for i in beam_idx.tolist()]  # one host transfer for every group
+        self._sync_static()
         for group in self._groups:
             group.reorder(index)
         for layer in self._other_layers():
             layer.reorder_cache(beam_idx)
+        self._after_row_operation()
 
     def batch_select_indices(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Keep only the rows ``indices`` (row numbers, negative ones, a bool mask, a tensor or a
@@ -226,20 +277,24 @@ class VKVCache(Cache):
             indices = torch.tensor(list(indices), dtype=torch.bool if all(isinstance(i, bool) for i in indices) and
                                    len(indices) else torch.long)
         index = torch.arange(self.rows)[indices.cpu()].reshape(-1).tolist()
+        self._sync_static()
         for group in self._groups:
             group.reorder(index)
         for layer in self._other_layers():
             layer.batch_select_indices(indices)
+        self._after_row_operation()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times, consecutively (pages shared, nothing copied)."""
         repeats = int(repeats)
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
+        self._sync_static()
         for group in self._groups:
             group.repeat_rows(repeats)
         for layer in self._other_layers():
             layer.batch_repeat_interleave(repeats)
+        self._after_row_operation()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (a negative int, as for DynamicCache);
@@ -250,12 +305,14 @@ class VKVCache(Cache):
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
+        self._sync_static()
         for group in self._groups:
             group.check_crop()  # every group first: a refused crop changes nothing
         for group in self._groups:
             group.crop(tokens_to_remove)
         for layer in self._other_layers():
             layer.crop(tokens_to_remove)
+        self._after_row_operation()
 
     def reset(self) -> None:
         """Forget every cached token (pages go back to the pool)."""
@@ -263,6 +320,7 @@ class VKVCache(Cache):
             group.clear()
         for layer in self._other_layers():
             layer.reset()
+        self._after_row_operation()
 
     def activate_past_recording(self) -> None:
         """Keep sliding layers' pages behind the window until :meth:`crop` (assisted decoding)."""

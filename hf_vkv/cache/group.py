@@ -43,7 +43,7 @@ class LayerGroup:
         members: Sequence[int],
         sliding_window: int | None,
         make_layout: LayoutFactory,
-        arena_for: Callable[[torch.device, type[Layout]], Arena],
+        arena_for: Callable[[torch.device, Layout], Arena],
         rows_hint: int | None,
         capacity: int,
         prompt_repeats: int,
@@ -85,7 +85,7 @@ class LayerGroup:
         if self.buffer is None:
             self.layout = self._make_layout(self.geometry, len(self.members))
             rows = max(self._rows_hint or 0, key_states.shape[0])
-            self.buffer = self.layout.make_buffer(self._arena_for(self.geometry.device, type(self.layout)),
+            self.buffer = self.layout.make_buffer(self._arena_for(self.geometry.device, self.layout),
                                                   rows=rows, capacity=self.capacity)
 
     def _buf(self) -> RowBuffer:
@@ -204,6 +204,24 @@ class LayerGroup:
         self._lay().invalidate()
         self._prepared = (batch, start, end)
 
+    def map_ahead(self, length: int, tokens: int) -> None:
+        """Static layout, outside a compiled step: the rows hold ``length`` tokens (every member);
+        make tokens ``[length, length + tokens)`` writable now (grow, copy shared pages), so the
+        compiled step writes only into private pages, and sync the members' lengths."""
+        if self.buffer is None or length == 0:
+            return
+        mapped = min((self.buffer.length(r) for r in range(self.batch)), default=0)
+        if length > mapped:
+            raise InvariantError(
+                f"group {self.name!r}: compiled steps wrote up to token {length} but only {mapped} were mapped "
+                f"ahead: a step ran without VKVCache.map_ahead() before it (a model whose "
+                f"prepare_inputs_for_generation does not call transformers' own?); its tokens are lost")
+        end = min(length + tokens, self.capacity)
+        self._settle_followers()
+        self.lengths = [length] * len(self.members)
+        if end > length:
+            self.prepare(self.batch, length, end)
+
     def _follows_leader(self, row: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether ``row`` still shares its prompt's pages with its leader: its states equal the
         leader's. If not, the row gets its own pages (copies of the leader's, right for the layers
@@ -287,7 +305,7 @@ class LayerGroup:
         return self.buffer
 
     # ----------------------------------------------------------------------------- life cycle
-    def fork(self, arena_for: Callable[[torch.device, type[Layout]], Arena]) -> LayerGroup:
+    def fork(self, arena_for: Callable[[torch.device, Layout], Arena]) -> LayerGroup:
         """A copy sharing every page (zero copy); both sides copy a page only when writing it."""
         other = LayerGroup(name=self.name, members=self.members, sliding_window=self.sliding_window,
                            make_layout=self._make_layout, arena_for=arena_for, rows_hint=self._rows_hint,

@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .group import LayerGroup
 
-__all__ = ["VKVLayer", "VKVSlidingLayer"]
+__all__ = ["VKVLayer", "VKVSlidingLayer", "VKVStaticLayer"]
 
 
 class VKVLayer(CacheLayerMixin):
@@ -124,3 +124,61 @@ class VKVSlidingLayer(VKVLayer):
 
     def get_max_length(self) -> int:
         return self.sliding_window
+
+
+class VKVStaticLayer(VKVLayer):
+    """A full-attention layer in the static layout: ``StaticLayer``'s contract over virtual memory.
+
+    ``update`` returns full-capacity ``[B, H, max_tokens, D]`` views at fixed addresses, the mask
+    covers the capacity, and the length is a tensor (``cumulative_length``) advanced in place.
+    Eagerly, ``update`` runs the group's page-table work itself; inside a compiled step it only
+    writes with ``index_copy_`` at the tensor positions, into pages
+    :meth:`~hf_vkv.VKVCache.map_ahead` made writable before the step.
+    """
+
+    is_compileable = True
+
+    def __init__(self, group: LayerGroup, layer_idx: int) -> None:
+        super().__init__(group, layer_idx)
+        self.max_cache_len = group.capacity
+        # a tensor, as StaticLayer's: a compiled step reads and advances it without recompiling
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.cumulative_length = self.cumulative_length.to(key_states.device)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.cumulative_length)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not torch.compiler.is_compiling():
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.full_keys, self.full_values = self.group.update(self.layer_idx, key_states, value_states)
+            self.cumulative_length.fill_(self.group.length(self.layer_idx))
+            return self.full_keys, self.full_values
+        keys, values = self.full_keys, self.full_values  # fixed addresses, set by the eager prefill
+        positions = torch.arange(key_states.shape[-2], device=keys.device) + self.cumulative_length
+        self.cumulative_length.add_(key_states.shape[-2])
+        keys.index_copy_(2, positions, key_states)
+        values.index_copy_(2, positions, value_states)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> Any:
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def written_length(self) -> int:
+        """The tokens written so far, compiled steps included (a host read of the length tensor)."""
+        return int(self.cumulative_length)
+
+    def set_length(self, length: int) -> None:
+        """Follow the group after a row operation changed the length (crop, reset)."""
+        self.cumulative_length.fill_(length)

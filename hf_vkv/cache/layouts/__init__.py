@@ -18,11 +18,12 @@ from __future__ import annotations
 from .base import Layout
 from .head_major import HEAD_MAJOR_PAGE_BYTES, HeadMajorLayout
 from .paged import DEFAULT_BLOCK_TOKENS, PagedLayout
+from .static import StaticLayout
 from .token_major import TokenMajorLayout
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS", "HEAD_MAJOR_PAGE_BYTES", "LAYOUTS", "HeadMajorLayout", "Layout", "PagedLayout",
-    "TokenMajorLayout", "layout_class",
+    "StaticLayout", "TokenMajorLayout", "layout_class",
 ]
 
 #: Every layout by name.

@@ -52,9 +52,15 @@ class Layout(ABC):
         """The page size this layout prefers on ``backend`` (``"host"`` / ``"cuda"``);
         ``None``: the backend's own (CUDA: the driver's granularity)."""
 
+    def preferred_page_bytes(self, backend: str) -> int | None:
+        """:meth:`page_bytes` of this layout object (a wrapping layout asks the one it wraps)."""
+        return type(self).page_bytes(backend)
+
     @abstractmethod
-    def make_buffer(self, arena: Arena, *, rows: int, capacity: int) -> RowBuffer:
-        """An empty row buffer of ``rows`` rows of up to ``capacity`` tokens in ``arena``."""
+    def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = False) -> RowBuffer:
+        """An empty row buffer of ``rows`` rows of up to ``capacity`` tokens in ``arena``;
+        ``readable``: every token of the reservation may be read (see
+        :meth:`~hf_vkv.memory.VirtualBuffer.full_view`), for the static layout."""
 
     @abstractmethod
     def write(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, key: torch.Tensor,

@@ -41,10 +41,20 @@ class HeadMajorLayout(Layout):
         """Elements of one token of one sub-row (the wider of the key and value head dims)."""
         return max(self.geometry.key_dim, self.geometry.value_dim)
 
-    def make_buffer(self, arena: Arena, *, rows: int, capacity: int) -> RowBuffer:
+    def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = False) -> RowBuffer:
         g = self.geometry
         return SubRowBuffer(arena, rows=rows, blocks=2 * self.members, heads=g.kv_heads, capacity=capacity,
-                            item_bytes=self.item_dim * g.dtype.itemsize)
+                            item_bytes=self.item_dim * g.dtype.itemsize, readable=readable)
+
+    def full_states(self, buffer: RowBuffer, *, batch: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, H, capacity, Dk]`` / ``[..., Dv]`` views of every token slot, at fixed addresses
+        (a readable buffer only)."""
+        assert isinstance(buffer, SubRowBuffer)
+        g = self.geometry
+        raw = buffer.full_view().view(2 * self.members, buffer.rows, g.kv_heads, buffer.row_stride)
+        item = self.item_dim * g.dtype.itemsize
+        tokens = raw[:, :batch, :, :buffer.capacity * item].view(g.dtype).unflatten(-1, (buffer.capacity, self.item_dim))
+        return self._pick(tokens, slot)
 
     def _tokens(self, buffer: RowBuffer, batch: int, start: int, end: int) -> torch.Tensor:
         """Typed view ``[2 * members, batch, H, end - start, item_dim]`` of tokens ``[start, end)``."""

@@ -48,7 +48,9 @@ class PagedLayout(Layout):
     def item_bytes(self) -> int:
         return self.members * self.geometry.token_elements * self.geometry.dtype.itemsize
 
-    def make_buffer(self, arena: Arena, *, rows: int, capacity: int) -> RowBuffer:
+    def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = False) -> RowBuffer:
+        if readable:
+            raise ValueError("the paged layout has no full-capacity view: the static layout builds on a contiguous one")
         blocks_per_row = -(-capacity // self.block_tokens)
         # Address space only: room for every row at full length four times over (forks, beams).
         store = BlockStore(arena, block_bytes=self.block_tokens * self.item_bytes, max_blocks=4 * rows * blocks_per_row)

@@ -34,8 +34,18 @@ class TokenMajorLayout(Layout):
         """Bytes of one token of the whole group."""
         return self.members * self.geometry.token_elements * self.geometry.dtype.itemsize
 
-    def make_buffer(self, arena: Arena, *, rows: int, capacity: int) -> RowBuffer:
-        return VirtualBuffer(arena, rows=rows, capacity=capacity, item_bytes=self.item_bytes)
+    def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = False) -> RowBuffer:
+        return VirtualBuffer(arena, rows=rows, capacity=capacity, item_bytes=self.item_bytes, readable=readable)
+
+    def full_states(self, buffer: RowBuffer, *, batch: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, H, capacity, Dk]`` / ``[..., Dv]`` views of every token slot, at fixed addresses
+        (a readable buffer only)."""
+        assert isinstance(buffer, VirtualBuffer)
+        g = self.geometry
+        raw = buffer.full_view()[:batch, :buffer.capacity * self.item_bytes]  # uint8 [batch, capacity * item]
+        tokens = raw.view(g.dtype).view(batch, buffer.capacity, self.members, g.token_elements)
+        keys, values = self._split(tokens[:, :, slot])
+        return keys.transpose(1, 2), values.transpose(1, 2)
 
     def _tokens(self, buffer: RowBuffer, batch: int, start: int, end: int) -> torch.Tensor:
         """Typed view ``[batch, end - start, members, H * (Dk + Dv)]`` of tokens ``[start, end)``."""

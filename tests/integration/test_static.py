@@ -1,0 +1,155 @@
+"""The static (compileable) layout: StaticLayer's contract over virtual memory.
+
+Every case compares with transformers' ``StaticCache`` under the same compile configuration (the
+oracle for compiled decoding) and counts compiled frames: one capture for the whole generation,
+no recompilation per step, no graph break (``fullgraph=True``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import CompileConfig
+from transformers.cache_utils import StaticCache
+
+import hf_vkv
+from hf_vkv import VKVCache
+from models import assert_same_tokens, prompts, tiny
+
+pytestmark = pytest.mark.integration
+
+FRAMES: list[int] = []
+
+
+def _counting_backend(gm: torch.fx.GraphModule, example_inputs: Any, **_: Any) -> Any:
+    """A compile backend that runs the captured graph as it is and counts captures (a module-level
+    function: generate deep-copies its compile config, so a counting object would be copied)."""
+    FRAMES.append(len(gm.graph.nodes))
+    return gm.forward
+
+
+def _compile_config(backend: Any = _counting_backend) -> CompileConfig:
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    config._compile_all_devices = True  # compile on the CPU too (transformers compiles on accelerators only)
+    return config
+
+
+MODES = {
+    "greedy": dict(do_sample=False),
+    "sample": dict(do_sample=True, num_return_sequences=2, top_k=0, top_p=1.0),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_compiled_generate_matches_static_cache(arch: str, mode: str) -> None:
+    model = tiny(arch)
+    inputs = prompts(2, 9, seed=31, left_pad=[0, 3])
+    kwargs = dict(max_new_tokens=12, return_dict_in_generate=True, output_logits=True, **MODES[mode])
+    torch._dynamo.reset()
+    FRAMES.clear()
+    torch.manual_seed(5)
+    ref = model.generate(**inputs, cache_implementation="static", compile_config=_compile_config(), **kwargs)
+    assert len(FRAMES) == 1  # the reference compiled too
+    torch._dynamo.reset()
+    FRAMES.clear()
+    torch.manual_seed(5)
+    got = model.generate(**inputs, cache_implementation="vkv", cache_config={"page_bytes": 4096},
+                         compile_config=_compile_config(), **kwargs)
+    assert got.past_key_values.layout == "static"  # chosen because compile_config was given
+    assert len(FRAMES) == 1, f"{len(FRAMES)} captures for 11 compiled steps"  # no recompilation per step
+    assert_same_tokens(ref.sequences, got.sequences)
+    for a, b in zip(ref.logits, got.logits, strict=True):
+        assert torch.equal(a, b)
+    got.past_key_values.check_invariants()
+
+
+def test_beam_search_with_a_static_layout_matches_static_cache() -> None:
+    """transformers' beam search does not compile the forward (5.23): the layout's beams run
+    eagerly here, token-identical to StaticCache's; the compiled reorder is the next test."""
+    model = tiny("llama")
+    inputs = prompts(2, 9, seed=32, left_pad=[2, 0])
+    kwargs = dict(max_new_tokens=12, num_beams=3, num_return_sequences=2, do_sample=False)
+    ref = model.generate(**inputs, cache_implementation="static", **kwargs, disable_compile=True)
+    got = model.generate(**inputs, cache_implementation="vkv", cache_config={"layout": "static", "page_bytes": 4096},
+                         compile_config=_compile_config(), return_dict_in_generate=True, **kwargs)
+    assert_same_tokens(ref, got.sequences)
+    assert got.past_key_values.stats().cow_copies > 0  # beams did share, then copy, pages
+    got.past_key_values.check_invariants()
+
+
+def test_a_graph_captured_once_survives_beam_reorders_and_copy_on_write() -> None:
+    """A forward compiled at the first decode step runs 16 steps with a reorder (rows taking other
+    rows' pages, copy-on-write of shared tails) between each: the same logits as StaticCache, whose
+    reorder copies every row, and a single capture."""
+    model = tiny("llama")
+    rows, prompt = 4, 11
+    ids = prompts(rows, prompt, seed=33)["input_ids"]
+    vkv = VKVCache(model.config, layout="static", page_bytes=4096, batch_size=rows, max_tokens=64)
+    static = StaticCache(config=model.config, max_cache_len=64)
+    torch._dynamo.reset()
+    FRAMES.clear()
+    step = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=_counting_backend)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        outs = [model(input_ids=ids, past_key_values=cache, use_cache=True) for cache in (vkv, static)]
+        assert torch.equal(outs[0].logits, outs[1].logits)
+        for k in range(16):
+            nxt = outs[0].logits[:, -1].argmax(-1, keepdim=True)
+            positions = torch.full((rows, 1), prompt + k)
+            vkv.map_ahead(1)  # what generate does before each step
+            outs = [step(input_ids=nxt, past_key_values=cache, position_ids=positions, use_cache=True)
+                    for cache in (vkv, static)]
+            assert torch.equal(outs[0].logits, outs[1].logits), f"step {k}"
+            beam_idx = torch.randint(0, rows, (rows,), generator=g)
+            vkv.reorder_cache(beam_idx)
+            static.reorder_cache(beam_idx)
+    assert len(FRAMES) == 2  # one capture per cache class, none again over 16 steps and 16 reorders
+    assert vkv.stats().cow_copies > 0
+    vkv.check_invariants()
+
+
+def test_inductor_compiled_greedy_matches_static_cache() -> None:
+    model = tiny("llama")
+    inputs = prompts(2, 9, seed=34, left_pad=[0, 4])
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    torch._dynamo.reset()
+    ref = model.generate(**inputs, cache_implementation="static", compile_config=_compile_config("inductor"), **kwargs)
+    torch._dynamo.reset()
+    got = model.generate(**inputs, cache_implementation="vkv", compile_config=_compile_config("inductor"), **kwargs)
+    assert_same_tokens(ref, got)
+
+
+def test_resident_bytes_follow_the_tokens_not_the_capacity() -> None:
+    """A 1k-token prompt in a cache of 32k tokens per row: the pages hold the live tokens (plus the
+    pages mapped ahead), where a StaticCache holds the whole capacity."""
+    model = tiny("llama")
+    ids = prompts(1, 1024, seed=35)["input_ids"]
+    cache = VKVCache(model.config, layout="static", page_bytes=4096, max_tokens=32 * 1024)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    cache.map_ahead(1)
+    stats = cache.stats()
+    assert stats.resident_bytes <= 1.1 * stats.token_bytes, (stats.resident_bytes, stats.token_bytes)
+    static = StaticCache(config=model.config, max_cache_len=32 * 1024)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=static, use_cache=True)
+    static_bytes = sum(t.numel() * t.element_size() for layer in static.layers for t in (layer.keys, layer.values))
+    assert static_bytes >= 30 * stats.resident_bytes
+    # and the full-capacity views really span the capacity, at fixed addresses
+    keys, _ = cache.layers[0].full_keys, cache.layers[0].full_values
+    assert keys.shape[2] == 32 * 1024 and torch.count_nonzero(keys[:, :, 2048:]) == 0  # unbacked reads as zeros
+
+
+def test_sliding_window_models_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="serves full-attention layers only"):
+        VKVCache(tiny("mistral").config, layout="static")
+
+
+def test_static_layout_is_compileable_only_there() -> None:
+    model = tiny("llama")
+    assert VKVCache(model.config, layout="static").is_compileable
+    assert not VKVCache(model.config).is_compileable
+    assert isinstance(VKVCache(model.config, layout="static"), hf_vkv.VKVCache)
