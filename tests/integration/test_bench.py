@@ -193,3 +193,24 @@ def test_generate_cpu_script_documents_both_grids() -> None:
     assert out.returncode == 0, out.stderr
     assert "benchmarks/generate_cpu.py --threads 2" in out.stdout and "--quick" in out.stdout
     assert "prompts 64 512 2048 8192, batches 1 4 8, 24 new tokens, 3 rounds (default)" in " ".join(out.stdout.split())
+
+
+def test_ideal_cache_is_bit_identical_under_eager_attention_without_gqa() -> None:
+    """One KV head per query head: eager attention's matmul reads the cache's views directly. The
+    ideal cache's ``[B, H, T, D]`` views have ``stride(B) == H * stride(H)`` (batch and heads merge),
+    so ``torch.matmul`` folds them into one bmm without a copy, as for DynamicCache's tensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=128,
+                         attn_implementation="eager")
+    mha = LlamaForCausalLM(config).eval()
+    state = prefill(mha, bench.prompt_ids(mha, 20, 2))
+    caches = _caches(mha, 2, 20 + 4, names=("dynamic", "ideal"))
+    load_prompt(caches, state, 2)
+    view = caches["ideal"].layers[0].keys
+    assert view.stride(0) == view.shape[1] * view.stride(1) and not view.is_contiguous()
+    out = time_decode(mha, caches, state, batch=2, new_tokens=4, rounds=1,
+                      kv_bytes=dict.fromkeys(caches, bench.cache_kv_bytes))
+    assert out["ideal"].tokens_equal and out["ideal"].max_abs_logit_diff == 0
