@@ -9,8 +9,8 @@ every cache through its own ``update()``; the decode steps of the caches run int
 intra-op thread, ``--rounds`` times, and the median round is reported; every cache must choose
 DynamicCache's tokens at every step (exit status 1 otherwise).
 
-The full grid (prompts 64/512/2048/8192, batches 1/4/8, 24 new tokens, 3 rounds; peak memory
-about 15 GiB at 8192 x 8 with the four default caches alive at once)::
+The full grid (prompts 64/512/2048/8192, batches 1/4/8, 24 new tokens, 3 rounds; the 8192 x 8
+cell holds four caches of ~3 GiB each at once, ~14 GiB of memory in all)::
 
     HF_HUB_OFFLINE=1 python benchmarks/generate_cpu.py --threads 2 \\
         --json benchmarks/results/generate_cpu_decode.json

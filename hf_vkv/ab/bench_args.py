@@ -16,8 +16,8 @@ from typing import Literal
 from transformers import PreTrainedModel
 
 from .bench import (
-    CACHES, FULL_GRID, MODES, QUICK_GRID, Grid, all_identical, bench_report, format_cells, format_modes, run_cells,
-    run_modes,
+    CACHES, FULL_GRID, MODES, QUICK_GRID, Grid, all_identical, bench_report, default_layout, format_cells, format_modes,
+    run_cells, run_modes,
 )
 from .harness import describe_environment
 
@@ -74,8 +74,10 @@ def run_from_args(args: argparse.Namespace, model: PreTrainedModel, *, grid: Gri
     cells = run_cells(model, grid, progress=True)
     modes = run_modes(model, grid, seed=args.seed, progress=True) if grid.modes else []
     report = bench_report(cells, modes, model=model_name, grid=grid, command=command, environment=environment)
-    print(f"decode step, ms (median of {grid.rounds} rounds of {grid.new_tokens} steps, one thread, caches "
-          f"interleaved); ratios: vkv layout / ideal, vkv layout / DynamicCache; util: stats().utilization")
+    print(f"decode step, ms (median of {grid.rounds} rounds of {grid.new_tokens} steps, {grid.threads} thread(s), "
+          f"caches interleaved); ratios: vkv layout / ideal, vkv layout / DynamicCache; util: stats().utilization; "
+          f"target: the default layout ({default_layout()}) <= 1.03 x ideal at prompts >= 512, "
+          f">= 0.97 x DynamicCache's speed below")
     print(format_cells(cells))
     if modes:
         print("\ngenerate() A/B, DynamicCache against the default vkv cache")
