@@ -75,7 +75,8 @@ def run_from_args(args: argparse.Namespace, model: PreTrainedModel, *, grid: Gri
     modes = run_modes(model, grid, seed=args.seed, progress=True) if grid.modes else []
     report = bench_report(cells, modes, model=model_name, grid=grid, command=command, environment=environment)
     print(f"decode step, ms (median of {grid.rounds} rounds of {grid.new_tokens} steps, {grid.threads} thread(s), "
-          f"caches interleaved); ratios: vkv layout / ideal, vkv layout / DynamicCache; util: stats().utilization; "
+          f"caches interleaved); ratios: vkv layout / ideal and / DynamicCache, median of the per-round ratios; "
+          f"util: stats().utilization; "
           f"target: the default layout ({default_layout()}) <= 1.03 x ideal at prompts >= 512, "
           f">= 0.97 x DynamicCache's speed below")
     print(format_cells(cells))
