@@ -135,25 +135,14 @@ def time_decode(model: PreTrainedModel, caches: Mapping[str, Cache], prompt: Pro
         gc.collect()
         # the reference first (its token feeds the others at the same step), the others rotated
         order = _rotated([reference, *(n for n in names if n != reference)], r)
-        spent = dict.fromkeys(names, 0.0)
-        tokens = first
-        for t in range(new_tokens):
-            ids = tokens[:, None]
-            positions = torch.full((batch, 1), length + t, dtype=torch.long)
-            mask = torch.ones(batch, length + t + 1, dtype=torch.long)
-            ref_logits: torch.Tensor | None = None
-            for name in order:
-                t0 = time.perf_counter()
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                               past_key_values=caches[name], use_cache=True, logits_to_keep=1).logits[:, -1]
-                chosen = logits.argmax(-1)
-                spent[name] += time.perf_counter() - t0
-                if name == reference:
-                    ref_logits, ref_tokens = logits, chosen
-                else:
-                    assert ref_logits is not None
-                    _check(out[name], r, t, chosen, ref_tokens, logits, ref_logits)
-            tokens = ref_tokens
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # no collection inside a timed step
+        try:
+            spent = _round(model, caches, order, first, length, new_tokens,
+                           check=lambda name, t, *got: _check(out[name], r, t, *got))
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         for name, cache in caches.items():
             timing = out[name]
             timing.round_step_s.append(spent[name] / new_tokens)
@@ -162,6 +151,33 @@ def time_decode(model: PreTrainedModel, caches: Mapping[str, Cache], prompt: Pro
     for name, fn in (extra or {}).items():
         out[name].extra.update(fn(caches[name]))
     return out
+
+
+def _round(model: PreTrainedModel, caches: Mapping[str, Cache], order: Sequence[str], first: torch.Tensor,
+           length: int, new_tokens: int, *, check: Callable[..., None]) -> dict[str, float]:
+    """``new_tokens`` decode steps of every cache, in ``order`` at each step (``order[0]`` is the
+    reference, whose tokens feed every cache), from ``first`` ``[B]`` at position ``length``;
+    returns the seconds each cache spent. ``check(name, step, tokens, ref_tokens, logits,
+    ref_logits)`` sees every other cache's step."""
+    batch = first.shape[0]
+    spent = dict.fromkeys(order, 0.0)
+    tokens = first
+    for t in range(new_tokens):
+        ids = tokens[:, None]
+        positions = torch.full((batch, 1), length + t, dtype=torch.long)
+        mask = torch.ones(batch, length + t + 1, dtype=torch.long)
+        for k, name in enumerate(order):
+            t0 = time.perf_counter()
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                           past_key_values=caches[name], use_cache=True, logits_to_keep=1).logits[:, -1]
+            chosen = logits.argmax(-1)
+            spent[name] += time.perf_counter() - t0
+            if k == 0:
+                ref_logits, ref_tokens = logits, chosen
+            else:
+                check(name, t, chosen, ref_tokens, logits, ref_logits)
+        tokens = ref_tokens
+    return spent
 
 
 def _rotated(order: Sequence[str], r: int) -> list[str]:
