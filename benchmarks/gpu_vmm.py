@@ -37,7 +37,9 @@ def environment(device: torch.device) -> dict:
     from hf_vkv.cuda import Driver
 
     props = torch.cuda.get_device_properties(device)
-    version = Driver(device.index).driver_version()
+    driver = Driver(device.index)
+    version = driver.driver_version()
+    driver.close()
     try:
         from cuda import bindings
         bindings_version = getattr(bindings, "__version__", "?")
@@ -121,8 +123,16 @@ def measure_backend(device: torch.device, pages: int) -> dict:
     for i in range(pages):
         unmaps.append(timed(b.unmap, base + i * b.page_bytes, 1)[0])
     b.unreserve(base, pages * b.page_bytes)
+    # A readable reservation: the scratch page at every slot (one cuMemMap per slot, one
+    # cuMemSetAccess over the range), then given back with one cuMemUnmap.
+    fill, readable = timed(lambda: b.reserve(pages * b.page_bytes, readable=True))
+    drop, _ = timed(b.unreserve, readable, pages * b.page_bytes)
     b.close()
-    return {"create_ahead_batch": {"pages": pages, "total_ms": round(create_batch * 1e3, 2),
+    return {"readable_reserve": {"pages": pages, "total_ms": round(fill * 1e3, 3),
+                                 "per_slot_us": round(fill * 1e6 / pages, 3),
+                                 "unreserve_total_ms": round(drop * 1e3, 3)},
+            "counters": b.counters(),
+            "create_ahead_batch": {"pages": pages, "total_ms": round(create_batch * 1e3, 2),
                                    "per_page_us": round(create_batch * 1e6 / pages, 2)},
             "map_page": summarize(maps), "unmap_page": summarize(unmaps)}
 
@@ -155,6 +165,8 @@ def main() -> None:
     print(f"set_access over {args.pages} pages: {calls['set_access_run']['per_page_us']} µs/page; "
           f"unmap over the run: {calls['unmap_run']['per_page_us']} µs/page")
     print(f"backend map of a page: {backend['map_page']['median_us']} µs; unmap: {backend['unmap_page']['median_us']} µs")
+    r = backend["readable_reserve"]
+    print(f"readable reservation of {r['pages']} pages: {r['per_slot_us']} µs per slot (scratch map + access)")
     print(f"wrote {args.out}")
 
 

@@ -4,7 +4,8 @@
 (with its mask function) with transformers and does nothing else (no device work).
 """
 
-from .cache import CacheOptions, CacheStats, LayerMismatchError, VKVCache, register
+from .cache import CacheOptions, CacheStats, LayerMismatchError, VKVCache
+from .devices import UnsupportedDeviceError
 from .memory import (
     Arena,
     BackendError,
@@ -27,12 +28,14 @@ from .prefix import (
     save_prefix,
 )
 
+from .registration import register
+
 __version__ = "0.1.0"
 
 register()
 
 __all__ = [
-    "CacheOptions", "CacheStats", "LayerMismatchError", "VKVCache", "register",
+    "CacheOptions", "CacheStats", "LayerMismatchError", "UnsupportedDeviceError", "VKVCache", "register",
     "Arena", "BackendError", "CacheClosedError", "CapacityError", "HostBackend", "InvariantError",
     "KVCacheOutOfMemory", "VKVError", "VirtualBuffer", "__version__",
     "PrefixFileCorruptError", "PrefixFileError", "PrefixFormatError", "PrefixMismatchError", "PrefixStats",

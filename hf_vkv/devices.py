@@ -12,6 +12,9 @@ Backends:
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import torch
 
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from .memory import Arena, HostBackend
 from .memory.errors import KVCacheOutOfMemory, VKVError
 
 __all__ = ["CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES", "DevicePolicy", "UnsupportedDeviceError",
-           "arena_for_device", "default_cuda_budget", "policy_for"]
+           "arena_for_device", "default_cuda_budget", "layer_devices_of", "policy_for"]
 
 #: The default CUDA budget leaves this share of the device's memory free for torch (activations,
 #: logits, its caching allocator) ...
@@ -100,16 +103,43 @@ def _cuda_arena(device: torch.device, *, page_bytes: int | None, budget_bytes: i
 
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    driver = Driver(device.index)
-    page = page_bytes or driver.granularity()
-    if budget_bytes is None:
-        free, total = torch.cuda.mem_get_info(device)
-        budget_bytes = default_cuda_budget(free, total)
+    driver = Driver(device.index)  # retains the primary context: released by the backend, or here on failure
+    try:
+        page = page_bytes or driver.granularity()
+        if budget_bytes is None:
+            free, total = torch.cuda.mem_get_info(device)
+            budget_bytes = default_cuda_budget(free, total)
+            if budget_bytes < page:
+                raise KVCacheOutOfMemory(requested_bytes=page, free_bytes=max(budget_bytes, 0),
+                                         budget_bytes=max(budget_bytes, 0), what=f"one KV page on {device}")
         if budget_bytes < page:
-            raise KVCacheOutOfMemory(requested_bytes=page, free_bytes=max(budget_bytes, 0),
-                                     budget_bytes=max(budget_bytes, 0), what=f"one KV page on {device}")
-    if budget_bytes < page:
-        raise ValueError(f"cache_config['budget_bytes']={budget_bytes:,} is smaller than one page "
-                         f"({page:,} bytes) on {device}")
-    backend = CudaBackend(device, page_bytes=page, max_pages=budget_bytes // page, driver=driver)
+            raise ValueError(f"cache_config['budget_bytes']={budget_bytes:,} is smaller than one page "
+                             f"({page:,} bytes) on {device}")
+        backend = CudaBackend(device, page_bytes=page, max_pages=budget_bytes // page, driver=driver)
+    except BaseException:
+        driver.close()
+        raise
     return Arena(backend, budget_bytes=budget_bytes)
+
+
+def layer_devices_of(model: Any) -> dict[int, torch.device] | None:
+    """Execution device of each decoder layer when accelerate spread them over several devices.
+
+    Offloaded layers ("cpu"/"disk" in ``hf_device_map``) run on the main device, so their KV
+    lives there. Returns ``None`` when every layer runs on one device.
+    """
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return None
+    accelerators = [_device(d) for d in device_map.values() if d not in ("cpu", "disk")]
+    main = accelerators[0] if accelerators else torch.device("cpu")
+    out: dict[int, torch.device] = {}
+    for name, device in device_map.items():
+        found = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", name)
+        if found:
+            out[int(found.group(1))] = main if device in ("cpu", "disk") else _device(device)
+    return out if len(set(out.values())) > 1 else None
+
+
+def _device(name: int | str | torch.device) -> torch.device:
+    return torch.device("cuda", name) if isinstance(name, int) else torch.device(name)

@@ -100,7 +100,7 @@ def memfd_mappings() -> list[str]:
 def read_mapped_pages(buf: VirtualBuffer, lines: list[str] | None = None) -> dict[tuple[int, int], int]:
     """``{(row, page slot): physical page}`` for every page of the memfd mapped in ``buf``'s
     reservation, read from ``/proc/self/maps`` (the kernel's view, not the buffer's)."""
-    page = buf.arena.page_bytes
+    page = buf.store.page_bytes
     lo, hi = buf.address, buf.address + buf.rows * buf.row_stride
     out: dict[tuple[int, int], int] = {}
     for line in memfd_mappings() if lines is None else lines:
@@ -126,7 +126,7 @@ def snapshot(*bufs: VirtualBuffer, id_space: bool = True,
     """Tables, pool state, mappings and readable bytes of ``bufs`` (all of one arena). ``mapped``
     reads what is mapped in a buffer (default: the kernel's memfd mappings; the GPU suite asks the
     driver); bytes are read back to the host."""
-    pool = bufs[0].arena.pool
+    pool = bufs[0].store.pool
     stats = pool.stats()
     if not id_space:  # a failed fork adds a segment of ids: names only, no memory
         stats = dataclasses.replace(stats, id_space=0)

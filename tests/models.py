@@ -179,9 +179,10 @@ def cache_kv_bytes(cache: Cache) -> int:
     return total
 
 
-#: The VKV layout the A/B helpers below run (``vkv_layout`` switches it for a test): "contiguous",
-#: "paged", or "head" (contiguous with ``group_policy="head"``).
-_LAYOUT = ["contiguous"]
+#: The VKV layouts the A/B suites run every case in.
+LAYOUTS = ("token_major", "head_major", "paged")
+#: The VKV layout the A/B helpers below run (``vkv_layout`` switches it for a test).
+_LAYOUT = ["token_major"]
 #: Tokens per block of the paged layout in tests: small, so generations cross many blocks.
 PAGED_BLOCK_TOKENS = 4
 
@@ -198,12 +199,16 @@ def vkv_layout(layout: str) -> Iterator[None]:
 
 
 def current_layout() -> str:
-    """The cache layout of the current variant ("head" is a contiguous layout)."""
-    return "paged" if _LAYOUT[0] == "paged" else "contiguous"
-
-
-def current_variant() -> str:
+    """The cache layout the current test runs."""
     return _LAYOUT[0]
+
+
+def layout_config() -> dict[str, Any]:
+    """The ``cache_config`` that selects the current layout (paged: chosen by the ``"vkv_paged"``
+    attention, so an assistant model with its own attention gets the device default; small blocks)."""
+    if _LAYOUT[0] == "paged":
+        return {"block_tokens": PAGED_BLOCK_TOKENS}
+    return {"layout": _LAYOUT[0]}
 
 
 @contextlib.contextmanager
@@ -226,10 +231,7 @@ def generate_both(model: PreTrainedModel, inputs: dict[str, torch.Tensor], *, se
     """``generate`` with ``DynamicCache`` (the model's own attention) and with
     ``cache_implementation="vkv"`` (``vkv`` is the ``cache_config``) in the current layout, the same
     seed before each; returns both outputs (``return_dict_in_generate``)."""
-    if _LAYOUT[0] == "paged":
-        vkv = {"block_tokens": PAGED_BLOCK_TOKENS, **(vkv or {})}
-    elif _LAYOUT[0] == "head":
-        vkv = {"group_policy": "head", **(vkv or {})}
+    vkv = {**layout_config(), **(vkv or {})}
     # the reference passes no cache_implementation: the default is DynamicCache (and an explicit
     # "dynamic" breaks assisted decoding in transformers itself: the assistant inherits it)
     torch.manual_seed(seed)
@@ -237,7 +239,7 @@ def generate_both(model: PreTrainedModel, inputs: dict[str, torch.Tensor], *, se
     with vkv_attention(model):
         torch.manual_seed(seed)
         got = model.generate(**inputs, return_dict_in_generate=True, cache_implementation="vkv",
-                             **({"cache_config": vkv} if vkv else {}), **kwargs)
+                             cache_config=vkv, **kwargs)
     assert isinstance(ref.past_key_values, DynamicCache)
     assert isinstance(got.past_key_values, hf_vkv.VKVCache)
     assert got.past_key_values.layout == current_layout()

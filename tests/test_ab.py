@@ -70,14 +70,16 @@ class OneElementError(VKVCache):
 
 
 def faulty(**at: Any) -> Any:
+    """A :class:`OneElementError` class with the fault ``at`` built in (``.made`` lists its caches)."""
     made: list[OneElementError] = []
 
-    def factory(config: Any, **kwargs: Any) -> OneElementError:
-        made.append(OneElementError(config, **at, **kwargs))
-        return made[-1]
+    class Faulty(OneElementError):
+        def __init__(self, config: Any, **kwargs: Any) -> None:
+            super().__init__(config, **at, **kwargs)
+            made.append(self)
 
-    factory.made = made  # type: ignore[attr-defined]
-    return factory
+    Faulty.made = made  # type: ignore[attr-defined]
+    return Faulty
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -50,7 +50,7 @@ def write(buf: BlockBuffer, row: int, start: int, end: int, seed: int) -> torch.
     block table; return them ``[end - start, ITEM]``."""
     buf.prepare_write([row], start, end)
     data = torch.randint(0, 256, (end - start, ITEM), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-    items = buf.arena.blocks().view(-1, ITEM)  # [blocks * BLOCK_ITEMS, ITEM]
+    items = buf.store.blocks().view(-1, ITEM)  # [blocks * BLOCK_ITEMS, ITEM]
     table = buf.block_tables(range(buf.rows)).long()
     for k, t in enumerate(range(start, end)):
         items[table[row, t // BLOCK_ITEMS] * BLOCK_ITEMS + t % BLOCK_ITEMS] = data[k]
@@ -58,7 +58,7 @@ def write(buf: BlockBuffer, row: int, start: int, end: int, seed: int) -> torch.
 
 
 def read(buf: BlockBuffer, row: int, start: int, end: int) -> torch.Tensor:
-    items = buf.arena.blocks().view(-1, ITEM)
+    items = buf.store.blocks().view(-1, ITEM)
     table = buf.block_tables(range(buf.rows)).long()
     return torch.stack([items[table[row, t // BLOCK_ITEMS] * BLOCK_ITEMS + t % BLOCK_ITEMS] for t in range(start, end)])
 
@@ -69,12 +69,12 @@ def test_ids_are_dense_and_the_store_grows_to_the_highest(new):
     buf.grow([1], 9)  # 3 blocks
     assert buf.table.row(0) == Row(6 * ITEM, 0, (P(0), P(1)))
     assert buf.table.row(1) == Row(9 * ITEM, 0, (P(2), P(3), P(4)))
-    assert buf.arena.num_blocks == 5
+    assert buf.store.num_blocks == 5
     assert buf.block_tables(range(3)).tolist() == [[0, 1, 0], [2, 3, 4], [0, 0, 0]]
     buf.clear([0])
     buf.grow([2], 4)  # recycles a freed block before taking a fresh id
     assert buf.table.row(2).pages == (P(0),)
-    assert buf.arena.num_blocks == 5
+    assert buf.store.num_blocks == 5
     buf.check_invariants()
 
 
@@ -104,9 +104,9 @@ def test_share_then_copy_on_write_copies_one_block(new):
 def test_reorder_moves_references_only(new):
     buf = new()
     a, b = write(buf, 0, 0, 5, seed=4), write(buf, 1, 0, 5, seed=5)
-    store_bytes = buf.arena.blocks().clone()
+    store_bytes = buf.store.blocks().clone()
     buf.reorder([1, 1, 0])
-    assert torch.equal(buf.arena.blocks(), store_bytes)  # no byte moved
+    assert torch.equal(buf.store.blocks(), store_bytes)  # no byte moved
     assert torch.equal(read(buf, 0, 0, 5), b) and torch.equal(read(buf, 1, 0, 5), b)
     assert torch.equal(read(buf, 2, 0, 5), a)
     buf.check_invariants()
@@ -121,7 +121,7 @@ def test_drop_before_frees_blocks_behind_a_window_and_tables_keep_positions(new)
     assert buf.first_live(0) == 8
     assert buf.block_tables(range(1))[0, :2].tolist() == [0, 0]  # dropped entries are never read
     assert torch.equal(read(buf, 0, 8, 14), data[8:])
-    assert buf.arena.pool.stats().in_use == 2
+    assert buf.store.pool.stats().in_use == 2
     buf.check_invariants()
 
 
@@ -129,13 +129,13 @@ def test_fork_shares_the_store_and_closing_returns_blocks(new):
     buf = new()
     data = write(buf, 0, 0, 7, seed=7)
     twin = buf.fork()
-    assert twin.arena is buf.arena and twin.table.row(0).pages == buf.table.row(0).pages
+    assert twin.store is buf.store and twin.table.row(0).pages == buf.table.row(0).pages
     write(twin, 0, 7, 8, seed=8)  # copy-on-write in the fork only
     assert torch.equal(read(buf, 0, 0, 7), data) and buf.length(0) == 7
     twin.close()
-    assert buf.arena.pool.stats().in_use == 2
+    assert buf.store.pool.stats().in_use == 2
     buf.close()
-    assert buf.arena.closed and buf.arena.pool.stats().in_use == 0
+    assert buf.store.closed and buf.store.pool.stats().in_use == 0
     with pytest.raises(CacheClosedError):
         buf.grow([0], 1)
 
@@ -160,7 +160,7 @@ def test_budget_of_the_arena_bounds_the_store_and_nothing_changes_on_oom(new):
     with pytest.raises(KVCacheOutOfMemory):
         buf.grow([6, 7], CAP)  # 80 blocks need a second host page
     assert buf.table.row(6) == Row() and buf.table.row(7) == Row()
-    assert buf.arena.pool.stats().in_use == 60 and buf.arena.num_blocks == 60
+    assert buf.store.pool.stats().in_use == 60 and buf.store.num_blocks == 60
     buf.grow([6], 12)  # still usable: 3 more blocks fit
     buf.check_invariants()
 
@@ -170,7 +170,7 @@ def test_store_capacity_bounds_blocks_with_a_typed_error(new):
     buf.grow([0], 20)  # 5 blocks
     with pytest.raises(KVCacheOutOfMemory):
         buf.grow([1], 1)
-    assert buf.table.row(1) == Row() and buf.arena.pool.stats().in_use == 5
+    assert buf.table.row(1) == Row() and buf.store.pool.stats().in_use == 5
     buf.check_invariants()
 
 

@@ -118,12 +118,12 @@ def test_views_never_cover_unmapped_items(new):
 def test_shared_rows_alias_the_same_memory_until_copy_on_write(new, rss):
     buf = new()
     a = fill(buf, 0, 0, 300, seed=2)  # 7200 bytes: pages 0, 1
-    resident = buf.arena.backend.resident_bytes()
+    resident = buf.store.backend.resident_bytes()
     assert resident == 2 * PAGE
     buf.share(0, [1, 2])
     new.ok(buf)
     assert buf.table.row(1) == buf.table.row(2) == buf.table.row(0) == Row(7200, 0, (P(0), P(1)))
-    assert buf.arena.backend.resident_bytes() == resident  # sharing allocated nothing
+    assert buf.store.backend.resident_bytes() == resident  # sharing allocated nothing
     assert torch.equal(read(buf, 2), a)
 
     # A raw write through row 0's view, deliberately skipping prepare_write, shows in rows 1 and 2:
@@ -136,16 +136,16 @@ def test_shared_rows_alias_the_same_memory_until_copy_on_write(new, rss):
     stats = buf.stats()
     assert stats == BufferStats(page_bytes=PAGE, mapped_slots=6, distinct_pages=2, shared_pages=2,
                                 resident_bytes=2 * PAGE, live_bytes=7200, cow_copies=0)
-    assert stats.resident_bytes == buf.arena.backend.resident_bytes()
+    assert stats.resident_bytes == buf.store.backend.resident_bytes()
     buf.view(range(0, 3), 0, 300).sum()  # read every row: each mapping gets its page-table entries
     assert rss(buf.address, buf.address + 4 * buf.row_stride) == 6 * PAGE  # RSS: 3x the truth
-    assert buf.arena.backend.resident_bytes() == 2 * PAGE
+    assert buf.store.backend.resident_bytes() == 2 * PAGE
 
     # prepare_write copies the shared page the write touches (and only it); then rows are separate.
     buf.prepare_write([1], 180, 181)  # item 180 lies in page 1
     assert buf.table.row(1) == Row(7200, 0, (P(0), P(6))) and buf.stats().cow_copies == 1
     new.ok(buf)
-    assert buf.arena.backend.resident_bytes() == 3 * PAGE
+    assert buf.store.backend.resident_bytes() == 3 * PAGE
     assert torch.equal(read(buf, 1), a)  # the copy holds the same bytes
     buf.view(range(1, 2), 180, 181)[0] = 0xCD
     assert read(buf, 1, 180, 181).eq(0xCD).all()
@@ -160,7 +160,7 @@ def test_sharing_a_prefix_shares_its_partly_filled_last_page(new):
     a = fill(buf, 0, 0, 250, seed=3)
     buf.share(0, [1], length=200)  # item 199 ends in page 1, which holds items up to 249 of row 0
     assert buf.table.row(1) == Row(4800, 0, (P(0), P(1))) and buf.length(1) == 200
-    assert buf.arena.pool.refcount(P(1)) == 2
+    assert buf.store.pool.refcount(P(1)) == 2
     new.ok(buf)
     b = fill(buf, 1, 200, 260, seed=4)  # row 1 grows into the shared page: it gets its own copy
     assert buf.table.row(1) == Row(260 * ITEM, 0, (P(0), P(6)))
@@ -174,13 +174,13 @@ def test_fork_shares_every_page_with_a_new_buffer(new):
     buf = new()
     a = fill(buf, 0, 0, 300, seed=5)
     b = fill(buf, 1, 0, 100, seed=6)
-    resident = buf.arena.backend.resident_bytes()
+    resident = buf.store.backend.resident_bytes()
     other = buf.fork()
     new.ok(buf, other)
-    assert other.arena is buf.arena and other.address != buf.address
+    assert other.store is buf.store and other.address != buf.address
     assert list(other.table) == list(buf.table)
-    assert [buf.arena.pool.refcount(P(p)) for p in (0, 1, 5)] == [2, 2, 2]
-    assert buf.arena.backend.resident_bytes() == resident
+    assert [buf.store.pool.refcount(P(p)) for p in (0, 1, 5)] == [2, 2, 2]
+    assert buf.store.backend.resident_bytes() == resident
     assert torch.equal(read(other, 0), a) and torch.equal(read(other, 1), b)
 
     c = fill(other, 0, 50, 60, seed=7)  # copy-on-write across buffers
@@ -190,10 +190,10 @@ def test_fork_shares_every_page_with_a_new_buffer(new):
     new.ok(buf, other)
 
     buf.close()  # the fork keeps the pages it shares
-    assert torch.equal(read(other, 1), b) and not buf.arena.closed
-    assert buf.arena.pool.in_use_pages() == {20, 1, 5}
+    assert torch.equal(read(other, 1), b) and not buf.store.closed
+    assert buf.store.pool.in_use_pages() == {20, 1, 5}
     other.close()
-    assert buf.arena.closed and buf.arena.pool.stats().in_use == 0
+    assert buf.store.closed and buf.store.pool.stats().in_use == 0
 
 
 def test_fork_into_fewer_rows(new):
@@ -212,14 +212,14 @@ def test_fork_into_fewer_rows(new):
 def test_reorder_with_duplicates_remaps_rows_without_copying(new):
     buf = new()
     data = [fill(buf, r, 0, 100 * (r + 1), seed=10 + r) for r in range(4)]
-    resident = buf.arena.backend.resident_bytes()
+    resident = buf.store.backend.resident_bytes()
     buf.reorder([0, 0, 2, 2])
     new.ok(buf)
     assert [read(buf, r).shape[0] for r in range(4)] == [2400, 2400, 7200, 7200]
     for r, src in enumerate([0, 0, 2, 2]):
         assert torch.equal(read(buf, r), data[src])
-    assert buf.arena.backend.resident_bytes() == resident  # no copies
-    assert buf.arena.pool.resident_free_pages() == {5, 6, 15, 16, 17}
+    assert buf.store.backend.resident_bytes() == resident  # no copies
+    assert buf.store.pool.resident_free_pages() == {5, 6, 15, 16, 17}
     fill(buf, 3, 0, 1, seed=20)  # rows 2 and 3 are separate after a write
     assert torch.equal(read(buf, 2), data[2])
     buf.reorder([3])
@@ -244,7 +244,7 @@ def test_truncate_and_drop_before_unmap_the_pages_they_drop(new):
     with pytest.raises(ValueError, match="dropped behind the window"):
         buf.prepare_write([0], 300, 401)
     buf.grow([0], 600)  # page index 3 again: page 3 follows page 2 (resident, recycled)
-    assert buf.table.row(0) == Row(14400, 2, (P(2), P(3))) and buf.arena.pool.stats().created == 4
+    assert buf.table.row(0) == Row(14400, 2, (P(2), P(3))) and buf.store.pool.stats().created == 4
     new.ok(buf)
     assert torch.equal(read(buf, 0, 342, 400), a[342 * ITEM:400 * ITEM])
     buf.truncate([0], 100)  # truncating behind the window leaves nothing mapped
@@ -266,16 +266,16 @@ def test_refilling_cleared_rows_recycles_pages_and_keeps_memory_flat(new):
         fill(buf, 0, 340, 345, seed=99)  # a write into a shared page: copy-on-write
         new.ok(buf)
         if cycle == 0:
-            resident, created = buf.arena.backend.resident_bytes(), buf.arena.pool.stats().created
+            resident, created = buf.store.backend.resident_bytes(), buf.store.pool.stats().created
         buf.clear(range(4))
         new.ok(buf)
-        assert buf.arena.pool.stats().in_use == 0
-    stats = buf.arena.pool.stats()
+        assert buf.store.pool.stats().in_use == 0
+    stats = buf.store.pool.stats()
     assert stats.created == created and stats.recycled > 0  # every later cycle recycled
-    assert buf.arena.backend.resident_bytes() == resident == stats.resident_bytes
-    assert buf.arena.trim(keep_bytes=2 * PAGE) == stats.resident_bytes - 2 * PAGE
-    assert buf.arena.backend.resident_bytes() == 2 * PAGE and buf.arena.pool.stats().resident_free == 2
-    assert buf.arena.trim() == 2 * PAGE and buf.arena.backend.resident_bytes() == 0
+    assert buf.store.backend.resident_bytes() == resident == stats.resident_bytes
+    assert buf.store.trim(keep_bytes=2 * PAGE) == stats.resident_bytes - 2 * PAGE
+    assert buf.store.backend.resident_bytes() == 2 * PAGE and buf.store.pool.stats().resident_free == 2
+    assert buf.store.trim() == 2 * PAGE and buf.store.backend.resident_bytes() == 0
 
 
 def test_out_of_memory_changes_nothing_and_the_same_call_succeeds_after_clearing(new, buffer_snapshot):
@@ -300,7 +300,7 @@ def test_out_of_memory_changes_nothing_and_the_same_call_succeeds_after_clearing
     buf.prepare_write([0, 1], 0, 300)
     new.ok(buf)
     assert buf.table.row(0) == Row(7200, 0, (P(10), P(11))) and buf.table.row(1) == Row(7200, 0, (P(0), P(1)))
-    assert buf.arena.pool.stats().resident == 5 and buf.stats().shared_pages == 0
+    assert buf.store.pool.stats().resident == 5 and buf.stats().shared_pages == 0
 
 
 # ------------------------------------------------------------------------------------ close / leaks

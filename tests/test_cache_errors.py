@@ -11,7 +11,7 @@ from models import SMALL_PAGE, assert_same_tokens, prompts, tiny
 from transformers.cache_utils import DynamicCache
 
 from hf_vkv import CacheClosedError, CapacityError, KVCacheOutOfMemory, LayerMismatchError, VKVCache
-from hf_vkv.cache import UnsupportedDeviceError
+from hf_vkv.devices import UnsupportedDeviceError
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def test_layer_mismatch_inside_a_group(what: str) -> None:
            "device": dict(device="meta")}[what]
     with pytest.raises(LayerMismatchError, match=r"layer 1 has .* but its group 'full_attention' holds") as info:
         cache.update(*_states(**bad), 1)
-    assert "group_policy" in str(info.value)  # says what to do
+    assert "groups" in str(info.value)  # says what to do
     assert isinstance(info.value, ValueError)
     # nothing changed: layer 1 can still join with matching states, layer 0 is intact
     keys, values = cache.update(*_states(seed=1), 1)
@@ -44,7 +44,7 @@ def test_layer_mismatch_inside_a_group(what: str) -> None:
 
 def test_per_layer_groups_accept_different_geometries() -> None:
     """The fix the error message suggests works."""
-    cache = VKVCache(config=tiny("llama").config, group_policy="layer")
+    cache = VKVCache(config=tiny("llama").config, groups="layer")
     cache.update(*_states(), 0)
     keys, _ = cache.update(*_states(heads=4, dtype=torch.float64), 1)
     assert keys.dtype == torch.float64 and keys.shape[1] == 4
@@ -57,7 +57,7 @@ def test_keys_and_values_must_match() -> None:
     k, v = _states()
     with pytest.raises(LayerMismatchError, match="key/value states"):
         cache.update(k, v[:, :, :3], 0)
-    with pytest.raises(LayerMismatchError, match="dtype or device"):
+    with pytest.raises(LayerMismatchError, match=r"keys \(torch.float32 on cpu\) and values \(torch.float64 on cpu\) differ"):
         cache.update(k, v.double(), 0)
 
 
@@ -114,7 +114,8 @@ def test_budget_too_small_then_recovers() -> None:
     assert "budget_bytes" in str(err)
 
     # the same cache object: consistent after the failure, usable once rows are freed
-    cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE, budget_bytes=6 * SMALL_PAGE)
+    # token-major: one 512-byte token of both layers after another, 8 tokens a page
+    cache = VKVCache(config=model.config, layout="token_major", page_bytes=SMALL_PAGE, budget_bytes=6 * SMALL_PAGE)
     with pytest.raises(KVCacheOutOfMemory):
         model.generate(**inputs, past_key_values=cache, **kwargs)
     cache.check_invariants()
@@ -130,7 +131,8 @@ def test_budget_too_small_then_recovers() -> None:
 
     # a new generate with a bigger budget works
     out = model.generate(**inputs, cache_implementation="vkv", return_dict_in_generate=True,
-                         cache_config={"page_bytes": SMALL_PAGE, "budget_bytes": 10 * SMALL_PAGE}, **kwargs)
+                         cache_config={"layout": "token_major", "page_bytes": SMALL_PAGE,
+                                       "budget_bytes": 10 * SMALL_PAGE}, **kwargs)
     assert_same_tokens(expected, out.sequences)
     assert out.past_key_values.stats().pool_resident_bytes <= 10 * SMALL_PAGE
     out.past_key_values.check_invariants()
@@ -167,7 +169,7 @@ def test_use_after_close() -> None:
     out = model.generate(**inputs, cache_implementation="vkv", max_new_tokens=4, return_dict_in_generate=True)
     cache = out.past_key_values
     (group,) = cache.groups
-    arena = group.buffer.arena
+    arena = group.buffer.store
     cache.close()
     cache.close()  # idempotent
     assert arena.closed and arena.pool.stats().in_use == 0
@@ -212,5 +214,11 @@ def test_constructor_misuse() -> None:
         VKVCache(config=None)
     from hf_vkv import CacheOptions
 
-    with pytest.raises(TypeError, match="not both"):
+    with pytest.raises(ValueError, match=r"unknown cache_config key\(s\) \['options'\]"):  # one way in: keywords
         VKVCache(config=tiny("llama").config, options=CacheOptions(), page_bytes=SMALL_PAGE)
+    with pytest.raises(ValueError, match=r"unknown cache_config key\(s\) \['max_tokenz'\]"):  # never ignored
+        VKVCache(config=tiny("llama").config, max_tokenz=5)
+    cache = VKVCache(config=tiny("llama").config, max_tokens=5)
+    cache.update(*_states(q=5), 0)
+    with pytest.raises(CapacityError):  # max_tokens is honoured
+        cache.update(*_states(q=1), 0)

@@ -27,7 +27,7 @@ from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
 from models import SMALL_PAGE, assert_same_tokens, cache_kv_bytes, prompts, tiny
 from transformers.cache_utils import DynamicCache
 
-import hf_vkv.cache.registration as registration
+import hf_vkv.registration as registration
 from hf_vkv import VKVCache
 from hf_vkv.memory import Arena
 
@@ -62,14 +62,15 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> type[StepRecorder]:
 
 
 def _arenas(cache: VKVCache) -> list[Arena]:
-    found = {id(g.buffer.arena): g.buffer.arena for g in cache.groups if g.buffer is not None}
+    found = {id(g.buffer.store): g.buffer.store for g in cache.groups if g.buffer is not None}
     return list(found.values())
 
 
 def _assert_cow_bound(cache: StepRecorder) -> int:
-    """At most one copied page per row per group per step; returns the total copies."""
+    """At most one copied page per row part per group per step (a token-major row is one part; a
+    head-major row one part per layer, K/V and head); returns the total copies."""
     steps = [(0,) * len(cache.groups), *cache.cow_per_step]
-    rows = [g.rows for g in cache.stats().groups]
+    rows = [s.rows * g.buffer.parts for s, g in zip(cache.stats().groups, cache.groups)]
     for k in range(1, len(steps)):
         for g, (before, after) in enumerate(zip(steps[k - 1], steps[k])):
             assert 0 <= after - before <= rows[g], (
@@ -308,7 +309,7 @@ def test_fork_is_zero_copy_and_isolated(how: str) -> None:
     out = model.generate(input_ids=torch.cat([ids, ref[:, 13:14]], 1), attention_mask=torch.ones(2, 14, dtype=int),
                          past_key_values=twin, max_new_tokens=9, do_sample=False)
     assert_same_tokens(ref, out)
-    assert twin.stats().cow_copies == 2  # one partly filled page per row
+    assert twin.stats().cow_copies == 2 * cache.groups[0].buffer.parts  # one partly filled page per row part
     for layer, k, v in zip(cache.layers, keys, values):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)  # the original is untouched
     # and the original still generates what a fresh run does
@@ -331,7 +332,7 @@ def test_kept_keys_stay_valid(arch: str) -> None:
     """K/V read from a layer can be kept, as a DynamicLayer's: they do not change when rows are
     reordered, the window moves on or the cache is cropped (their pages are unmapped), or freed."""
     model = tiny(arch)
-    cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE)
+    cache = VKVCache(config=model.config, layout="token_major", page_bytes=SMALL_PAGE)  # 8 tokens a page
     ids = prompts(3, 6, seed=66)["input_ids"]
     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=2,
                    do_sample=False)

@@ -70,14 +70,14 @@ def test_a_failed_backend_call_leaves_everything_as_it_was(name, faulty_backend,
     op = OPERATIONS[name]
     # Dry run: how many calls of each kind the operation makes, and what it must end with.
     reference = setup(faulty_backend)
-    calls_before = dict(reference.arena.backend.calls)
+    calls_before = dict(reference.store.backend.calls)
     expected = op(reference)
-    calls = {m: reference.arena.backend.calls[m] - calls_before[m] for m in calls_before}
+    calls = {m: reference.store.backend.calls[m] - calls_before[m] for m in calls_before}
     expected_bytes = final_bytes(reference, expected)
     assert sum(calls.values()) > 0
 
     buf = setup(faulty_backend)
-    backend = buf.arena.backend
+    backend = buf.store.backend
     failures = 0
     for method, count in calls.items():
         for n in range(1, count + 1):
@@ -104,7 +104,7 @@ def test_a_failed_backend_call_leaves_everything_as_it_was(name, faulty_backend,
     if isinstance(expected, VirtualBuffer):
         expected.close()
     reference.close()
-    assert buf.arena.closed and backend.resident_bytes_at_close == 0  # failed forks did not keep it open
+    assert buf.store.closed and backend.resident_bytes_at_close == 0  # failed forks did not keep it open
 
 
 def test_operations_make_the_backend_calls_the_tests_count_on(faulty_backend):
@@ -112,9 +112,9 @@ def test_operations_make_the_backend_calls_the_tests_count_on(faulty_backend):
     made = {}
     for name, op in OPERATIONS.items():
         buf = setup(faulty_backend)
-        before = dict(buf.arena.backend.calls)
+        before = dict(buf.store.backend.calls)
         result = op(buf)
-        made[name] = {m: n - before[m] for m, n in buf.arena.backend.calls.items() if n > before[m]}
+        made[name] = {m: n - before[m] for m, n in buf.store.backend.calls.items() if n > before[m]}
         if isinstance(result, VirtualBuffer):
             result.close()
         buf.close()
@@ -134,22 +134,22 @@ def test_operations_make_the_backend_calls_the_tests_count_on(faulty_backend):
 
 def test_a_failed_fork_leaves_no_half_open_buffer(faulty_backend):
     buf = setup(faulty_backend)
-    buf.arena.backend.arm("map", 2)
+    buf.store.backend.arm("map", 2)
     with pytest.raises(BackendError) as info:  # the traceback keeps fork()'s frames alive
         buf.fork()
-    assert buf.arena.pool.stats().in_use == 6  # the fork's references were rolled back
+    assert buf.store.pool.stats().in_use == 6  # the fork's references were rolled back
     buf.close()
-    assert buf.arena.closed  # the half-made fork was closed: it does not hold the arena open
-    assert buf.arena.backend.resident_bytes_at_close == 0
+    assert buf.store.closed  # the half-made fork was closed: it does not hold the arena open
+    assert buf.store.backend.resident_bytes_at_close == 0
     del info
     gc.collect()
 
 
 def test_close_returns_every_page_even_if_an_unmap_fails(faulty_backend):
     buf = setup(faulty_backend)
-    backend = buf.arena.backend
+    backend = buf.store.backend
     backend.arm("unmap", 1)
     with pytest.raises(BackendError, match="injected failure"):
         buf.close()
-    assert buf.closed and buf.arena.closed
-    assert buf.arena.pool.stats().in_use == 0 and backend.resident_bytes_at_close == 0
+    assert buf.closed and buf.store.closed
+    assert buf.store.pool.stats().in_use == 0 and backend.resident_bytes_at_close == 0

@@ -8,7 +8,7 @@ crosses many page boundaries and copy-on-write happens mid-run; the real SmolLM2
 default page size.
 
 Every test runs in three variants: contiguous, paged (the model switched to the ``"vkv_paged"``
-attention for the VKV run, blocks of 4 tokens) and head-major (``group_policy="head"``), each
+attention for the VKV run, blocks of 4 tokens) and head-major (``layout="head_major"``), each
 against DynamicCache with the model's own attention — so they are also token-identical to each
 other.
 """
@@ -32,8 +32,9 @@ from models import (
     SMALL_PAGE,
     assert_same_tokens,
     assistant,
+    LAYOUTS,
     current_layout,
-    current_variant,
+    layout_config,
     generate_both,
     needs_sliding_rollback,
     prompts,
@@ -52,7 +53,7 @@ SMALL = {"page_bytes": SMALL_PAGE}
 NEW = 20  # new tokens: more than both sliding windows, several 8-token pages
 
 
-@pytest.fixture(autouse=True, params=["contiguous", "paged", "head"])
+@pytest.fixture(autouse=True, params=LAYOUTS)
 def layout(request: pytest.FixtureRequest) -> Iterator[str]:
     with vkv_layout(request.param):
         yield request.param
@@ -178,7 +179,7 @@ def test_cache_object_passed_directly(arch: str) -> None:
         ref = model.generate(**inputs, max_new_tokens=NEW, past_key_values=DynamicCache(config=model.config),
                              **kwargs)
         with vkv_attention(model):
-            cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE)  # paged when the attention is vkv_paged
+            cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE, **layout_config())
             assert cache.layout == current_layout()
             got = model.generate(**inputs, max_new_tokens=NEW, past_key_values=cache, **kwargs)
         assert_same_tokens(ref, got)
@@ -229,31 +230,42 @@ def test_bfloat16_and_chunked_prefill(monkeypatch: pytest.MonkeyPatch, arch: str
 
 
 @pytest.mark.parametrize("page_bytes", [None, SMALL_PAGE, 3 * SMALL_PAGE])
-@pytest.mark.parametrize("group_policy", ["model", "layer", "head"])
-def test_page_size_and_group_policy(page_bytes: int | None, group_policy: str) -> None:
+@pytest.mark.parametrize("groups", ["kind", "layer"])
+def test_page_size_and_groups(page_bytes: int | None, groups: str) -> None:
     """Options change where bytes go, never the tokens (gemma3: a sliding and a full group)."""
-    if group_policy == "head" and current_layout() == "paged":
-        pytest.skip("the paged layout keeps tokens in blocks; group_policy='head' is contiguous only")
     model = tiny("gemma3")
-    options = {"group_policy": group_policy, **({"page_bytes": page_bytes} if page_bytes else {})}
+    options = {"groups": groups, **({"page_bytes": page_bytes} if page_bytes else {})}
     ref, got = generate_both(model, prompts(2, 9, seed=12, left_pad=[2, 0]), max_new_tokens=NEW, num_beams=3,
                              do_sample=False, vkv=options)
     assert_same_tokens(ref.sequences, got.sequences)
     cache = got.past_key_values
-    assert len(cache.groups) == (3 if group_policy == "layer" else 2)
-    if group_policy == "head":  # each head's tokens are adjacent, as in a DynamicCache
-        keys = cache.layers[2].keys
-        assert torch.equal(keys, ref.past_key_values.layers[2].keys)
+    assert len(cache.groups) == (3 if groups == "layer" else 2)
+    keys = cache.layers[2].keys
+    assert torch.equal(keys, ref.past_key_values.layers[2].keys)
+    if current_layout() == "head_major":  # each head's tokens are adjacent, and rows x heads one batch
         group = cache.layers[2].group
-        k_view, _ = group.states(2, 0, cache.get_seq_length())
+        k_view, _ = group.layout.cached(group.buffer, batch=group.batch, slot=group.slot[2], start=0,
+                                        end=cache.get_seq_length())
         assert k_view.stride(2) == k_view.shape[-1] and k_view.stride(3) == 1
+        assert k_view.stride(0) == k_view.shape[1] * k_view.stride(1)
     _check(cache)
+
+
+def test_group_policy_is_a_deprecated_spelling() -> None:
+    """``group_policy`` still works, with a FutureWarning naming the new keys."""
+    model = tiny("gemma3")
+    for policy, layout, groups in (("model", "token_major", 2), ("head", "head_major", 2), ("layer", "token_major", 3)):
+        with pytest.warns(FutureWarning, match="'layout'"):
+            cache = VKVCache(model.config, group_policy=policy)
+        assert cache.layout == layout and len(cache.groups) == groups
+    with pytest.raises(ValueError, match="conflicts with layout='paged'"):
+        VKVCache(model.config, group_policy="head", layout="paged")
 
 
 def test_sliding_window_pages_are_dropped() -> None:
     """Mistral (window 8): pages wholly behind the window go back; the returned K/V match."""
     model = tiny("mistral")
-    head = current_variant() == "head"
+    head = current_layout() == "head_major"
     new = 300 if head else 40  # head-major: a 4 KiB page holds 64 tokens of one head
     ref, got = generate_both(model, prompts(1, 10, seed=13), max_new_tokens=new, do_sample=False, vkv=SMALL)
     assert_same_tokens(ref.sequences, got.sequences)

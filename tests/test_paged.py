@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, pipeline
 from transformers.cache_utils import DynamicCache
 
 from hf_vkv import VKVCache
-from hf_vkv.cache.paged import PAGED_TAG, PagedLayerGroup
+from hf_vkv.devices import policy_for
+from hf_vkv.attention import PAGED_TAG
 
 pytestmark = pytest.mark.integration
 
@@ -31,9 +32,12 @@ def test_layout_follows_the_attention_implementation(tmp_path: Any) -> None:
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="vkv_paged")
     assert model.config._attn_implementation == "vkv_paged"
     cache = VKVCache(model.config)
-    assert cache.layout == "paged" and all(isinstance(g, PagedLayerGroup) for g in cache.groups)
-    assert VKVCache(model.config, layout="contiguous").layout == "contiguous"
-    assert VKVCache(tiny("llama").config).layout == "contiguous"
+    assert cache.layout == "paged"
+    assert VKVCache(model.config, layout="token_major").layout == "token_major"
+    default = VKVCache(tiny("llama").config)
+    assert default.layout is None  # the device's default, chosen at the first update
+    default.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)
+    assert default.layout == policy_for("cpu").layout
 
 
 def test_paged_layout_needs_the_paged_attention() -> None:
@@ -46,8 +50,8 @@ def test_paged_layout_needs_the_paged_attention() -> None:
     model = tiny("llama")
     model.set_attn_implementation("vkv_paged")
     try:
-        with pytest.raises(ValueError, match="group_policy='head' is a contiguous layout"):
-            VKVCache(model.config, group_policy="head")
+        with pytest.warns(FutureWarning):  # an explicit contiguous layout: the attention gets plain K/V
+            assert VKVCache(model.config, group_policy="head").layout == "head_major"
     finally:
         model.set_attn_implementation("sdpa")
 
@@ -89,7 +93,7 @@ def test_beam_steps_copy_at_most_one_block_per_row_and_never_remap() -> None:
     assert_same_tokens(ref, got)
     assert max(copies) <= 8 and sum(copies) > 0  # <= one block per row per step, and beams did copy
     # the block store never moved: its memory is the high-water mark of blocks in use
-    store = group.buffer.arena
+    store = group.buffer.store
     assert store.num_blocks <= store.pool.stats().in_use + store.pool.stats().resident_free
     cache.check_invariants()
 
@@ -117,6 +121,6 @@ def test_update_tags_only_its_own_tensor() -> None:
     finally:
         model.set_attn_implementation("sdpa")
     tag = getattr(keys, PAGED_TAG)
-    assert (tag.layer, tag.kv_offset, tag.kv_len) == (0, 0, 3)
+    assert (tag.kv_offset, tag.kv_len) == (0, 3)
     assert not hasattr(states, PAGED_TAG)  # the model's own tensor stays untagged
     assert torch.equal(cache.layers[0].keys, states)  # gathered back through the block tables

@@ -11,7 +11,7 @@ from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
 from models import SMALL_PAGE, tiny, tokenizer, words
 from transformers import AutoModelForCausalLM, GenerationConfig, pipeline
 
-import hf_vkv.cache.registration as registration
+import hf_vkv.registration as registration
 from hf_vkv import VKVCache
 
 pytestmark = pytest.mark.integration

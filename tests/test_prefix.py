@@ -72,7 +72,7 @@ def _in_use_bytes(store: PrefixStore, probe: torch.Tensor) -> int:
     fork = store.lookup(probe)
     try:
         assert fork.get_seq_length() > 0
-        pools = {id(g.buffer.arena.pool): g.buffer.arena.pool for g in fork.groups if g.buffer is not None}
+        pools = {id(g.buffer.store.pool): g.buffer.store.pool for g in fork.groups if g.buffer is not None}
         assert len(pools) == 1
         return next(iter(pools.values())).stats().in_use_bytes
     finally:
@@ -140,7 +140,8 @@ def test_reuse_is_token_identical(arch: str, sample: bool) -> None:
     """Prompts sharing 5, 15, 25 or all tokens with a stored entry: same tokens as a full prefill.
     Sliding-window models must refuse short prefixes whose window pages are gone."""
     model = tiny(arch)
-    store = PrefixStore(model.config, cache_config=SMALL)
+    # token-major: 8 tokens a page, so the window really drops pages (head-major holds 64 a page here)
+    store = PrefixStore(model.config, cache_config={**SMALL, "layout": "token_major"})
     first = _ids(PROMPT, seed=0)
     miss = store.lookup(first)
     assert isinstance(miss, VKVCache) and miss.get_seq_length() == 0

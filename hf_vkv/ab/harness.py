@@ -39,7 +39,7 @@ Layout = Literal["contiguous", "paged"]
 #: The attention implementation that reads the vkv cache through block tables (layout "paged").
 PAGED_ATTENTION = "vkv_paged"
 #: Builds the cache under test: ``factory(config, batch_size=rows, prompt_repeats=k, options=...)``.
-VKVCacheFactory = Callable[..., Cache]
+VKVCacheFactory = type[VKVCache]
 
 # run_ab sets these itself; a caller passing them would change what is compared
 _RESERVED = ("past_key_values", "cache_implementation", "cache_config", "logits_processor", "output_logits",
@@ -92,9 +92,8 @@ def run_ab(
             digest of each update; excluded from the step times).
         seed: ``torch.manual_seed(seed)`` before each run (sampling draws the same numbers).
         cache_config: options of the vkv cache (as ``generate(cache_config=...)``).
-        vkv_cache_factory: builds the cache of the vkv run instead of :class:`VKVCache` (tests use
-            it to inject faults): called as ``factory(model.config, batch_size=rows,
-            prompt_repeats=k, options=CacheOptions, layer_devices=...)``.
+        vkv_cache_factory: a :class:`VKVCache` subclass whose ``for_generate`` builds the cache of
+            the vkv run (tests use it to inject faults); default :class:`VKVCache`.
         progress: show a progress bar per run on stderr.
         **generate_kwargs: the generation mode: ``do_sample``, ``num_beams``,
             ``num_return_sequences``, ``temperature``, ... (not the ones this function sets:
@@ -110,7 +109,7 @@ def run_ab(
     """
     _check_arguments(model, inputs, max_new_tokens=max_new_tokens, layout=layout, tee=tee, seed=seed,
                      generate_kwargs=generate_kwargs)
-    options = CacheOptions.from_dict(dict(cache_config or {}))
+    CacheOptions.from_dict(dict(cache_config or {}))  # bad options fail before either run
     config = model.generation_config
     num_beams = int(generate_kwargs.get("num_beams", config.num_beams) or 1)
     num_return = int(generate_kwargs.get("num_return_sequences", config.num_return_sequences) or 1)
@@ -118,19 +117,14 @@ def run_ab(
     batch, prompt_len = inputs["input_ids"].shape
     expand = max(num_beams, num_return)
     rows = batch * expand
-    if options.max_tokens is None:  # as the generate wrapper does: room for the whole context
-        context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
-        options = dataclasses.replace(options, max_tokens=max(prompt_len + max_new_tokens + 1, context))
     factory = vkv_cache_factory or VKVCache
 
     def dynamic_cache() -> Cache:
         return DynamicCache(config=model.config)
 
-    def vkv_cache() -> Cache:
-        from ..cache.registration import layer_devices_of
-
-        return factory(model.config, batch_size=rows, prompt_repeats=expand, options=options,
-                       layer_devices=layer_devices_of(model))
+    def vkv_cache() -> Cache:  # as generate(cache_implementation="vkv") builds it
+        return factory.for_generate(model, batch_size=batch, expand=expand, max_length=prompt_len + max_new_tokens + 1,
+                                    cache_config=cache_config)
 
     common = dict(inputs, max_new_tokens=max_new_tokens, **generate_kwargs)
     ref = _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",

@@ -4,7 +4,7 @@ its block tables.
 ``model.set_attn_implementation("vkv_paged")`` (or ``from_pretrained(...,
 attn_implementation="vkv_paged")``) makes the model call :func:`vkv_paged_attention`, and
 ``VKVCache`` then picks its paged layout by itself. The paged layer's ``update`` returns the new
-states with a :class:`~hf_vkv.cache.paged.PagedKV` tag on the key (see :mod:`hf_vkv.cache.paged`
+states with a :class:`~hf_vkv.attention.paged_kv.PagedKV` tag on the key (see :mod:`hf_vkv.attention.paged_kv`
 for why a tag rather than a forward kwarg); this function reads the cached tokens through the tag:
 
 * on CPU, and wherever exact equality with sdpa is the point (dropout, ``output_attentions``,
@@ -29,8 +29,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..cache.cache import PAGED_ATTENTION
-from ..cache.paged import PAGED_TAG, PagedKV
+from .guards import check_call
+from .hooks import install_model_hooks
+from .paged_kv import PAGED_ATTENTION, PagedKV, paged_kv_of
 from .kernels import gather_kv, paged_attention
 
 __all__ = ["vkv_paged_attention", "register_attention", "PAGED_ATTENTION"]
@@ -55,8 +56,12 @@ def vkv_paged_attention(
         attention_mask: ``sdpa_mask``'s bool ``[B, 1, q, kv]`` (True = attend) or ``None`` (causal).
     Returns:
         ``([B, q, Hq, D], None)`` like transformers' sdpa attention.
+    Raises:
+        UnsupportedModelError: the call needs what this attention does not compute (sinks,
+            softcapping, a position bias sized by the returned keys; see :mod:`.guards`).
     """
-    tag: PagedKV | None = getattr(key, PAGED_TAG, None)
+    tag: PagedKV | None = paged_kv_of(key)
+    check_call(module, key, attention_mask, None if tag is None else tag.kv_len, kwargs)
     if tag is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -76,8 +81,11 @@ def vkv_paged_attention(
 
 
 def register_attention() -> None:
-    """Register ``"vkv_paged"`` and its mask function with transformers (idempotent)."""
+    """Everything the attention side registers with transformers (idempotent): ``"vkv_paged"``,
+    its mask function, and the checks that refuse models it cannot serve when they are built or
+    switched to it (:mod:`hf_vkv.attention.hooks`)."""
     if AttentionInterface._global_mapping.get(PAGED_ATTENTION) is not vkv_paged_attention:
         AttentionInterface.register(PAGED_ATTENTION, vkv_paged_attention)
     if AttentionMaskInterface._global_mapping.get(PAGED_ATTENTION) is not sdpa_mask:
         AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
+    install_model_hooks(PAGED_ATTENTION)

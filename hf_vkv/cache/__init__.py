@@ -1,12 +1,13 @@
-"""The transformers-facing cache: layer groups over virtual buffers, and registration."""
+"""The transformers-facing cache: layer groups in layouts over row buffers."""
 
-from .cache import CacheStats, GroupStats, UnsupportedDeviceError, VKVCache
-from .group import LayerGroup, LayerMismatchError
+from .cache import VKVCache
+from .geometry import GroupGeometry, LayerMismatchError
+from .group import LayerGroup
 from .layer import VKVLayer, VKVSlidingLayer
 from .options import CacheOptions
-from .registration import register
+from .stats import CacheStats, GroupStats
 
 __all__ = [
-    "CacheOptions", "CacheStats", "GroupStats", "LayerGroup", "LayerMismatchError", "UnsupportedDeviceError",
-    "VKVCache", "VKVLayer", "VKVSlidingLayer", "register",
+    "CacheOptions", "CacheStats", "GroupGeometry", "GroupStats", "LayerGroup", "LayerMismatchError", "VKVCache",
+    "VKVLayer", "VKVSlidingLayer",
 ]

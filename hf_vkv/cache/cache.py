@@ -3,72 +3,28 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from ..memory import Arena, BufferStats
-from ..devices import UnsupportedDeviceError, arena_for_device
+from ..attention.paged_kv import PAGED_ATTENTION
+from ..devices import arena_for_device, layer_devices_of, policy_for
+from ..memory import Arena
+from .geometry import GroupGeometry
 from .group import LayerGroup
 from .layer import VKVLayer, VKVSlidingLayer
-from .options import CacheOptions, Layout
-from .heads import HEAD_MAJOR_PAGE_BYTES, HeadMajorLayerGroup
-from .paged import DEFAULT_BLOCK_TOKENS, PagedLayerGroup
+from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, layout_class
+from .options import CacheOptions
+from .stats import CacheStats, GroupStats
 
-__all__ = ["VKVCache", "CacheStats", "GroupStats", "UnsupportedDeviceError"]
+__all__ = ["VKVCache"]
 
-_FULL = "full_attention"
-_SLIDING = "sliding_attention"
-
-
-@dataclass(frozen=True, slots=True)
-class GroupStats:
-    """Memory of one layer group (bytes; a page shared by several rows is counted once)."""
-
-    name: str
-    layers: int
-    rows: int
-    resident_bytes: int  # physical pages this group's rows hold
-    token_bytes: int  # bytes of live tokens in them
-    shared_pages: int  # pages held by more than one row (or fork)
-    cow_copies: int  # pages copied on write so far
-    shared_prompt_rows: int  # rows that took their prompt from another row's pages
-
-    @property
-    def utilization(self) -> float:
-        return self.token_bytes / self.resident_bytes if self.resident_bytes else 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    """Memory of a :class:`VKVCache`: per group and in total."""
-
-    groups: tuple[GroupStats, ...]
-    pool_resident_bytes: int  # physical bytes held by the cache's arenas (free pages kept for reuse too)
-
-    @property
-    def resident_bytes(self) -> int:
-        return sum(g.resident_bytes for g in self.groups)
-
-    @property
-    def token_bytes(self) -> int:
-        return sum(g.token_bytes for g in self.groups)
-
-    @property
-    def utilization(self) -> float:
-        return self.token_bytes / self.resident_bytes if self.resident_bytes else 1.0
-
-    @property
-    def shared_pages(self) -> int:
-        return sum(g.shared_pages for g in self.groups)
-
-    @property
-    def cow_copies(self) -> int:
-        return sum(g.cow_copies for g in self.groups)
+#: Layer kinds whose KV vkv stores, and whether they slide (chunked attention keeps, as far as the
+#: cache is concerned, a window of ``attention_chunk_size`` tokens, as DynamicCache does).
+_VKV_KINDS = {"full_attention": False, "sliding_attention": True, "chunked_attention": True}
 
 
 def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
@@ -79,33 +35,31 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
     return list(types), list(kwargs)
 
 
-#: The attention implementation that reads the paged layout (registered on ``import hf_vkv``).
-PAGED_ATTENTION = "vkv_paged"
-
-
-def _layout(options: CacheOptions, config: PretrainedConfig) -> Layout:
-    """The layout asked for, or the one the model's attention implementation reads."""
-    attn = getattr(config, "_attn_implementation", None)
+def _resolve_layout(options: CacheOptions, attn: str | None) -> str | None:
+    """The layout asked for (``None``: each device's default contiguous layout)."""
     if options.layout is None:
-        return "paged" if attn == PAGED_ATTENTION else "contiguous"
+        return "paged" if attn == PAGED_ATTENTION else None
     if options.layout == "paged" and attn != PAGED_ATTENTION:
         raise ValueError(
             f"cache_config['layout']='paged' is read only by the {PAGED_ATTENTION!r} attention, but the model uses "
             f"{attn!r}: load it with attn_implementation={PAGED_ATTENTION!r} (or call "
             f"model.set_attn_implementation({PAGED_ATTENTION!r})), or leave 'layout' unset"
         )
-    return options.layout
+    return None if options.layout == "contiguous" else options.layout
 
 
 class VKVCache(Cache):
-    """A KV cache in contiguous virtual memory with pages mapped on demand and shared between rows.
+    """A KV cache in virtual memory with pages mapped on demand and shared between rows.
 
-    Pass it as ``past_key_values`` or let ``generate(..., cache_implementation="vkv")`` build it.
-    The layout is contiguous (any attention reads the rows as strided tensors) or, when the model's
-    attention implementation is ``"vkv_paged"``, paged (rows are block tables; see
-    :mod:`hf_vkv.cache.paged`). Full-attention and sliding-window layers get :class:`VKVLayer` / :class:`VKVSlidingLayer`
-    (stored in token-major layer groups); other layer kinds (chunked, linear, ...) get
-    transformers' own dynamic layers.
+    Pass it as ``past_key_values`` or let ``generate(..., cache_implementation="vkv")`` build it
+    (:meth:`for_generate`). Full-attention, sliding-window and chunked layers are stored in layer
+    groups (:class:`~hf_vkv.cache.group.LayerGroup`) in the layout of ``options.layout`` (see
+    :mod:`hf_vkv.cache.layouts`); other layer kinds (linear attention, recurrent state, ...) keep
+    transformers' own layer classes, and :meth:`stats` counts both.
+
+    Row operations (``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``,
+    ``crop``, ``reset``) are done here, once per step: indices are converted once and each group
+    is called once.
 
     Args:
         config: the model's config (its text/decoder part is used).
@@ -113,7 +67,8 @@ class VKVCache(Cache):
         prompt_repeats: rows ``r*k .. r*k+k-1`` repeat one prompt (``generate`` expands prompts
             ``max(num_beams, num_return_sequences)`` times); with ``share_prompts`` the prompt's
             pages are stored once for them.
-        options / **cache_config: see :class:`CacheOptions`.
+        layer_devices: each layer's device when accelerate spread the model over several.
+        **options: the fields of :class:`CacheOptions` (what ``cache_config`` holds).
     """
 
     def __init__(
@@ -122,55 +77,41 @@ class VKVCache(Cache):
         *,
         batch_size: int | None = None,
         prompt_repeats: int = 1,
-        max_tokens: int | None = None,
-        options: CacheOptions | None = None,
         layer_devices: Mapping[int, torch.device] | None = None,
-        **cache_config: Any,
+        **options: Any,
     ) -> None:
         if config is None or not hasattr(config, "get_text_config"):
             raise TypeError("VKVCache needs the model's config: VKVCache(config=model.config)")
-        if options is not None and cache_config:
-            raise TypeError("pass either options=CacheOptions(...) or cache_config keywords, not both")
-        if max_tokens is not None:
-            cache_config.setdefault("max_tokens", max_tokens)
-        self.options = options or CacheOptions.from_dict(cache_config)
         if prompt_repeats < 1:
             raise ValueError(f"prompt_repeats must be >= 1, got {prompt_repeats}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.options = CacheOptions.from_dict(options)
         text_config = config.get_text_config(decoder=True)
         self.config = text_config
         self.prompt_repeats = prompt_repeats
+        self._layout_name = _resolve_layout(self.options, getattr(text_config, "_attn_implementation", None))
         capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
-        self._arenas: dict[torch.device, Arena] = {}
-        self._groups: dict[tuple[str, int | None, str], LayerGroup] = {}
+        self._arenas: dict[tuple[torch.device, int | None], Arena] = {}
 
-        self.layout = _layout(self.options, text_config)
-        group_type: type[LayerGroup] = LayerGroup
-        extra: dict[str, Any] = {}
-        if self.layout == "paged":
-            if self.options.group_policy == "head":
-                raise ValueError("group_policy='head' is a contiguous layout; the paged layout keeps tokens in "
-                                 "blocks: use group_policy 'model' or 'layer' with it")
-            group_type = PagedLayerGroup
-            extra["block_tokens"] = self.options.block_tokens or DEFAULT_BLOCK_TOKENS
-        elif self.options.group_policy == "head":
-            group_type = HeadMajorLayerGroup
         types, kwargs = _layer_types(text_config)
-        layers = []
         members: dict[tuple[str, int | None, str], list[int]] = {}
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):
-            if kind in (_FULL, _SLIDING):
-                window = kw.get("sliding_window") if kind == _SLIDING else None
+            if kind in _VKV_KINDS:
+                window = kw.get("sliding_window") if _VKV_KINDS[kind] else None
                 device = str(layer_devices.get(idx, "")) if layer_devices else ""
-                key = (kind, window, f"{device}#{idx}" if self.options.group_policy == "layer" else device)
+                key = ("sliding_attention" if window else "full_attention", window, f"{device}#{idx}" if self.options.groups == "layer" else device)
                 members.setdefault(key, []).append(idx)
-        for key, idxs in members.items():
-            kind, window, _ = key
-            self._groups[key] = group_type(
-                name=f"{kind}" + (f"[{idxs[0]}]" if self.options.group_policy == "layer" else ""),
-                members=idxs, sliding_window=window, arena_for=self._arena_for, rows_hint=batch_size,
-                capacity=capacity, prompt_repeats=prompt_repeats, share_prompts=self.options.share_prompts, **extra,
-            )
-        group_of = {i: g for g in self._groups.values() for i in g.members}
+        self._groups: list[LayerGroup] = []
+        for (kind, window, _), idxs in members.items():
+            self._groups.append(LayerGroup(
+                name=f"{kind}" + (f"[{idxs[0]}]" if self.options.groups == "layer" else ""),
+                members=idxs, sliding_window=window, make_layout=self._make_layout, arena_for=self._arena_for,
+                rows_hint=batch_size, capacity=capacity, prompt_repeats=prompt_repeats,
+                share_prompts=self.options.share_prompts,
+            ))
+        group_of = {i: g for g in self._groups for i in g.members}
+        layers: list[Any] = []
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):
             group = group_of.get(idx)
             if group is None:
@@ -181,65 +122,242 @@ class VKVCache(Cache):
                 layers.append(VKVLayer(group, idx))
         super().__init__(layers=layers)
 
-    # ----------------------------------------------------------------------------- memory
-    def _arena_for(self, device: torch.device) -> Arena:
+    @classmethod
+    def for_generate(cls, model: Any, *, batch_size: int, expand: int, max_length: int,
+                     cache_config: Mapping[str, Any] | None) -> VKVCache:
+        """The cache ``generate(..., cache_implementation="vkv")`` builds (and the A/B harness).
+
+        Rows: ``batch_size * expand`` (``expand = max(num_beams, num_return_sequences)``, the
+        rows sharing each prompt). Tokens: ``cache_config['max_tokens']``, else room for the
+        model's whole context and at least ``max_length`` — only address space, so the returned
+        cache can be passed back to ``generate()`` to continue.
+        """
+        options = dict(cache_config or {})
+        if options.get("max_tokens") is None:
+            context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
+            options["max_tokens"] = max(max_length, context)
+        return cls(model.config, batch_size=batch_size * expand, prompt_repeats=expand,
+                   layer_devices=layer_devices_of(model), **options)
+
+    # ----------------------------------------------------------------------------- layout and memory
+    @property
+    def layout(self) -> str | None:
+        """The layout's name: as asked for, or once the first update chose the device's default
+        (``None`` before that)."""
+        if self._layout_name is not None:
+            return self._layout_name
+        return next((g.layout.name for g in self._groups if g.layout is not None), None)
+
+    def _make_layout(self, geometry: GroupGeometry, members: int) -> Layout:
+        name = self._layout_name or policy_for(geometry.device).layout
+        if name == "paged":
+            return PagedLayout(geometry, members=members, block_tokens=self.options.block_tokens or DEFAULT_BLOCK_TOKENS)
+        return layout_class(name)(geometry, members=members)
+
+    def _arena_for(self, device: torch.device, layout: type[Layout]) -> Arena:
         device = torch.device(device)
-        arena = self._arenas.get(device)
+        page = self.options.page_bytes or layout.page_bytes(policy_for(device).backend)
+        arena = self._arenas.get((device, page))
         if arena is None or arena.closed:
-            page = self.options.page_bytes
-            if page is None and self.options.group_policy == "head" and device.type == "cpu":
-                page = HEAD_MAJOR_PAGE_BYTES
             arena = arena_for_device(device, page_bytes=page, budget_bytes=self.options.budget_bytes)
-            self._arenas[device] = arena
+            self._arenas[(device, page)] = arena
         return arena
 
     @property
     def groups(self) -> tuple[LayerGroup, ...]:
-        """The layer groups (one virtual buffer each)."""
-        return tuple(self._groups.values())
+        """The layer groups (one row buffer each)."""
+        return tuple(self._groups)
+
+    @property
+    def rows(self) -> int:
+        """Rows (batch) the cache holds now (0 before the first update)."""
+        return max((g.batch for g in self._groups), default=0) or max(0, self.batch_size)
+
+    def _other_layers(self) -> list[Any]:
+        """Layers kept in transformers' own classes."""
+        return [layer for layer in self.layers if not isinstance(layer, VKVLayer)]
 
     def stats(self) -> CacheStats:
         """Resident and live bytes, sharing and copy-on-write counts, per group and in total."""
         out = []
-        for group in self._groups.values():
-            s: BufferStats | None = group.stats()
+        for group in self._groups:
+            s = group.stats()
             out.append(GroupStats(
-                name=group.name, layers=len(group.members), rows=group.batch,
+                name=group.name, layout=None if group.layout is None else group.layout.name,
+                layers=len(group.members), rows=group.batch,
                 resident_bytes=s.resident_bytes if s else 0, token_bytes=s.live_bytes if s else 0,
                 shared_pages=s.shared_pages if s else 0, cow_copies=s.cow_copies if s else 0,
                 shared_prompt_rows=group.prompt_sharing_rows,
             ))
         pool = sum(a.pool.stats().resident_bytes for a in self._arenas.values() if not a.closed)
-        return CacheStats(groups=tuple(out), pool_resident_bytes=pool)
+        others = len(self._other_layers())
+        return CacheStats(groups=tuple(out), pool_resident_bytes=pool, vkv_layers=len(self.layers) - others,
+                          other_layers=others)
+
+    def __repr__(self) -> str:
+        others = len(self._other_layers())
+        return (f"VKVCache(layout={self.layout or 'device default'}, {len(self.layers) - others} layers stored by vkv "
+                f"in {len(self._groups)} group(s), {others} kept in transformers' own classes, rows={self.rows})")
 
     def check_invariants(self) -> None:
-        """Check every group's page tables and pools (see ``hf_vkv.memory``)."""
-        for group in self._groups.values():
-            if group.buffer is not None and not group.buffer.closed:
-                group.buffer.check_invariants()
+        """Check every group's rows, page tables and pools (see ``hf_vkv.memory``)."""
+        for group in self._groups:
+            group.check_invariants()
+
+    # ----------------------------------------------------------------------------- row operations
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` takes row ``beam_idx[i]``'s pages (``beam_idx``: int tensor, any device): no copy."""
+        index = [int(i) for i in beam_idx.tolist()]  # one host transfer for every group
+        for group in self._groups:
+            group.reorder(index)
+        for layer in self._other_layers():
+            layer.reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor | Sequence[int]) -> None:
+        """Keep only the rows ``indices`` (row numbers, negative ones, a bool mask, a tensor or a
+        sequence of them), as ``DynamicCache`` selects its batch dimension."""
+        if not isinstance(indices, torch.Tensor):
+            indices = torch.tensor(list(indices), dtype=torch.bool if all(isinstance(i, bool) for i in indices) and
+                                   len(indices) else torch.long)
+        index = torch.arange(self.rows)[indices.cpu()].reshape(-1).tolist()
+        for group in self._groups:
+            group.reorder(index)
+        for layer in self._other_layers():
+            layer.batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row ``repeats`` times, consecutively (pages shared, nothing copied)."""
+        repeats = int(repeats)
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        for group in self._groups:
+            group.repeat_rows(repeats)
+        for layer in self._other_layers():
+            layer.batch_repeat_interleave(repeats)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (a negative int, as for DynamicCache);
+        sliding layers then hold their window again (``crop(0)`` too)."""
+        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted decoding passes a 0-d tensor
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        for group in self._groups:
+            group.check_crop()  # every group first: a refused crop changes nothing
+        for group in self._groups:
+            group.crop(tokens_to_remove)
+        for layer in self._other_layers():
+            layer.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        """Forget every cached token (pages go back to the pool)."""
+        for group in self._groups:
+            group.clear()
+        for layer in self._other_layers():
+            layer.reset()
+
+    def activate_past_recording(self) -> None:
+        """Keep sliding layers' pages behind the window until :meth:`crop` (assisted decoding)."""
+        for group in self._groups:
+            group.start_recording()
+        for layer in self._other_layers():
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+
+    # ----------------------------------------------------------------------------- prefixes
+    def write_states(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, *,
+                     start: int = 0) -> None:
+        """Store ``[B, H, T, D]`` states as tokens ``[start, start + T)`` of an empty layer, with no
+        attention run (a prefix restored from a file). ``start > 0`` only for a sliding layer
+        whose window is all that was kept: tokens before it are not held."""
+        layer = self.layers[layer_idx]
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        if not isinstance(layer, VKVLayer):
+            if start:
+                raise ValueError(f"layer {layer_idx} is kept by transformers' own class: it takes states from token 0")
+            layer.update(key_states, value_states)
+            return
+        if start and not isinstance(layer, VKVSlidingLayer):
+            raise ValueError(f"layer {layer_idx} is full attention: its states start at token 0, not {start}")
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        layer.group.write_states(layer_idx, key_states, value_states, start=start)
+
+    def min_prefix_length(self) -> int:
+        """The shortest prefix :meth:`fork` can cut this cache back to (0: any length). A sliding
+        layer serves a prefix of ``m`` tokens only while tokens ``[m - window + 1, m)`` are held."""
+        length = self.get_seq_length()
+        m = 0
+        for group in self._groups:
+            first = group.first_written()
+            if group.sliding_window is not None and first > 0:
+                m = max(m, first + group.sliding_window - 1)
+        if any(getattr(layer, "is_sliding", False) for layer in self._other_layers()):
+            m = length  # transformers' own sliding layers cannot be cut back at all
+        return min(m, length)
+
+    def held_pages(self) -> dict[Hashable, int]:
+        """``{key: bytes}`` for every physical page the cache holds (a page shared with a fork has
+        the same key in both, so a union over caches counts it once), plus the K/V tensors of
+        layers kept in transformers' own classes."""
+        out: dict[Hashable, int] = {}
+        for group in self._groups:
+            out.update(group.held_pages())
+        for layer in self._other_layers():
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    out[("tensor", id(layer), t.data_ptr())] = t.numel() * t.element_size()
+        return out
 
     # ----------------------------------------------------------------------------- life cycle
-    def fork(self) -> VKVCache:
+    def fork(self, length: int | None = None) -> VKVCache:
         """A copy that shares every page with this cache (zero bytes copied); each side copies a
-        page only when it writes into it. ``copy.deepcopy(cache)`` does the same."""
+        page only when it writes into it. ``copy.deepcopy(cache)`` does the same.
+
+        ``length``: the copy holds only the first ``length`` tokens (in
+        ``[max(min_prefix_length(), 1), get_seq_length()]``; ``ValueError`` otherwise). Cutting a
+        sliding layer that has passed its window back keeps its pages behind the window from
+        then on (transformers' rule for ``crop``)."""
+        if length is None:
+            return self._fork()
+        n = self.get_seq_length()
+        floor = self.min_prefix_length()
+        if not 0 < length <= n or length < floor:
+            raise ValueError(
+                f"cannot cut a cache of {n} tokens back to {length}: it serves prefixes of {max(floor, 1)}..{n} "
+                f"tokens (sliding-window layers dropped the pages behind their window)"
+            )
+        fork = self._fork()
+        try:
+            if length < n:
+                fork.activate_past_recording()
+                fork.crop(length - n)
+        except BaseException:
+            fork.close()
+            raise
+        return fork
+
+    def _fork(self) -> VKVCache:
         other = copy.copy(self)
-        other._groups = {key: g.fork(self._arena_for) for key, g in self._groups.items()}
+        twins = {id(g): g.fork(self._arena_for) for g in self._groups}
+        other._groups = [twins[id(g)] for g in self._groups]
         other.layers = []
         for layer in self.layers:
             if isinstance(layer, VKVLayer):
-                group = next(g for g in other._groups.values() if layer.layer_idx in g.slot)
                 twin = copy.copy(layer)
-                twin._group = group
-                group.register(twin)
+                twin.group = twins[id(layer.group)]
                 other.layers.append(twin)
             else:
                 other.layers.append(copy.deepcopy(layer))
         return other
 
     def __deepcopy__(self, memo: dict[int, Any]) -> VKVCache:
-        return self.fork()
+        return self._fork()
 
     def close(self) -> None:
         """Return every page now (also happens when the cache is garbage-collected)."""
-        for group in self._groups.values():
+        for group in self._groups:
             group.close()

@@ -1,53 +1,39 @@
-"""A layer group: layers that grow identically, stored token-major in one virtual buffer.
+"""A layer group: layers that grow identically, their rows, lengths and row operations.
 
-Row ``r``, token ``t``, member slot ``l`` of a group's buffer holds that layer's key at
-``[r, t, l, 0]`` and value at ``[r, t, l, 1]``, each ``[kv_heads, head_dim]``. So one item of the
-buffer is one token of every layer of the group (``layers * 2 * heads * head_dim`` elements), a
-row strands at most one partly filled page, and a layer's K is the strided view
-``buf[:, :T, l, 0]`` → ``[B, T, H, D]`` → ``.transpose(1, 2)`` → ``[B, H, T, D]``, which eager,
-sdpa and flash attention read without a copy.
+A group owns one row buffer (made by its :class:`~hf_vkv.cache.layouts.Layout` at the first
+update, when the states' shape, dtype and device are known) and the lengths of its members. Every
+row operation (grow, share a prompt, reorder beams, select or repeat rows, crop, window, reset) is
+a page-table operation on the buffer; the layout alone touches tensors.
 
-Operations that concern all rows (reorder, batch changes, reset) are *collective*: transformers
-calls them once per layer, the group performs them on the first call and checks off the others.
+Invariants (checked by :meth:`LayerGroup.check_invariants`):
+
+* every member's length is at most every active row's length in the buffer (a step grows the rows
+  once, then each member writes its tokens), and rows past ``batch`` are empty;
+* a sliding group holds at least the window its next update returns (``window_start``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from ..memory import Arena, BufferStats, RowBuffer, VirtualBuffer
+from ..memory import Arena, BufferStats, RowBuffer
 from ..memory.errors import InvariantError
+from .geometry import GroupGeometry, LayerMismatchError
+from .layouts import Layout
 
-__all__ = ["LayerGroup", "GroupGeometry", "LayerMismatchError"]
+__all__ = ["LayerGroup", "LayoutFactory"]
 
-
-class LayerMismatchError(ValueError):
-    """A layer's key/value states do not match the other layers of its group."""
-
-
-@dataclass(frozen=True, slots=True)
-class GroupGeometry:
-    """What every member of a group shares."""
-
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def describe(self) -> str:
-        return f"{self.kv_heads} KV heads of dim {self.head_dim} in {self.dtype} on {self.device}"
+#: Makes a group's layout from its geometry and member count (``None``: the device's default).
+LayoutFactory = Callable[[GroupGeometry, int], Layout]
 
 
 class LayerGroup:
-    """The layers ``members`` (model layer indices) of one kind, in one row buffer (a
-    :class:`VirtualBuffer`; :class:`~hf_vkv.cache.paged.PagedLayerGroup` uses a block buffer).
+    """The layers ``members`` (model layer indices) of one kind.
 
-    ``sliding_window`` is ``None`` for full attention. The buffer is created at the first update
-    (rows and dtype come from the states); ``arena_for(device)`` supplies physical memory.
+    ``sliding_window`` is ``None`` for full attention. ``make_layout`` builds the layout once the
+    first states are known; ``arena_for(device, layout)`` supplies physical memory.
     """
 
     def __init__(
@@ -56,7 +42,8 @@ class LayerGroup:
         name: str,
         members: Sequence[int],
         sliding_window: int | None,
-        arena_for: Callable[[torch.device], Arena],
+        make_layout: LayoutFactory,
+        arena_for: Callable[[torch.device, type[Layout]], Arena],
         rows_hint: int | None,
         capacity: int,
         prompt_repeats: int,
@@ -69,72 +56,127 @@ class LayerGroup:
         self.capacity = capacity
         self.prompt_repeats = prompt_repeats
         self.share_prompts = share_prompts
+        self._make_layout = make_layout
         self._arena_for = arena_for
         self._rows_hint = rows_hint
         self.geometry: GroupGeometry | None = None
+        self.layout: Layout | None = None
         self.buffer: RowBuffer | None = None
         self.batch = 0  # rows in use (the batch transformers sees)
+        self.lengths = [0] * len(self.members)  # tokens each member has cached
         self.record_past = False  # keep pages behind a window (assisted decoding may crop back)
+        self._kept_from: int | None = None  # while recording: first token `keys` shows (as DynamicSlidingWindowLayer)
         self.shared_prompt_rows = 0  # rows that took their prompt from another row's pages
-        self._epoch = 0  # bumps whenever rows change outside a write
-        self._prepared: tuple[int, int, int] | None = None  # (start, end, epoch) made writable
-        self._views: dict[tuple[int, int], torch.Tensor] = {}  # typed views valid in this epoch
+        self.written_from = 0  # tokens before it were never written (a window restored by write_states)
+        self._prepared: tuple[int, int, int] | None = None  # (batch, start, end) made writable since the last change
         self._followers: dict[int, int] = {}  # prefill only: row -> leader row it shares pages with
-        self._pending: dict[str, set[int]] = {}
-        self._layers: dict[int, Any] = {}  # member index -> its layer object (for lengths)
-
-    def register(self, layer: Any) -> None:
-        """Attach a member's layer object (it reports its length through ``get_seq_length``)."""
-        self._layers[layer.layer_idx] = layer
 
     # ----------------------------------------------------------------------------- set-up
     def init_layer(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Check a member's first states against the group (and create the buffer on the first)."""
-        if key_states.dim() != 4 or key_states.shape != value_states.shape:
-            raise LayerMismatchError(
-                f"layer {layer}: key/value states must both be [batch, kv_heads, tokens, head_dim], got "
-                f"{tuple(key_states.shape)} and {tuple(value_states.shape)}"
-            )
-        if key_states.dtype != value_states.dtype or key_states.device != value_states.device:
-            raise LayerMismatchError(f"layer {layer}: keys and values differ in dtype or device")
-        geometry = GroupGeometry(key_states.shape[1], key_states.shape[3], key_states.dtype, key_states.device)
+        """Check a member's first states against the group (and make the layout and buffer on the first)."""
+        geometry = GroupGeometry.of(layer, key_states, value_states)
         if self.geometry is None:
             self.geometry = geometry
         elif geometry != self.geometry:
             raise LayerMismatchError(
                 f"layer {layer} has {geometry.describe()} but its group {self.name!r} holds "
-                f"{self.geometry.describe()}; give each layer its own buffer with "
-                f"cache_config={{'group_policy': 'layer'}}"
+                f"{self.geometry.describe()}; give each layer its own group with cache_config={{'groups': 'layer'}}"
             )
         if self.buffer is None:
-            g = self.geometry
-            item = len(self.members) * 2 * g.kv_heads * g.head_dim * g.dtype.itemsize
+            self.layout = self._make_layout(self.geometry, len(self.members))
             rows = max(self._rows_hint or 0, key_states.shape[0])
-            self.buffer = self._new_buffer(rows=rows, item_bytes=item)
-
-    def _new_buffer(self, *, rows: int, item_bytes: int) -> RowBuffer:
-        assert self.geometry is not None
-        return VirtualBuffer(self._arena_for(self.geometry.device), rows=rows, capacity=self.capacity,
-                             item_bytes=item_bytes)
+            self.buffer = self.layout.make_buffer(self._arena_for(self.geometry.device, type(self.layout)),
+                                                  rows=rows, capacity=self.capacity)
 
     def _buf(self) -> RowBuffer:
         if self.buffer is None:
             raise InvariantError(f"group {self.name!r} used before its first update")
         return self.buffer
 
-    # ----------------------------------------------------------------------------- per step
+    def _lay(self) -> Layout:
+        if self.layout is None:
+            raise InvariantError(f"group {self.name!r} used before its first update")
+        return self.layout
+
+    # ----------------------------------------------------------------------------- lengths
+    def length(self, layer: int) -> int:
+        """Tokens member ``layer`` has cached."""
+        return self.lengths[self.slot[layer]]
+
     def window_start(self, length: int) -> int:
-        """First token an update at ``length`` cached tokens returns (mask offset)."""
+        """First token an update at ``length`` cached tokens returns (the mask's ``kv_offset``)."""
         if self.sliding_window is None:
             return 0
         return max(length - self.sliding_window + 1, 0)
+
+    def kept_from(self, layer: int) -> int:
+        """First token ``layer.keys`` shows: the window, or every token recorded since the last crop."""
+        if self._kept_from is not None:
+            return self._kept_from
+        return self.window_start(self.length(layer))
+
+    # ----------------------------------------------------------------------------- per step
+    def update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store member ``layer``'s new ``[B, H, q, D]`` states after its cached tokens and return
+        what attention reads: ``[B, H, kv_length, D]`` (``kv_length`` as the mask's) or, in the
+        paged layout, the tagged new states."""
+        slot = self.slot[layer]
+        start = self.lengths[slot]
+        end = start + key_states.shape[2]
+        self.prepare(key_states.shape[0], start, end)
+        rows = None
+        if self._followers:
+            rows = [r for r in range(self.batch) if not self._follows_leader(r, start, key_states, value_states)]
+        layout, buffer = self._lay(), self._buf()
+        layout.write(buffer, batch=self.batch, slot=slot, start=start, key=key_states, value=value_states, rows=rows)
+        self.lengths[slot] = end
+        return layout.attention_inputs(buffer, batch=self.batch, slot=slot, start=self.window_start(start), end=end,
+                                       key=key_states, value=value_states)
+
+    def write_states(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, *, start: int) -> None:
+        """Store ``[B, H, T, D]`` states of an empty member as its tokens ``[start, start + T)``;
+        tokens before ``start`` are not held (a sliding window restored on its own)."""
+        slot = self.slot[layer]
+        if self.lengths[slot]:
+            raise ValueError(f"layer {layer} already holds {self.lengths[slot]} tokens; write_states fills an empty layer")
+        end = start + key_states.shape[2]
+        self.prepare(key_states.shape[0], 0, end)
+        if start:
+            self._buf().drop_before(range(self.batch), start)
+            self._lay().invalidate()
+            self.written_from = max(self.written_from, start)
+        self._lay().write(self._buf(), batch=self.batch, slot=slot, start=start, key=key_states, value=value_states,
+                          rows=None)
+        self.lengths[slot] = end
+
+    def first_written(self) -> int:
+        """The first token every row still holds written data for (0 unless pages were dropped
+        behind a window or a window was restored on its own)."""
+        if self.buffer is None or self.buffer.closed or not self.batch:
+            return self.written_from
+        return max(self.written_from, *(self.buffer.first_live(r) for r in range(self.batch)))
+
+    def held_pages(self) -> dict[tuple[object, int], int]:
+        """``{(store, page id): page bytes}`` for every physical page the rows hold."""
+        if self.buffer is None or self.buffer.closed:
+            return {}
+        store, page = self.buffer.store, self.buffer.store.page_bytes
+        return {(store, int(p)): page for row in self.buffer.table for p in row.pages}
+
+    def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, H, T, D]`` copies of what member ``layer`` holds (``kept_from .. length``)."""
+        length = self.length(layer)
+        keys, values = self._lay().cached(self._buf(), batch=self.batch, slot=self.slot[layer],
+                                          start=self.kept_from(layer), end=length)
+        return keys.clone(), values.clone()
 
     def prepare(self, batch: int, start: int, end: int) -> None:
         """Make tokens ``[start, end)`` of rows ``0..batch-1`` writable (once per step for the
         whole group): drop pages behind the window, grow, copy-on-write shared pages, and at a
         prefill of expanded prompts share each prompt's pages across its rows."""
         buffer = self._buf()
-        if self._prepared == (start, end, self._epoch) and batch == self.batch:
+        if self._prepared == (batch, start, end):
             return
         if batch > buffer.rows and not any(buffer.length(r) for r in range(buffer.rows)):
             # an empty cache (new, or after reset()) takes a larger batch, as a DynamicCache does
@@ -159,27 +201,8 @@ class LayerGroup:
         else:
             buffer.prepare_write(rows, start, end)
         self.batch = batch
-        self._new_epoch()
-        self._prepared = (start, end, self._epoch)
-
-    def view(self, start: int, end: int) -> torch.Tensor:
-        """Tokens ``[start, end)`` of the active rows, typed: ``[B, T, layers, 2, H, D]``."""
-        typed = self._views.get((start, end))
-        if typed is None:
-            g = self.geometry
-            buffer = self._buf()
-            assert g is not None and isinstance(buffer, VirtualBuffer)
-            raw = buffer.view(range(self.batch), start, end)
-            typed = raw.view(g.dtype).view(self.batch, end - start, len(self.members), 2, g.kv_heads, g.head_dim)
-            self._views[(start, end)] = typed
-        return typed
-
-    def write(self, layer: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Store ``[B, H, q, D]`` states of ``layer`` at tokens ``[start, start + q)``."""
-        rows = None  # all of them
-        if self._followers:
-            rows = [r for r in range(self.batch) if not self._follows_leader(r, start, key_states, value_states)]
-        self._store(self.slot[layer], start, key_states, value_states, rows)
+        self._lay().invalidate()
+        self._prepared = (batch, start, end)
 
     def _follows_leader(self, row: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether ``row`` still shares its prompt's pages with its leader: its states equal the
@@ -193,48 +216,10 @@ class LayerGroup:
         del self._followers[row]
         end = start + key_states.shape[2]
         self._buf().prepare_write([row], start, end)
-        self._new_epoch()
-        self._prepared = (start, end, self._epoch)
+        self._lay().invalidate()
         return False
 
-    def _store(self, slot: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor,
-               rows: list[int] | None) -> None:
-        """Write ``[B, H, q, D]`` states into member ``slot`` at tokens ``[start, start + q)`` of
-        ``rows`` (``None``: every row)."""
-        store = self.view(start, start + key_states.shape[2])[:, :, slot]  # [B, q, 2, H, D]
-        if rows is None:
-            store[:, :, 0].copy_(key_states.transpose(1, 2))
-            store[:, :, 1].copy_(value_states.transpose(1, 2))
-            return
-        for row in rows:
-            store[row, :, 0].copy_(key_states[row].transpose(0, 1))
-            store[row, :, 1].copy_(value_states[row].transpose(0, 1))
-
-    def states(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero-copy ``[B, H, T, D]`` key and value views of ``layer`` over tokens ``[start, end)``."""
-        block = self.view(start, end)[:, :, self.slot[layer]]  # [B, T, 2, H, D]
-        return block[:, :, 0].transpose(1, 2), block[:, :, 1].transpose(1, 2)
-
-    def attention_inputs(self, layer: int, start: int, end: int, key_states: torch.Tensor,
-                         value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``update`` returns to attention after writing ``key_states``/``value_states``:
-        here the ``[B, H, end - start, D]`` views of tokens ``[start, end)``."""
-        return self.states(layer, start, end)
-
-    # ----------------------------------------------------------------------------- collective ops
-    def collective(self, op: str, layer: int, action: Callable[[], None]) -> None:
-        """Run ``action`` on the first member's call of ``op``; check off the other members'."""
-        pending = self._pending.get(op)
-        if pending:
-            if layer not in pending:
-                raise InvariantError(f"layer {layer} called {op} twice before the rest of group {self.name!r}")
-            pending.discard(layer)
-            return
-        action()
-        rest = set(self.members) - {layer}
-        if rest:
-            self._pending[op] = rest
-
+    # ----------------------------------------------------------------------------- row operations
     def reorder(self, index: Sequence[int]) -> None:
         """Row ``i`` takes row ``index[i]``'s pages (beam search, batch selection): no copy."""
         if self.buffer is None:
@@ -250,14 +235,49 @@ class LayerGroup:
         """Each row repeated ``repeats`` times, consecutively (shared pages, no copy)."""
         if self.buffer is None:
             return
-        if repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {repeats}")
         index = [r for r in range(self.batch) for _ in range(repeats)]
         if len(index) > self.buffer.rows:
             self._more_rows(len(index))
         self.buffer.reorder(index)
         self.batch = len(index)
         self._changed()
+
+    def check_crop(self) -> None:
+        """Raise (changing nothing) if :meth:`crop` may not cut this group back now."""
+        if self.sliding_window is not None and not self.record_past and max(self.lengths) >= self.sliding_window:
+            raise RuntimeError(
+                "`crop` was called, but the current layer does not track past states, and the sliding window size "
+                "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
+            )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens of every member (``tokens_to_remove <= 0``);
+        a sliding group then shows its window again (``crop(0)`` too, as DynamicSlidingWindowLayer)."""
+        self.lengths = [max(n + tokens_to_remove, 0) for n in self.lengths]
+        if self._kept_from is not None:
+            self._kept_from = self.window_start(max(self.lengths))
+        if self.buffer is not None:
+            length = max(self.lengths)
+            if any(self.buffer.length(r) > length for r in range(self.batch)):
+                self.buffer.truncate(range(self.buffer.rows), length)
+                self._changed()
+
+    def start_recording(self) -> None:
+        """Keep pages behind the window until :meth:`crop` (assisted decoding rolls back)."""
+        if not self.record_past and self.sliding_window is not None:
+            self._kept_from = self.window_start(max(self.lengths))
+        self.record_past = True
+
+    def clear(self) -> None:
+        """Empty every row (the buffer and its reservation stay)."""
+        self.lengths = [0] * len(self.members)
+        self.written_from = 0
+        if self._kept_from is not None:
+            self._kept_from = 0
+        if self.buffer is not None:
+            self.buffer.clear(range(self.buffer.rows))
+            self.batch = 0
+            self._changed()
 
     def _more_rows(self, rows: int) -> RowBuffer:
         """Move to a buffer of ``rows`` rows sharing every page (a remap, no copy)."""
@@ -266,43 +286,46 @@ class LayerGroup:
         old.close()
         return self.buffer
 
-    def truncate_to_members(self) -> None:
-        """Drop the tokens past the longest member (after members were cropped)."""
-        length = max((layer.get_seq_length() for layer in self._layers.values()), default=0)
-        if self.buffer is not None and any(self.buffer.length(r) > length for r in range(self.batch)):
-            self.buffer.truncate(range(self.buffer.rows), length)
-            self._changed()
-
-    def clear(self) -> None:
-        """Empty every row (the buffer and its reservation stay)."""
-        if self.buffer is not None:
-            self.buffer.clear(range(self.buffer.rows))
-            self.batch = 0
-            self._changed()
-
-    def _settings(self) -> dict[str, Any]:
-        """Constructor arguments (but ``arena_for``) of a group like this one."""
-        return dict(name=self.name, members=self.members, sliding_window=self.sliding_window,
-                    rows_hint=self._rows_hint, capacity=self.capacity, prompt_repeats=self.prompt_repeats,
-                    share_prompts=self.share_prompts)
-
-    def fork(self, arena_for: Callable[[torch.device], Arena]) -> LayerGroup:
+    # ----------------------------------------------------------------------------- life cycle
+    def fork(self, arena_for: Callable[[torch.device, type[Layout]], Arena]) -> LayerGroup:
         """A copy sharing every page (zero copy); both sides copy a page only when writing it."""
-        other = type(self)(arena_for=arena_for, **self._settings())
+        other = LayerGroup(name=self.name, members=self.members, sliding_window=self.sliding_window,
+                           make_layout=self._make_layout, arena_for=arena_for, rows_hint=self._rows_hint,
+                           capacity=self.capacity, prompt_repeats=self.prompt_repeats,
+                           share_prompts=self.share_prompts)
         other.geometry = self.geometry
         other.batch = self.batch
+        other.lengths = list(self.lengths)
         other.record_past = self.record_past
-        if self.buffer is not None:
+        other._kept_from = self._kept_from
+        other.written_from = self.written_from
+        if self.buffer is not None and self.geometry is not None:
+            other.layout = self._make_layout(self.geometry, len(self.members))
             other.buffer = self.buffer.fork()
         return other
 
     def close(self) -> None:
         if self.buffer is not None:
             self.buffer.close()
-            self._changed()  # drop the views kept for this epoch: they cover unmapped memory now
+            self._changed()  # drop the views kept: they cover unmapped memory now
 
     def stats(self) -> BufferStats | None:
         return None if self.buffer is None or self.buffer.closed else self.buffer.stats()
+
+    def check_invariants(self) -> None:
+        """Check the invariants of the module docstring and the buffer's own."""
+        if self.buffer is None or self.buffer.closed:
+            return
+        self.buffer.check_invariants()
+        longest = max(self.lengths)
+        for r in range(self.buffer.rows):
+            held = self.buffer.length(r)
+            if r < self.batch and held < longest:
+                raise InvariantError(f"group {self.name!r}: row {r} holds {held} tokens, a member has {longest}")
+            if r >= self.batch and held:
+                raise InvariantError(f"group {self.name!r}: row {r} is past the batch ({self.batch}) but holds tokens")
+            if r < self.batch and held and self.buffer.first_live(r) > self.window_start(min(self.lengths)):
+                raise InvariantError(f"group {self.name!r}: row {r} dropped tokens its window still needs")
 
     @property
     def prompt_sharing_rows(self) -> int:
@@ -314,11 +337,8 @@ class LayerGroup:
         self.shared_prompt_rows += len(self._followers)
         self._followers = {}
 
-    def _new_epoch(self) -> None:
-        self._epoch += 1
-        self._views = {}
-
     def _changed(self) -> None:
         self._settle_followers()
-        self._new_epoch()
+        if self.layout is not None:
+            self.layout.invalidate()
         self._prepared = None

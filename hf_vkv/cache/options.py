@@ -1,66 +1,97 @@
-"""Options of a :class:`~hf_vkv.cache.VKVCache`, as given in ``cache_config={...}``."""
+"""Options of a :class:`~hf_vkv.cache.VKVCache`, as given in ``cache_config={...}`` or as keywords."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["CacheOptions"]
+from .layouts import LAYOUTS
 
-GroupPolicy = Literal["model", "layer", "head"]
-Layout = Literal["contiguous", "paged"]
+__all__ = ["CacheOptions", "LAYOUT_NAMES"]
+
+Groups = Literal["kind", "layer"]
+#: Names ``layout`` accepts: the layouts, ``"static"`` (the compileable layout over the device's
+#: contiguous one) and ``"contiguous"`` (the device's default contiguous layout).
+LAYOUT_NAMES = (*LAYOUTS, "static", "contiguous")
+_GROUP_POLICY = {"model": ("token_major", "kind"), "layer": ("token_major", "layer"), "head": ("head_major", "kind")}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CacheOptions:
     """What a user can set through ``generate(..., cache_config={...})`` or ``VKVCache(...)``.
 
-    * ``page_bytes``: physical page size (host default 256 KiB; a multiple of 4 KiB). Sharing and
-      copy-on-write work at this granularity.
-    * ``budget_bytes``: most physical KV bytes the cache may hold per device (default: unbounded;
-      the reservation's size bounds it). Going over raises ``KVCacheOutOfMemory``.
-    * ``group_policy``: ``"model"`` puts all layers of one kind (full / sliding) in one token-major
-      buffer (at most one partly filled page per row per group); ``"layer"`` gives every layer
-      its own buffer (vAttention's layout); ``"head"`` groups layers as ``"model"`` does but stores
-      each (layer, K/V, head) of a row contiguously, as a ``DynamicCache`` does, with small pages
-      (see :mod:`hf_vkv.cache.heads`).
+    * ``layout``: one of :data:`LAYOUT_NAMES` (see :mod:`hf_vkv.cache.layouts`). Default: ``"paged"``
+      when the model's attention is ``"vkv_paged"``, else the device's default contiguous layout
+      (:func:`hf_vkv.devices.policy_for`: head-major on the CPU, token-major on CUDA).
+    * ``groups``: ``"kind"`` puts all layers of one kind (full / sliding window) in one group;
+      ``"layer"`` gives every layer its own group (vAttention's layout).
+    * ``page_bytes``: physical page size (default: the layout's preferred size on the device; on
+      the host a multiple of 4 KiB). Sharing and copy-on-write work at this granularity.
+    * ``budget_bytes``: most physical KV bytes the cache may hold per device (default: unbounded on
+      the host, the free device memory less a margin on CUDA). Going over raises
+      ``KVCacheOutOfMemory``.
     * ``share_prompts``: store the prompt once for the rows that ``generate`` expanded from it
       (beams, ``num_return_sequences``), after checking the rows really are equal.
-    * ``layout``: ``"contiguous"`` (rows mapped into virtual memory, read by any attention) or
-      ``"paged"`` (rows as block tables, read by the ``"vkv_paged"`` attention). Default: paged
-      when the model's attention implementation is ``"vkv_paged"``, else contiguous.
     * ``block_tokens``: tokens per block in the paged layout (default
-      :data:`~hf_vkv.cache.paged.DEFAULT_BLOCK_TOKENS`); sharing and copy-on-write work per block.
+      :data:`~hf_vkv.cache.layouts.DEFAULT_BLOCK_TOKENS`).
     * ``max_tokens``: tokens each row can hold (default: the model's ``max_position_embeddings``,
-      or the generate call's ``max_length`` when larger). Only virtual address space is reserved
-      for it, so a returned cache can be passed back to ``generate()`` to continue.
+      or the generate call's ``max_length`` when larger). Only address space is reserved for it
+      (except in the static layout, whose attention reads the whole capacity).
+    * ``map_ahead``: static layout only: tokens mapped ahead of the next write, outside the
+      compiled step (default 32).
+    * ``group_policy``: deprecated spelling of ``layout`` / ``groups`` (``"model"`` =
+      token-major, ``"head"`` = head-major, ``"layer"`` = token-major per layer).
     """
 
+    layout: str | None = None
+    groups: Groups = "kind"
     page_bytes: int | None = None
     budget_bytes: int | None = None
-    group_policy: GroupPolicy = "model"
     share_prompts: bool = True
-    max_tokens: int | None = None
-    layout: Layout | None = None
     block_tokens: int | None = None
+    max_tokens: int | None = None
+    map_ahead: int | None = None
+    group_policy: str | None = None
 
     def __post_init__(self) -> None:
-        if self.page_bytes is not None and (not isinstance(self.page_bytes, int) or self.page_bytes <= 0):
-            raise ValueError(f"cache_config['page_bytes'] must be a positive int, got {self.page_bytes!r}")
-        if self.budget_bytes is not None and (not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0):
-            raise ValueError(f"cache_config['budget_bytes'] must be a positive int, got {self.budget_bytes!r}")
-        if self.group_policy not in ("model", "layer", "head"):
-            raise ValueError(
-                f"cache_config['group_policy'] must be 'model', 'layer' or 'head', got {self.group_policy!r}"
-            )
+        for name in ("page_bytes", "budget_bytes", "block_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"cache_config[{name!r}] must be a positive int, got {value!r}")
+        if self.map_ahead is not None and (isinstance(self.map_ahead, bool) or not isinstance(self.map_ahead, int)
+                                           or self.map_ahead < 0):
+            raise ValueError(f"cache_config['map_ahead'] must be an int >= 0, got {self.map_ahead!r}")
+        if self.layout is not None and self.layout not in LAYOUT_NAMES:
+            raise ValueError(f"cache_config['layout'] must be one of {list(LAYOUT_NAMES)}, got {self.layout!r}")
+        if self.groups not in ("kind", "layer"):
+            raise ValueError(f"cache_config['groups'] must be 'kind' or 'layer', got {self.groups!r}")
         if not isinstance(self.share_prompts, bool):
             raise TypeError(f"cache_config['share_prompts'] must be a bool, got {self.share_prompts!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
-            raise ValueError(f"cache_config['max_tokens'] must be a positive int, got {self.max_tokens!r}")
-        if self.layout not in (None, "contiguous", "paged"):
-            raise ValueError(f"cache_config['layout'] must be 'contiguous' or 'paged', got {self.layout!r}")
-        if self.block_tokens is not None and (not isinstance(self.block_tokens, int) or self.block_tokens <= 0):
-            raise ValueError(f"cache_config['block_tokens'] must be a positive int, got {self.block_tokens!r}")
+        if self.block_tokens is not None and self.layout not in (None, "paged"):
+            raise ValueError(f"cache_config['block_tokens'] applies to the paged layout only, not {self.layout!r}")
+        if self.map_ahead is not None and self.layout != "static":
+            raise ValueError("cache_config['map_ahead'] applies to the static layout only")
+        if self.group_policy is not None:
+            self._apply_group_policy()
+
+    def _apply_group_policy(self) -> None:
+        """Translate the deprecated ``group_policy`` (conflicts with ``layout`` / ``groups`` are errors)."""
+        mapped = _GROUP_POLICY.get(self.group_policy)  # type: ignore[arg-type]
+        if mapped is None:
+            raise ValueError(f"cache_config['group_policy'] must be 'model', 'layer' or 'head', got "
+                             f"{self.group_policy!r} (deprecated: use 'layout' and 'groups')")
+        layout, groups = mapped
+        if self.layout not in (None, layout) or (self.groups != "kind" and self.groups != groups):
+            raise ValueError(f"cache_config['group_policy']={self.group_policy!r} means layout={layout!r}, "
+                             f"groups={groups!r}, which conflicts with layout={self.layout!r}, groups={self.groups!r}; "
+                             f"give layout/groups only")
+        warnings.warn(f"cache_config['group_policy'] is deprecated: write {{'layout': {layout!r}"
+                      + (", 'groups': 'layer'" if groups == "layer" else "") + "} instead", FutureWarning,
+                      stacklevel=4)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "group_policy", None)
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | None) -> CacheOptions:

@@ -4,11 +4,12 @@ Importing this package imports torch and ctypes only; ``cuda.bindings`` is loade
 :class:`Driver` is made (``pip install 'hf_vkv[cuda]'``).
 """
 
-from .backend import DEFAULT_CREATE_AHEAD, CudaBackend
-from .driver import INSTALL_HINT, CudaDriverError, CudaUnavailableError, Driver, check, load_bindings
+from .driver import (CU_STREAM_LEGACY, INSTALL_HINT, CudaDriverError, CudaUnavailableError, Driver, check,
+                     load_bindings)
 from .hooks import TorchHooks, torch_hooks
+from .vmm_backend import DEFAULT_CREATE_AHEAD, CudaBackend
 
 __all__ = [
-    "CudaBackend", "CudaDriverError", "CudaUnavailableError", "DEFAULT_CREATE_AHEAD", "Driver", "INSTALL_HINT",
-    "TorchHooks", "check", "load_bindings", "torch_hooks",
+    "CU_STREAM_LEGACY", "CudaBackend", "CudaDriverError", "CudaUnavailableError", "DEFAULT_CREATE_AHEAD", "Driver",
+    "INSTALL_HINT", "TorchHooks", "check", "load_bindings", "torch_hooks",
 ]

@@ -13,7 +13,10 @@ consumers (CuPy, Numba) of a *mapped* range.
 
 Lifetime: the capsule's ``manager_ctx`` is a key into a module-level table that holds the
 ctypes structures and the ``owner``; torch calls the deleter when the last view of the tensor
-dies, and the deleter drops the entry, so ``owner`` lives exactly as long as the tensor.
+dies, and the deleter drops the entry, so ``owner`` lives exactly as long as the tensor. The
+entry is popped under the table's lock and dropped after it is released: dropping ``owner`` may
+run its finalizer (a reservation unmapping and freeing its range), which may free another tensor
+made here and so re-enter the deleter on the same thread.
 """
 
 from __future__ import annotations
@@ -68,7 +71,10 @@ def _delete(managed: ctypes._Pointer) -> None:  # type: ignore[type-arg]
     # takes the GIL for the callback.
     key = managed.contents.manager_ctx
     with _live_lock:
-        _live.pop(int(key or 0), None)
+        entry = _live.pop(int(key or 0), None)
+    # Drop the entry (and with it maybe the last reference to ``owner``) outside the lock: the
+    # owner's finalizer may free another tensor made here, whose deleter takes the lock again.
+    del entry
 
 
 _DELETER = _Deleter(_delete)  # module lifetime: torch may call it at interpreter shutdown
@@ -114,7 +120,8 @@ def tensor_over(address: int, nbytes: int, owner: object, *, device: torch.devic
         return torch.utils.dlpack.from_dlpack(capsule)
     except BaseException:
         with _live_lock:  # torch did not take it: nobody will call the deleter
-            _live.pop(key, None)
+            entry = _live.pop(key, None)
+        del entry  # outside the lock, as in the deleter
         raise
 
 

@@ -3,9 +3,12 @@
 Every call goes through :func:`check`, which turns a non-success ``CUresult`` into a
 :class:`CudaDriverError` naming the call, the result's name and the driver's description of it.
 :class:`Driver` gives the eight VMM calls (granularity, reserve, create, map, set access, unmap,
-release, address free) and a device-to-device copy plain-int signatures; it keeps no state
-beyond the device it serves, so the policy (what to map where, when to synchronize) stays in
-:class:`~hf_vkv.cuda.backend.CudaBackend`.
+release, address free) and a device-to-device copy plain-int signatures. Its only state is the
+device's primary context, retained once: every call runs with that context current (pushed on
+the calling thread when another, or none, is), because a garbage-collection finalizer or a
+DLPack deleter may run on a thread that never made a CUDA runtime call and so has no current
+context. The policy (what to map where, when to synchronize) stays in
+:class:`~hf_vkv.cuda.vmm_backend.CudaBackend`.
 
 The bindings module is injectable (``Driver(module=...)``): the CPU tests pass a recording fake
 with the same names, and nothing here imports ``cuda.bindings`` until :func:`load_bindings` runs.
@@ -15,12 +18,22 @@ CuPy has no VMM entry points, so nothing goes through it (``notes/vmm.md`` §1.1
 from __future__ import annotations
 
 import importlib
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 from ..memory.errors import BackendError, VKVError
 
-__all__ = ["CudaDriverError", "CudaUnavailableError", "Driver", "INSTALL_HINT", "check", "load_bindings"]
+__all__ = ["CU_STREAM_LEGACY", "CudaDriverError", "CudaUnavailableError", "Driver", "INSTALL_HINT", "check",
+           "load_bindings"]
+
+#: ``CU_STREAM_LEGACY`` of cuda.h (``(CUstream)0x1``): the legacy default stream, whatever the
+#: per-thread default stream setting of the bindings. Stream 0 is *not* always that stream:
+#: with ``CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1`` cuda-bindings calls the per-thread
+#: variants, where 0 names the calling thread's own default stream.
+CU_STREAM_LEGACY = 0x1
 
 #: How to get the driver bindings (named in :class:`CudaUnavailableError`).
 INSTALL_HINT = "pip install 'hf_vkv[cuda]'"
@@ -128,20 +141,66 @@ class Driver:
         access.location.id = device_index
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
+        self._device = self._check("cuDeviceGet", cu.cuDeviceGet(device_index))
+        self._context = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._device))
+        self._context_id = int(self._context)
+        self._depth = threading.local()  # per thread: how many current() blocks are open
 
     def _check(self, call: str, result: Any) -> Any:
         return check(call, result, module=self.cu)
+
+    # ----------------------------------------------------------------------------- context
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """Run the block with this device's primary context current on the calling thread.
+
+        The outermost block of a thread asks the driver which context is current and pushes the
+        primary context only if it is not (and pops it after): the thread's own context, if any,
+        is left as it was. Nested blocks cost nothing.
+        """
+        if self._context is None:
+            raise CudaDriverError("cuCtxPushCurrent", "CUDA_ERROR_INVALID_CONTEXT", 201,
+                                  "this Driver was closed (its primary context released)")
+        depth = getattr(self._depth, "n", 0)
+        if depth:
+            self._depth.n = depth + 1
+            try:
+                yield
+            finally:
+                self._depth.n -= 1
+            return
+        current = self._check("cuCtxGetCurrent", self.cu.cuCtxGetCurrent())
+        pushed = current is None or int(current) != self._context_id
+        if pushed:
+            self._check("cuCtxPushCurrent", self.cu.cuCtxPushCurrent(self._context))
+        self._depth.n = 1
+        try:
+            yield
+        finally:
+            self._depth.n = 0
+            if pushed:
+                self._check("cuCtxPopCurrent", self.cu.cuCtxPopCurrent())
+
+    def _call(self, call: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` with the primary context current, checked."""
+        with self.current():
+            return self._check(call, fn(*args))
+
+    def close(self) -> None:
+        """Release the primary context retained at construction (idempotent). No call may follow."""
+        if self._context is not None:
+            self._check("cuDevicePrimaryCtxRelease", self.cu.cuDevicePrimaryCtxRelease(self._device))
+            self._context = None
 
     # ----------------------------------------------------------------------------- queries
     def granularity(self) -> int:
         """Bytes of one physical page: the larger of the minimum and recommended granularities
         (2 MiB on H100/H200; queried, never assumed)."""
         flags = self.cu.CUmemAllocationGranularity_flags
-        low = self._check("cuMemGetAllocationGranularity",
-                          self.cu.cuMemGetAllocationGranularity(self._prop, flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
-        rec = self._check("cuMemGetAllocationGranularity",
-                          self.cu.cuMemGetAllocationGranularity(self._prop,
-                                                                flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        query = self.cu.cuMemGetAllocationGranularity
+        low = self._call("cuMemGetAllocationGranularity", query, self._prop, flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        rec = self._call("cuMemGetAllocationGranularity", query, self._prop,
+                         flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
         return max(int(low), int(rec))
 
     def driver_version(self) -> int:
@@ -150,43 +209,46 @@ class Driver:
 
     # ----------------------------------------------------------------------------- address space
     def reserve(self, nbytes: int, alignment: int) -> int:
-        """``cuMemAddressReserve``: ``nbytes`` of virtual address space aligned to ``alignment``."""
-        return int(self._check("cuMemAddressReserve", self.cu.cuMemAddressReserve(nbytes, alignment, 0, 0)))
+        """``cuMemAddressReserve``: ``nbytes`` of virtual address space aligned to ``alignment``
+        (the driver wants a power of two, or 0 for its default)."""
+        return int(self._call("cuMemAddressReserve", self.cu.cuMemAddressReserve, nbytes, alignment, 0, 0))
 
     def address_free(self, address: int, nbytes: int) -> None:
         """``cuMemAddressFree`` of exactly one reservation."""
-        self._check("cuMemAddressFree", self.cu.cuMemAddressFree(address, nbytes))
+        self._call("cuMemAddressFree", self.cu.cuMemAddressFree, address, nbytes)
 
     # ----------------------------------------------------------------------------- physical memory
     def create(self, nbytes: int) -> int:
         """``cuMemCreate``: one physical allocation of ``nbytes`` on the device; returns its handle."""
-        return int(self._check("cuMemCreate", self.cu.cuMemCreate(nbytes, self._prop, 0)))
+        return int(self._call("cuMemCreate", self.cu.cuMemCreate, nbytes, self._prop, 0))
 
     def release(self, handle: int) -> None:
         """``cuMemRelease``: the memory goes once no mapping of it remains."""
-        self._check("cuMemRelease", self.cu.cuMemRelease(handle))
+        self._call("cuMemRelease", self.cu.cuMemRelease, handle)
 
     # ----------------------------------------------------------------------------- mappings
     def map(self, address: int, nbytes: int, handle: int) -> None:
         """``cuMemMap`` of a whole allocation (offset 0, as the driver requires) at ``address``."""
-        self._check("cuMemMap", self.cu.cuMemMap(address, nbytes, 0, handle, 0))
+        self._call("cuMemMap", self.cu.cuMemMap, address, nbytes, 0, handle, 0)
 
     def set_access(self, address: int, nbytes: int) -> None:
         """``cuMemSetAccess``: read-write for this device over a fully mapped range (it may span
         several mappings)."""
-        self._check("cuMemSetAccess", self.cu.cuMemSetAccess(address, nbytes, self._access, 1))
+        self._call("cuMemSetAccess", self.cu.cuMemSetAccess, address, nbytes, self._access, 1)
 
     def unmap(self, address: int, nbytes: int) -> None:
         """``cuMemUnmap`` of whole mappings (several adjacent ones at once). No kernel may be using
         the range: the caller synchronizes first."""
-        self._check("cuMemUnmap", self.cu.cuMemUnmap(address, nbytes))
+        self._call("cuMemUnmap", self.cu.cuMemUnmap, address, nbytes)
 
     def retain_handle(self, address: int) -> int:
         """``cuMemRetainAllocationHandle``: the handle mapped at ``address`` (one more reference:
         give it back with :meth:`release`). Used by tests to ask the driver what is mapped."""
-        return int(self._check("cuMemRetainAllocationHandle", self.cu.cuMemRetainAllocationHandle(address)))
+        return int(self._call("cuMemRetainAllocationHandle", self.cu.cuMemRetainAllocationHandle, address))
 
     # ----------------------------------------------------------------------------- copies
     def copy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        """``cuMemcpyDtoDAsync`` on ``stream`` (a ``CUstream`` as int, 0 = the legacy default)."""
-        self._check("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream))
+        """``cuMemcpyDtoDAsync`` on ``stream``, a ``CUstream`` as int as torch reports it: torch's 0
+        is the legacy default stream, so 0 is sent as :data:`CU_STREAM_LEGACY` (to the bindings,
+        0 may mean the per-thread stream, which is not ordered with torch's work)."""
+        self._call("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync, dst, src, nbytes, stream or CU_STREAM_LEGACY)

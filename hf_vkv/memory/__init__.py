@@ -1,10 +1,10 @@
 """Backend-neutral memory: page ids and the pool, page tables, the backend protocol, the host
 backend and the virtual buffer. Nothing here imports transformers."""
 
-from .backend import Backend
+from .backend_protocol import Backend
 from .arena import Arena, PageStore
-from .blocks import BlockBuffer, BlockStore
-from .buffer import VirtualBuffer
+from .block_buffer import BlockBuffer, BlockStore
+from .virtual_buffer import VirtualBuffer
 from .errors import (
     BackendError,
     CacheClosedError,
@@ -13,13 +13,14 @@ from .errors import (
     KVCacheOutOfMemory,
     VKVError,
 )
-from .host import DEFAULT_HOST_PAGE_BYTES, HostBackend
+from .host_backend import DEFAULT_HOST_PAGE_BYTES, HostBackend
 from .page_table import CowCopy, PageTable, Row
 from .pool import PageId, PagePool, PoolStats
-from .rows import BufferStats, RowBuffer
+from .row_buffer import BufferStats, RowBuffer
+from .subrow_buffer import SubRowBuffer
 
 __all__ = [
     "Arena", "Backend", "BackendError", "BlockBuffer", "BlockStore", "BufferStats", "CacheClosedError", "CapacityError", "CowCopy",
     "DEFAULT_HOST_PAGE_BYTES", "HostBackend", "InvariantError", "KVCacheOutOfMemory", "PageId", "PagePool",
-    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "VKVError", "VirtualBuffer",
+    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "SubRowBuffer", "VKVError", "VirtualBuffer",
 ]

@@ -4,7 +4,7 @@ A row buffer (:mod:`.rows`) keeps page tables; the page store it draws from supp
 that numbers and counts the pages and does the three things that touch memory: make fresh pages
 usable, copy pages (copy-on-write), and give pages back on a rollback. An :class:`Arena` is the
 page store of a backend (host memfd or CUDA device memory); a
-:class:`~hf_vkv.memory.blocks.BlockStore` is the page store of the paged layout, whose pages are
+:class:`~hf_vkv.memory.block_buffer.BlockStore` is the page store of the paged layout, whose pages are
 blocks inside one growing virtual buffer.
 """
 
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Protocol
 
-from .backend import Backend
+from .backend_protocol import Backend
 from .errors import CacheClosedError
 from .pool import PageId, PagePool
 

@@ -7,7 +7,7 @@ behind a sliding window can be dropped from the front, so a row is ``(length, st
 
 Every feature of the cache is one of these operations; none of them moves bytes. The two that need
 bytes moved or memory mapped say so in what they return (fresh pages to create, CoW copies to do),
-and the caller (a :class:`~hf_vkv.memory.buffer.VirtualBuffer`) does it.
+and the caller (a :class:`~hf_vkv.memory.virtual_buffer.VirtualBuffer`) does it.
 """
 
 from __future__ import annotations
@@ -200,14 +200,14 @@ class PageTable:
         self.pool.decref(old.pages)
         self._set(row, table)
 
-    def reorder(self, index: Sequence[int]) -> None:
-        """Row ``i`` takes row ``index[i]``'s table (duplicates allowed, as in beam search);
-        rows from ``len(index)`` on become empty. Only references move."""
-        index = [self._check_row(int(i)) for i in index]
+    def reorder(self, index: Sequence[int | None]) -> None:
+        """Row ``i`` takes row ``index[i]``'s table (duplicates allowed, as in beam search); a
+        ``None`` entry, and every row from ``len(index)`` on, becomes empty. Only references move."""
+        index = [None if i is None else self._check_row(int(i)) for i in index]
         if len(index) > self.rows:
             raise ValueError(f"index has {len(index)} entries but the table has {self.rows} rows")
         old = list(self._rows)
-        new = [old[i] for i in index] + [Row()] * (self.rows - len(index))
+        new = [Row() if i is None else old[i] for i in index] + [Row()] * (self.rows - len(index))
         delta: Counter[PageId] = Counter()
         for i, (before, after) in enumerate(zip(old, new)):
             if before is not after:
@@ -218,7 +218,7 @@ class PageTable:
         for i, (before, after) in enumerate(zip(old, new)):
             if before is not after:
                 self._set(i, after)
-                self.remapped_rows += i < len(index) and index[i] != i
+                self.remapped_rows += i < len(index) and index[i] is not None and index[i] != i
 
     def cow(self, row: int, start: int, end: int) -> tuple[list[CowCopy], list[PageId]]:
         """Give ``row`` private copies of the shared pages that units ``[start, end)`` touch.

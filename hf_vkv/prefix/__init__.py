@@ -13,7 +13,7 @@ Decisions, in one place:
 * **Copy-on-write**: entries are forks nobody writes into; a request writing into a page it
   shares with an entry copies that page first. ``insert`` forks too, so the caller keeps its cache.
 * **Sliding windows**: a layer drops pages wholly behind its window, so an entry serves a prefix of
-  ``m`` tokens only if tokens ``[m - window + 1, m)`` are still mapped (``cache_ops.py``); other
+  ``m`` tokens only if tokens ``[m - window + 1, m)`` are still held (``VKVCache.min_prefix_length``); other
   prompts are served by another entry or miss. Cutting such a fork back turns on
   ``activate_past_recording()`` on it (transformers' rule for ``crop``).
 * **Bytes held** are the union of the entries' physical pages (``(arena, page id)`` pairs read

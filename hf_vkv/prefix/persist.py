@@ -10,10 +10,10 @@ Layout of a file (format version 1, layout ``"contiguous"``):
   what differs), ``weights_fingerprint`` (when saved with the model), and per layer its
   ``start`` (the position of its first saved token) and ``window``.
 
-Loading rebuilds a :class:`~hf_vkv.VKVCache` by writing the states through each layer's
-``update``. A sliding layer gets placeholder NaN K/V at positions ``[0, start)``, which it never
-returns again: its next update drops them behind the window. The rebuilt cache continues a
-generation exactly; it is not cut back below its length (see ``cache_ops.mark_reliable_from``).
+Loading rebuilds a :class:`~hf_vkv.VKVCache` with :meth:`~hf_vkv.VKVCache.write_states`: a
+sliding layer holds its saved window only (tokens ``[start, length)``), so the rebuilt cache
+continues a generation exactly and is never cut back below ``start + window - 1``
+(:meth:`~hf_vkv.VKVCache.min_prefix_length`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..cache import VKVCache
-from .cache_ops import mark_reliable_from, rows
 from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
 from .store import token_list
@@ -53,8 +52,8 @@ def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *
     if not isinstance(cache, VKVCache):
         raise TypeError(f"save_prefix needs a hf_vkv.VKVCache, got {type(cache).__name__}")
     n = cache.get_seq_length()
-    if rows(cache) != 1:
-        raise ValueError(f"save_prefix saves batch-1 caches, this one holds {rows(cache)} rows")
+    if cache.rows != 1:
+        raise ValueError(f"save_prefix saves batch-1 caches, this one holds {cache.rows} rows")
     if len(tokens) != n or n == 0:
         raise ValueError(f"token_ids has {len(tokens)} ids but the cache holds {n} tokens; pass the ids of "
                          f"the cached positions: out.sequences[0, :cache.get_seq_length()]")
@@ -118,23 +117,16 @@ def load_prefix(
     cache = VKVCache(config, batch_size=1, **(cache_config or {}))
     if len(meta["layers"]) != len(cache.layers):
         raise PrefixFormatError(f"{path} holds {len(meta['layers'])} layers, the model has {len(cache.layers)}")
-    reliable_from = 0
     try:
         for i, (layer, info) in enumerate(zip(cache.layers, meta["layers"])):
             keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
             start = info["start"]
-            if start > 0:  # a sliding layer kept its window only: placeholders before it
-                if info["window"] is None or getattr(layer, "sliding_window", None) != info["window"]:
-                    raise PrefixFormatError(f"{path}: layer {i} starts at token {start} but is not sliding")
-                pad = keys.new_full((1, keys.shape[1], start, keys.shape[3]), float("nan"))
-                keys, values = torch.cat([pad, keys], dim=2), torch.cat([pad, values], dim=2)
-                reliable_from = max(reliable_from, start + info["window"] - 1)
-            layer.update(keys.to(device), values.to(device))
+            if start > 0 and (info["window"] is None or getattr(layer, "sliding_window", None) != info["window"]):
+                raise PrefixFormatError(f"{path}: layer {i} starts at token {start} but is not sliding")
+            cache.write_states(i, keys.to(device), values.to(device), start=start)
     except BaseException:
         cache.close()
         raise
-    if reliable_from:
-        mark_reliable_from(cache, reliable_from)
     assert cache.get_seq_length() == n
     return cache, list(tokens)
 

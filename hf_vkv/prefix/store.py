@@ -24,7 +24,6 @@ import torch
 
 from ..cache import VKVCache
 from ..memory.errors import InvariantError
-from .cache_ops import fork_prefix, held_pages, min_reusable_length, rows
 from .errors import PrefixMismatchError
 from .fingerprint import config_fields, config_fingerprint, describe_difference
 from .radix import RadixTree
@@ -153,7 +152,7 @@ class PrefixStore:
             entry = self._entries[key]
             m = min(shared, cap)
             if m >= max(entry.min_reuse, 1):
-                fork = fork_prefix(entry.cache, m)
+                fork = entry.cache.fork(m)
                 self._entries.move_to_end(key)
                 self._hits += 1
                 self._reused += m
@@ -186,9 +185,9 @@ class PrefixStore:
             if self._entries[key].min_reuse <= len(tokens):
                 self._entries.move_to_end(key)  # a stored entry already serves these tokens
                 return True
-        fork = fork_prefix(cache, len(tokens))
-        entry = _Entry(id=next(self._ids), tokens=tokens, cache=fork, min_reuse=min_reusable_length(fork),
-                       pages=held_pages(fork))
+        fork = cache.fork(len(tokens))
+        entry = _Entry(id=next(self._ids), tokens=tokens, cache=fork, min_reuse=fork.min_prefix_length(),
+                       pages=fork.held_pages())
         for shared, key in self._tree.common_prefixes(tokens):
             old = self._entries[key]
             if len(old.tokens) == shared and entry.min_reuse <= shared:
@@ -234,8 +233,8 @@ class PrefixStore:
         if listed != {e.id: e.tokens for e in self._entries.values()}:
             raise InvariantError("the prefix tree and the entries disagree")
         for entry in self._entries.values():
-            if rows(entry.cache) != 1 or entry.cache.get_seq_length() != len(entry.tokens):
-                raise InvariantError(f"entry {entry.id} holds {rows(entry.cache)} rows of "
+            if entry.cache.rows != 1 or entry.cache.get_seq_length() != len(entry.tokens):
+                raise InvariantError(f"entry {entry.id} holds {entry.cache.rows} rows of "
                                      f"{entry.cache.get_seq_length()} tokens for {len(entry.tokens)} token ids")
             entry.cache.check_invariants()
         if self.budget_bytes is not None and self.bytes_held() > self.budget_bytes:
@@ -262,7 +261,7 @@ class PrefixStore:
                 f"token_ids has {length} ids but the cache holds {n} tokens; pass the ids of the cached "
                 f"positions: out.sequences[0, :cache.get_seq_length()]"
             )
-        n_rows = rows(cache)
+        n_rows = cache.rows
         if n_rows != 1:
             raise ValueError(f"insert stores batch-1 caches, this one holds {n_rows} rows; keep one row first "
                              f"(cache.batch_select_indices(torch.tensor([row])) on a fork)")

@@ -45,7 +45,7 @@ class FaultyCudaBackend(FaultyBackend):
 
 
 def _inner(buf: VirtualBuffer):
-    backend = buf.arena.backend
+    backend = buf.store.backend
     return getattr(backend, "inner", backend)
 
 

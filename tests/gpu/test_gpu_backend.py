@@ -150,7 +150,7 @@ def test_aliasing_across_rows_and_copy_on_write() -> None:
     del row0, row1
     buf.close()
     gc.collect()
-    assert buf.arena.closed and backend.resident_bytes() == 0
+    assert buf.store.closed and backend.resident_bytes() == 0
 
 
 def test_unmap_waits_for_kernels_still_reading_the_range() -> None:
@@ -168,6 +168,60 @@ def test_unmap_waits_for_kernels_still_reading_the_range() -> None:
     assert int(total) == buf.capacity * buf.item_bytes
     torch.cuda.synchronize()
     buf.close()
+
+
+_UNMAP_UNDER_A_KERNEL = """
+import torch
+from hf_vkv.cuda import CudaBackend
+from hf_vkv.memory import PageId
+b = CudaBackend(torch.device("cuda", 0), create_ahead=1, max_pages=4)
+b.ensure_id_space(1)
+b.create([PageId(0)])
+base = b.reserve(b.page_bytes)
+b.map(base, [PageId(0)])
+view = b.tensor(base, b.page_bytes, None)
+view.fill_(1)
+torch.cuda._sleep(400_000_000)
+total = view.sum(dtype=torch.int64)
+b._driver.unmap(base, b.page_bytes)  # straight to the driver: no wait
+torch.cuda.synchronize()
+print("finished", int(total))
+"""
+
+
+def test_negative_control_an_unmap_without_the_wait_faults() -> None:
+    """The control of the test above: the same kernel, but the range unmapped without waiting.
+    It must fault (in a child process: a fault kills the context). If it does not, the driver
+    itself waits in cuMemUnmap, and the test above proves nothing about the backend's wait."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _UNMAP_UNDER_A_KERNEL], capture_output=True, text=True,
+                          timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 or "finished" not in proc.stdout, (
+        "unmapping under a running kernel did not fault: cuMemUnmap waited by itself\n" + log[-2000:])
+    assert "illegal" in log.lower() or "CUDA error" in log or proc.returncode < 0, log[-2000:]
+
+
+def test_a_readable_reservation_reads_the_scratch_page_around_real_pages(backend) -> None:
+    """Every byte of a readable reservation can be read by a kernel: real pages where mapped,
+    the shared scratch page elsewhere (memcheck run: tests/gpu/sanitizer_generate.py)."""
+    page = backend.page_bytes
+    backend.ensure_id_space(1)
+    backend.create([PageId(0)])
+    base = backend.reserve(4 * page, readable=True)
+    whole = backend.tensor(base, 4 * page, owner=None)
+    whole.sum(dtype=torch.int64).item()  # all scratch: readable
+    backend.map(base + page, [PageId(0)])
+    whole[page:2 * page].fill_(5)
+    whole[3 * page:].fill_(0)  # a harmless write into the scratch page
+    assert int(whole[page:2 * page].sum(dtype=torch.int64)) == 5 * page
+    backend.unmap(base + page, 1)
+    whole.sum(dtype=torch.int64).item()  # the slot reads scratch again, no fault
+    assert backend.counters()["scratch_mapped"] == 5
+    del whole
+    backend.unreserve(base, 4 * page)
 
 
 def test_create_ahead_and_call_stats() -> None:

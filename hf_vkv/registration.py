@@ -1,32 +1,34 @@
-"""Registration with transformers: the ``"vkv"`` cache implementation for ``generate()``.
+"""Registration with transformers: ``cache_implementation="vkv"`` and ``attn_implementation="vkv_paged"``.
 
-Two hooks, both idempotent and free of device work (``notes/transformers.md`` §0, §2):
+``import hf_vkv`` calls :func:`register`, which does this and nothing else (idempotent, no
+device work; ``notes/transformers.md`` §0, §2):
+
+0. the ``"vkv_paged"`` attention and its mask function (:func:`hf_vkv.attention.register_attention`);
 
 1. ``"vkv"`` is added to ``generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS``, which
    ``GenerationConfig.validate`` reads at call time (generate kwargs, ``GenerationConfig``,
    pipeline kwargs, a reloaded ``generation_config.json``);
 2. ``GenerationMixin._prepare_cache_for_generation`` is wrapped: for ``"vkv"`` it builds a
-   :class:`VKVCache` sized by the call (rows = batch x max(num_beams, num_return_sequences),
-   tokens = max(max_length, max_position_embeddings)) with the options of ``cache_config``.
+   :class:`VKVCache` with :meth:`VKVCache.for_generate` (rows = batch x max(num_beams,
+   num_return_sequences), the options of ``cache_config``); an encoder-decoder model gets it as
+   the self-attention part of a :class:`~hf_vkv.cache.encoder_decoder.VKVEncoderDecoderCache`.
    Without this wrapper transformers would silently build a ``DynamicCache`` for an unknown string.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import re
 from typing import Any
 
-import torch
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import DynamicCache
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
+from .attention import register_attention
 from .cache import VKVCache
-from .options import CacheOptions
+from .cache.encoder_decoder import VKVEncoderDecoderCache
 
-__all__ = ["register", "CACHE_IMPLEMENTATION", "layer_devices_of"]
+__all__ = ["register", "CACHE_IMPLEMENTATION"]
 
 CACHE_IMPLEMENTATION = "vkv"
 _MARK = "_hf_vkv_wrapped"
@@ -35,8 +37,6 @@ _MARK = "_hf_vkv_wrapped"
 def register() -> None:
     """Make ``cache_implementation="vkv"`` and ``attn_implementation="vkv_paged"`` work in
     transformers (safe to call many times)."""
-    from ..attention.paged import register_attention
-
     register_attention()
     if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS = (
@@ -60,7 +60,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
                         *args, **kwargs)
     past = model_kwargs.get("past_key_values")
     if past is not None:
-        if generation_config.is_assistant and isinstance(past, VKVCache):
+        if generation_config.is_assistant and isinstance(past, (VKVCache, VKVEncoderDecoderCache)):
             # assisted decoding: the candidate generator calls the assistant's generate() again with the
             # cache this wrapper built for it in the first round (its config still says "vkv")
             past._is_user_defined = True
@@ -73,43 +73,12 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         # transformers warns and ignores the string for models without Cache support
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
-    options = CacheOptions.from_dict(generation_config.cache_config)
-    if options.max_tokens is None:
-        # Only address space is reserved: room for the model's whole context too, so the returned cache can
-        # be passed back to generate() to continue (as a DynamicCache can), and an assistant's cache grows.
-        context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
-        options = dataclasses.replace(options, max_tokens=max(max_cache_length + 1, context))
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-    cache: Any = VKVCache(
-        model.config, batch_size=batch_size * expand, prompt_repeats=expand, options=options,
-        layer_devices=layer_devices_of(model),
-    )
+    cache: Any = VKVCache.for_generate(model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1,
+                                       cache_config=generation_config.cache_config)
     if model.config.is_encoder_decoder:
-        cache = EncoderDecoderCache(cache, DynamicCache(config=model.config.get_text_config(decoder=True)))
+        cache = VKVEncoderDecoderCache(cache, DynamicCache(config=model.config.get_text_config(decoder=True)))
     model_kwargs["past_key_values"] = cache
     if generation_config.is_assistant:
         cache.activate_past_recording()
     return None
-
-
-def layer_devices_of(model: Any) -> dict[int, torch.device] | None:
-    """Execution device of each decoder layer when accelerate spread them over several devices.
-
-    Offloaded layers ("cpu"/"disk" in ``hf_device_map``) run on the main device, so their KV
-    lives there. Returns ``None`` when every layer runs on one device.
-    """
-    device_map = getattr(model, "hf_device_map", None)
-    if not device_map:
-        return None
-    accelerators = [_device(d) for d in device_map.values() if d not in ("cpu", "disk")]
-    main = accelerators[0] if accelerators else torch.device("cpu")
-    out: dict[int, torch.device] = {}
-    for name, device in device_map.items():
-        found = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", name)
-        if found:
-            out[int(found.group(1))] = main if device in ("cpu", "disk") else _device(device)
-    return out if len(set(out.values())) > 1 else None
-
-
-def _device(name: int | str | torch.device) -> torch.device:
-    return torch.device("cuda", name) if isinstance(name, int) else torch.device(name)

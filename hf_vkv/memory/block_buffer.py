@@ -2,9 +2,9 @@
 
 A :class:`BlockStore` keeps fixed-size blocks (``block_bytes`` each; for the cache, a block is
 ``block_tokens`` tokens of a layer group) one after another in a single-row
-:class:`~hf_vkv.memory.buffer.VirtualBuffer`, so the pool of blocks itself grows on demand, page
+:class:`~hf_vkv.memory.virtual_buffer.VirtualBuffer`, so the pool of blocks itself grows on demand, page
 by page, and block ``b`` is row ``b`` of one ``[num_blocks, block_bytes]`` tensor. A
-:class:`BlockBuffer` is a :class:`~hf_vkv.memory.rows.RowBuffer` over such a store: sharing,
+:class:`BlockBuffer` is a :class:`~hf_vkv.memory.row_buffer.RowBuffer` over such a store: sharing,
 reorders, copy-on-write, forks, crops and windows are the same page-table operations as in the
 contiguous layout, but nothing is ever remapped: a paged attention kernel reads the rows through
 :meth:`BlockBuffer.block_tables`.
@@ -23,9 +23,9 @@ import torch
 from .arena import Arena
 from .page_table import PageTable, Row
 from .pool import PageId, PagePool
-from .buffer import VirtualBuffer
+from .virtual_buffer import VirtualBuffer
 from .errors import CacheClosedError
-from .rows import RowBuffer
+from .row_buffer import RowBuffer
 
 __all__ = ["BlockStore", "BlockBuffer"]
 
@@ -109,7 +109,7 @@ class BlockBuffer(RowBuffer):
     is item ``t % block_items`` of block ``table.row(r).page_at(t // block_items)``.
     """
 
-    arena: BlockStore
+    store: BlockStore
 
     def __init__(self, store: BlockStore, *, rows: int, capacity: int, item_bytes: int) -> None:
         if store.block_bytes % item_bytes:
@@ -135,7 +135,7 @@ class BlockBuffer(RowBuffer):
             self._finalizer()
 
     def _sibling(self, rows: int) -> BlockBuffer:
-        return BlockBuffer(self.arena, rows=rows, capacity=self.capacity, item_bytes=self.item_bytes)
+        return BlockBuffer(self.store, rows=rows, capacity=self.capacity, item_bytes=self.item_bytes)
 
     def _sync(self, changed: dict[int, Row]) -> None:
         """Nothing to translate: kernels read the tables."""

@@ -4,9 +4,9 @@ A :class:`RowBuffer` holds ``rows`` rows of up to ``capacity`` items of ``item_b
 the cache, an item is one token of a layer group). Every feature is a page-table operation here;
 the two subclasses only differ in how a page table becomes something attention reads:
 
-* :class:`~hf_vkv.memory.buffer.VirtualBuffer` maps each row's pages, in order, into the row's
+* :class:`~hf_vkv.memory.virtual_buffer.VirtualBuffer` maps each row's pages, in order, into the row's
   slice of one reserved address range (the contiguous layout: the MMU translates);
-* :class:`~hf_vkv.memory.blocks.BlockBuffer` leaves the pages (blocks) where they are and hands
+* :class:`~hf_vkv.memory.block_buffer.BlockBuffer` leaves the pages (blocks) where they are and hands
   out block tables (the paged layout: the attention kernel translates).
 
 Every operation is a transaction: the page table changes first (pure bookkeeping, which checks
@@ -57,22 +57,30 @@ class RowBuffer(ABC):
     All lengths and positions are in items; the page table counts bytes (``page_size`` =
     ``store.page_bytes``). A row holds items ``[0, length)``, minus the pages dropped behind a
     window by :meth:`drop_before`. The buffer counts as open in its store from construction to
-    :meth:`close` (the store closes with its last buffer). Subclasses implement :meth:`_sync` (make the translation follow
-    changed rows), :meth:`_sibling` (an empty buffer of the same kind, for :meth:`fork`) and
-    :meth:`close`.
+    :meth:`close` (the store closes with its last buffer).
+
+    A row may be ``parts`` page-table rows (sub-rows) that always hold the same items: every
+    operation on a row applies to each of its parts, and :meth:`table_rows` says which table
+    rows they are (by default the ``parts`` consecutive ones; a translator may interleave them).
+
+    Subclasses implement :meth:`_sync` (make the translation follow changed table rows),
+    :meth:`_sibling` (an empty buffer of the same kind, for :meth:`fork`) and :meth:`close`.
     """
 
-    def __init__(self, store: PageStore, *, rows: int, capacity: int, item_bytes: int, hinted: bool) -> None:
-        if rows <= 0 or capacity <= 0 or item_bytes <= 0:
-            raise ValueError(f"rows, capacity and item_bytes must be positive, got {rows}, {capacity}, {item_bytes}")
+    def __init__(self, store: PageStore, *, rows: int, capacity: int, item_bytes: int, hinted: bool,
+                 parts: int = 1) -> None:
+        if rows <= 0 or capacity <= 0 or item_bytes <= 0 or parts <= 0:
+            raise ValueError(f"rows, capacity, item_bytes and parts must be positive, got {rows}, {capacity}, "
+                             f"{item_bytes}, {parts}")
         page = store.page_bytes
-        self.arena = store
+        self.store = store
         self.rows = rows
+        self.parts = parts
         self.capacity = capacity
         self.item_bytes = item_bytes
         self.pages_per_row = -(-capacity * item_bytes // page)
         store.buffer_opened()  # a subclass whose own set-up fails calls store.buffer_closed()
-        self._table = PageTable(store.pool, rows=rows, pages_per_row=self.pages_per_row, page_size=page,
+        self._table = PageTable(store.pool, rows=rows * parts, pages_per_row=self.pages_per_row, page_size=page,
                                 hinted=hinted)
         self._created: list[PageId] = []
         self._closed = False
@@ -87,20 +95,30 @@ class RowBuffer(ABC):
     def closed(self) -> bool:
         return self._closed
 
+    def table_rows(self, row: int) -> Sequence[int]:
+        """The page-table rows that hold ``row``'s parts, in part order."""
+        if not 0 <= row < self.rows:
+            raise IndexError(f"row {row} is out of range for {self.rows} rows")
+        return range(row * self.parts, (row + 1) * self.parts)
+
+    def _first(self, row: int) -> Row:
+        """The table of ``row``'s first part (every part holds the same items)."""
+        return self._open().row(self.table_rows(row)[0])
+
     def length(self, row: int) -> int:
         """Items row ``row`` holds."""
-        return self._open().row(row).length // self.item_bytes
+        return self._first(row).length // self.item_bytes
 
     def first_live(self, row: int) -> int:
         """The first item of ``row`` still held (> 0 once pages were dropped behind a window;
         ``length(row)`` when none is)."""
-        r = self._open().row(row)
-        return min(-(-r.start * self.arena.page_bytes // self.item_bytes), r.length // self.item_bytes)
+        r = self._first(row)
+        return min(-(-r.start * self.store.page_bytes // self.item_bytes), r.length // self.item_bytes)
 
     def stats(self) -> BufferStats:
         """Memory accounting (see :class:`BufferStats`)."""
         table = self._open()
-        page = self.arena.page_bytes
+        page = self.store.page_bytes
         used: dict[PageId, int] = {}
         slots = 0
         for row in table:
@@ -109,7 +127,7 @@ class RowBuffer(ABC):
                 fill = min(page, row.length - (row.start + k) * page)
                 if fill > used.get(p, 0):
                     used[p] = fill
-        pool = self.arena.pool
+        pool = self.store.pool
         return BufferStats(
             page_bytes=page,
             mapped_slots=slots,
@@ -130,7 +148,7 @@ class RowBuffer(ABC):
         """Make each row hold at least ``length`` items (new items are uninitialized)."""
         self._check_capacity(length)
         with self._transaction() as table:
-            self._create([p for r in rows for p in table.grow(r, length * self.item_bytes)])
+            self._create([p for t in self._expand(rows) for p in table.grow(t, length * self.item_bytes)])
 
     def prepare_write(self, rows: Iterable[int], start: int, end: int) -> None:
         """Get items ``[start, end)`` of each row ready to be written: grow the rows to ``end``
@@ -140,11 +158,11 @@ class RowBuffer(ABC):
             raise ValueError(f"invalid write range [{start}, {end})")
         with self._transaction() as table:
             ib = self.item_bytes
-            for r in rows:
-                self._create(table.grow(r, end * ib))
-                copies, created = table.cow(r, start * ib, end * ib)
+            for t in self._expand(rows):
+                self._create(table.grow(t, end * ib))
+                copies, created = table.cow(t, start * ib, end * ib)
                 self._create(created)
-                self.arena.copy([(c.src, c.dst) for c in copies])
+                self.store.copy([(c.src, c.dst) for c in copies])
 
     def share(self, src: int, dsts: Iterable[int], *, length: int | None = None) -> None:
         """Make each row of ``dsts`` hold the first ``length`` items of ``src`` (all by default)
@@ -153,30 +171,37 @@ class RowBuffer(ABC):
             units = None if length is None else length * self.item_bytes
             for d in dsts:
                 if d != src:
-                    table.share(src, d, length=units)
+                    for a, b in zip(self.table_rows(src), self.table_rows(d)):
+                        table.share(a, b, length=units)
 
     def reorder(self, index: Sequence[int]) -> None:
         """Row ``i`` takes row ``index[i]``'s pages (duplicates allowed); later rows are emptied."""
+        if len(index) > self.rows:
+            raise ValueError(f"index has {len(index)} entries but the buffer has {self.rows} rows")
+        moves: list[int | None] = [None] * (self.rows * self.parts)
+        for i, src in enumerate(index):
+            for a, b in zip(self.table_rows(i), self.table_rows(int(src))):
+                moves[a] = b
         with self._transaction() as table:
-            table.reorder(index)
+            table.reorder(moves)
 
     def truncate(self, rows: Iterable[int], length: int) -> None:
         """Shrink each row to ``length`` items (rows already shorter are left alone)."""
         with self._transaction() as table:
-            for r in rows:
-                table.truncate(r, min(length * self.item_bytes, table.row(r).length))
+            for t in self._expand(rows):
+                table.truncate(t, min(length * self.item_bytes, table.row(t).length))
 
     def drop_before(self, rows: Iterable[int], item: int) -> None:
         """Drop the pages of each row that lie wholly before ``item``."""
         with self._transaction() as table:
-            for r in rows:
-                table.drop_before(r, min(item * self.item_bytes, table.row(r).length))
+            for t in self._expand(rows):
+                table.drop_before(t, min(item * self.item_bytes, table.row(t).length))
 
     def clear(self, rows: Iterable[int]) -> None:
         """Empty the rows, returning their pages."""
         with self._transaction() as table:
-            for r in rows:
-                table.clear(r)
+            for t in self._expand(rows):
+                table.clear(t)
 
     def fork(self: _Self, *, rows: int | None = None) -> _Self:
         """A new buffer of the same store whose rows share this buffer's pages (zero copy).
@@ -184,14 +209,15 @@ class RowBuffer(ABC):
         ``rows`` (default: the same) sizes the new buffer; rows past it must be empty."""
         table = self._open()
         rows = self.rows if rows is None else rows
-        extra = [r for r in range(rows, self.rows) if table.row(r).length]
+        extra = [r for r in range(rows, self.rows) if self.length(r)]
         if extra:
             raise ValueError(f"cannot fork into {rows} rows: rows {extra[:4]} hold items")
         other = self._sibling(rows)
         try:
             with other._transaction() as new:
                 for r in range(min(rows, self.rows)):
-                    new.assign(r, table.row(r))
+                    for a, b in zip(other.table_rows(r), self.table_rows(r)):
+                        new.assign(a, table.row(b))
         except BaseException:
             other.close()  # now, not when a traceback that holds it goes: it counts as an open buffer
             raise
@@ -211,6 +237,10 @@ class RowBuffer(ABC):
         """Make the translation of the ``changed`` rows (old states given) follow the table; undo
         all of it before raising on failure."""
 
+    def _expand(self, rows: Iterable[int]) -> list[int]:
+        """The table rows of ``rows``' parts."""
+        return [t for r in rows for t in self.table_rows(r)]
+
     def _open(self) -> PageTable:
         if self._closed:
             raise CacheClosedError("this buffer was closed and its pages returned; create a new cache")
@@ -225,13 +255,13 @@ class RowBuffer(ABC):
 
     def _create(self, pages: list[PageId]) -> None:
         if pages:
-            self.arena.create(pages)
+            self.store.create(pages)
             self._created.extend(pages)
 
     @contextmanager
     def _transaction(self) -> Iterator[PageTable]:
         table = self._open()
-        pool = self.arena.pool
+        pool = self.store.pool
         pool.begin()
         table.begin()
         self._created = []
@@ -242,7 +272,7 @@ class RowBuffer(ABC):
             table.rollback()
             pool.rollback()
             if self._created:
-                self.arena.release(self._created)
+                self.store.release(self._created)
             raise
         else:
             table.commit()

@@ -2,10 +2,12 @@
 
 * physical page ``p`` = bytes ``[p * page_bytes, (p + 1) * page_bytes)`` of one ``memfd`` (sparse:
   only touched pages hold memory);
-* reserve = ``mmap(PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)``;
+* reserve = ``mmap(PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)``; a *readable*
+  reservation is the same mapping with ``PROT_READ | PROT_WRITE``: its unbacked pages read as the
+  shared zero page and cost nothing until written (a write there lands in a private page of its own);
 * map = ``mmap(MAP_SHARED | MAP_FIXED, memfd, p * page_bytes)``, one call per run of consecutive
   ids (so the kernel merges a row's pages into one mapping: Linux allows ``vm.max_map_count``);
-* unmap = re-reserve the range with ``PROT_NONE`` (``munmap`` would open a hole that an unrelated
+* unmap = re-reserve the range as it was reserved (``munmap`` would open a hole that an unrelated
   ``mmap`` could take);
 * release = ``fallocate(PUNCH_HOLE)``; resident bytes = the memfd's allocated blocks (RSS counts an
   aliased page once per mapping).
@@ -107,7 +109,8 @@ class HostBackend:
         self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
         self._id_space = 0
         self._pool_view: tuple[_Mapping, torch.Tensor] | None = None
-        self._reservations: dict[int, int] = {}
+        self._reservations: dict[int, int] = {}  # address -> bytes
+        self._readable: set[int] = set()  # addresses of the reservations made readable
         self._closed = False
         self._fd_finalizer = weakref.finalize(self, os.close, self._fd)
 
@@ -146,10 +149,11 @@ class HostBackend:
         return os.fstat(self._fd_open()).st_blocks * 512
 
     # ----------------------------------------------------------------------------- address space
-    def reserve(self, nbytes: int) -> int:
+    def reserve(self, nbytes: int, *, readable: bool = False) -> int:
         if nbytes <= 0 or nbytes % self.page_bytes:
             raise ValueError(f"nbytes must be a positive multiple of page_bytes ({self.page_bytes}), got {nbytes}")
-        raw = _mmap(None, nbytes + self.page_bytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        prot = _PROT_RW if readable else _PROT_NONE
+        raw = _mmap(None, nbytes + self.page_bytes, prot, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         base = -(-raw // self.page_bytes) * self.page_bytes
         if base > raw:
             _munmap(raw, base - raw)
@@ -157,12 +161,15 @@ class HostBackend:
         if tail:
             _munmap(base + nbytes, tail)
         self._reservations[base] = nbytes
+        if readable:
+            self._readable.add(base)
         return base
 
     def unreserve(self, address: int, nbytes: int) -> None:
         if self._reservations.get(address) != nbytes:  # a wrong call must not lose the record
             raise BackendError("unreserve", f"no reservation of {nbytes} bytes at {address:#x}")
         del self._reservations[address]
+        self._readable.discard(address)
         _munmap(address, nbytes)
 
     def map(self, address: int, pages: Sequence[PageId]) -> None:
@@ -175,8 +182,13 @@ class HostBackend:
 
     def unmap(self, address: int, num_pages: int) -> None:
         if num_pages:
-            _mmap(address, num_pages * self.page_bytes, _PROT_NONE,
+            prot = _PROT_RW if self._in_readable(address) else _PROT_NONE
+            _mmap(address, num_pages * self.page_bytes, prot,
                   _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+
+    def _in_readable(self, address: int) -> bool:
+        """Whether ``address`` lies in a reservation made with ``readable=True``."""
+        return any(base <= address < base + self._reservations[base] for base in self._readable)
 
     # ----------------------------------------------------------------------------- tensors
     def tensor(self, address: int, nbytes: int, owner: object) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The virtual buffer: rows of a page table mapped, in order, into one reserved address range.
 
-A :class:`VirtualBuffer` is the contiguous translator of a :class:`~hf_vkv.memory.rows.RowBuffer`:
+A :class:`VirtualBuffer` is the contiguous translator of a :class:`~hf_vkv.memory.row_buffer.RowBuffer`:
 row ``r``'s item ``t`` lives at byte ``r * row_stride + t * item_bytes`` of one reservation, and
 the row's physical pages are mapped there in order, so a row is an ordinary strided tensor while
 its pages may be shared with other rows or other buffers of the same :class:`Arena` (forks).
@@ -14,11 +14,11 @@ import weakref
 import torch
 
 from .arena import Arena
-from .backend import Backend
+from .backend_protocol import Backend
 from .errors import BackendError
 from .page_table import PageTable, Row
 from .pool import PageId
-from .rows import BufferStats, RowBuffer
+from .row_buffer import BufferStats, RowBuffer
 
 __all__ = ["Arena", "VirtualBuffer", "BufferStats"]
 
@@ -31,8 +31,8 @@ class _Reservation:
     ``closer`` (returning the pages) runs then, before the range is unreserved. An explicit
     ``close()`` runs the closer at once."""
 
-    def __init__(self, backend: Backend, nbytes: int) -> None:
-        self.address = backend.reserve(nbytes)
+    def __init__(self, backend: Backend, nbytes: int, *, readable: bool) -> None:
+        self.address = backend.reserve(nbytes, readable=readable)
         self.nbytes = nbytes
         self.closer: _Closer | None = None
         # The finalizer reads the closer from the instance dict (not the instance: that would keep it alive).
@@ -71,15 +71,18 @@ class VirtualBuffer(RowBuffer):
     ``table.row(r).page_at(i)`` for every live slot, and nothing at the other slots.
     """
 
-    arena: Arena
+    store: Arena
 
-    def __init__(self, arena: Arena, *, rows: int, capacity: int, item_bytes: int) -> None:
-        super().__init__(arena, rows=rows, capacity=capacity, item_bytes=item_bytes, hinted=True)
+    def __init__(self, arena: Arena, *, rows: int, capacity: int, item_bytes: int, parts: int = 1,
+                 readable: bool = False) -> None:
+        super().__init__(arena, rows=rows, capacity=capacity, item_bytes=item_bytes, hinted=True, parts=parts)
+        self.readable = readable
         try:
-            self.row_stride = self.pages_per_row * arena.page_bytes
+            self.row_stride = self.pages_per_row * arena.page_bytes  # bytes between table rows
+            nbytes = rows * parts * self.row_stride
             arena.backend.ensure_id_space(arena.pool.id_space)
-            self._reservation = _Reservation(arena.backend, rows * self.row_stride)
-            self._storage = arena.backend.tensor(self._reservation.address, rows * self.row_stride, self._reservation)
+            self._reservation = _Reservation(arena.backend, nbytes, readable=readable)
+            self._storage = arena.backend.tensor(self._reservation.address, nbytes, self._reservation)
         except BaseException:
             arena.buffer_closed()
             raise
@@ -94,21 +97,38 @@ class VirtualBuffer(RowBuffer):
     def view(self, rows: range, start: int, end: int) -> torch.Tensor:
         """A zero-copy ``uint8`` view ``[len(rows), (end - start) * item_bytes]`` of items
         ``[start, end)`` of each row (row stride ``row_stride``); valid until the next operation
-        that changes those rows' pages (a write after copy-on-write goes to the new page only)."""
-        table = self._open()
+        that changes those rows' pages (a write after copy-on-write goes to the new page only).
+        Rows of one part only (see :class:`~hf_vkv.memory.subrow_buffer.SubRowBuffer` for more)."""
+        if self.parts != 1:
+            raise TypeError("a buffer of rows in several parts gives views through its own view()")
+        self.check_mapped(rows, start, end)
+        offset = rows.start * self.row_stride + start * self.item_bytes
+        return self._storage.as_strided((len(rows), (end - start) * self.item_bytes), (self.row_stride, 1), offset)
+
+    def full_view(self) -> torch.Tensor:
+        """A zero-copy ``uint8`` view ``[rows * parts, row_stride]`` of the whole reservation, at
+        fixed addresses for the buffer's life. Only a ``readable`` buffer gives one: there every
+        byte is readable, and an item not yet on a real page reads as zero (writes to it are lost)."""
+        if not self.readable:
+            raise TypeError("only a readable buffer (readable=True) may be viewed beyond its mapped items")
+        self._open()
+        return self._storage.view(self.rows * self.parts, self.row_stride)
+
+    def check_mapped(self, rows: range, start: int, end: int) -> None:
+        """Raise ``ValueError`` unless items ``[start, end)`` of every row in ``rows`` are mapped."""
+        self._open()
         if not isinstance(rows, range) or rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.rows:
             raise ValueError(f"rows must be a range with step 1 inside 0..{self.rows}, got {rows!r}")
+        page = self.store.page_bytes
         for r in rows:
-            row = table.row(r)
+            row = self._first(r)
             if not 0 <= start <= end <= row.length // self.item_bytes or (
-                end > start and start * self.item_bytes < row.start * self.arena.page_bytes
+                end > start and start * self.item_bytes < row.start * page
             ):
                 raise ValueError(
                     f"items [{start}, {end}) of row {r} are not mapped (it holds "
                     f"[{self.first_live(r)}, {row.length // self.item_bytes}))"
                 )
-        offset = rows.start * self.row_stride + start * self.item_bytes
-        return self._storage.as_strided((len(rows), (end - start) * self.item_bytes), (self.row_stride, 1), offset)
 
     def close(self) -> None:
         """Return every page and unmap the rows. Views taken earlier must not be used again."""
@@ -118,10 +138,11 @@ class VirtualBuffer(RowBuffer):
 
     # ----------------------------------------------------------------------------- internals
     def _sibling(self, rows: int) -> VirtualBuffer:
-        return VirtualBuffer(self.arena, rows=rows, capacity=self.capacity, item_bytes=self.item_bytes)
+        return VirtualBuffer(self.store, rows=rows, capacity=self.capacity, item_bytes=self.item_bytes,
+                             readable=self.readable)
 
     def _slot_address(self, row: int, index: int) -> int:
-        return self._reservation.address + row * self.row_stride + index * self.arena.page_bytes
+        return self._reservation.address + row * self.row_stride + index * self.store.page_bytes
 
     def _sync(self, changed: dict[int, Row]) -> None:
         """Make the mappings of the changed rows follow the table; undo all of it on failure."""
@@ -138,7 +159,7 @@ class VirtualBuffer(RowBuffer):
 
     def _apply(self, row: int, first: int, pages: list[PageId | None], before: list[PageId | None]) -> None:
         """Set slots ``first ..`` of ``row`` to ``pages`` (None = unmapped), atomically."""
-        backend = self.arena.backend
+        backend = self.store.backend
         k = j = 0
         try:
             while k < len(pages):

@@ -38,8 +38,13 @@ class Backend(Protocol):
     def release(self, pages: Sequence[PageId]) -> None:
         """Give the memory of ``pages`` back; they are unmapped everywhere or never read again."""
 
-    def reserve(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` (a multiple of ``page_bytes``) of page-aligned virtual address space."""
+    def reserve(self, nbytes: int, *, readable: bool = False) -> int:
+        """Reserve ``nbytes`` (a multiple of ``page_bytes``) of page-aligned virtual address space.
+
+        ``readable``: every page slot of the range that holds no mapped page stays readable (it
+        reads as zeros) and writable without effect on any page (host: a private anonymous
+        mapping; CUDA: one scratch page mapped at every such slot); :meth:`unmap` restores that.
+        Otherwise an unmapped slot is inaccessible (reading it kills the process or context)."""
 
     def unreserve(self, address: int, nbytes: int) -> None:
         """Give back a whole reservation made by :meth:`reserve` (nothing in it may be in use)."""
@@ -48,7 +53,8 @@ class Backend(Protocol):
         """Map ``pages[k]`` at ``address + k * page_bytes`` (inside a reservation), read-write."""
 
     def unmap(self, address: int, num_pages: int) -> None:
-        """Unmap ``num_pages`` pages from ``address`` on; the range stays reserved."""
+        """Unmap ``num_pages`` pages from ``address`` on; the range stays reserved (and readable if
+        it was reserved so)."""
 
     def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
         """Copy the bytes of page ``src`` to page ``dst`` for each ``(src, dst)``."""

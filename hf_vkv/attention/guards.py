@@ -1,0 +1,53 @@
+"""Checks of one ``"vkv_paged"`` attention call: what reaches it that it cannot honour.
+
+:mod:`hf_vkv.attention.hooks` refuses unsupported models when they are built; these checks catch
+what gets past that (``config._attn_implementation`` assigned directly, a model class the source
+checks cannot see into) at the first forward, before anything is computed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedModelError
+from .support import model_type_of
+
+__all__ = ["check_call"]
+
+
+def check_call(module: torch.nn.Module, key: torch.Tensor, attention_mask: torch.Tensor | None,
+               paged_kv_len: int | None, kwargs: dict[str, Any]) -> None:
+    """Raise :class:`UnsupportedModelError` when this call needs what the paged attention lacks.
+
+    Args:
+        module: the attention module that called.
+        key: the key it passed (``[B, H, kv, D]``).
+        attention_mask: the mask it passed.
+        paged_kv_len: tokens the paged tag says attention reads (``None``: the key is untagged).
+        kwargs: the call's other keyword arguments.
+    """
+    model_type = model_type_of(getattr(module, "config", None), type(module).__name__)
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError(model_type=model_type,
+                                    feature="attention sinks (s_aux) are not part of the paged attention")
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedModelError(
+            model_type=model_type,
+            feature=f"attention logit softcapping (softcap={kwargs['softcap']}) is not part of the paged attention")
+    kv_len = key.shape[-2] if paged_kv_len is None else paged_kv_len
+    bias = kwargs.get("position_bias")
+    if bias is not None and bias.shape[-1] != kv_len:
+        raise UnsupportedModelError(
+            model_type=model_type,
+            feature=f"its position bias covers {bias.shape[-1]} keys but the cache holds {kv_len}: the bias is "
+                    "computed from the length of the keys a paged cache returns, which are only the new ones",
+        )
+    if attention_mask is not None and attention_mask.shape[-1] != kv_len:
+        raise UnsupportedModelError(
+            model_type=model_type,
+            feature=f"its mask covers {attention_mask.shape[-1]} keys but the attention got {kv_len}: the model "
+                    "changed the keys between the cache update and the attention call, so the paged cache's "
+                    "record of what to read was lost",
+        )

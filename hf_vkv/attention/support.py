@@ -1,0 +1,109 @@
+"""Which models the ``"vkv_paged"`` attention can serve exactly, decided from the model class and config.
+
+The paged attention computes what transformers' sdpa attention computes (scaled dot product, an
+optional bool/float mask, GQA) over the K/V a paged cache layer points it to. A model needs more
+than that when its attention
+
+* does not go through transformers' ``AttentionInterface`` at all (MPT, Bloom, CodeGen, GPT-J,
+  Falcon, GPT-Neo, XGLM, ...): its own code would read the paged layer's new-tokens-only K/V as if
+  they were the whole cache, or fail to find ``"vkv_paged"`` in its own table;
+* adds attention sinks (``s_aux``, GPT-OSS) or logit softcapping (``attn_logit_softcapping``, Gemma 2);
+* derives a position bias from the length of the keys the cache returns (T5's relative position
+  bias): a paged layer returns only the new keys;
+* declares ``_supports_sdpa = False`` for any other reason (an sdpa-shaped computation is not exact).
+
+:func:`paged_refusal` names the first of these that applies; ``None`` means the model is served.
+The checks read the model's class, its modeling module's source (as transformers' own
+``_can_set_attn_implementation`` does) and its config, so they run in ``PreTrainedModel.__init__``,
+before any weight exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import Any
+
+from .errors import UnsupportedModelError
+
+__all__ = ["paged_refusal", "check_paged_support", "model_type_of", "OWN_ATTENTION_INSTEAD"]
+
+#: What to do for a model whose attention code is its own (the contiguous layout needs no attention help).
+OWN_ATTENTION_INSTEAD = (
+    "keep the model's own attention (do not pass attn_implementation='vkv_paged') and generate with "
+    "cache_implementation='vkv': the contiguous layout hands its attention ordinary tensors"
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_source(module_name: str) -> str:
+    module = sys.modules.get(module_name)
+    if module is None:
+        return ""
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return ""
+
+
+def model_type_of(config: Any, fallback: str) -> str:
+    """The config's ``model_type`` (``fallback`` when it has none)."""
+    return getattr(config, "model_type", None) or fallback
+
+
+def _softcapping(config: Any) -> Any:
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config(decoder=True))
+    for c in configs:
+        cap = getattr(c, "attn_logit_softcapping", None)
+        if cap is not None:
+            return cap
+    return None
+
+
+def paged_refusal(model_class: type, config: Any) -> UnsupportedModelError | None:
+    """The error the paged attention raises for ``model_class`` built from ``config``, or ``None``
+    when it computes this model's attention exactly."""
+    model_type = model_type_of(config, model_class.__name__)
+    can_set = getattr(model_class, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        return UnsupportedModelError(
+            model_type=model_type,
+            feature=f"{model_class.__name__}'s attention does not call transformers' AttentionInterface (its own "
+                    "attention code cannot read a paged cache)",
+            instead=OWN_ATTENTION_INSTEAD,
+        )
+    source = _module_source(model_class.__module__)
+    uses_interface = "ALL_ATTENTION_FUNCTIONS" in source
+    if not uses_interface:
+        return None  # no attention of its own (Mamba, ...) or a wrapper of sub-models checked on their own
+    if "s_aux" in source:
+        return UnsupportedModelError(model_type=model_type,
+                                     feature="attention sinks (s_aux) are not part of the paged attention")
+    cap = _softcapping(config)
+    if cap is not None:
+        return UnsupportedModelError(
+            model_type=model_type,
+            feature=f"attention logit softcapping (attn_logit_softcapping={cap}) is not part of the paged attention")
+    if "position_bias=" in source:
+        return UnsupportedModelError(
+            model_type=model_type,
+            feature="its position bias is computed from the length of the keys the cache returns (T5-style "
+                    "relative attention bias), and a paged cache returns only the new keys",
+        )
+    if getattr(model_class, "_supports_sdpa", True) is False:
+        return UnsupportedModelError(
+            model_type=model_type,
+            feature=f"{model_class.__name__} declares _supports_sdpa = False: its attention needs more than the "
+                    "scaled dot product the paged attention computes",
+        )
+    return None
+
+
+def check_paged_support(model_class: type, config: Any) -> None:
+    """Raise :class:`UnsupportedModelError` when :func:`paged_refusal` finds a reason."""
+    error = paged_refusal(model_class, config)
+    if error is not None:
+        raise error

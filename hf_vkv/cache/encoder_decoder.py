@@ -1,0 +1,20 @@
+"""Encoder-decoder models: a VKVCache for the decoder's self-attention, transformers' cache for
+the cross-attention (whose keys are computed once from the encoder output)."""
+
+from __future__ import annotations
+
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+from .cache import VKVCache
+
+__all__ = ["VKVEncoderDecoderCache"]
+
+
+class VKVEncoderDecoderCache(EncoderDecoderCache):
+    """``EncoderDecoderCache(VKVCache, DynamicCache)`` whose crop and batch operations work:
+    transformers' own class allows them only when both parts are ``DynamicCache`` (assisted and
+    prompt-lookup decoding crop the self-attention cache after each round)."""
+
+    def check_dynamic_cache(self, method: str) -> None:
+        if not (isinstance(self.self_attention_cache, VKVCache) and isinstance(self.cross_attention_cache, DynamicCache)):
+            super().check_dynamic_cache(method)

@@ -1,0 +1,37 @@
+"""Layouts: how a layer group's page tables become what attention reads (one object per layout).
+
+====================  ==========================================  ==============================
+name                  element order in a row                      attention reads
+====================  ==========================================  ==============================
+``"token_major"``     ``[tokens, members, (K | V), heads, dim]``  strided views (any attention)
+``"head_major"``      ``[members, (K | V), heads][tokens, dim]``  DynamicCache-like views
+``"paged"``           blocks of ``block_tokens`` in a pool        block tables (``"vkv_paged"``)
+``"static"``          a contiguous layout, full capacity          fixed-address full views
+====================  ==========================================  ==============================
+
+:func:`layout_class` is the one place a name becomes a layout; the default on each device comes
+from :func:`hf_vkv.devices.policy_for`.
+"""
+
+from __future__ import annotations
+
+from .base import Layout
+from .head_major import HEAD_MAJOR_PAGE_BYTES, HeadMajorLayout
+from .paged import DEFAULT_BLOCK_TOKENS, PagedLayout
+from .token_major import TokenMajorLayout
+
+__all__ = [
+    "DEFAULT_BLOCK_TOKENS", "HEAD_MAJOR_PAGE_BYTES", "LAYOUTS", "HeadMajorLayout", "Layout", "PagedLayout",
+    "TokenMajorLayout", "layout_class",
+]
+
+#: Every layout by name.
+LAYOUTS: dict[str, type[Layout]] = {cls.name: cls for cls in (TokenMajorLayout, HeadMajorLayout, PagedLayout)}
+
+
+def layout_class(name: str) -> type[Layout]:
+    """The layout called ``name`` (``ValueError`` naming the known ones otherwise)."""
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown layout {name!r}; known layouts: {sorted(LAYOUTS)}") from None

@@ -1,0 +1,80 @@
+"""The layout interface: where a (layer, K/V, head, token) element sits in a group's row pages.
+
+A :class:`~hf_vkv.cache.group.LayerGroup` keeps rows, lengths and row operations; its layout
+object decides everything that touches tensors:
+
+* :meth:`Layout.make_buffer` — the row buffer (a translator of :mod:`hf_vkv.memory`) the group's
+  page tables live in;
+* :meth:`Layout.write` — store a member's new ``[B, H, q, D]`` states at tokens ``[start, end)``;
+* :meth:`Layout.attention_inputs` — what the member's ``update`` returns to attention;
+* :meth:`Layout.cached` — ``[B, H, T, D]`` key/value tensors of tokens ``[start, end)`` (for
+  ``layer.keys`` / ``layer.values`` and the A/B tee);
+* :meth:`Layout.page_bytes` — the page size it prefers on a backend (``None``: the backend's).
+
+A layout may keep views for the current rows; :meth:`Layout.invalidate` drops them whenever the
+group's rows change (a page may have moved), and views never outlive that.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from ...memory import Arena, RowBuffer
+from ..geometry import GroupGeometry
+
+__all__ = ["Layout"]
+
+
+class Layout(ABC):
+    """How one layer group's rows are laid out (see the module docstring).
+
+    ``geometry`` is the shape every member shares; ``members`` the number of layers (member
+    slots ``0 .. members-1``).
+    """
+
+    #: The name ``cache_config={"layout": ...}`` selects it by.
+    name: ClassVar[str]
+    #: Whether ``update`` returns fixed-address, full-capacity views (StaticLayer's contract).
+    static: ClassVar[bool] = False
+
+    def __init__(self, geometry: GroupGeometry, *, members: int) -> None:
+        self.geometry = geometry
+        self.members = members
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}  # (batch, start, end) -> view, until invalidate()
+
+    @classmethod
+    @abstractmethod
+    def page_bytes(cls, backend: str) -> int | None:
+        """The page size this layout prefers on ``backend`` (``"host"`` / ``"cuda"``);
+        ``None``: the backend's own (CUDA: the driver's granularity)."""
+
+    @abstractmethod
+    def make_buffer(self, arena: Arena, *, rows: int, capacity: int) -> RowBuffer:
+        """An empty row buffer of ``rows`` rows of up to ``capacity`` tokens in ``arena``."""
+
+    @abstractmethod
+    def write(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, key: torch.Tensor,
+              value: torch.Tensor, rows: Sequence[int] | None) -> None:
+        """Store member ``slot``'s ``[batch, H, q, Dk]`` keys / ``[batch, H, q, Dv]`` values at
+        tokens ``[start, start + q)`` of ``rows`` (``None``: rows ``0 .. batch-1``). The tokens
+        are writable (the group prepared them)."""
+
+    @abstractmethod
+    def cached(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, H, end - start, Dk]`` keys and ``[..., Dv]`` values of member ``slot``
+        (views where the layout allows, else copies), valid until the rows change."""
+
+    def attention_inputs(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int,
+                         key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns after writing ``key``/``value``: by default the cached tokens
+        ``[start, end)`` (``kv_length`` of the mask)."""
+        return self.cached(buffer, batch=batch, slot=slot, start=start, end=end)
+
+    def invalidate(self) -> None:
+        """The rows changed: forget views taken of them."""
+        self._views = {}

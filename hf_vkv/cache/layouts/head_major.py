@@ -1,0 +1,78 @@
+"""Head-major: each (member, K/V, head) of a row is a sub-row of its own, as in a DynamicCache.
+
+The group's :class:`~hf_vkv.memory.SubRowBuffer` has ``2 * members`` blocks (member ``l``'s keys
+are block ``2l``, its values block ``2l + 1``) of ``H`` sub-rows per row, each holding one head's
+tokens ``[T, D]`` one after another. A member's keys are then the view ``[B, H, T, Dk]`` with
+``stride(T) == D`` and ``stride(B) == H * stride(H)``: the strides of a contiguous tensor but for
+the row gap, so attention reads them as it reads a ``DynamicCache``'s (the same BLAS calls, hence
+bit-identical logits with eager attention too), while pages are mapped on demand and shared.
+
+The price is page granularity: a row strands up to one partly filled page per sub-row
+(``members * 2 * H`` of them), so this layout wants small pages (:data:`HEAD_MAJOR_PAGE_BYTES`
+on the host). With different key and value widths (MLA) a sub-row item is the wider one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...memory import Arena, RowBuffer, SubRowBuffer
+from .base import Layout
+
+__all__ = ["HeadMajorLayout", "HEAD_MAJOR_PAGE_BYTES"]
+
+#: Host page size of the head-major layout (a sub-row strands at most one page).
+HEAD_MAJOR_PAGE_BYTES = 16 * 1024
+
+
+class HeadMajorLayout(Layout):
+    """See the module docstring."""
+
+    name = "head_major"
+
+    @classmethod
+    def page_bytes(cls, backend: str) -> int | None:
+        return HEAD_MAJOR_PAGE_BYTES if backend == "host" else None
+
+    @property
+    def item_dim(self) -> int:
+        """Elements of one token of one sub-row (the wider of the key and value head dims)."""
+        return max(self.geometry.key_dim, self.geometry.value_dim)
+
+    def make_buffer(self, arena: Arena, *, rows: int, capacity: int) -> RowBuffer:
+        g = self.geometry
+        return SubRowBuffer(arena, rows=rows, blocks=2 * self.members, heads=g.kv_heads, capacity=capacity,
+                            item_bytes=self.item_dim * g.dtype.itemsize)
+
+    def _tokens(self, buffer: RowBuffer, batch: int, start: int, end: int) -> torch.Tensor:
+        """Typed view ``[2 * members, batch, H, end - start, item_dim]`` of tokens ``[start, end)``."""
+        key = (batch, start, end)
+        typed = self._views.get(key)
+        if typed is None:
+            assert isinstance(buffer, SubRowBuffer)
+            g = self.geometry
+            raw = buffer.view(range(batch), start, end)  # uint8 [2 * members, batch, H, (end - start) * item bytes]
+            typed = raw.view(g.dtype).unflatten(-1, (end - start, self.item_dim))
+            self._views[key] = typed
+        return typed
+
+    def _pick(self, tokens: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.geometry
+        return tokens[2 * slot, ..., :g.key_dim], tokens[2 * slot + 1, ..., :g.value_dim]
+
+    def write(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, key: torch.Tensor,
+              value: torch.Tensor, rows: Sequence[int] | None) -> None:
+        keys, values = self._pick(self._tokens(buffer, batch, start, start + key.shape[2]), slot)
+        if rows is None:
+            keys.copy_(key)
+            values.copy_(value)
+            return
+        for row in rows:
+            keys[row].copy_(key[row])
+            values[row].copy_(value[row])
+
+    def cached(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pick(self._tokens(buffer, batch, start, end), slot)

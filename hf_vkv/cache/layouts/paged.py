@@ -1,0 +1,130 @@
+"""Paged: rows are block tables into a pool of blocks that stay where they are.
+
+The group's rows are :class:`~hf_vkv.memory.BlockBuffer` rows over a
+:class:`~hf_vkv.memory.BlockStore`: a block is ``block_tokens`` tokens of the whole group, laid
+out token-major (``[block_tokens, members, H * (Dk + Dv)]``). Sharing, reorders, copy-on-write,
+forks, crops and windows are the same page-table operations as in the contiguous layouts, with no
+remapping at all. ``update`` returns the new states with a :class:`~hf_vkv.attention.paged_kv.PagedKV`
+tag on the key, and the ``"vkv_paged"`` attention reads the cached tokens through the block tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...attention.kernels import gather_kv
+from ...attention.paged_kv import PagedKV
+from ...memory import Arena, BlockBuffer, BlockStore, RowBuffer
+from ..geometry import GroupGeometry
+from .base import Layout
+
+__all__ = ["PagedLayout", "DEFAULT_BLOCK_TOKENS"]
+
+#: Default tokens per block (chosen by ``benchmarks/paged_cpu.py``; see the README).
+DEFAULT_BLOCK_TOKENS = 16
+
+
+class PagedLayout(Layout):
+    """See the module docstring."""
+
+    name = "paged"
+
+    def __init__(self, geometry: GroupGeometry, *, members: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+        super().__init__(geometry, members=members)
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+        self.block_tokens = block_tokens
+        self._tables: torch.Tensor | None = None  # block tables of the active rows, until invalidate()
+        self._blocks: torch.Tensor | None = None  # typed [N, block_tokens, members, H * (Dk + Dv)]
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}  # (start, q) -> token slots of all rows
+
+    @classmethod
+    def page_bytes(cls, backend: str) -> int | None:
+        return None
+
+    @property
+    def item_bytes(self) -> int:
+        return self.members * self.geometry.token_elements * self.geometry.dtype.itemsize
+
+    def make_buffer(self, arena: Arena, *, rows: int, capacity: int) -> RowBuffer:
+        blocks_per_row = -(-capacity // self.block_tokens)
+        # Address space only: room for every row at full length four times over (forks, beams).
+        store = BlockStore(arena, block_bytes=self.block_tokens * self.item_bytes, max_blocks=4 * rows * blocks_per_row)
+        return BlockBuffer(store, rows=rows, capacity=capacity, item_bytes=self.item_bytes)
+
+    def _typed_blocks(self, buffer: RowBuffer) -> torch.Tensor:
+        if self._blocks is None:
+            assert isinstance(buffer, BlockBuffer)
+            raw = buffer.store.blocks()  # uint8 [N, block bytes]
+            self._blocks = raw.view(self.geometry.dtype).view(raw.shape[0], self.block_tokens, self.members,
+                                                              self.geometry.token_elements)
+        return self._blocks
+
+    def block_tables(self, buffer: RowBuffer, batch: int) -> torch.Tensor:
+        """int32 ``[batch, max_blocks]`` block tables of the active rows, on the store's device."""
+        if self._tables is None:
+            assert isinstance(buffer, BlockBuffer)
+            self._tables = buffer.block_tables(range(batch)).to(self._typed_blocks(buffer).device)
+        return self._tables
+
+    def _member(self, buffer: RowBuffer, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, block_tokens, H, Dk]`` key and ``[..., Dv]`` value caches of member ``slot``."""
+        g = self.geometry
+        block = self._typed_blocks(buffer)[:, :, slot]
+        split = g.kv_heads * g.key_dim
+        return block[..., :split].unflatten(-1, (g.kv_heads, g.key_dim)), \
+            block[..., split:].unflatten(-1, (g.kv_heads, g.value_dim))
+
+    def paged_kv(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int) -> PagedKV:
+        """The record the ``"vkv_paged"`` attention reads for tokens ``[start, end)``."""
+        keys, values = self._member(buffer, slot)
+        return PagedKV(keys, values, self.block_tables(buffer, batch), start, end - start)
+
+    def write(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, key: torch.Tensor,
+              value: torch.Tensor, rows: Sequence[int] | None) -> None:
+        b, h, q, _ = key.shape
+        picked = range(b) if rows is None else rows
+        if not picked:
+            return
+        keys, values = self._member(buffer, slot)
+        if rows is not None:
+            key, value = key[list(rows)], value[list(rows)]
+        slots = self._token_slots(buffer, batch, start, q, rows)
+        keys.flatten(0, 1).index_copy_(0, slots, key.transpose(1, 2).reshape(-1, h, key.shape[3]))
+        values.flatten(0, 1).index_copy_(0, slots, value.transpose(1, 2).reshape(-1, h, value.shape[3]))
+
+    def _token_slots(self, buffer: RowBuffer, batch: int, start: int, q: int, rows: Sequence[int] | None
+                     ) -> torch.Tensor:
+        """Flat token slots ``[R * q]`` (block * block_tokens + offset) of tokens ``[start, start + q)``
+        of ``rows`` (``None``: all; then kept for the other members' writes of this step)."""
+        key = (start, q)
+        if rows is None and key in self._slots:
+            return self._slots[key]
+        bs = self.block_tokens
+        tables = self.block_tables(buffer, batch).long()
+        if rows is not None:
+            tables = tables[list(rows)]
+        tokens = torch.arange(start, start + q, device=tables.device)
+        slots = (tables[:, tokens // bs] * bs + tokens % bs).reshape(-1)
+        if rows is None:
+            self._slots[key] = slots
+        return slots
+
+    def cached(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies gathered through the block tables."""
+        keys, values = self._member(buffer, slot)
+        return gather_kv(keys, values, self.block_tables(buffer, batch), kv_offset=start, kv_len=end - start)
+
+    def attention_inputs(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int,
+                         key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new states, the key tagged with the :class:`PagedKV` of tokens ``[start, end)``."""
+        return self.paged_kv(buffer, batch=batch, slot=slot, start=start, end=end).tag(key), value
+
+    def invalidate(self) -> None:
+        super().invalidate()
+        self._tables = None
+        self._blocks = None
+        self._slots = {}

@@ -1,0 +1,513 @@
+"""The CUDA backend: physical pages are ``cuMemCreate`` allocations mapped into reserved device
+virtual memory with ``cuMemMap`` (the vAttention approach), behind the
+:class:`~hf_vkv.memory.backend_protocol.Backend` protocol.
+
+* **Pages and handles.** Page id ``p`` is backed by one allocation handle of ``page_bytes`` (the
+  driver maps whole allocations only: one handle per page). Creating a handle is the slow call
+  (30-200 µs a 2 MiB page on an A100), so handles are created ahead in batches of
+  ``create_ahead`` and kept as *spares* until a page needs one. When the device is out of memory
+  the batch is retried with exactly the missing handles, and if those do not fit either,
+  :class:`~hf_vkv.memory.errors.KVCacheOutOfMemory` is raised with nothing changed.
+* **The window.** Every handle is also mapped once, at creation, into a backend-owned reservation
+  (slot ``k`` at ``window + k * page_bytes``). Copy-on-write copies a page to a page that is not
+  mapped in any row yet; the window gives both an address. It costs virtual address space only.
+* **Map a run** = ``cuMemMap`` per page (one handle per page: no fewer calls are possible), then
+  one ``cuMemSetAccess`` over the run. If a call fails part way, the pages mapped so far are
+  unmapped again. The driver cannot map over a mapping, so slots that hold another page (a beam
+  reorder, a copy-on-write swap) are unmapped first, whole runs per call.
+* **Waiting before an unmap.** A kernel still reading a range that is unmapped faults the context
+  (Xid 31). Before unmapping, the backend asks whether torch's current stream is idle (an event
+  query, which never blocks) and synchronizes the device only if it is not. After that wait no
+  kernel is queued until the caller launches one, so the other unmaps of the same transaction
+  (every row of a beam reorder) find the stream idle: one synchronize per transaction, without
+  a protocol hook. This relies on torch's stream contract: work on other streams that reads the
+  cache is ordered before the current stream (``wait_stream``) by whoever launched it.
+* **Readable reservations** (``reserve(readable=True)``, for the compileable static layout): one
+  *scratch* page, created once per backend, is mapped at every page slot that holds no real page,
+  so any address of the reservation can be read (and written, harmlessly) by a captured graph.
+  ``map`` unmaps the scratch at its slots first, ``unmap`` puts the scratch back.
+* **Release** unmaps a page from the window (after the same wait: a copy may still use it) and
+  releases its handle; the memory goes back to the driver at once.
+
+Invariants: every created page id has exactly one slot, whose handle is mapped at that slot of
+the window; spare slots hold handles no page uses; every slot of a readable reservation holds a
+real page or the scratch page; ``resident_bytes() == (pages + spares + scratch) * page_bytes`` is
+what the driver holds for this backend; at most ``max_pages`` handles (scratch aside) exist.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..memory.errors import BackendError, CacheClosedError, KVCacheOutOfMemory
+from ..memory.pool import PageId
+from .driver import CudaDriverError, Driver
+from .hooks import TorchHooks, torch_hooks
+
+__all__ = ["CudaBackend", "DEFAULT_CREATE_AHEAD"]
+
+#: Handles created per batch when no spare is left (16 x 2 MiB = 32 MiB of device memory).
+DEFAULT_CREATE_AHEAD = 16
+
+_OUT_OF_MEMORY = "CUDA_ERROR_OUT_OF_MEMORY"
+
+
+def _runs(slots: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """Split sorted ``slots`` into runs of consecutive values: ``(first, length)``."""
+    i = 0
+    while i < len(slots):
+        j = i + 1
+        while j < len(slots) and slots[j] == slots[j - 1] + 1:
+            j += 1
+        yield slots[i], j - i
+        i = j
+
+
+def _alignment(page_bytes: int) -> int:
+    """The reservation alignment for pages of ``page_bytes``: the largest power of two dividing it.
+
+    ``cuMemAddressReserve`` takes a power of two (or 0); a page of 6 MiB is legal (a multiple of
+    the 2 MiB granularity) but not a legal alignment. Its lowest set bit is a multiple of the
+    granularity, so every page slot stays granularity-aligned, as ``cuMemMap`` requires."""
+    return page_bytes & -page_bytes
+
+
+class CudaBackend:
+    """Device memory for one CUDA device through the driver's virtual memory management.
+
+    Args:
+        device: ``cuda:N`` (``cuda`` means the current device).
+        page_bytes: bytes of one page; a multiple of the driver's granularity (default: the
+            granularity itself, 2 MiB on H100/H200).
+        max_pages: most handles (pages plus spares) held at once; sizes the window. Default: the
+            device's memory divided by ``page_bytes``.
+        create_ahead: handles created per batch when a page needs one and no spare is left.
+        driver: a :class:`Driver` (default: one over ``cuda.bindings.driver`` for this device).
+            The backend owns it: the driver is closed once the backend is closed and its last
+            reservation given back.
+        hooks: the torch side (default: :func:`~hf_vkv.cuda.hooks.torch_hooks`).
+    """
+
+    def __init__(self, device: torch.device | str, *, page_bytes: int | None = None, max_pages: int | None = None,
+                 create_ahead: int = DEFAULT_CREATE_AHEAD, driver: Driver | None = None,
+                 hooks: TorchHooks | None = None) -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if not isinstance(create_ahead, int) or create_ahead < 1:
+            raise ValueError(f"create_ahead must be a positive int, got {create_ahead!r}")
+        self.device = device
+        self.create_ahead = create_ahead
+        self._hooks = torch_hooks(device) if hooks is None else hooks
+        self._driver = Driver(device.index) if driver is None else driver
+        self._calls: dict[str, list[float]] = {}  # driver call -> [count, seconds]
+        self._counts: Counter[str] = Counter()  # pages mapped / unmapped, waits: see counters()
+        granularity = self._timed("granularity", self._driver.granularity)
+        if page_bytes is None:
+            page_bytes = granularity
+        if not isinstance(page_bytes, int) or page_bytes <= 0 or page_bytes % granularity:
+            raise ValueError(f"page_bytes must be a positive multiple of the device's allocation granularity "
+                             f"({granularity:,} bytes), got {page_bytes!r}")
+        self.page_bytes = page_bytes
+        self._align = _alignment(page_bytes)
+        if max_pages is None:
+            max_pages = max(1, self._hooks.total_bytes() // page_bytes)
+        if not isinstance(max_pages, int) or max_pages < 1:
+            raise ValueError(f"max_pages must be a positive int, got {max_pages!r}")
+        self.max_pages = max_pages
+        self._id_space = 0
+        self._slot_of: dict[PageId, int] = {}  # created page -> its window slot
+        self._handle: dict[int, int] = {}  # window slot -> handle (pages' and spares')
+        self._spares: list[int] = []  # slots whose handle no page uses
+        self._empty: list[int] = []  # slots below _next_slot that hold no handle
+        self._next_slot = 0
+        self._mapped: dict[int, PageId] = {}  # row address of a mapped page -> that page
+        self._scratch_at: set[int] = set()  # row addresses where the scratch page is mapped
+        self._scratch: int | None = None  # handle of the scratch page (readable reservations)
+        self._reservations: dict[int, int] = {}  # address -> nbytes (rows'; the window's is separate)
+        self._readable: dict[int, int] = {}  # the readable ones among them
+        self._closed = False
+        self._window = self._timed("reserve", self._driver.reserve, max_pages * page_bytes, self._align)
+
+    # ----------------------------------------------------------------------------- accounting
+    def _timed(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        # The one place every driver call and synchronize goes through (benchmarks wrap it).
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            entry = self._calls.setdefault(name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+
+    def call_stats(self) -> dict[str, tuple[int, float]]:
+        """``{driver call: (calls, seconds)}`` since construction (waits count as
+        ``"synchronize"``): what the benchmarks report as time spent mapping."""
+        return {name: (int(n), s) for name, (n, s) in self._calls.items()}
+
+    def counters(self) -> dict[str, int]:
+        """Event counts since construction, for benchmarks to difference per step:
+
+        * ``pages_mapped`` / ``pages_unmapped``: real pages mapped into / unmapped from rows (a
+          beam reorder or copy-on-write swap of one page counts one of each);
+        * ``scratch_mapped`` / ``scratch_unmapped``: the same for the scratch page;
+        * ``map_runs`` / ``unmap_runs``: ``cuMemSetAccess`` / ``cuMemUnmap`` calls on rows;
+        * ``synchronizes``: device synchronizes; ``idle_skips``: waits answered by an idle stream;
+        * ``pages_copied``: page copies queued (copy-on-write).
+        """
+        return dict(self._counts)
+
+    def _open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("this CUDA backend was closed; create a new cache")
+
+    def _slot_address(self, slot: int) -> int:
+        return self._window + slot * self.page_bytes
+
+    def _handle_of(self, page: PageId) -> int:
+        slot = self._slot_of.get(page)
+        if slot is None:
+            raise BackendError("cuMemMap", f"page {page} has no physical memory (it was never created or was released)")
+        return self._handle[slot]
+
+    def _wait_idle(self) -> None:
+        """Return once no queued kernel can still use memory about to be unmapped (see the module
+        docstring): free when torch's stream is already idle, else one device synchronize."""
+        if self._hooks.stream_idle():
+            self._counts["idle_skips"] += 1
+            return
+        self._timed("synchronize", self._hooks.synchronize)
+        self._counts["synchronizes"] += 1
+
+    # ----------------------------------------------------------------------------- physical pages
+    def ensure_id_space(self, num_pages: int) -> None:
+        self._open()
+        self._id_space = max(self._id_space, num_pages)
+
+    def create(self, pages: Sequence[PageId]) -> None:
+        """Give each of ``pages`` a handle, from the spares or created now (a batch of at least
+        ``create_ahead``). Raises :class:`KVCacheOutOfMemory`, with nothing changed, when
+        ``max_pages`` or the device's memory cannot hold the missing handles."""
+        self._open()
+        for page in pages:
+            if not 0 <= page < self._id_space:
+                raise BackendError("create", f"page {page} is outside the id space {self._id_space}")
+            if page in self._slot_of:
+                raise BackendError("create", f"page {page} already has physical memory")
+        if len(set(pages)) != len(pages):
+            raise BackendError("create", f"duplicate page ids in {list(pages)[:8]}")
+        missing = len(pages) - len(self._spares)
+        if missing > 0:
+            held = len(self._handle)
+            budget = self.max_pages * self.page_bytes
+            if held + missing > self.max_pages:
+                raise KVCacheOutOfMemory(requested_bytes=len(pages) * self.page_bytes,
+                                         free_bytes=(self.max_pages - held + len(self._spares)) * self.page_bytes,
+                                         budget_bytes=budget, what="device pages")
+            try:
+                self._create_for(missing, min(max(missing, self.create_ahead), self.max_pages - held))
+            except CudaDriverError as exc:
+                if exc.result != _OUT_OF_MEMORY:
+                    raise
+                # The budget was read from the driver once; torch's allocator may have grown since.
+                free = min(self._hooks.free_bytes(), (self.max_pages - held) * self.page_bytes)
+                raise KVCacheOutOfMemory(
+                    requested_bytes=missing * self.page_bytes, free_bytes=free, budget_bytes=budget,
+                    what=f"{missing} device page(s) on {self.device} (cuMemCreate: the device is out of memory; "
+                         f"torch.cuda.empty_cache() returns torch's cached blocks to the driver)") from exc
+        for page in pages:
+            self._slot_of[page] = self._spares.pop()
+
+    def _create_for(self, missing: int, batch: int) -> None:
+        """Create ``batch`` spare handles; if the device is out of memory, exactly ``missing``."""
+        try:
+            self._create_handles(batch)
+        except CudaDriverError as exc:
+            if exc.result != _OUT_OF_MEMORY or batch == missing:
+                raise
+            self._counts["create_retries"] += 1
+            self._create_handles(missing)
+
+    def _create_handles(self, count: int) -> None:
+        """Create ``count`` spare handles, each mapped at its window slot; all or nothing."""
+        reuse = self._empty[len(self._empty) - min(count, len(self._empty)):]
+        fresh = list(range(self._next_slot, self._next_slot + count - len(reuse)))
+        slots = sorted(reuse + fresh)
+        made: list[tuple[int, int]] = []  # (slot, handle), handle created
+        mapped: list[int] = []
+        d = self._driver
+        try:
+            for slot in slots:
+                handle = self._timed("create", d.create, self.page_bytes)
+                made.append((slot, handle))
+                self._timed("map", d.map, self._slot_address(slot), self.page_bytes, handle)
+                mapped.append(slot)
+            for first, n in _runs(slots):
+                self._timed("set_access", d.set_access, self._slot_address(first), n * self.page_bytes)
+        except BaseException:
+            # Nothing has used these slots: no wait needed. Unmap before release, whole runs.
+            for first, n in _runs(mapped):
+                self._timed("unmap", d.unmap, self._slot_address(first), n * self.page_bytes)
+            for _, handle in made:
+                self._timed("release", d.release, handle)
+            raise
+        del self._empty[len(self._empty) - len(reuse):]
+        self._next_slot += len(fresh)
+        for slot, handle in made:
+            self._handle[slot] = handle
+        self._spares.extend(reversed(slots))  # pop() hands out the lowest slot first
+
+    def release(self, pages: Sequence[PageId]) -> None:
+        self._open()
+        unknown = [p for p in pages if p not in self._slot_of]
+        if unknown:
+            raise BackendError("release", f"pages {unknown[:8]} have no physical memory")
+        if not pages:
+            return
+        with self._driver.current():
+            self._wait_idle()  # a copy may still use the window
+            for page in pages:
+                self._free_slot(self._slot_of[page])
+                del self._slot_of[page]
+
+    def _free_slot(self, slot: int) -> None:
+        """Unmap ``slot`` from the window and release its handle (nothing may use it)."""
+        self._timed("unmap", self._driver.unmap, self._slot_address(slot), self.page_bytes)
+        try:
+            self._timed("release", self._driver.release, self._handle[slot])
+        except BaseException:  # the handle lives on unmapped: map it back so the slot stays usable
+            self._timed("map", self._driver.map, self._slot_address(slot), self.page_bytes, self._handle[slot])
+            self._timed("set_access", self._driver.set_access, self._slot_address(slot), self.page_bytes)
+            raise
+        del self._handle[slot]
+        self._empty.append(slot)
+
+    def resident_bytes(self) -> int:
+        """Bytes of every handle this backend holds (pages, create-ahead spares, the scratch page)."""
+        return (len(self._handle) + (self._scratch is not None)) * self.page_bytes
+
+    @property
+    def spare_pages(self) -> int:
+        """Handles created ahead that no page uses yet."""
+        return len(self._spares)
+
+    # ----------------------------------------------------------------------------- address space
+    def reserve(self, nbytes: int, *, readable: bool = False) -> int:
+        """Reserve ``nbytes`` (a multiple of ``page_bytes``) of device address space.
+
+        ``readable``: every page slot holds the scratch page until a real page is mapped there
+        (one ``cuMemMap`` per slot: a single physical page cannot be mapped at several slots in
+        one call, then one ``cuMemSetAccess`` over the whole range)."""
+        self._open()
+        if not isinstance(nbytes, int) or nbytes <= 0 or nbytes % self.page_bytes:
+            raise ValueError(f"nbytes must be a positive multiple of page_bytes ({self.page_bytes}), got {nbytes!r}")
+        with self._driver.current():
+            address = self._timed("reserve", self._driver.reserve, nbytes, self._align)
+            if readable:
+                try:
+                    self._fill_scratch(address, list(range(nbytes // self.page_bytes)))
+                except BaseException:
+                    self._timed("address_free", self._driver.address_free, address, nbytes)
+                    raise
+        self._reservations[address] = nbytes
+        if readable:
+            self._readable[address] = nbytes
+        return address
+
+    def unreserve(self, address: int, nbytes: int) -> None:
+        if self._reservations.get(address) != nbytes:  # a wrong call must not lose the record
+            raise BackendError("cuMemAddressFree", f"no reservation of {nbytes} bytes at {address:#x}")
+        with self._driver.current():
+            # Normally only the scratch is left: buffers unmap their rows before giving the range back.
+            self._unmap_slots(address, nbytes // self.page_bytes, scratch=True)
+            self._timed("address_free", self._driver.address_free, address, nbytes)
+        del self._reservations[address]
+        self._readable.pop(address, None)
+        self._maybe_close_driver()
+
+    def _is_readable(self, address: int) -> bool:
+        return any(base <= address < base + n for base, n in self._readable.items())
+
+    def map(self, address: int, pages: Sequence[PageId]) -> None:
+        """Map ``pages[k]`` at ``address + k * page_bytes``. A slot that holds another mapping (a
+        page, or the scratch) is unmapped first, like ``mmap(MAP_FIXED)`` replaces one: the driver
+        cannot map over a mapping. On failure nothing of this run holds a real page (in a
+        readable reservation the scratch is put back; slots that held a page before the call
+        are left without it: the caller restores them)."""
+        self._open()
+        if not pages:
+            return
+        handles = [self._handle_of(p) for p in pages]
+        page = self.page_bytes
+        with self._driver.current():
+            self._unmap_slots(address, len(pages), scratch=True)
+            done = 0
+            try:
+                for k, handle in enumerate(handles):
+                    self._timed("map", self._driver.map, address + k * page, page, handle)
+                    done += 1
+                self._timed("set_access", self._driver.set_access, address, len(handles) * page)
+            except BaseException:
+                # No kernel has seen these pages (access was never granted or just now): unmap
+                # them without waiting, so a failed map leaves nothing of the run mapped.
+                if done:
+                    self._timed("unmap", self._driver.unmap, address, done * page)
+                if self._is_readable(address):
+                    self._fill_scratch(address, list(range(len(pages))))
+                raise
+        for k, p in enumerate(pages):
+            self._mapped[address + k * page] = p
+        self._counts["pages_mapped"] += len(pages)
+        self._counts["map_runs"] += 1
+
+    def unmap(self, address: int, num_pages: int) -> None:
+        """Unmap the real pages in ``num_pages`` slots from ``address`` (slots without one are
+        skipped, so a rollback may unmap a range a failed map left half done); in a readable
+        reservation every slot of the range holds the scratch page afterwards."""
+        self._open()
+        if num_pages <= 0:
+            return
+        with self._driver.current():
+            self._unmap_slots(address, num_pages, scratch=False)
+            if self._is_readable(address):
+                page = self.page_bytes
+                self._fill_scratch(address, [k for k in range(num_pages) if address + k * page not in self._scratch_at])
+
+    def _unmap_slots(self, address: int, num_pages: int, *, scratch: bool) -> None:
+        """Wait (once), then unmap the real pages (and the scratch too if ``scratch``) mapped in
+        the ``num_pages`` slots from ``address``, one ``cuMemUnmap`` per run of mapped slots."""
+        page = self.page_bytes
+        slots = [k for k in range(num_pages)
+                 if address + k * page in self._mapped or (scratch and address + k * page in self._scratch_at)]
+        if not slots:
+            return
+        self._wait_idle()
+        for first, n in _runs(slots):
+            start = address + first * page
+            self._timed("unmap", self._driver.unmap, start, n * page)
+            self._counts["unmap_runs"] += 1
+            for k in range(n):
+                a = start + k * page
+                if self._mapped.pop(a, None) is not None:
+                    self._counts["pages_unmapped"] += 1
+                else:
+                    self._scratch_at.discard(a)
+                    self._counts["scratch_unmapped"] += 1
+
+    def _fill_scratch(self, address: int, slots: list[int]) -> None:
+        """Map the scratch page at each of ``slots`` (indices from ``address``, all unmapped) and
+        grant access per run; all or nothing."""
+        if not slots:
+            return
+        if self._scratch is None:
+            self._scratch = self._new_scratch()
+        page, d = self.page_bytes, self._driver
+        mapped: list[int] = []
+        try:
+            for k in slots:
+                self._timed("map", d.map, address + k * page, page, self._scratch)
+                mapped.append(k)
+            for first, n in _runs(slots):
+                self._timed("set_access", d.set_access, address + first * page, n * page)
+        except BaseException:
+            for first, n in _runs(mapped):  # never granted to a kernel: no wait
+                self._timed("unmap", d.unmap, address + first * page, n * page)
+            raise
+        self._scratch_at.update(address + k * page for k in slots)
+        self._counts["scratch_mapped"] += len(slots)
+
+    def _new_scratch(self) -> int:
+        try:
+            return self._timed("create", self._driver.create, self.page_bytes)
+        except CudaDriverError as exc:
+            if exc.result != _OUT_OF_MEMORY:
+                raise
+            raise KVCacheOutOfMemory(requested_bytes=self.page_bytes, free_bytes=self._hooks.free_bytes(),
+                                     budget_bytes=self.max_pages * self.page_bytes,
+                                     what=f"the scratch page of a readable reservation on {self.device}") from exc
+
+    def mapped(self) -> dict[int, PageId]:
+        """``{row address: page}`` of every real page mapped outside the window (a copy)."""
+        return dict(self._mapped)
+
+    def scratch_addresses(self) -> set[int]:
+        """Row addresses where the scratch page is mapped (a copy)."""
+        return set(self._scratch_at)
+
+    def handle(self, page: PageId) -> int:
+        """The allocation handle backing ``page`` (tests compare it with what the driver reports)."""
+        return self._handle_of(page)
+
+    # ----------------------------------------------------------------------------- data
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+        """Queue a page copy per ``(src, dst)`` on torch's current stream (through the window)."""
+        self._open()
+        if not pairs:
+            return
+        slots = []
+        for src, dst in pairs:
+            for p in (src, dst):
+                if p not in self._slot_of:
+                    raise BackendError("cuMemcpyDtoDAsync", f"page {p} has no physical memory")
+            slots.append((self._slot_of[src], self._slot_of[dst]))
+        stream = self._hooks.stream()
+        with self._driver.current():
+            for s, d in slots:
+                self._timed("copy", self._driver.copy_async, self._slot_address(d), self._slot_address(s),
+                            self.page_bytes, stream)
+                self._counts["pages_copied"] += 1
+
+    def tensor(self, address: int, nbytes: int, owner: object) -> torch.Tensor:
+        return self._hooks.tensor(address, nbytes, owner)
+
+    def close(self) -> None:
+        """Unmap every page (and scratch) still mapped in a row, release every handle and free
+        the window. Row reservations stay until their owners give them back (:meth:`unreserve`
+        works after close); the driver's context is released with the last of them."""
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+        with self._driver.current():
+            self._timed("synchronize", self._hooks.synchronize)
+            self._counts["synchronizes"] += 1
+            page = self.page_bytes
+            for base, nbytes in self._reservations.items():  # runs never span two reservations
+                try:
+                    self._unmap_slots(base, nbytes // page, scratch=True)
+                except BaseException as exc:  # noqa: BLE001  (free what can be freed, then report)
+                    errors.append(exc)
+            self._mapped.clear()
+            self._scratch_at.clear()
+            for slot in sorted(self._handle):
+                try:
+                    self._free_slot(slot)
+                except BaseException as exc:  # noqa: BLE001
+                    errors.append(exc)
+            self._slot_of.clear()
+            self._spares.clear()
+            if self._scratch is not None:
+                try:
+                    self._timed("release", self._driver.release, self._scratch)
+                except BaseException as exc:  # noqa: BLE001
+                    errors.append(exc)
+                self._scratch = None
+            try:
+                self._timed("address_free", self._driver.address_free, self._window, self.max_pages * page)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+        self._maybe_close_driver()
+        if errors:
+            raise errors[0]
+
+    def _maybe_close_driver(self) -> None:
+        # Reservations outlive close() (tensors may hold them); each unreserve needs the context.
+        if self._closed and not self._reservations:
+            self._driver.close()

@@ -1,0 +1,62 @@
+"""Rows in sub-rows: the translator of the head-major layout.
+
+A :class:`SubRowBuffer` is a :class:`~hf_vkv.memory.virtual_buffer.VirtualBuffer` whose rows are
+``blocks * heads`` page-table rows each (its *sub-rows*), all holding the same items. Sub-row
+``(block g, head h)`` of row ``r`` is table row ``(g * rows + r) * heads + h``, so for one block
+the sub-rows of every row and head are evenly spaced: the block's view ``[rows, heads, items]``
+has ``stride(row) == heads * stride(head)`` and can be read as one ``[rows * heads, items]``
+batch, exactly as a contiguous ``[B, H, T, D]`` tensor is (the cache stores a (layer, K/V) as a
+block: :mod:`hf_vkv.cache.layouts.head_major`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .arena import Arena
+from .virtual_buffer import VirtualBuffer
+
+__all__ = ["SubRowBuffer"]
+
+
+class SubRowBuffer(VirtualBuffer):
+    """``rows`` rows of ``blocks * heads`` sub-rows of up to ``capacity`` items each (see the
+    module docstring). Row operations (grow, share, reorder, crop, window, fork) apply to every
+    sub-row of a row; a page is shared or copied per sub-row."""
+
+    def __init__(self, arena: Arena, *, rows: int, blocks: int, heads: int, capacity: int, item_bytes: int,
+                 readable: bool = False) -> None:
+        if blocks <= 0 or heads <= 0:
+            raise ValueError(f"blocks and heads must be positive, got {blocks}, {heads}")
+        self.blocks = blocks
+        self.heads = heads
+        self._parts_of: dict[int, list[int]] = {}
+        super().__init__(arena, rows=rows, capacity=capacity, item_bytes=item_bytes, parts=blocks * heads,
+                         readable=readable)
+
+    def table_rows(self, row: int) -> Sequence[int]:
+        parts = self._parts_of.get(row)
+        if parts is None:
+            if not 0 <= row < self.rows:
+                raise IndexError(f"row {row} is out of range for {self.rows} rows")
+            r, h = self.rows, self.heads
+            parts = self._parts_of[row] = [(g * r + row) * h + k for g in range(self.blocks) for k in range(h)]
+        return parts
+
+    def view(self, rows: range, start: int, end: int) -> torch.Tensor:
+        """A zero-copy ``uint8`` view ``[blocks, len(rows), heads, (end - start) * item_bytes]`` of
+        items ``[start, end)`` of each row's sub-rows; valid until the next operation that changes
+        those rows' pages."""
+        self.check_mapped(rows, start, end)
+        s = self.row_stride
+        offset = rows.start * self.heads * s + start * self.item_bytes
+        return self._storage.as_strided(
+            (self.blocks, len(rows), self.heads, (end - start) * self.item_bytes),
+            (self.rows * self.heads * s, self.heads * s, s, 1), offset,
+        )
+
+    def _sibling(self, rows: int) -> SubRowBuffer:
+        return SubRowBuffer(self.store, rows=rows, blocks=self.blocks, heads=self.heads, capacity=self.capacity,
+                            item_bytes=self.item_bytes, readable=self.readable)

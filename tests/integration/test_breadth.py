@@ -1,0 +1,232 @@
+"""Breadth: every architecture of ``breadth_models`` in every generation mode, against DynamicCache.
+
+For each (architecture, mode) the table :data:`EXPECT` says what must happen:
+
+* ``IDENTICAL``: ``generate`` with ``cache_implementation="vkv"`` gives the very tokens (and
+  logits / beam scores) of the default ``DynamicCache`` with the model's own attention, and the
+  ``VKVCache`` stores every layer that keeps K/V (full, sliding, chunked, the attention part of
+  hybrids, MLA); linear/recurrent state stays with transformers;
+* :func:`refused`: a typed hf_vkv error, asserted by class and a key phrase, raised when the model
+  is built with / switched to ``attn_implementation="vkv_paged"`` (before any forward);
+* :func:`cache_xfail`: what ``IDENTICAL`` asserts, known to fail today because of the cache
+  (``xfail(strict=True)``: the cache fix must remove the mark).
+
+Modes: ``greedy`` (a left-padded batch of 2, logits compared), ``beams`` (4 beams, 2 returned,
+scores compared), ``sample`` (seeded, ``num_return_sequences=3``), ``paged_greedy`` and
+``paged_beams`` (the VKV run under ``attn_implementation="vkv_paged"``, the paged layout).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from breadth_models import SPECS, ArchitectureMissing, build_with_attention, prompts, tiny
+from transformers.cache_utils import EncoderDecoderCache, get_layer_types_and_kwargs
+
+import hf_vkv
+from hf_vkv.attention import UnsupportedModelError
+from hf_vkv.cache import LayerMismatchError
+
+pytestmark = pytest.mark.integration
+
+NEW = 8  # new tokens: past the sliding windows (6) of the windowed architectures
+PAGED = "vkv_paged"
+KV_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+
+GENERATE: dict[str, dict[str, Any]] = {
+    "greedy": dict(do_sample=False, output_logits=True),
+    "beams": dict(do_sample=False, num_beams=4, num_return_sequences=2, output_scores=True, output_logits=True),
+    "sample": dict(do_sample=True, num_return_sequences=3, top_k=0, output_logits=True),
+}
+MODES = ("greedy", "beams", "sample", "paged_greedy", "paged_beams")
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one (architecture, mode) must do."""
+
+    error: type[Exception] | None = None  # None: identical to DynamicCache
+    phrase: str = ""  # a key phrase of the error's message
+    xfail: str = ""  # a known cache-side failure: "cache: <one line>"
+    raises: type[Exception] = AssertionError  # how that failure shows today (any other exception fails the test)
+
+
+IDENTICAL = Expect()
+
+
+def refused(error: type[Exception], phrase: str) -> Expect:
+    return Expect(error=error, phrase=phrase)
+
+
+def cache_xfail(reason: str, raises: type[Exception] = AssertionError) -> Expect:
+    return Expect(xfail=f"cache: {reason}", raises=raises)
+
+
+_OWN_ATTENTION = refused(UnsupportedModelError, "does not call transformers' AttentionInterface")
+_MLA = cache_xfail("MLA (key head dim != value head dim) is refused with LayerMismatchError, not stored",
+                   LayerMismatchError)
+_NO_ATTENTION = cache_xfail("a model without attention layers (cache_params) gets transformers' ValueError, "
+                            "not one hf_vkv warning and transformers' default cache", ValueError)
+_HYBRID = cache_xfail("the attention part of hybrid layers stays in transformers' classes (VKVCache stores none)")
+_CHUNKED = cache_xfail("chunked-attention layers stay in DynamicSlidingWindowLayer (VKVCache does not store them)")
+_STRIDED_MATMUL = cache_xfail("the model's own eager matmul over VKV's strided K/V views rounds differently "
+                              "from DynamicCache's contiguous tensors (last-bit logits)")
+_PAGED_REFUSALS = {
+    "gemma2": refused(UnsupportedModelError, "softcapping"),
+    "gpt_oss": refused(UnsupportedModelError, "attention sinks (s_aux)"),
+    "t5": refused(UnsupportedModelError, "position bias is computed from the length of the keys"),
+    **{arch: _OWN_ATTENTION for arch in ("mpt", "bloom", "codegen", "gptj", "falcon", "gpt_neo", "xglm")},
+}
+
+
+def _table() -> dict[tuple[str, str], Expect]:
+    table = {(arch, mode): IDENTICAL for arch in SPECS for mode in MODES}
+    for arch, expect in _PAGED_REFUSALS.items():
+        table[arch, "paged_greedy"] = table[arch, "paged_beams"] = expect
+    for arch, expect in {"deepseek_v3": _MLA, "mamba": _NO_ATTENTION, "falcon_h1": _HYBRID, "zamba2": _HYBRID,
+                         "llama4": _CHUNKED}.items():
+        for mode in MODES:
+            table[arch, mode] = expect
+    for arch in ("gpt_neo", "codegen"):
+        for mode in ("greedy", "beams", "sample"):
+            table[arch, mode] = _STRIDED_MATMUL
+    return table
+
+
+#: (architecture, mode) -> what must happen. Read top to bottom: identical unless listed above.
+EXPECT = _table()
+
+
+# ------------------------------------------------------------------------------------ helpers
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from a second intra-op thread on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model(arch: str) -> Any:
+    try:
+        return tiny(arch)
+    except ArchitectureMissing as missing:
+        pytest.skip(str(missing))
+
+
+def _generate(model: Any, kind: str, **extra: Any) -> Any:
+    torch.manual_seed(7)
+    return model.generate(**prompts(), max_new_tokens=NEW, return_dict_in_generate=True, **GENERATE[kind], **extra)
+
+
+_REFERENCES: dict[tuple[str, str], Any] = {}
+
+
+def _reference(arch: str, kind: str) -> Any:
+    """DynamicCache with the model's own attention (computed once per architecture and kind)."""
+    if (arch, kind) not in _REFERENCES:
+        _REFERENCES[arch, kind] = _generate(_model(arch), kind)
+    return _REFERENCES[arch, kind]
+
+
+def kv_layers(model: Any) -> int:
+    """Layers of ``model`` whose cache keeps per-token K/V (what VKVCache must store)."""
+    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    return sum(kind in KV_LAYER_KINDS for kind in types)
+
+
+def stored_layers(cache: hf_vkv.VKVCache) -> int:
+    return sum(len(group.members) for group in cache.groups)
+
+
+def assert_identical(ref: Any, got: Any, kind: str) -> None:
+    assert torch.equal(ref.sequences, got.sequences), f"tokens differ:\n{ref.sequences}\n{got.sequences}"
+    for step, (a, b) in enumerate(zip(ref.logits, got.logits, strict=True)):
+        assert torch.equal(a, b), f"logits differ at step {step}: max |diff| {(a - b).abs().max().item()}"
+    if kind == "beams":
+        assert torch.equal(ref.sequences_scores, got.sequences_scores)
+        for step, (a, b) in enumerate(zip(ref.scores, got.scores, strict=True)):
+            assert torch.equal(a, b), f"beam scores differ at step {step}"
+
+
+def assert_cache_holds_kv(model: Any, past: Any, *, paged: bool) -> None:
+    """The returned cache is a VKVCache that stores every K/V layer of the model."""
+    if isinstance(past, EncoderDecoderCache):
+        past = past.self_attention_cache
+    assert isinstance(past, hf_vkv.VKVCache), f"generate returned {type(past).__name__}, not a VKVCache"
+    assert past.layout == ("paged" if paged else "contiguous")
+    assert stored_layers(past) == kv_layers(model), (
+        f"VKVCache stores {stored_layers(past)} of the model's {kv_layers(model)} K/V layers")
+    past.check_invariants()
+
+
+def _run_identical(arch: str, mode: str) -> None:
+    model = _model(arch)
+    paged = mode.startswith("paged_")
+    kind = mode.removeprefix("paged_")
+    ref = _reference(arch, kind)
+    before = model.config._attn_implementation
+    if paged:
+        model.set_attn_implementation(PAGED)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _generate(model, kind, cache_implementation="vkv",
+                            **({"cache_config": {"block_tokens": 4}} if paged else {}))
+    finally:
+        if paged:
+            model.set_attn_implementation(before)
+    assert_identical(ref, got, kind)
+    if kv_layers(model):
+        assert_cache_holds_kv(model, got.past_key_values, paged=paged)
+    else:  # no K/V to store: one clear hf_vkv warning, and transformers' own cache
+        assert not isinstance(got.past_key_values, hf_vkv.VKVCache)
+        assert len([w for w in caught if "vkv" in str(w.message)]) == 1, [str(w.message) for w in caught]
+
+
+def _run_refused(arch: str, mode: str, expect: Expect) -> None:
+    assert expect.error is not None
+    # at construction (what from_pretrained(attn_implementation="vkv_paged") runs) ...
+    try:
+        with pytest.raises(expect.error, match=re.escape(expect.phrase)) as built:
+            build_with_attention(arch, PAGED)
+    except ArchitectureMissing as missing:
+        pytest.skip(str(missing))
+    # ... and when an existing model is switched, which then keeps its attention
+    model = _model(arch)
+    assert f"model type {model.config.model_type!r}" in str(built.value)
+    before = model.config._attn_implementation
+    with pytest.raises(expect.error, match=re.escape(expect.phrase)):
+        model.set_attn_implementation(PAGED)
+    assert model.config._attn_implementation == before
+
+
+def _cases() -> Iterator[Any]:
+    for (arch, mode), expect in EXPECT.items():
+        marks = [pytest.mark.xfail(strict=True, reason=expect.xfail, raises=expect.raises)] if expect.xfail else []
+        yield pytest.param(arch, mode, expect, id=f"{arch}-{mode}", marks=marks)
+
+
+@pytest.mark.parametrize(("arch", "mode", "expect"), list(_cases()))
+def test_breadth(arch: str, mode: str, expect: Expect) -> None:
+    if expect.error is None:
+        _run_identical(arch, mode)
+    else:
+        _run_refused(arch, mode, expect)
+
+
+def test_table_is_broad() -> None:
+    """At least 35 architectures, each in every mode, and the families the issue names."""
+    assert len(SPECS) >= 35
+    assert {mode for _, mode in EXPECT} == set(MODES)
+    named = {"gpt_oss", "t5", "mpt", "gemma2", "gptj", "falcon", "gpt_neo", "bloom", "codegen", "mamba", "bart",
+             "falcon_h1", "zamba2", "jamba", "lfm2", "qwen3_next", "deepseek_v3", "llama", "qwen2", "mistral",
+             "gemma", "phi", "gpt2"}
+    assert named <= set(SPECS)
+    assert any(spec.encoder_decoder for spec in SPECS.values())

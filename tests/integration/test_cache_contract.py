@@ -1,0 +1,52 @@
+"""Row operations and reporting of a VKVCache compared with DynamicCache on the same forwards.
+
+* ``batch_select_indices`` takes whatever indexes a tensor's batch dimension, a tuple included
+  (``DynamicLayer`` does ``keys[indices]``);
+* ``stats()`` and ``repr()`` say how many layers vkv stores and how many stay with transformers
+  (Jamba: one attention layer in vkv, one Mamba layer in transformers' ``LinearAttentionLayer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from breadth_models import prompts, tiny
+from transformers.cache_utils import DynamicCache
+
+import hf_vkv
+
+pytestmark = pytest.mark.integration
+
+
+def _filled(cache: Any, arch: str) -> Any:
+    with torch.no_grad():
+        tiny(arch)(**prompts(4, 8), past_key_values=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError,
+                   reason="cache: VKVLayer.batch_select_indices indexes arange(batch) with the tuple itself "
+                          "(torch reads (0, 2) as two dimensions)")
+def test_batch_select_indices_takes_a_tuple() -> None:
+    model = tiny("llama")
+    expected = _filled(DynamicCache(config=model.config), "llama")
+    got = _filled(hf_vkv.VKVCache(model.config), "llama")
+    expected.batch_select_indices((0, 2))
+    got.batch_select_indices((0, 2))
+    for mine, theirs in zip(got.layers, expected.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys)
+        assert torch.equal(mine.values, theirs.values)
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="cache: stats()/repr() do not say how many layers vkv stores and how many stay with "
+                          "transformers (proposed: CacheStats.vkv_layers / transformers_layers, shown by repr)")
+def test_stats_and_repr_count_layers() -> None:
+    model = tiny("jamba")
+    cache = _filled(hf_vkv.VKVCache(model.config), "jamba")
+    stats = cache.stats()
+    assert (stats.vkv_layers, stats.transformers_layers) == (1, 1)
+    text = repr(cache)
+    assert "vkv_layers=1" in text and "transformers_layers=1" in text, text

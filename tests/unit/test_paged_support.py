@@ -1,0 +1,81 @@
+"""The ``"vkv_paged"`` attention's refusals: by model class and config, and per call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+import hf_vkv
+from hf_vkv.attention import UnsupportedModelError, paged_refusal, register_attention
+from hf_vkv.attention.guards import check_call
+
+_TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, vocab_size=64, max_position_embeddings=32)
+
+
+class _Attention(torch.nn.Module):
+    """An attention module without a config (the error falls back to its class name)."""
+
+
+def _kv(tokens: int) -> torch.Tensor:
+    return torch.zeros(1, 1, tokens, 16)
+
+
+def test_error_is_typed_and_says_what_to_do() -> None:
+    error = UnsupportedModelError(model_type="m", feature="f")
+    assert isinstance(error, hf_vkv.VKVError) and isinstance(error, ValueError)
+    assert "model type 'm': f" in str(error) and "cache_implementation='vkv'" in str(error)
+
+
+def test_llama_is_served() -> None:
+    assert paged_refusal(LlamaForCausalLM, LlamaConfig(**_TINY)) is None
+
+
+def test_softcapping_is_refused_and_without_it_sdpa_support_still_decides() -> None:
+    capped = paged_refusal(Gemma2ForCausalLM, Gemma2Config(**_TINY, head_dim=16))
+    assert capped is not None and "softcapping (attn_logit_softcapping=50.0)" in str(capped)
+    uncapped = paged_refusal(Gemma2ForCausalLM, Gemma2Config(**_TINY, head_dim=16, attn_logit_softcapping=None))
+    if Gemma2ForCausalLM._supports_sdpa:  # transformers 5.17 declares it
+        assert uncapped is None
+    else:  # 5.23: "sdpa does not support softcapping", whatever the config says
+        assert uncapped is not None and "_supports_sdpa = False" in str(uncapped)
+
+
+@pytest.mark.parametrize(("kwargs", "phrase"), [
+    ({"s_aux": torch.zeros(2)}, "attention sinks (s_aux)"),
+    ({"softcap": 30.0}, "softcapping (softcap=30.0)"),
+    ({"position_bias": torch.zeros(1, 2, 1, 1)}, "position bias covers 1 keys but the cache holds 5"),
+])
+def test_call_needing_more_than_sdpa_is_refused(kwargs: dict, phrase: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=phrase.replace("(", r"\(").replace(")", r"\)")) as raised:
+        check_call(_Attention(), _kv(1), None, 5, kwargs)
+    assert raised.value.model_type == "_Attention"
+
+
+def test_keys_that_lost_their_paged_tag_are_refused() -> None:
+    """A mask over 5 keys with 1 untagged key: the model replaced the tagged key after the update."""
+    with pytest.raises(UnsupportedModelError, match="the paged cache's record of what to read was lost"):
+        check_call(_Attention(), _kv(1), torch.ones(1, 1, 1, 5, dtype=torch.bool), None, {})
+
+
+def test_ordinary_calls_pass() -> None:
+    check_call(_Attention(), _kv(5), torch.ones(1, 1, 1, 5, dtype=torch.bool), None, {})
+    check_call(_Attention(), _kv(1), torch.ones(1, 1, 1, 5, dtype=torch.bool), 5,
+               {"position_bias": torch.zeros(1, 2, 1, 5), "s_aux": None, "softcap": None})
+
+
+def test_registration_is_idempotent() -> None:
+    register_attention()
+    hooks = (PreTrainedModel.get_correct_attn_implementation, PreTrainedModel.set_attn_implementation)
+    register_attention()
+    assert (PreTrainedModel.get_correct_attn_implementation, PreTrainedModel.set_attn_implementation) == hooks
+
+
+def test_attention_assigned_directly_is_refused_at_the_first_forward() -> None:
+    """Past the construction checks (the config's attention set by hand), the call checks still hold."""
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(**_TINY, head_dim=16)).eval()
+    model.config._attn_implementation_internal = "vkv_paged"
+    with pytest.raises(UnsupportedModelError, match="softcapping"):
+        model(input_ids=torch.tensor([[3, 4, 5]]))
