@@ -53,13 +53,11 @@ MODES: dict[str, dict[str, Any]] = {
 # ------------------------------------------------------------------------------------ layouts
 #: The vkv layouts the decode cells can compare (CPU, contiguous: read by any attention).
 VKV_LAYOUTS = ("token_major", "head_major", "per_layer")
-#: The one place that spells a layout as ``cache_config``. Until the ``layout`` option lands:
-#: ``group_policy`` "model" (token-major), "head" (head-major), "layer" (one token-major buffer
-#: per layer). Afterwards: ``{"layout": layout}``.
+#: The one place that spells a layout as ``cache_config`` (per-layer: token-major, a group per layer).
 _LAYOUT_CONFIG: dict[str, dict[str, Any]] = {
-    "token_major": {"group_policy": "model"},
-    "head_major": {"group_policy": "head"},
-    "per_layer": {"group_policy": "layer"},
+    "token_major": {"layout": "token_major"},
+    "head_major": {"layout": "head_major"},
+    "per_layer": {"layout": "token_major", "groups": "layer"},
 }
 
 
@@ -72,12 +70,10 @@ def vkv_cache_config(layout: str) -> dict[str, Any]:
 
 
 def default_layout(device: torch.device | str = "cpu") -> str:
-    """The layout a VKVCache gets on ``device`` when ``cache_config`` names none (today the default
-    ``group_policy``; with the ``layout`` option: ``hf_vkv.devices.policy_for(device).layout``)."""
-    from ..cache import CacheOptions
+    """The layout a VKVCache gets on ``device`` when ``cache_config`` names none."""
+    from ..devices import policy_for
 
-    policy = CacheOptions().group_policy
-    return next(name for name, config in _LAYOUT_CONFIG.items() if config == {"group_policy": policy})
+    return policy_for(device).layout
 
 
 # ------------------------------------------------------------------------------------- caches
@@ -93,11 +89,10 @@ def make_cache(name: str, model: PreTrainedModel, batch: int, capacity: int) -> 
         return DynamicCache(config=model.config)
     if name == "ideal":
         return IdealCache(model.config, capacity=capacity)
-    from ..cache import CacheOptions, VKVCache
-    from ..cache.registration import layer_devices_of
+    from ..cache import VKVCache
 
-    options = CacheOptions.from_dict({**vkv_cache_config(name), "max_tokens": capacity})
-    return VKVCache(model.config, batch_size=batch, options=options, layer_devices=layer_devices_of(model))
+    return VKVCache.for_generate(model, batch_size=batch, expand=1, max_length=capacity,
+                                 cache_config={**vkv_cache_config(name), "max_tokens": capacity})
 
 
 def cache_kv_bytes(cache: Cache) -> int:
