@@ -37,8 +37,8 @@ from .probes import kv_bytes
 
 __all__ = [
     "BENCH_SCHEMA_VERSION", "CACHES", "DEFAULT_CACHES", "FULL_GRID", "MODES", "QUICK_GRID", "VKV_LAYOUTS", "Grid",
-    "bench_report", "cache_kv_bytes", "default_layout", "make_cache", "prompt_ids", "run_cells", "run_modes",
-    "vkv_cache_config",
+    "all_identical", "bench_report", "cache_kv_bytes", "default_layout", "format_cells", "format_modes", "make_cache",
+    "prompt_ids", "run_cells", "run_modes", "vkv_cache_config",
 ]
 
 BENCH_SCHEMA_VERSION = "hf_vkv.bench/2"
