@@ -243,32 +243,20 @@ def ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 # ---------------------------------------------------------------------------------------- bench
 def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """The benchmark grid: table on stdout, JSON to ``--json``."""
-    import json
+    """The benchmark (:mod:`hf_vkv.ab.bench`, shared with ``benchmarks/generate_cpu.py``): tables on
+    stdout, JSON to ``--json``."""
+    from .ab.bench_args import grid_from_args, run_from_args
 
-    from .ab.bench import FULL_GRID, QUICK_GRID, Grid, bench_report, format_bench, run_bench
-    from .ab.harness import describe_environment
-
-    grid = FULL_GRID if args.full else QUICK_GRID
     try:
-        grid = Grid(prompt_lengths=tuple(args.prompt_lengths or grid.prompt_lengths),
-                    batches=tuple(args.batches or grid.batches), modes=tuple(args.modes or grid.modes),
-                    new_tokens=args.new_tokens or grid.new_tokens)
+        grid = grid_from_args(args)
     except ValueError as e:
         parser.error(str(e))
     _check_model(args.model, parser)
     _threads(args.threads)
     model, _ = _load(args.model)
-    results = run_bench(model, grid, seed=args.seed, progress=True)
     name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL else args.model
-    report = bench_report(results, model=name, grid=grid, command=" ".join(["hf-vkv", *sys.argv[1:]]),
-                          environment=describe_environment(model))
-    print(format_bench(results))
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path} ({len(results)} runs, grid {dataclasses.asdict(grid)})")
-    return 0 if all(r["identical"] for r in results) else 1
+    return run_from_args(args, model, grid=grid, model_name=name, command=" ".join(["hf-vkv", *sys.argv[1:]]),
+                         json_path=Path(args.json))
 
 
 # --------------------------------------------------------------------------------------- doctor
@@ -328,17 +316,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=ab, command_parser=p)
 
-    p = sub.add_parser("bench", help="A/B benchmark grid: speed and KV memory against DynamicCache, as JSON")
+    p = sub.add_parser("bench", help="decode-step benchmark grid: DynamicCache, an ideal cache and each vkv layout "
+                       "(and optionally generate() A/B runs), as a table and JSON")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'default' or a local model folder (default: %(default)s)")
-    p.add_argument("--full", action="store_true", help="the full grid: prompts 64 512 2048, batches 1 4 8, "
-                   "32 new tokens (tens of minutes on 2 CPU cores); default: prompt 64, batches 1 4, 16 new tokens")
-    p.add_argument("--prompt-lengths", type=int, nargs="+", default=None)
-    p.add_argument("--batches", type=int, nargs="+", default=None)
-    p.add_argument("--modes", nargs="+", default=None, choices=("greedy", "beam4", "sample8"))
-    p.add_argument("--new-tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", default="hf-vkv-bench.json", metavar="OUT", help="default: %(default)s")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    from .ab.bench_args import add_arguments
+
+    add_arguments(p, default="quick")
     p.set_defaults(func=bench, command_parser=p)
     return parser
 

@@ -129,10 +129,12 @@ def test_ab_exits_non_zero_when_the_runs_differ(model_dir: Path, monkeypatch: py
 
 def test_bench_quickest_setting(model_dir: Path, tmp_path: Path) -> None:
     out = hf_vkv("bench", "--model", model_dir, "--prompt-lengths", "8", "--batches", "1", "--new-tokens", "4",
-                 "--json", tmp_path / "bench.json", "--threads", "1")
+                 "--rounds", "1", "--modes", "greedy", "beam4", "sample8", "--json", tmp_path / "bench.json",
+                 "--threads", "1")
     assert out.returncode == 0, out.stderr
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert data["schema"] == "hf_vkv.bench/1" and data["model"] == str(model_dir)
+    assert data["schema"] == "hf_vkv.bench/2" and data["model"] == str(model_dir)
+    assert [(c["prompt"], c["batch"], c["tokens_equal"]) for c in data["cells"]] == [(8, 1, True)]
     assert [r["mode"] for r in data["results"]] == ["greedy", "beam4", "sample8"]
     for r in data["results"]:
         assert r["identical"] and r["steps"] == 4 and r["prompt"] == 8

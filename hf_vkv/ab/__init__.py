@@ -8,8 +8,10 @@
 
 Modules: :mod:`.harness` (``run_ab``), :mod:`.probes` (what is attached to each run),
 :mod:`.records` (the report), :mod:`.schema` (its JSON schema), :mod:`.table`, :mod:`.plot`,
-:mod:`.bench` (the benchmark grid of ``hf-vkv bench``), :mod:`.demo` (``hf-vkv demo``),
-:mod:`.progress` (progress output).
+:mod:`.bench` (the benchmark of ``hf-vkv bench`` and ``benchmarks/generate_cpu.py``, with
+:mod:`.bench_args`, its command line), :mod:`.decode` (decode-step timing of several caches,
+interleaved), :mod:`.ideal` (the ideal cache it compares the layouts with), :mod:`.demo`
+(``hf-vkv demo``), :mod:`.progress` (progress output).
 """
 
 from .harness import PAGED_ATTENTION, paged_attention_available, run_ab

@@ -1,0 +1,90 @@
+"""The command line of the benchmark, shared by ``hf-vkv bench`` and ``benchmarks/generate_cpu.py``.
+
+Both add the same options with :func:`add_arguments` (they differ only in their default grid),
+load their model, and call :func:`run_from_args`, which runs :mod:`.bench`, prints the tables
+and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Literal
+
+from transformers import PreTrainedModel
+
+from .bench import (
+    CACHES, FULL_GRID, MODES, QUICK_GRID, Grid, all_identical, bench_report, default_layout, format_cells, format_modes,
+    run_cells, run_modes,
+)
+from .harness import describe_environment
+
+__all__ = ["add_arguments", "grid_from_args", "run_from_args"]
+
+
+def _describe(grid: Grid) -> str:
+    return (f"prompts {' '.join(map(str, grid.prompt_lengths))}, batches {' '.join(map(str, grid.batches))}, "
+            f"{grid.new_tokens} new tokens, {grid.rounds} rounds")
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, default: Literal["quick", "full"]) -> None:
+    """The grid options (``--quick`` / ``--full`` and overrides), ``--json`` and ``--threads``."""
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--quick", dest="grid", action="store_const", const="quick", default=default,
+                       help=f"the quick grid: {_describe(QUICK_GRID)}" + (" (default)" if default == "quick" else ""))
+    which.add_argument("--full", dest="grid", action="store_const", const="full",
+                       help=f"the full grid: {_describe(FULL_GRID)}" + (" (default)" if default == "full" else ""))
+    parser.add_argument("--prompt-lengths", "--prompts", type=int, nargs="+", default=None, metavar="N")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, metavar="N")
+    parser.add_argument("--new-tokens", type=int, default=None, help="decode steps per round")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per cell (the median is reported)")
+    parser.add_argument("--caches", nargs="+", default=None, choices=CACHES,
+                        help="caches of the decode cells (default: %s)" % " ".join(QUICK_GRID.caches))
+    parser.add_argument("--modes", nargs="*", default=None, choices=tuple(MODES),
+                        help="also A/B generate() with DynamicCache and vkv in these modes (default: none)")
+    parser.add_argument("--distinct-tokens", type=int, default=None,
+                        help=f"prefill budget: distinct prompts per cell = tokens // prompt "
+                             f"(default {QUICK_GRID.distinct_tokens})")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the generate modes")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the prefill and the generate modes (default: torch's); the "
+                             "timed decode steps always run on one intra-op thread")
+
+
+def grid_from_args(args: argparse.Namespace) -> Grid:
+    """The grid chosen by ``--quick`` / ``--full`` with the overrides applied (``ValueError`` names a bad one)."""
+    base = FULL_GRID if args.grid == "full" else QUICK_GRID
+    overrides = dict(prompt_lengths=args.prompt_lengths, batches=args.batches, new_tokens=args.new_tokens,
+                     rounds=args.rounds, caches=args.caches, modes=args.modes, distinct_tokens=args.distinct_tokens)
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None}
+    return Grid(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **given})
+
+
+def run_from_args(args: argparse.Namespace, model: PreTrainedModel, *, grid: Grid, model_name: str, command: str,
+                  json_path: Path) -> int:
+    """Run ``grid`` on ``model``, print the tables, write the JSON; 0 when every cache and run
+    matched DynamicCache, else 1."""
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    environment = describe_environment(model)
+    cells = run_cells(model, grid, progress=True)
+    modes = run_modes(model, grid, seed=args.seed, progress=True) if grid.modes else []
+    report = bench_report(cells, modes, model=model_name, grid=grid, command=command, environment=environment)
+    print(f"decode step, ms (median of {grid.rounds} rounds of {grid.new_tokens} steps, {grid.threads} thread(s), "
+          f"caches interleaved); ratios: vkv layout / ideal and / DynamicCache, median of the per-round ratios; "
+          f"util: stats().utilization; "
+          f"target: the default layout ({default_layout()}) <= 1.03 x ideal at prompts >= 512, "
+          f">= 0.97 x DynamicCache's speed below")
+    print(format_cells(cells))
+    if modes:
+        print("\ngenerate() A/B, DynamicCache against the default vkv cache")
+        print(format_modes(modes))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {json_path}")
+    print(f"environment: {environment}", file=sys.stderr)
+    return 0 if all_identical(cells, modes) else 1
