@@ -116,7 +116,8 @@ class VKVCache(Cache):
         layers: list[Any] = []
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):
             group = group_of.get(idx)
-            layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw) if group is None else make_vkv_layer(kind, group, idx, kw))
+            layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw) if group is None
+                          else make_vkv_layer(kind, group, idx, kw))
         super().__init__(layers=layers)
 
     @staticmethod

@@ -36,23 +36,44 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from ..memory.errors import VKVError
 from .group import LayerGroup
 from .layer import VKVLayer, VKVSlidingLayer
 
-__all__ = ["LinearState", "VKVHybridLayer", "VKVHybridSlidingLayer", "make_vkv_layer", "transformers_part"]
+__all__ = ["LinearState", "RecurrentRollbackError", "VKVHybridLayer", "VKVHybridSlidingLayer", "make_vkv_layer",
+           "transformers_part"]
 
 #: Layer types whose attention K/V a group holds beside a linear state.
 HYBRID_KINDS = ("hybrid", "hybrid_sliding")
 
 
+class RecurrentRollbackError(VKVError, RuntimeError):
+    """A crop would cut tokens out of a recurrent state, which folds every past token in and cannot
+    be cut back (transformers' layer would crop the conv state alone and keep a wrong state)."""
+
+
 class LinearState(LinearAttentionLayer):
-    """transformers' ``LinearAttentionLayer`` plus the two batch operations it lacks.
+    """transformers' ``LinearAttentionLayer`` plus the two batch operations it lacks, and a crop
+    that refuses what it cannot do exactly.
 
     States are ``conv_states[i]``: ``[B, C, kernel]`` (more tokens while recording the past) and
     ``recurrent_states[i]``: ``[B, ...]``; row ``r`` is index ``r`` of dimension 0, so selecting
     and repeating rows index dimension 0 as ``reorder_cache`` does. (``DynamicCache`` moves only
     the K/V of a hybrid layer here and leaves its linear state at the old batch.)
     """
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' crop (conv states back to ``kernel`` tokens, ``-tokens_to_remove`` fewer);
+        :class:`RecurrentRollbackError` if that would remove tokens from a recurrent state (without
+        ``activate_past_recording`` transformers' own refusal comes first).
+        (``generate`` never asks: it refuses assisted decoding for such stateful models.)"""
+        if self.record_past and tokens_to_remove < 0 and any(self.is_recurrent_states_initialized.values()):
+            raise RecurrentRollbackError(
+                f"cannot remove {-tokens_to_remove} token(s): a recurrent (SSM / linear-attention) state holds every "
+                "past token folded in and cannot be cut back. Keep the cache whole (fork() with no length), or "
+                "prefill the shorter prefix again"
+            )
+        super().crop(tokens_to_remove)
 
     def _take_rows(self, index: torch.Tensor) -> None:
         for i in range(self.number_of_states):
@@ -170,7 +191,8 @@ class VKVHybridLayer(_HybridParts, VKVLayer, LinearAttentionAndFullAttentionLaye
         self._init_parts(group, layer_idx, number_of_states)
 
 
-class VKVHybridSlidingLayer(_HybridParts, VKVSlidingLayer, LinearAttentionAndSlidingWindowAttentionLayer):  # type: ignore[misc]
+class VKVHybridSlidingLayer(  # type: ignore[misc]
+        _HybridParts, VKVSlidingLayer, LinearAttentionAndSlidingWindowAttentionLayer):
     """A ``"hybrid_sliding"`` layer: linear state in :attr:`linear`, a sliding window of K/V in its group."""
 
     def __init__(self, group: LayerGroup, layer_idx: int, *, sliding_window: int, number_of_states: int = 1) -> None:

@@ -17,7 +17,7 @@ from transformers import FalconH1Config, Qwen3NextConfig
 from transformers.cache_utils import Cache, DynamicCache
 
 import hf_vkv
-from hf_vkv.cache.hybrid import LinearState, VKVHybridLayer, VKVHybridSlidingLayer
+from hf_vkv.cache.hybrid import LinearState, RecurrentRollbackError, VKVHybridLayer, VKVHybridSlidingLayer
 
 ROWS, KV_HEADS, HEAD_DIM, CONV_DIM, KERNEL = 3, 1, 16, 8, 4
 CYCLE = [1, 2, 0]  # order 3: applied twice it differs from once
@@ -34,18 +34,20 @@ CONFIGS = {
 }
 
 
-def _step(caches: tuple[Cache, ...], tokens: int, *, seed: int) -> None:
-    """Write ``tokens`` tokens of random K/V ``[B, H, q, D]``, conv ``[B, C, q]`` and recurrent
-    ``[B, 4, 8, 8]`` states into every layer of each cache (the same values in each)."""
+def _step(caches: tuple[Cache, ...], tokens: int, *, seed: int, recurrent: bool = True) -> None:
+    """Write ``tokens`` tokens of random K/V ``[B, H, q, D]``, conv ``[B, C, q]`` and (if
+    ``recurrent``) recurrent ``[B, 4, 8, 8]`` states into every layer of each cache (the same
+    values in each)."""
     g = torch.Generator().manual_seed(seed)
     for layer in range(len(caches[0].layers)):
         k, v = (torch.randn(ROWS, KV_HEADS, tokens, HEAD_DIM, generator=g) for _ in range(2))
         conv = torch.randn(ROWS, CONV_DIM, tokens, generator=g)
-        recurrent = torch.randn(ROWS, 4, 8, 8, generator=g)
+        state = torch.randn(ROWS, 4, 8, 8, generator=g)
         for cache in caches:
             cache.update(k, v, layer)
             cache.update_conv_state(conv, layer, conv_kernel_size=KERNEL)
-            cache.update_recurrent_state(recurrent, layer)
+            if recurrent:
+                cache.update_recurrent_state(state, layer)
 
 
 def _pair(kind: str = "hybrid") -> tuple[hf_vkv.VKVCache, DynamicCache]:
@@ -97,15 +99,33 @@ def test_reorder_moves_pages_and_linear_state_once(kind: str) -> None:
 
 def test_crop_after_recording_rolls_back_kv_and_conv_state() -> None:
     got, ref = _pair()
-    _step((got, ref), 5, seed=0)
+    _step((got, ref), 5, seed=0, recurrent=False)  # conv state only (as LFM2's conv layers): croppable
     for cache in (got, ref):
         cache.activate_past_recording()
-    _step((got, ref), 3, seed=1)
+    _step((got, ref), 3, seed=1, recurrent=False)
+    assert got.is_croppable and ref.is_croppable
     assert_same(got, ref)
     for cache in (got, ref):
         cache.crop(-2)
     assert_same(got, ref)
     assert got.get_seq_length() == 6
+    for cache in (got, ref):
+        cache.crop(0)
+    assert_same(got, ref)
+
+
+def test_cutting_a_recurrent_state_back_is_refused() -> None:
+    got, ref = _pair()
+    _step((got, ref), 5, seed=0)
+    assert not got.is_croppable and not ref.is_croppable
+    with pytest.raises(RecurrentRollbackError, match="cannot be cut back"):
+        got.fork(3)  # (DynamicCache's crop would trim the conv state and keep the recurrent state of 5 tokens)
+    assert_same(got, ref)  # the refused fork left the cache as it was
+    got.activate_past_recording()
+    ref.activate_past_recording()
+    got.crop(0)  # trimming the conv state back to its kernel removes no token
+    ref.crop(0)
+    assert_same(got, ref)
 
 
 def test_crop_without_recording_is_refused_as_by_transformers() -> None:
