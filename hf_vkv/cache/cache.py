@@ -15,7 +15,8 @@ from ..devices import arena_for_device, layer_devices_of, policy_for
 from ..memory import Arena
 from .geometry import GroupGeometry
 from .group import LayerGroup
-from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
+from .hybrid import make_vkv_layer, transformers_part
+from .layer import VKVLayer, VKVStaticLayer
 from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, layout_class
 from .options import CacheOptions
 from .stats import CacheStats, GroupStats
@@ -24,7 +25,8 @@ __all__ = ["VKVCache"]
 
 #: Layer kinds whose KV vkv stores, and whether they slide (chunked attention keeps, as far as the
 #: cache is concerned, a window of ``attention_chunk_size`` tokens, as DynamicCache does).
-_VKV_KINDS = {"full_attention": False, "sliding_attention": True, "chunked_attention": True}
+_VKV_KINDS = {"full_attention": False, "sliding_attention": True, "chunked_attention": True,
+              "hybrid": False, "hybrid_sliding": True}  # hybrids: K/V here, linear state in transformers' class
 
 
 def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
@@ -117,17 +119,15 @@ class VKVCache(Cache):
             if group is None:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
             elif self._layout_name == "static":
-                if group.sliding_window is not None:
+                if kind != "full_attention":
                     raise ValueError(
                         f"cache_config['layout']='static' serves full-attention layers only, and layer {idx} of this "
-                        f"{getattr(text_config, 'model_type', 'model')} model slides over a window of "
-                        f"{group.sliding_window} tokens: generate without compile_config (any other vkv layout), or "
-                        f"compile with transformers' StaticCache (cache_implementation='static')")
+                        f"{getattr(text_config, 'model_type', 'model')} model is {kind!r}: generate without "
+                        f"compile_config (any other vkv layout), or compile with transformers' StaticCache "
+                        f"(cache_implementation='static')")
                 layers.append(VKVStaticLayer(group, idx))
-            elif group.sliding_window is not None:
-                layers.append(VKVSlidingLayer(group, idx, sliding_window=group.sliding_window))
             else:
-                layers.append(VKVLayer(group, idx))
+                layers.append(make_vkv_layer(kind, group, idx, kw))
         super().__init__(layers=layers)
 
     @staticmethod
@@ -191,8 +191,13 @@ class VKVCache(Cache):
         return max((g.batch for g in self._groups), default=0) or max(0, self.batch_size)
 
     def _other_layers(self) -> list[Any]:
-        """Layers kept in transformers' own classes."""
-        return [layer for layer in self.layers if not isinstance(layer, VKVLayer)]
+        """Layers kept in transformers' own classes, and the linear state of hybrid layers (their
+        K/V are a group's): what row operations reach besides the groups."""
+        return [part for part in map(transformers_part, self.layers) if part is not None]
+
+    def _vkv_layers(self) -> int:
+        """Layers whose K/V vkv stores (a hybrid layer's attention part counts)."""
+        return sum(len(group.members) for group in self._groups)
 
     def stats(self) -> CacheStats:
         """Resident and live bytes, sharing and copy-on-write counts, per group and in total."""
@@ -208,12 +213,12 @@ class VKVCache(Cache):
             ))
         pool = sum(a.pool.stats().resident_bytes for a in self._arenas.values() if not a.closed)
         others = len(self._other_layers())
-        return CacheStats(groups=tuple(out), pool_resident_bytes=pool, vkv_layers=len(self.layers) - others,
+        return CacheStats(groups=tuple(out), pool_resident_bytes=pool, vkv_layers=self._vkv_layers(),
                           transformers_layers=others)
 
     def __repr__(self) -> str:
         others = len(self._other_layers())
-        return (f"VKVCache(layout={self.layout or 'device default'}, vkv_layers={len(self.layers) - others} "
+        return (f"VKVCache(layout={self.layout or 'device default'}, vkv_layers={self._vkv_layers()} "
                 f"in {len(self._groups)} group(s), transformers_layers={others}, rows={self.rows})")
 
     def check_invariants(self) -> None:

@@ -70,7 +70,6 @@ def cache_xfail(reason: str, raises: type[Exception] = AssertionError) -> Expect
 
 
 _OWN_ATTENTION = refused(UnsupportedModelError, "does not call transformers' AttentionInterface")
-_HYBRID = cache_xfail("the attention part of hybrid layers stays in transformers' classes (VKVCache stores none)")
 _PAGED_REFUSALS = {
     "gemma2": refused(UnsupportedModelError, "softcapping"),
     "gpt_oss": refused(UnsupportedModelError, "attention sinks (s_aux)"),
@@ -84,9 +83,6 @@ def _table() -> dict[tuple[str, str], Expect]:
     table = {(arch, mode): IDENTICAL for arch in SPECS for mode in MODES}
     for arch, expect in _PAGED_REFUSALS.items():
         table[arch, "paged_greedy"] = table[arch, "paged_beams"] = expect
-    for arch, expect in {"falcon_h1": _HYBRID, "zamba2": _HYBRID}.items():
-        for mode in MODES:
-            table[arch, mode] = expect
     return table
 
 

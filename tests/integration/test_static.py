@@ -144,7 +144,7 @@ def test_resident_bytes_follow_the_tokens_not_the_capacity() -> None:
 
 
 def test_sliding_window_models_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="serves full-attention layers only"):
+    with pytest.raises(ValueError, match="serves full-attention layers only, and layer 0 of this mistral model is .sliding_attention."):
         VKVCache(tiny("mistral").config, layout="static")
 
 
