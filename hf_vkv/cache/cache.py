@@ -16,7 +16,7 @@ from ..memory import Arena
 from .geometry import GroupGeometry
 from .group import LayerGroup
 from .hybrid import make_vkv_layer, transformers_part
-from .layer import VKVLayer, VKVStaticLayer
+from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
 from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, layout_class
 from .options import CacheOptions
 from .stats import CacheStats, GroupStats
@@ -313,10 +313,10 @@ class VKVCache(Cache):
         self._sync_static()
         for group in self._groups:
             group.check_crop()  # every group first: a refused crop changes nothing
+        for layer in self._other_layers():
+            layer.crop(tokens_to_remove)  # transformers' layers may refuse too: before the groups change
         for group in self._groups:
             group.crop(tokens_to_remove)
-        for layer in self._other_layers():
-            layer.crop(tokens_to_remove)
         self._after_row_operation()
 
     def reset(self) -> None:
@@ -364,8 +364,9 @@ class VKVCache(Cache):
             first = group.first_written()
             if group.sliding_window is not None and first > 0:
                 m = max(m, first + group.sliding_window - 1)
-        if any(getattr(layer, "is_sliding", False) for layer in self._other_layers()):
-            m = length  # transformers' own sliding layers cannot be cut back at all
+        if any(getattr(layer, "is_sliding", False) or not getattr(layer, "is_croppable", True)
+               for layer in self._other_layers()):
+            m = length  # transformers' own sliding layers and recurrent states cannot be cut back
         return min(m, length)
 
     def held_pages(self) -> dict[Hashable, int]:
@@ -397,7 +398,8 @@ class VKVCache(Cache):
         if not 0 < length <= n or length < floor:
             raise ValueError(
                 f"cannot cut a cache of {n} tokens back to {length}: it serves prefixes of {max(floor, 1)}..{n} "
-                f"tokens (sliding-window layers dropped the pages behind their window)"
+                f"tokens (sliding-window layers dropped the pages behind their window, or a recurrent state cannot "
+                f"be cut back)"
             )
         fork = self._fork()
         try:

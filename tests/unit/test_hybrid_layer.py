@@ -118,8 +118,12 @@ def test_cutting_a_recurrent_state_back_is_refused() -> None:
     got, ref = _pair()
     _step((got, ref), 5, seed=0)
     assert not got.is_croppable and not ref.is_croppable
-    with pytest.raises(RecurrentRollbackError, match="cannot be cut back"):
+    with pytest.raises(ValueError, match=r"serves prefixes of 5..5 tokens .*recurrent state cannot be cut back"):
         got.fork(3)  # (DynamicCache's crop would trim the conv state and keep the recurrent state of 5 tokens)
+    with pytest.raises(RecurrentRollbackError, match="cannot be cut back"):
+        twin = got.fork()
+        twin.activate_past_recording()
+        twin.crop(-2)
     assert_same(got, ref)  # the refused fork left the cache as it was
     got.activate_past_recording()
     ref.activate_past_recording()
