@@ -5,6 +5,8 @@
 """
 
 from .cache import CacheOptions, CacheStats, LayerMismatchError, VKVCache
+from .attention import UnsupportedModelError
+from .cache.export import VKVExportError
 from .devices import UnsupportedDeviceError
 from .memory import (
     Arena,
@@ -35,7 +37,7 @@ __version__ = "0.1.0"
 register()
 
 __all__ = [
-    "CacheOptions", "CacheStats", "LayerMismatchError", "UnsupportedDeviceError", "VKVCache", "register",
+    "CacheOptions", "CacheStats", "LayerMismatchError", "UnsupportedDeviceError", "UnsupportedModelError", "VKVCache", "VKVExportError", "register",
     "Arena", "BackendError", "CacheClosedError", "CapacityError", "HostBackend", "InvariantError",
     "KVCacheOutOfMemory", "VKVError", "VirtualBuffer", "__version__",
     "PrefixFileCorruptError", "PrefixFileError", "PrefixFormatError", "PrefixMismatchError", "PrefixStats",

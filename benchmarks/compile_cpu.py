@@ -1,0 +1,113 @@
+"""Compiled decoding on the CPU: vkv's static layout against StaticCache (both compiled) and
+DynamicCache (eager), on the embedded SmolLM2-135M (fp32).
+
+For each prompt length and batch it runs ``generate`` with each cache, interleaved round by
+round (median of ``--rounds``), and reports the decode time per step (prefill excluded, from a
+streamer that records each step's tokens) and the KV bytes each cache holds at the end:
+StaticCache's full-capacity buffers, DynamicCache's tensors, vkv's resident pages. Each compiled
+configuration is run once, untimed, before the rounds (compilation and warm-up), and the tokens
+of every run must equal StaticCache's.
+
+    python benchmarks/compile_cpu.py --json benchmarks/results/compile_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import CompileConfig
+from transformers.cache_utils import DynamicCache, StaticCache
+
+import hf_vkv
+from hf_vkv.ab.harness import describe_environment
+from hf_vkv.default_model import load_default_model
+from common import StepClock
+
+
+def _compile_config(backend: str) -> CompileConfig:
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    return config
+
+
+def _kv_bytes(cache: Any) -> int:
+    if isinstance(cache, hf_vkv.VKVCache):
+        return cache.stats().resident_bytes
+    total = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    model, _ = load_default_model(dtype=torch.float32)
+    vocab = model.config.vocab_size
+    cells = []
+    for prompt in args.prompts:
+        for batch in args.batches:
+            g = torch.Generator().manual_seed(prompt * 31 + batch)
+            ids = torch.randint(10, vocab, (batch, prompt), generator=g)
+            common = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                          min_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
+            configs = {
+                "static": dict(cache_implementation="static", compile_config=_compile_config(args.backend)),
+                "vkv-static": dict(cache_implementation="vkv", compile_config=_compile_config(args.backend)),
+                "dynamic": dict(disable_compile=True),
+            }
+            torch._dynamo.reset()
+            for name in ("static", "vkv-static"):  # compile and warm up, untimed (same shapes as the timed runs)
+                model.generate(**configs[name], **common)
+            times: dict[str, list[float]] = {name: [] for name in configs}
+            kv: dict[str, int] = {}
+            tokens: dict[str, torch.Tensor] = {}
+            for _ in range(args.rounds):
+                for name, extra in configs.items():
+                    clock = StepClock()
+                    out = model.generate(**common, **extra, streamer=clock)
+                    times[name].append(clock.step_seconds() * 1000)
+                    kv[name] = _kv_bytes(out.past_key_values)
+                    tokens[name] = out.sequences
+            identical = all(torch.equal(tokens["static"], t) for t in tokens.values())
+            step = {name: statistics.median(v) for name, v in times.items()}
+            cell = dict(prompt=prompt, batch=batch, ms_per_step=step, ms_per_step_runs=times, kv_bytes=kv,
+                        identical_tokens=identical,
+                        vkv_over_static_time=step["vkv-static"] / step["static"],
+                        vkv_over_static_kv=kv["vkv-static"] / kv["static"])
+            cells.append(cell)
+            print(f"prompt {prompt:5d} batch {batch}: " + "  ".join(f"{n} {step[n]:7.1f} ms {kv[n] / 2**20:7.1f} MiB"
+                                                                    for n in configs)
+                  + f"  vkv/static time {cell['vkv_over_static_time']:.3f} KV {cell['vkv_over_static_kv']:.3f}"
+                  + ("" if identical else "  TOKENS DIFFER"), flush=True)
+    return dict(schema="hf_vkv.compile_cpu/1", command=" ".join(sys.argv), threads=args.threads,
+                backend=args.backend, new_tokens=args.new_tokens, rounds=args.rounds,
+                environment=describe_environment(model), cells=cells,
+                time=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    report = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
