@@ -169,6 +169,28 @@ class PageTable:
         self._set(row, Row(length, old.start, old.pages + tuple(pages)))
         return created
 
+    def extend_in_place(self, rows: Sequence[int], start: int, end: int) -> bool:
+        """Make each of ``rows`` hold ``end`` units if that needs no page table change but the
+        lengths: every row already has the pages for ``[start, end)`` and none of those pages is
+        shared. Then set the lengths and return True; otherwise change nothing and return False
+        (the caller grows and copies-on-write in a transaction). The cheap path of a decode step
+        that stays inside the rows' last pages."""
+        ps = self.page_size
+        need = _pages_for(end, ps)
+        first, last = start // ps, (end - 1) // ps
+        held = []
+        for row in rows:
+            old = self._rows[self._check_row(row)]
+            if old.length > end or need != old.end or start > old.length or first < old.start:
+                return False
+            if any(self.pool.is_shared(old.pages[i - old.start]) for i in range(first, last + 1)):
+                return False
+            held.append((row, old))
+        for row, old in held:
+            if old.length != end:
+                self._set(row, Row(end, old.start, old.pages))
+        return True
+
     def share(self, src: int, dst: int, *, length: int | None = None) -> None:
         """Make ``dst`` hold the first ``length`` units of ``src`` (all of it by default) by
         referencing the same pages; ``dst``'s previous pages are dropped. Zero bytes move; a

@@ -156,6 +156,10 @@ class RowBuffer(ABC):
         self._check_capacity(end)
         if start < 0 or start > end:
             raise ValueError(f"invalid write range [{start}, {end})")
+        ib = self.item_bytes
+        rows = list(rows)
+        if end > start and self._open().extend_in_place(self._expand(rows), start * ib, end * ib):
+            return  # inside the rows' own last pages: no page made, copied or mapped
         with self._transaction() as table:
             ib = self.item_bytes
             for t in self._expand(rows):
