@@ -132,10 +132,10 @@ def memfd_mappings() -> list[str]:
 
 
 def read_mapped_pages(buf: VirtualBuffer, lines: list[str] | None = None) -> dict[tuple[int, int], int]:
-    """``{(row, page slot): physical page}`` for every page of the memfd mapped in ``buf``'s
+    """``{(table row, page slot): physical page}`` for every page of the memfd mapped in ``buf``'s
     reservation, read from ``/proc/self/maps`` (the kernel's view, not the buffer's)."""
     page = buf.store.page_bytes
-    lo, hi = buf.address, buf.address + buf.rows * buf.row_stride
+    lo, hi = buf.address, buf.address + buf.table.rows * buf.row_stride  # table rows: sub-rows too
     out: dict[tuple[int, int], int] = {}
     for line in memfd_mappings() if lines is None else lines:
         fields = line.split()
