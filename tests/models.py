@@ -43,7 +43,7 @@ from transformers import (  # noqa: E402
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer  # noqa: E402
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer  # noqa: E402
 
 import hf_vkv  # noqa: E402,F401  (registers "vkv")
 
@@ -154,16 +154,6 @@ def prompts(batch: int, length: int, *, seed: int = 0, left_pad: list[int] | Non
 def words(ids: torch.Tensor) -> str:
     """A prompt string for :func:`tokenizer` from ids."""
     return " ".join(f"w{int(i)}" for i in ids)
-
-
-def cache_kv_bytes(cache: Cache) -> int:
-    """Bytes of the K/V tensors a (Dynamic) cache's layers hold."""
-    total = 0
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
 
 
 #: The VKV layouts the A/B suites run every case in (the conftest ``layout`` fixture).
