@@ -289,7 +289,7 @@ def test_save_then_load_in_a_new_process_generates_the_same(tmp_path: Path) -> N
     tokens, cache = _cached(out)
     path = save_prefix(tmp_path / "prefix.safetensors", cache, tokens, model=model)
     query = torch.cat([out.sequences, _ids(5, seed=9)], dim=1)
-    child = _CHILD.format(tests=str(Path(__file__).parent), query=query[0].tolist(), path=str(path), new=NEW)
+    child = _CHILD.format(tests=str(Path(__file__).parents[1]), query=query[0].tolist(), path=str(path), new=NEW)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
