@@ -1,5 +1,9 @@
-"""Shared fixtures of the memory tests (pool, page tables, host backend, virtual buffer).
+"""Fixtures shared by every tier of the suite (``unit/``, ``stateful/``, ``integration/``,
+``system/``, ``gpu/``).
 
+* ``one_intra_op_thread`` (autouse): one torch intra-op thread during each test;
+* ``layout``: a :class:`models.LayoutRun` per VKV layout (a test, or a module through
+  ``pytest.mark.usefixtures("layout")``, runs once in each);
 * ``faulty_backend``: a :class:`FaultyBackend` factory, a host backend that fails a chosen call;
 * ``mapped_pages``: asserts the kernel (``/proc/self/maps``) maps exactly what page tables say;
 * ``buffer_snapshot``: everything a failed operation must leave exactly as it was;
@@ -9,11 +13,41 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
+import torch
 
 from hf_vkv.memory import BackendError, HostBackend, PageId, VirtualBuffer
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:  # the shared helpers (models.py) for the tiers in sub-folders
+    sys.path.append(_TESTS)
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread() -> Iterator[None]:
+    """One intra-op thread during each test: the tiny models and pools gain nothing from more, and
+    on a busy 2-core machine a second OpenMP thread waiting for a descheduled peer made runs 10-50x
+    slower (SmolLM2's 8 x 1024-token prefill: 200 s with 2 threads, 70 s with 1, while another
+    process kept one core busy)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(params=("token_major", "head_major", "paged"))
+def layout(request: pytest.FixtureRequest):
+    """The VKV layout of this case, as a :class:`models.LayoutRun` (its A/B helpers run it)."""
+    from models import LAYOUTS, LayoutRun  # imports transformers: only tests that ask for a layout pay
+
+    assert request.param in LAYOUTS
+    return LayoutRun(request.param)
 
 
 class FaultyBackend:
@@ -98,10 +132,10 @@ def memfd_mappings() -> list[str]:
 
 
 def read_mapped_pages(buf: VirtualBuffer, lines: list[str] | None = None) -> dict[tuple[int, int], int]:
-    """``{(row, page slot): physical page}`` for every page of the memfd mapped in ``buf``'s
+    """``{(table row, page slot): physical page}`` for every page of the memfd mapped in ``buf``'s
     reservation, read from ``/proc/self/maps`` (the kernel's view, not the buffer's)."""
     page = buf.store.page_bytes
-    lo, hi = buf.address, buf.address + buf.rows * buf.row_stride
+    lo, hi = buf.address, buf.address + buf.table.rows * buf.row_stride  # table rows: sub-rows too
     out: dict[tuple[int, int], int] = {}
     for line in memfd_mappings() if lines is None else lines:
         fields = line.split()

@@ -17,6 +17,7 @@ Architectures (what each one exercises):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -42,7 +43,7 @@ from transformers import (  # noqa: E402
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer  # noqa: E402
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer  # noqa: E402
 
 import hf_vkv  # noqa: E402,F401  (registers "vkv")
 
@@ -57,20 +58,6 @@ GEMMA3_WINDOW = 6
 SMALL_PAGE = 4096
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma3", "gpt2")
-
-@pytest.fixture(autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    """One intra-op thread during each test of a module that imports this fixture: the tiny models
-    gain nothing from more, and on a busy 2-core machine a second OpenMP thread waiting for a
-    descheduled peer made runs 10-50x slower (SmolLM2's 8 x 1024-token prefill: 200 s with 2
-    threads, 70 s with 1, while another process kept one core busy)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
 
 _COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS, tie_word_embeddings=False)
 
@@ -169,81 +156,63 @@ def words(ids: torch.Tensor) -> str:
     return " ".join(f"w{int(i)}" for i in ids)
 
 
-def cache_kv_bytes(cache: Cache) -> int:
-    """Bytes of the K/V tensors a (Dynamic) cache's layers hold."""
-    total = 0
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
-
-
-#: The VKV layouts the A/B suites run every case in.
+#: The VKV layouts the A/B suites run every case in (the conftest ``layout`` fixture).
 LAYOUTS = ("token_major", "head_major", "paged")
-#: The VKV layout the A/B helpers below run (``vkv_layout`` switches it for a test).
-_LAYOUT = ["token_major"]
 #: Tokens per block of the paged layout in tests: small, so generations cross many blocks.
 PAGED_BLOCK_TOKENS = 4
 
 
-@contextlib.contextmanager
-def vkv_layout(layout: str) -> Iterator[None]:
-    """Run the VKV side of :func:`generate_both` (and :func:`vkv_attention`) in ``layout``."""
-    before = _LAYOUT[0]
-    _LAYOUT[0] = layout
-    try:
-        yield
-    finally:
-        _LAYOUT[0] = before
+@dataclasses.dataclass(frozen=True)
+class LayoutRun:
+    """The VKV layout one test runs in, and the A/B helpers that run it (the conftest ``layout``
+    fixture gives one per layout; ``LayoutRun()`` is the default, token-major)."""
 
+    name: str = "token_major"
 
-def current_layout() -> str:
-    """The cache layout the current test runs."""
-    return _LAYOUT[0]
+    def config(self) -> dict[str, Any]:
+        """The ``cache_config`` that selects this layout (paged: chosen by the ``"vkv_paged"``
+        attention, so an assistant model with its own attention gets the device default; small blocks)."""
+        if self.name == "paged":
+            return {"block_tokens": PAGED_BLOCK_TOKENS}
+        return {"layout": self.name}
 
+    @contextlib.contextmanager
+    def attention(self, model: PreTrainedModel) -> Iterator[None]:
+        """The model's attention for a VKV run of this layout: ``"vkv_paged"`` for the paged layout
+        (a ``VKVCache`` made meanwhile is paged), the model's own otherwise."""
+        if self.name != "paged":
+            yield
+            return
+        before = model.config._attn_implementation
+        model.set_attn_implementation("vkv_paged")
+        try:
+            yield
+        finally:
+            model.set_attn_implementation(before)
 
-def layout_config() -> dict[str, Any]:
-    """The ``cache_config`` that selects the current layout (paged: chosen by the ``"vkv_paged"``
-    attention, so an assistant model with its own attention gets the device default; small blocks)."""
-    if _LAYOUT[0] == "paged":
-        return {"block_tokens": PAGED_BLOCK_TOKENS}
-    return {"layout": _LAYOUT[0]}
-
-
-@contextlib.contextmanager
-def vkv_attention(model: PreTrainedModel) -> Iterator[None]:
-    """The model's attention for a VKV run of the current layout: ``"vkv_paged"`` for the paged
-    layout (a ``VKVCache`` made meanwhile is paged), the model's own otherwise."""
-    if _LAYOUT[0] != "paged":
-        yield
-        return
-    before = model.config._attn_implementation
-    model.set_attn_implementation("vkv_paged")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
-
-
-def generate_both(model: PreTrainedModel, inputs: dict[str, torch.Tensor], *, seed: int = 0,
-                  vkv: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Any, Any]:
-    """``generate`` with ``DynamicCache`` (the model's own attention) and with
-    ``cache_implementation="vkv"`` (``vkv`` is the ``cache_config``) in the current layout, the same
-    seed before each; returns both outputs (``return_dict_in_generate``)."""
-    vkv = {**layout_config(), **(vkv or {})}
-    # the reference passes no cache_implementation: the default is DynamicCache (and an explicit
-    # "dynamic" breaks assisted decoding in transformers itself: the assistant inherits it)
-    torch.manual_seed(seed)
-    ref = model.generate(**inputs, return_dict_in_generate=True, **kwargs)
-    with vkv_attention(model):
+    def generate_both(self, model: PreTrainedModel, inputs: dict[str, torch.Tensor], *, seed: int = 0,
+                      vkv: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Any, Any]:
+        """``generate`` with ``DynamicCache`` (the model's own attention) and with
+        ``cache_implementation="vkv"`` (``vkv`` is the ``cache_config``) in this layout, the same
+        seed before each; returns both outputs (``return_dict_in_generate``)."""
+        vkv = {**self.config(), **(vkv or {})}
+        # the reference passes no cache_implementation: the default is DynamicCache (and an explicit
+        # "dynamic" breaks assisted decoding in transformers itself: the assistant inherits it)
         torch.manual_seed(seed)
-        got = model.generate(**inputs, return_dict_in_generate=True, cache_implementation="vkv",
-                             cache_config=vkv, **kwargs)
-    assert isinstance(ref.past_key_values, DynamicCache)
-    assert isinstance(got.past_key_values, hf_vkv.VKVCache)
-    assert got.past_key_values.layout == current_layout()
-    return ref, got
+        ref = model.generate(**inputs, return_dict_in_generate=True, **kwargs)
+        with self.attention(model):
+            torch.manual_seed(seed)
+            got = model.generate(**inputs, return_dict_in_generate=True, cache_implementation="vkv",
+                                 cache_config=vkv, **kwargs)
+        assert isinstance(ref.past_key_values, DynamicCache)
+        assert isinstance(got.past_key_values, hf_vkv.VKVCache)
+        assert got.past_key_values.layout == self.name
+        return ref, got
+
+
+def generate_both(model: PreTrainedModel, inputs: dict[str, torch.Tensor], **kwargs: Any) -> tuple[Any, Any]:
+    """:meth:`LayoutRun.generate_both` in the default (token-major) layout."""
+    return LayoutRun().generate_both(model, inputs, **kwargs)
 
 
 def assert_same_tokens(expected: torch.Tensor, got: torch.Tensor) -> None:

@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..memory.errors import BackendError, CacheClosedError, KVCacheOutOfMemory
 from ..memory.pool import PageId
+from ..memory.runs import consecutive_runs as _runs
 from .driver import CudaDriverError, Driver
 from .hooks import TorchHooks, torch_hooks
 
@@ -55,17 +56,6 @@ __all__ = ["CudaBackend", "DEFAULT_CREATE_AHEAD"]
 DEFAULT_CREATE_AHEAD = 16
 
 _OUT_OF_MEMORY = "CUDA_ERROR_OUT_OF_MEMORY"
-
-
-def _runs(slots: Sequence[int]) -> Iterator[tuple[int, int]]:
-    """Split sorted ``slots`` into runs of consecutive values: ``(first, length)``."""
-    i = 0
-    while i < len(slots):
-        j = i + 1
-        while j < len(slots) and slots[j] == slots[j - 1] + 1:
-            j += 1
-        yield slots[i], j - i
-        i = j
 
 
 def _alignment(page_bytes: int) -> int:

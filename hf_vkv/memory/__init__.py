@@ -1,8 +1,11 @@
-"""Backend-neutral memory: page ids and the pool, page tables, the backend protocol, the host
-backend and the virtual buffer. Nothing here imports transformers."""
+"""Backend-neutral memory: page ids and the pool, page tables, the invariant over both, page
+stores, the backend protocol, the host backend and the row buffers with their translators.
+Nothing here imports transformers."""
 
 from .backend_protocol import Backend
-from .arena import Arena, PageStore
+from .arena import Arena
+from .invariants import check_pages
+from .page_store import OpenTables, PageStore
 from .block_buffer import BlockBuffer, BlockStore
 from .virtual_buffer import VirtualBuffer
 from .errors import (
@@ -21,6 +24,6 @@ from .subrow_buffer import SubRowBuffer
 
 __all__ = [
     "Arena", "Backend", "BackendError", "BlockBuffer", "BlockStore", "BufferStats", "CacheClosedError", "CapacityError", "CowCopy",
-    "DEFAULT_HOST_PAGE_BYTES", "HostBackend", "InvariantError", "KVCacheOutOfMemory", "PageId", "PagePool",
-    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "SubRowBuffer", "VKVError", "VirtualBuffer",
+    "DEFAULT_HOST_PAGE_BYTES", "HostBackend", "InvariantError", "KVCacheOutOfMemory", "OpenTables", "PageId", "PagePool",
+    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "SubRowBuffer", "VKVError", "VirtualBuffer", "check_pages",
 ]

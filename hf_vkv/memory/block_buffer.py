@@ -21,16 +21,17 @@ from collections.abc import Sequence
 import torch
 
 from .arena import Arena
-from .page_table import PageTable, Row
-from .pool import PageId, PagePool
-from .virtual_buffer import VirtualBuffer
 from .errors import CacheClosedError
-from .row_buffer import RowBuffer
+from .page_store import OpenTables
+from .page_table import Row
+from .pool import PageId, PagePool
+from .row_buffer import RowBuffer, return_pages
+from .virtual_buffer import VirtualBuffer
 
 __all__ = ["BlockStore", "BlockBuffer"]
 
 
-class BlockStore:
+class BlockStore(OpenTables):
     """Up to ``max_blocks`` blocks of ``block_bytes`` bytes in pages of ``arena`` (a page store
     for :class:`BlockBuffer`; see the module docstring).
 
@@ -39,9 +40,12 @@ class BlockStore:
     growth; ``max_blocks`` bounds its reservation (address space only).
     """
 
+    _name = "block store"
+
     def __init__(self, arena: Arena, *, block_bytes: int, max_blocks: int) -> None:
         if block_bytes <= 0 or max_blocks <= 0:
             raise ValueError(f"block_bytes and max_blocks must be positive, got {block_bytes}, {max_blocks}")
+        super().__init__()
         self.block_bytes = block_bytes
         self.max_blocks = max_blocks
         # The store's capacity is the pool's budget: a request for more blocks than it can hold
@@ -49,8 +53,6 @@ class BlockStore:
         self.pool = PagePool(page_bytes=block_bytes, budget_pages=max_blocks)
         self._store = VirtualBuffer(arena, rows=1, capacity=max_blocks, item_bytes=block_bytes)
         self._view: torch.Tensor | None = None
-        self._open_buffers = 0
-        self.closed = False
 
     @property
     def page_bytes(self) -> int:
@@ -89,17 +91,9 @@ class BlockStore:
         """Blocks of a rolled-back transaction stay in the store (its memory is a high-water
         mark); they are free ids again once the pool is rolled back."""
 
-    def buffer_opened(self) -> None:
-        if self.closed:
-            raise CacheClosedError("this block store was closed with its last buffer; create a new cache")
-        self._open_buffers += 1
-
-    def buffer_closed(self) -> None:
-        self._open_buffers -= 1
-        if self._open_buffers == 0 and not self.closed:
-            self.closed = True
-            self._view = None
-            self._store.close()
+    def _last_closed(self) -> None:
+        self._view = None
+        self._store.close()
 
 
 class BlockBuffer(RowBuffer):
@@ -116,7 +110,7 @@ class BlockBuffer(RowBuffer):
             raise ValueError(f"a block of {store.block_bytes} bytes does not hold whole items of {item_bytes} bytes")
         super().__init__(store, rows=rows, capacity=capacity, item_bytes=item_bytes, hinted=False)
         self.block_items = store.block_bytes // item_bytes
-        self._finalizer = weakref.finalize(self, _close, self._table, store)
+        self._finalizer = weakref.finalize(self, return_pages, self._table, store)
 
     def block_tables(self, rows: range) -> torch.Tensor:
         """int32 ``[len(rows), max blocks]``: entry ``j`` of a row is the block holding its items
@@ -128,24 +122,9 @@ class BlockBuffer(RowBuffer):
         out = [[0] * row.start + list(row.pages) + [0] * (width - row.end) for row in held]
         return torch.tensor(out, dtype=torch.int32).reshape(len(held), width)
 
-    def close(self) -> None:
-        """Return every block to the store's pool."""
-        if not self._closed:
-            self._closed = True
-            self._finalizer()
-
     def _sibling(self, rows: int) -> BlockBuffer:
         return BlockBuffer(self.store, rows=rows, capacity=self.capacity, item_bytes=self.item_bytes)
 
     def _sync(self, changed: dict[int, Row]) -> None:
         """Nothing to translate: kernels read the tables."""
 
-
-def _close(table: PageTable, store: BlockStore) -> None:
-    """Return a block buffer's blocks (also run when it is garbage-collected)."""
-    try:
-        if not store.closed:
-            for r in range(table.rows):
-                table.clear(r)
-    finally:
-        store.buffer_closed()

@@ -22,12 +22,13 @@ import ctypes.util
 import mmap
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .errors import BackendError, CacheClosedError
 from .pool import PageId
+from .runs import consecutive_runs
 
 __all__ = ["HostBackend", "DEFAULT_HOST_PAGE_BYTES"]
 
@@ -70,17 +71,6 @@ def _munmap(address: int, nbytes: int) -> None:
     if _lib().munmap(address, nbytes) != 0:
         err = ctypes.get_errno()
         raise BackendError("munmap", f"{os.strerror(err)} (errno {err})")
-
-
-def _runs(pages: Sequence[PageId]) -> Iterator[tuple[int, int, int]]:
-    """Split ``pages`` into runs of consecutive ids: ``(position, first id, length)``."""
-    i = 0
-    while i < len(pages):
-        j = i + 1
-        while j < len(pages) and pages[j] == pages[j - 1] + 1:
-            j += 1
-        yield i, int(pages[i]), j - i
-        i = j
 
 
 class _Mapping:
@@ -138,7 +128,7 @@ class HostBackend:
 
     def release(self, pages: Sequence[PageId]) -> None:
         fd = self._fd_open()
-        for _, first, count in _runs(sorted(pages)):
+        for first, count in consecutive_runs(sorted(pages)):
             rc = _lib().fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
                                   first * self.page_bytes, count * self.page_bytes)
             if rc != 0:
@@ -174,11 +164,13 @@ class HostBackend:
 
     def map(self, address: int, pages: Sequence[PageId]) -> None:
         fd = self._fd_open()
-        for pos, first, count in _runs(pages):
+        pos = 0  # where the run starts in ``pages``
+        for first, count in consecutive_runs(pages):
             if first + count > self._id_space:
                 raise BackendError("mmap", f"pages {first}..{first + count - 1} outside id space {self._id_space}")
             _mmap(address + pos * self.page_bytes, count * self.page_bytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED,
                   fd, first * self.page_bytes)
+            pos += count
 
     def unmap(self, address: int, num_pages: int) -> None:
         if num_pages:

@@ -1,13 +1,14 @@
 """Per-row page tables over a :class:`~hf_vkv.memory.pool.PagePool`. Pure bookkeeping.
 
-A row holds ``length`` units (bytes for a contiguous buffer, tokens for a paged block pool) in
-pages of ``page_size`` units: unit ``u`` lives in page index ``u // page_size``. Pages wholly
-behind a sliding window can be dropped from the front, so a row is ``(length, start, pages)`` with
-``pages[k]`` holding page index ``start + k``.
+A row holds ``length`` bytes in pages of ``page_size`` bytes: byte ``b`` lives in page index
+``b // page_size``. Every translator counts bytes here, the paged one included (its pages are
+blocks of ``page_size`` bytes); a :class:`~hf_vkv.memory.row_buffer.RowBuffer` converts its items
+to bytes. Pages wholly behind a sliding window can be dropped from the front, so a row is
+``(length, start, pages)`` with ``pages[k]`` holding page index ``start + k``.
 
 Every feature of the cache is one of these operations; none of them moves bytes. The two that need
 bytes moved or memory mapped say so in what they return (fresh pages to create, CoW copies to do),
-and the caller (a :class:`~hf_vkv.memory.virtual_buffer.VirtualBuffer`) does it.
+and the caller (a :class:`~hf_vkv.memory.row_buffer.RowBuffer`) does it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _pages_for(length: int, page_size: int) -> int:
 class Row:
     """One row's table. Immutable: every operation replaces the record, so undo is a reference."""
 
-    length: int = 0  # units held
+    length: int = 0  # bytes held
     start: int = 0  # page index of pages[0]; earlier pages were dropped behind a window
     pages: tuple[PageId, ...] = ()  # pages[k] holds page index start + k
 
@@ -57,12 +58,14 @@ class CowCopy:
 class PageTable:
     """Page tables for ``rows`` rows of at most ``pages_per_row`` pages each.
 
-    Invariants (checked by :meth:`check_invariants`, together with the pool's):
+    Invariants (checked by :meth:`check_invariants`):
 
-    * a row's table covers exactly its units: ``start + len(pages) == ceil(length / page_size)``
+    * a row's table covers exactly its bytes: ``start + len(pages) == ceil(length / page_size)``
       and ``start <= ceil(length / page_size) <= pages_per_row``;
-    * every page in a table is in use in the pool, and its refcount equals the number of slots
-      (over all tables of the pool) that hold it; no page is both free and referenced.
+    * every page in a table is in use in the pool (no page is both free and referenced).
+
+    That a page's refcount equals the number of entries holding it, over every table of the pool,
+    is checked by :func:`~hf_vkv.memory.invariants.check_pages`, given all those tables.
 
     Operations are atomic: they validate and check the budget before changing anything. Inside a
     transaction (:meth:`begin`, mirrored on the pool by the caller) every replaced row is kept, so
@@ -88,7 +91,6 @@ class PageTable:
         self._undo_counters: tuple[int, int] = (0, 0)
         self.cow_copies = 0  # pages copied by copy-on-write, over the table's life
         self.remapped_rows = 0  # rows that took another row's table in reorders
-        pool.attach(self)
 
     # ----------------------------------------------------------------------------- transactions
     def begin(self) -> None:
@@ -130,7 +132,7 @@ class PageTable:
         return PageId(self._base + row * self.pages_per_row + index)
 
     def referenced_pages(self) -> Iterator[PageId]:
-        """Every page of every row, once per slot that holds it."""
+        """Every page of every row, once per table entry that holds it."""
         for row in self._rows:
             yield from row.pages
 
@@ -144,14 +146,14 @@ class PageTable:
             raise ValueError(f"length must be >= 0, got {length}")
         if _pages_for(length, self.page_size) > self.pages_per_row:
             raise CapacityError(
-                f"row {row} would hold {length} units but its reservation holds "
+                f"row {row} would hold {length} bytes but its reservation holds "
                 f"{self.pages_per_row * self.page_size}: create the cache with a larger max length"
             )
         return length
 
     # ----------------------------------------------------------------------------- operations
     def grow(self, row: int, length: int) -> list[PageId]:
-        """Extend ``row`` to hold ``length`` units (no-op if it already does).
+        """Extend ``row`` to hold ``length`` bytes (no-op if it already does).
 
         Returns the pages the backend must create (fresh memory) before they are used.
         """
@@ -192,17 +194,17 @@ class PageTable:
         return True
 
     def share(self, src: int, dst: int, *, length: int | None = None) -> None:
-        """Make ``dst`` hold the first ``length`` units of ``src`` (all of it by default) by
+        """Make ``dst`` hold the first ``length`` bytes of ``src`` (all of it by default) by
         referencing the same pages; ``dst``'s previous pages are dropped. Zero bytes move; a
         partly filled last page stays shared until someone writes to it (see :meth:`cow`)."""
         source = self._rows[self._check_row(src)]
         self._check_row(dst)
         length = source.length if length is None else length
         if not 0 <= length <= source.length:
-            raise ValueError(f"length {length} is outside row {src}'s 0..{source.length} units")
+            raise ValueError(f"length {length} is outside row {src}'s 0..{source.length} bytes")
         end = _pages_for(length, self.page_size)
         if length and end <= source.start:
-            raise ValueError(f"row {src}'s first {length} units were dropped behind its window")
+            raise ValueError(f"row {src}'s first {length} bytes were dropped behind its window")
         self.assign(dst, Row(length, source.start, source.pages[: end - source.start]) if length else Row())
 
     def assign(self, row: int, table: Row) -> None:
@@ -243,20 +245,20 @@ class PageTable:
                 self.remapped_rows += i < len(index) and index[i] is not None and index[i] != i
 
     def cow(self, row: int, start: int, end: int) -> tuple[list[CowCopy], list[PageId]]:
-        """Give ``row`` private copies of the shared pages that units ``[start, end)`` touch.
+        """Give ``row`` private copies of the shared pages that bytes ``[start, end)`` touch.
 
-        Call before writing those units. Returns the copies the caller must perform, and the
+        Call before writing those bytes. Returns the copies the caller must perform, and the
         destination pages the backend must create first.
         """
         old = self._rows[self._check_row(row)]
         if not 0 <= start <= end <= old.length:
-            raise ValueError(f"write range [{start}, {end}) is outside row {row}'s 0..{old.length} units")
+            raise ValueError(f"write range [{start}, {end}) is outside row {row}'s 0..{old.length} bytes")
         if start == end:
             return [], []
         first = start // self.page_size
         last = (end - 1) // self.page_size
         if first < old.start:
-            raise ValueError(f"row {row} cannot write unit {start}: it was dropped behind the window")
+            raise ValueError(f"row {row} cannot write byte {start}: it was dropped behind the window")
         shared = [i for i in range(first, last + 1) if self.pool.is_shared(old.page_at(i))]
         if not shared:
             return [], []
@@ -276,10 +278,10 @@ class PageTable:
         return copies, created
 
     def truncate(self, row: int, length: int) -> None:
-        """Shrink ``row`` to ``length`` units, dropping pages past the end."""
+        """Shrink ``row`` to ``length`` bytes, dropping pages past the end."""
         old = self._rows[self._check_row(row)]
         if not 0 <= length <= old.length:
-            raise ValueError(f"cannot truncate row {row} from {old.length} to {length} units")
+            raise ValueError(f"cannot truncate row {row} from {old.length} to {length} bytes")
         if length == old.length:
             return
         end = _pages_for(length, self.page_size)
@@ -287,12 +289,12 @@ class PageTable:
         self.pool.decref(old.pages[keep:])
         self._set(row, Row(length, min(old.start, end), old.pages[:keep]) if length else Row())
 
-    def drop_before(self, row: int, unit: int) -> None:
-        """Drop the pages of ``row`` that lie wholly before ``unit`` (behind a sliding window)."""
+    def drop_before(self, row: int, offset: int) -> None:
+        """Drop the pages of ``row`` that lie wholly before byte ``offset`` (behind a sliding window)."""
         old = self._rows[self._check_row(row)]
-        if not 0 <= unit <= old.length:
-            raise ValueError(f"unit {unit} is outside row {row}'s 0..{old.length} units")
-        new_start = min(unit // self.page_size, old.end)
+        if not 0 <= offset <= old.length:
+            raise ValueError(f"byte {offset} is outside row {row}'s 0..{old.length} bytes")
+        new_start = min(offset // self.page_size, old.end)
         if new_start <= old.start:
             return
         cut = new_start - old.start
@@ -308,11 +310,11 @@ class PageTable:
 
     # ----------------------------------------------------------------------------- checks
     def shared_pages(self) -> int:
-        """Distinct pages of this table held by more than one slot (anywhere in the pool)."""
+        """Distinct pages of this table held by more than one table entry (anywhere in the pool)."""
         return sum(1 for p in {p for r in self._rows for p in r.pages} if self.pool.is_shared(p))
 
     def check_invariants(self) -> None:
-        """Raise :class:`InvariantError` unless the table's and the pool's invariants hold."""
+        """Raise :class:`InvariantError` unless the table's invariants (class docstring) hold."""
         if self._undo is not None:
             raise InvariantError("check_invariants() inside an open transaction")
         for i, row in enumerate(self._rows):
@@ -325,4 +327,3 @@ class PageTable:
             for page in row.pages:
                 if self.pool.refcount(page) < 1:
                     raise InvariantError(f"row {i} holds page {page}, which the pool says is free")
-        self.pool.check_invariants()

@@ -4,28 +4,24 @@ A page is a fixed-size unit of physical memory named by a :data:`PageId`. The po
 what a page is made of (a slice of a memfd, a CUDA allocation, a block of a paged pool): a backend
 does. Each page is in exactly one of three states:
 
-* **in use**: referenced by one or more page-table slots (``refcount >= 1``);
+* **in use**: referenced by one or more page-table entries (``refcount >= 1``);
 * **resident free**: unreferenced but still backed by memory, recycled before new memory is touched
   (first-touching memory costs far more than mapping it, see ``notes/vmm.md`` §6);
 * **not resident**: never created, or released (hole punched / handle released).
 
 Ids live in an id space that grows by *segments*. A page table asks for pages with *hints* (the id
-after the row's previous page, then the slot's home id in its segment), so a row's consecutive
+after the row's previous page, then the page index's home id in its segment), so a row's consecutive
 pages usually sit at consecutive physical offsets and the host backend maps them with one call.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NewType
+from typing import NewType
 
 from .errors import InvariantError, KVCacheOutOfMemory
-
-if TYPE_CHECKING:
-    from .page_table import PageTable
 
 __all__ = ["PageId", "PagePool", "PoolStats"]
 
@@ -38,7 +34,7 @@ class PoolStats:
 
     page_bytes: int  # bytes of one page
     budget_pages: int  # most pages that may be resident at once
-    in_use: int  # pages referenced by at least one slot
+    in_use: int  # pages referenced by at least one table entry
     resident_free: int  # unreferenced pages still backed by memory
     created: int  # pages made resident from nothing, over the pool's life
     recycled: int  # allocations served by a resident free page
@@ -65,12 +61,14 @@ class PagePool:
     Invariants (checked by :meth:`check_invariants`):
 
     * every id is < ``id_space``; in-use and resident-free ids are disjoint;
-    * ``refcount[p] >= 1`` for every in-use page, and equals the number of slots that hold ``p`` in
-      all page tables attached to this pool;
+    * ``refcount[p] >= 1`` for every in-use page;
     * ``in_use + resident_free <= budget_pages``: resident memory never exceeds the budget.
 
     Mutations can run inside a transaction (:meth:`begin` / :meth:`commit` / :meth:`rollback`); a
     rollback restores every counter and set exactly, so a failed backend call leaves no trace.
+
+    That a refcount equals the number of page-table entries holding the page spans the pool and
+    every table drawing from it: :func:`~hf_vkv.memory.invariants.check_pages` checks it.
     """
 
     def __init__(self, *, page_bytes: int, budget_pages: int) -> None:
@@ -90,7 +88,6 @@ class PagePool:
         self._recycled = 0
         self._released = 0
         self._undo: list[Callable[[], None]] | None = None
-        self._tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
 
     # ----------------------------------------------------------------------------- transactions
     def begin(self) -> None:
@@ -154,10 +151,6 @@ class PagePool:
     def id_space(self) -> int:
         """Number of page ids that exist (resident or not)."""
         return self._id_space
-
-    def attach(self, table: PageTable) -> None:
-        """Register a page table so :meth:`check_invariants` can count its references."""
-        self._tables.add(table)
 
     # ----------------------------------------------------------------------------- allocation
     def allocate(self, hints: Sequence[Sequence[PageId]]) -> tuple[list[PageId], list[PageId]]:
@@ -243,7 +236,7 @@ class PagePool:
         return self._refs.get(page, 0)
 
     def is_shared(self, page: PageId) -> bool:
-        """Whether more than one slot holds ``page`` (a write to it needs copy-on-write)."""
+        """Whether more than one table entry holds ``page`` (a write to it needs copy-on-write)."""
         return self._refs.get(page, 0) > 1
 
     def take_releasable(self, keep: int = 0) -> list[PageId]:
@@ -296,12 +289,3 @@ class PagePool:
                 f"{len(self._refs)} in use + {len(self._resident_free)} resident free pages exceed the "
                 f"budget of {self.budget_pages}"
             )
-        counts: dict[PageId, int] = {}
-        for table in list(self._tables):
-            for page in table.referenced_pages():
-                counts[page] = counts.get(page, 0) + 1
-        if counts != self._refs:
-            wrong = {p: (self._refs.get(p, 0), counts.get(p, 0)) for p in counts.keys() | self._refs.keys()
-                     if self._refs.get(p, 0) != counts.get(p, 0)}
-            raise InvariantError(f"refcount != occurrences in page tables (page: (refcount, seen)): "
-                                 f"{dict(list(wrong.items())[:8])}")

@@ -18,17 +18,18 @@ exactly, pages created on the way are given back, and the error propagates.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .arena import PageStore
 from .errors import CacheClosedError, CapacityError
+from .invariants import check_pages
+from .page_store import PageStore
 from .page_table import PageTable, Row
 from .pool import PageId
 
-__all__ = ["RowBuffer", "BufferStats"]
+__all__ = ["RowBuffer", "BufferStats", "return_pages"]
 
 _Self = TypeVar("_Self", bound="RowBuffer")
 
@@ -38,9 +39,9 @@ class BufferStats:
     """Memory accounting of one buffer (bytes; shared pages counted once)."""
 
     page_bytes: int
-    mapped_slots: int  # page slots held over all rows (a shared page counts once per slot)
+    mapped_slots: int  # page slots of all rows that hold a page (a shared page counts once per slot)
     distinct_pages: int  # pages these rows hold
-    shared_pages: int  # of those, pages held by more than one slot anywhere in the store
+    shared_pages: int  # of those, pages held by more than one table entry anywhere in the store
     resident_bytes: int  # distinct_pages * page_bytes
     live_bytes: int  # bytes of live items in those pages, each shared page counted once
     cow_copies: int  # pages copied on write over the buffer's life
@@ -56,15 +57,17 @@ class RowBuffer(ABC):
 
     All lengths and positions are in items; the page table counts bytes (``page_size`` =
     ``store.page_bytes``). A row holds items ``[0, length)``, minus the pages dropped behind a
-    window by :meth:`drop_before`. The buffer counts as open in its store from construction to
+    window by :meth:`drop_before`. The buffer's table is open in its store from construction to
     :meth:`close` (the store closes with its last buffer).
 
     A row may be ``parts`` page-table rows (sub-rows) that always hold the same items: every
     operation on a row applies to each of its parts, and :meth:`table_rows` says which table
     rows they are (by default the ``parts`` consecutive ones; a translator may interleave them).
 
-    Subclasses implement :meth:`_sync` (make the translation follow changed table rows),
-    :meth:`_sibling` (an empty buffer of the same kind, for :meth:`fork`) and :meth:`close`.
+    Subclasses implement :meth:`_sync` (make the translation follow changed table rows) and
+    :meth:`_sibling` (an empty buffer of the same kind, for :meth:`fork`), and set ``_finalizer``
+    (run once, by :meth:`close` or when the buffer is collected: it returns the pages, see
+    :func:`return_pages`).
     """
 
     def __init__(self, store: PageStore, *, rows: int, capacity: int, item_bytes: int, hinted: bool,
@@ -79,11 +82,12 @@ class RowBuffer(ABC):
         self.capacity = capacity
         self.item_bytes = item_bytes
         self.pages_per_row = -(-capacity * item_bytes // page)
-        store.buffer_opened()  # a subclass whose own set-up fails calls store.buffer_closed()
         self._table = PageTable(store.pool, rows=rows * parts, pages_per_row=self.pages_per_row, page_size=page,
                                 hinted=hinted)
+        store.buffer_opened(self._table)  # a subclass whose own set-up fails calls store.buffer_closed()
         self._created: list[PageId] = []
         self._closed = False
+        self._finalizer: Callable[[], object]
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -139,9 +143,12 @@ class RowBuffer(ABC):
         )
 
     def check_invariants(self) -> None:
-        """Check the page table's and the pool's invariants (the translation follows the table
-        by construction; the state-machine tests check it through the memory)."""
-        self._open().check_invariants()
+        """Check the invariants of the pool and of every page table of the store, this buffer's
+        included, and that each page's refcount equals the entries holding it over all of them
+        (the translation follows the table by construction; the state-machine tests check it
+        through the memory)."""
+        self._open()
+        check_pages(self.store.pool, self.store.tables())
 
     # ----------------------------------------------------------------------------- operations
     def grow(self, rows: Iterable[int], length: int) -> None:
@@ -227,9 +234,11 @@ class RowBuffer(ABC):
             raise
         return other
 
-    @abstractmethod
     def close(self) -> None:
         """Return every page. Views taken earlier must not be used again."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
 
     # ----------------------------------------------------------------------------- for subclasses
     @abstractmethod
@@ -283,3 +292,20 @@ class RowBuffer(ABC):
             pool.commit()
         finally:
             self._created = []
+
+
+def return_pages(table: PageTable, store: PageStore, untranslate: Callable[[], None] | None = None) -> None:
+    """A buffer's end (its ``_finalizer``): undo its translation (``untranslate``), return every
+    page of ``table`` to the pool, and close the table in ``store``. Pages go back even if
+    ``untranslate`` failed (a closed buffer is never read again); nothing is returned to a store
+    already closed (its memory is gone)."""
+    try:
+        if not store.closed:
+            try:
+                if untranslate is not None:
+                    untranslate()
+            finally:
+                for r in range(table.rows):
+                    table.clear(r)
+    finally:
+        store.buffer_closed(table)

@@ -10,6 +10,7 @@ A backend failure while mapping is undone with the rest of the transaction.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 
 import torch
 
@@ -18,7 +19,7 @@ from .backend_protocol import Backend
 from .errors import BackendError
 from .page_table import PageTable, Row
 from .pool import PageId
-from .row_buffer import BufferStats, RowBuffer
+from .row_buffer import BufferStats, RowBuffer, return_pages
 
 __all__ = ["Arena", "VirtualBuffer", "BufferStats"]
 
@@ -40,7 +41,7 @@ class _Reservation:
 
 
 class _Closer:
-    """Returns a buffer's pages and unmaps its rows, once."""
+    """Unmaps a buffer's rows and returns its pages, once."""
 
     def __init__(self, table: PageTable, arena: Arena, address: int, row_stride: int) -> None:
         self._args: tuple[PageTable, Arena, int, int] | None = (table, arena, address, row_stride)
@@ -48,7 +49,8 @@ class _Closer:
     def __call__(self) -> None:
         args, self._args = self._args, None
         if args is not None:
-            _close(*args)
+            table, arena = args[:2]
+            return_pages(table, arena, partial(_unmap_rows, *args))
 
 
 def _release(state: dict, backend: Backend, address: int, nbytes: int) -> None:
@@ -84,7 +86,7 @@ class VirtualBuffer(RowBuffer):
             self._reservation = _Reservation(arena.backend, nbytes, readable=readable)
             self._storage = arena.backend.tensor(self._reservation.address, nbytes, self._reservation)
         except BaseException:
-            arena.buffer_closed()
+            arena.buffer_closed(self._table)
             raise
         self._reservation.closer = self._finalizer = _Closer(self._table, arena, self._reservation.address,
                                                              self.row_stride)
@@ -129,12 +131,6 @@ class VirtualBuffer(RowBuffer):
                     f"items [{start}, {end}) of row {r} are not mapped (it holds "
                     f"[{self.first_live(r)}, {row.length // self.item_bytes}))"
                 )
-
-    def close(self) -> None:
-        """Return every page and unmap the rows. Views taken earlier must not be used again."""
-        if not self._closed:
-            self._closed = True
-            self._finalizer()
 
     # ----------------------------------------------------------------------------- internals
     def _sibling(self, rows: int) -> VirtualBuffer:
@@ -206,17 +202,9 @@ def _slot_changes(old: Row, new: Row) -> list[tuple[int, list[PageId | None], li
     return runs
 
 
-def _close(table: PageTable, arena: Arena, address: int, row_stride: int) -> None:
-    """Return a buffer's pages and unmap its rows (also run when a buffer is garbage-collected)."""
-    try:
-        if not arena.closed:
-            pages = arena.page_bytes
-            try:
-                for r, row in enumerate(table):
-                    if row.pages:
-                        arena.backend.unmap(address + r * row_stride + row.start * pages, len(row.pages))
-            finally:  # the pages go back even if an unmap failed: the closed buffer is never read again
-                for r in range(table.rows):
-                    table.clear(r)
-    finally:
-        arena.buffer_closed()
+def _unmap_rows(table: PageTable, arena: Arena, address: int, row_stride: int) -> None:
+    """Unmap every live page slot of a buffer's rows (its end: see :class:`_Closer`)."""
+    pages = arena.page_bytes
+    for r, row in enumerate(table):
+        if row.pages:
+            arena.backend.unmap(address + r * row_stride + row.start * pages, len(row.pages))

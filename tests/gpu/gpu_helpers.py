@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import FaultyBackend, snapshot  # tests/conftest.py (pytest puts tests/ on sys.path for it)
+from conftest import FaultyBackend, snapshot  # tests/conftest.py (tests/ is on sys.path: conftest.py puts it there)
 
 from hf_vkv.memory import VirtualBuffer
 
@@ -35,7 +35,7 @@ def cuda_backend(**kwargs):
 
 class FaultyCudaBackend(FaultyBackend):
     """``tests/conftest.py``'s ``FaultyBackend`` around a :class:`~hf_vkv.cuda.CudaBackend` (so the
-    state machine of ``tests/test_state_machine.py`` runs on it). ``page_bytes`` must be the
+    state machine of ``tests/stateful/test_state_machine.py`` runs on it). ``page_bytes`` must be the
     device's granularity (the state machine is run with its ``PAGE`` set to it);
     ``create_ahead=1`` keeps no spare handles, so ``resident_bytes()`` counts pages only."""
 

@@ -1,4 +1,4 @@
-"""The foundation's state machine (``tests/test_state_machine.py``) on device memory.
+"""The foundation's state machine (``tests/stateful/test_state_machine.py``) on device memory.
 
 The very machine of the CPU suite runs over a :class:`~hf_vkv.cuda.CudaBackend` (through
 :class:`FaultyCudaBackend`, which injects the same failures): random grow / write / share /
@@ -16,7 +16,7 @@ from gpu_helpers import GPU, FaultyCudaBackend, check_mapped_pages, cuda_backend
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import test_state_machine as sm
+from stateful import test_state_machine as sm  # tests/stateful/ (tests/ is on sys.path: conftest.py)
 
 pytestmark = GPU
 

@@ -131,6 +131,7 @@ def test_default_cuda_budget_leaves_a_margin() -> None:
     assert default_cuda_budget(10 * gib, 16 * gib) == 9 * gib  # at least 1 GiB
 
 
+@pytest.mark.slow  # a fresh interpreter: 13-23 s on a loaded 2-core machine
 def test_importing_hf_vkv_loads_no_cuda_bindings() -> None:
     # torch itself may import cuda.bindings when it is installed: compare with what torch and
     # transformers loaded before hf_vkv

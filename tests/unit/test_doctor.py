@@ -78,6 +78,7 @@ def test_json_and_warn_formatting() -> None:
         {"name": "b", "status": "warn", "detail": "limited", "fix": "do x"}]}
 
 
+@pytest.mark.slow  # a fresh interpreter: 13-23 s on a loaded 2-core machine
 def test_importing_hf_vkv_and_the_doctor_imports_no_cuda() -> None:
     code = ("import sys, hf_vkv, hf_vkv.doctor; "
             "bad = sorted(m for m in sys.modules if m == 'hf_vkv.cuda' or m.startswith(('hf_vkv.cuda.', 'cuda.'))); "

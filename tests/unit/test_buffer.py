@@ -411,3 +411,25 @@ def test_check_invariants_sees_a_corrupted_table(new):
     with pytest.raises(InvariantError, match="refcount != occurrences"):
         buf.check_invariants()
     buf.table._rows[1] = Row()
+
+
+def test_check_invariants_sees_a_wrong_refcount_anywhere_in_the_store(new):
+    buf = new()
+    buf.grow([0], 300)
+    fork = buf.fork()  # a second buffer of the same arena: its table holds the same pages
+    new.ok(buf, fork)
+    pool = buf.store.pool
+    page = buf.table.row(0).pages[0]
+    assert pool.refcount(page) == 2
+    pool._refs[page] = 3  # a wrong refcount
+    for b in (buf, fork):
+        with pytest.raises(InvariantError, match=rf"\{{{page}: \(3, 2\)\}}"):
+            b.check_invariants()
+    pool._refs[page] = 2
+    fork.table._rows[1] = fork.table.row(0)  # a reference in the other buffer only
+    with pytest.raises(InvariantError, match="refcount != occurrences"):
+        buf.check_invariants()
+    fork.table._rows[1] = Row()
+    fork.close()  # a closed buffer's table no longer counts
+    assert buf.store.tables() == [buf.table]
+    new.ok(buf)

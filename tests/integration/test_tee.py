@@ -21,25 +21,19 @@ block tables of the tag.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
 from models import (
+    LayoutRun,
     PAGED_BLOCK_TOKENS,
     SMALL_PAGE,
     assert_same_tokens,
     assistant,
-    LAYOUTS,
-    current_layout,
-    layout_config,
     needs_sliding_rollback,
     prompts,
     tiny,
-    vkv_attention,
-    vkv_layout,
 )
 from transformers.cache_utils import DynamicCache
 
@@ -49,18 +43,12 @@ from hf_vkv import VKVCache
 from hf_vkv.attention.kernels import gather_kv
 from hf_vkv.attention import PAGED_TAG
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("layout")]
 
 
-@pytest.fixture(autouse=True, params=LAYOUTS)
-def layout(request: pytest.FixtureRequest) -> Iterator[str]:
-    with vkv_layout(request.param):
-        yield request.param
-
-
-def options() -> dict[str, int]:
+def options(layout: LayoutRun) -> dict[str, int]:
     """The VKV cache options of these tests in the current layout."""
-    return {"page_bytes": SMALL_PAGE, **layout_config()}
+    return {"page_bytes": SMALL_PAGE, **layout.config()}
 
 
 class TeeCache(VKVCache):
@@ -151,12 +139,12 @@ def tee(monkeypatch: pytest.MonkeyPatch) -> type[TeeCache]:
     return TeeCache
 
 
-def _run(model: Any, inputs: dict[str, torch.Tensor], seed: int = 0, **kwargs: Any) -> tuple[Any, Any]:
+def _run(layout: LayoutRun, model: Any, inputs: dict[str, torch.Tensor], seed: int = 0, **kwargs: Any) -> tuple[Any, Any]:
     torch.manual_seed(seed)
     ref = model.generate(**inputs, **kwargs)
     torch.manual_seed(seed)
-    with vkv_attention(model):
-        got = model.generate(**inputs, cache_implementation="vkv", cache_config=options(),
+    with layout.attention(model):
+        got = model.generate(**inputs, cache_implementation="vkv", cache_config=options(layout),
                              return_dict_in_generate=True, **kwargs)
     assert_same_tokens(ref, got.sequences)
     return ref, got
@@ -174,12 +162,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tee_generate(tee: type[TeeCache], case: str) -> None:
+def test_tee_generate(layout: LayoutRun, tee: type[TeeCache], case: str) -> None:
     arch, kwargs, prompt_kwargs = CASES[case]
     model = tiny(arch)
-    _, got = _run(model, prompts(2, 10, seed=21, **prompt_kwargs), max_new_tokens=20, **kwargs)
+    _, got = _run(layout, model, prompts(2, 10, seed=21, **prompt_kwargs), max_new_tokens=20, **kwargs)
     (cache,) = tee.instances
-    assert got.past_key_values is cache and cache.layout == current_layout()
+    assert got.past_key_values is cache and cache.layout == layout.name
     n_layers = model.config.num_hidden_layers
     assert cache.calls["update"] == 20 * n_layers  # prefill + 19 decode steps, every layer checked
     assert cache.calls["get_mask_sizes"] >= 20
@@ -191,26 +179,26 @@ def test_tee_generate(tee: type[TeeCache], case: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", pytest.param("gemma3", marks=needs_sliding_rollback)])
-def test_tee_assisted(tee: type[TeeCache], arch: str) -> None:
+def test_tee_assisted(layout: LayoutRun, tee: type[TeeCache], arch: str) -> None:
     """Assisted decoding: many-token updates and crops, on the main cache and the assistant's."""
-    _run(tiny(arch), prompts(1, 9, seed=22), max_new_tokens=30, do_sample=False, assistant_model=assistant(arch))
+    _run(layout, tiny(arch), prompts(1, 9, seed=22), max_new_tokens=30, do_sample=False, assistant_model=assistant(arch))
     assert len(tee.instances) == 2  # the main model's and the assistant's (whose attention is sdpa)
-    own = policy_for("cpu").layout if current_layout() == "paged" else current_layout()  # the assistant's attention is sdpa
-    assert [c.layout for c in tee.instances] == [current_layout(), own]
+    own = policy_for("cpu").layout if layout.name == "paged" else layout.name  # the assistant's attention is sdpa
+    assert [c.layout for c in tee.instances] == [layout.name, own]
     for cache in tee.instances:
         assert cache.calls["crop"] > 0 and cache.calls["update"] > 0
         cache.check_invariants()
 
 
-def test_tee_manual_loop_with_row_operations() -> None:
+def test_tee_manual_loop_with_row_operations(layout: LayoutRun) -> None:
     """A hand-written decode loop on gemma3 (mixed window layers) with every row operation in between."""
     model = tiny("gemma3")
-    with vkv_attention(model):
-        _manual_loop(model)
+    with layout.attention(model):
+        _manual_loop(layout, model)
 
 
-def _manual_loop(model: Any) -> None:
-    cache = TeeCache(model.config, **options())
+def _manual_loop(layout: LayoutRun, model: Any) -> None:
+    cache = TeeCache(model.config, **options(layout))
     inputs = prompts(3, 7, seed=23, left_pad=[0, 2, 5])
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
 
@@ -265,17 +253,17 @@ def _decode(cache: TeeCache, model: Any, steps: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", pytest.param("mistral", marks=needs_sliding_rollback)])
-def test_row_operations_match_dynamic_cache(arch: str) -> None:
+def test_row_operations_match_dynamic_cache(layout: LayoutRun, arch: str) -> None:
     """crop(-n), batch_select_indices (index tensor, list, bool mask, negative index),
     batch_repeat_interleave and reset leave the same K/V as in DynamicCache (compared after each),
     and decoding on top of them stays identical."""
     model = tiny(arch)
-    with vkv_attention(model):
-        _row_operations(model, arch)
+    with layout.attention(model):
+        _row_operations(layout, model, arch)
 
 
-def _row_operations(model: Any, arch: str) -> None:
-    cache = TeeCache(model.config, **options())
+def _row_operations(layout: LayoutRun, model: Any, arch: str) -> None:
+    cache = TeeCache(model.config, **options(layout))
     if arch == "mistral":
         cache.activate_past_recording()  # a sliding window can be cropped back only when recording
     _prefill(cache, model, 3, 11, seed=31)
@@ -301,11 +289,11 @@ def _row_operations(model: Any, arch: str) -> None:
     cache.check_invariants()
 
 
-def test_reset_then_larger_batch() -> None:
+def test_reset_then_larger_batch(layout: LayoutRun) -> None:
     """After reset() a DynamicCache takes any batch; so does the VKV cache (and writes no stale rows)."""
     model = tiny("gemma3")
-    with vkv_attention(model):
-        cache = TeeCache(model.config, **options())
+    with layout.attention(model):
+        cache = TeeCache(model.config, **options(layout))
         _prefill(cache, model, 2, 9, seed=39)
         _decode(cache, model, 6, seed=40)
         _reset_both(cache)

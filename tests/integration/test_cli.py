@@ -22,7 +22,7 @@ from hf_vkv.ab import AB_REPORT_SCHEMA, paged_attention_available
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
 from models import SMALL_PAGE, tiny, tokenizer, words
 from transformers import AutoModelForCausalLM, GenerationConfig, pipeline
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from hf_vkv.memory import Arena, BackendError, CapacityError, KVCacheOutOfMemory, VirtualBuffer
+from hf_vkv.memory import Arena, BackendError, CapacityError, InvariantError, KVCacheOutOfMemory, VirtualBuffer
 
 PAGE = 4096
 EXAMPLES, STEPS = 160, 100  # ~12,000 steps a run (hypothesis starts with some short examples)
@@ -301,6 +302,7 @@ class BufferMachine(RuleBasedStateMachine):
             assert self.backend.name not in f.read(), "a mapping of the memfd outlived the buffers"
 
 
+@pytest.mark.slow
 def test_random_operations_on_real_memory(faulty_backend, mapped_pages, buffer_snapshot):
     BufferMachine.make_backend = faulty_backend
     BufferMachine.tools = {"mapped_pages": mapped_pages, "snapshot": buffer_snapshot}
@@ -310,3 +312,22 @@ def test_random_operations_on_real_memory(faulty_backend, mapped_pages, buffer_s
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     ))
     assert BufferMachine.steps >= 10_000, BufferMachine.steps
+
+
+def test_the_machine_check_catches_a_wrong_refcount(faulty_backend, mapped_pages, buffer_snapshot):
+    """The machine's after-every-step check fails on a refcount that differs from the tables."""
+    BufferMachine.make_backend = faulty_backend
+    BufferMachine.tools = {"mapped_pages": mapped_pages, "snapshot": buffer_snapshot}
+    machine = BufferMachine()
+    machine.setup(rows=2, pages=2, item=8, slack=0, budget=None)
+    machine.bufs[0].grow([0, 1], 600)
+    for m in machine.models[0]:
+        m.length = 600
+    machine.reads_what_the_model_says()
+    pool = machine.arena.pool
+    page = machine.bufs[0].table.row(1).pages[0]
+    pool._refs[page] += 1
+    with pytest.raises(InvariantError, match="refcount != occurrences"):
+        machine.reads_what_the_model_says()
+    pool._refs[page] -= 1
+    machine.teardown()

@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 import torch
-from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
-from models import SMALL_PAGE, assert_same_tokens, cache_kv_bytes, prompts, tiny
+from models import SMALL_PAGE, assert_same_tokens, prompts, tiny
 from transformers.cache_utils import DynamicCache
 
 import hf_vkv.registration as registration
 from hf_vkv import VKVCache
+from hf_vkv.ab.probes import kv_bytes
 from hf_vkv.memory import Arena
 
 pytestmark = pytest.mark.integration
@@ -143,7 +143,7 @@ def _smollm2_ab(model: Any, **kwargs: Any) -> tuple[Any, Any]:
 @needs_smollm2
 def test_smollm2_sampling_8_sequences_quarter_of_dynamic(smollm2: Any, recorder: type[StepRecorder]) -> None:
     ref, got = _smollm2_ab(smollm2, do_sample=True, num_return_sequences=8)
-    dynamic = cache_kv_bytes(ref.past_key_values)
+    dynamic = kv_bytes(ref.past_key_values)  # a DynamicCache: its K/V tensors' bytes
     assert dynamic == 8 * (1024 + 15) * smollm2.config.num_hidden_layers * 2 * 3 * 64 * 4
     cache = got.past_key_values
     stats = cache.stats()
@@ -162,7 +162,7 @@ def test_smollm2_sampling_8_sequences_quarter_of_dynamic(smollm2: Any, recorder:
 @needs_smollm2
 def test_smollm2_beam_4_under_40_percent_of_dynamic(smollm2: Any, recorder: type[StepRecorder]) -> None:
     ref, got = _smollm2_ab(smollm2, num_beams=4, do_sample=False)
-    dynamic = cache_kv_bytes(ref.past_key_values)
+    dynamic = kv_bytes(ref.past_key_values)  # a DynamicCache: its K/V tensors' bytes
     cache = got.past_key_values
     assert cache is recorder.made[0]
     stats = cache.stats()
@@ -374,7 +374,7 @@ def test_update_result_outlives_the_cache() -> None:
     import subprocess
     import sys
 
-    code = _HELD_VIEW.format(tests=str(Path(__file__).parent))
+    code = _HELD_VIEW.format(tests=str(Path(__file__).parents[1]))  # tests/: models.py
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if done.returncode not in (0, -signal.SIGSEGV):  # anything but the known bug is a real failure

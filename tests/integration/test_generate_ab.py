@@ -19,44 +19,31 @@ import contextlib
 import copy
 import gc
 import importlib.util
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
 from models import (
+    LayoutRun,
     ARCHS,
     GEMMA3_WINDOW,
     MISTRAL_WINDOW,
     SMALL_PAGE,
     assert_same_tokens,
     assistant,
-    LAYOUTS,
-    current_layout,
-    layout_config,
-    generate_both,
     needs_sliding_rollback,
     prompts,
     tiny,
-    vkv_attention,
-    vkv_layout,
 )
 from transformers.cache_utils import DynamicCache
 
 from hf_vkv import VKVCache
 from hf_vkv.cache import VKVSlidingLayer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("layout")]
 
 SMALL = {"page_bytes": SMALL_PAGE}
 NEW = 20  # new tokens: more than both sliding windows, several 8-token pages
-
-
-@pytest.fixture(autouse=True, params=LAYOUTS)
-def layout(request: pytest.FixtureRequest) -> Iterator[str]:
-    with vkv_layout(request.param):
-        yield request.param
 
 
 def _check(cache: VKVCache) -> None:
@@ -66,9 +53,9 @@ def _check(cache: VKVCache) -> None:
 
 # ------------------------------------------------------------------------------------ per architecture
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy(arch: str) -> None:
+def test_greedy(layout: LayoutRun, arch: str) -> None:
     model = tiny(arch)
-    ref, got = generate_both(model, prompts(1, 10), max_new_tokens=NEW, do_sample=False, vkv=SMALL)
+    ref, got = layout.generate_both(model, prompts(1, 10), max_new_tokens=NEW, do_sample=False, vkv=SMALL)
     assert got.past_key_values.get_seq_length() > max(MISTRAL_WINDOW, GEMMA3_WINDOW)  # windows were exceeded
     assert_same_tokens(ref.sequences, got.sequences)
     assert got.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length()
@@ -76,19 +63,19 @@ def test_greedy(arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batched_left_padded(arch: str) -> None:
+def test_batched_left_padded(layout: LayoutRun, arch: str) -> None:
     model = tiny(arch)
     inputs = prompts(3, 9, seed=1, left_pad=[0, 4, 7])
-    ref, got = generate_both(model, inputs, max_new_tokens=NEW, do_sample=False, vkv=SMALL)
+    ref, got = layout.generate_both(model, inputs, max_new_tokens=NEW, do_sample=False, vkv=SMALL)
     assert_same_tokens(ref.sequences, got.sequences)
     _check(got.past_key_values)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sampling_num_return_sequences(arch: str) -> None:
+def test_sampling_num_return_sequences(layout: LayoutRun, arch: str) -> None:
     model = tiny(arch)
     inputs = prompts(2, 8, seed=2, left_pad=[0, 3])
-    ref, got = generate_both(model, inputs, seed=7, max_new_tokens=NEW, do_sample=True, num_return_sequences=3,
+    ref, got = layout.generate_both(model, inputs, seed=7, max_new_tokens=NEW, do_sample=True, num_return_sequences=3,
                              top_k=0, temperature=1.5, vkv=SMALL)
     assert_same_tokens(ref.sequences, got.sequences)
     # the rows of one prompt diverged (so sharing its pages was followed by copy-on-write)
@@ -100,10 +87,10 @@ def test_sampling_num_return_sequences(arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_beam_search(arch: str) -> None:
+def test_beam_search(layout: LayoutRun, arch: str) -> None:
     model = tiny(arch)
     inputs = prompts(2, 8, seed=3, left_pad=[0, 2])
-    ref, got = generate_both(model, inputs, max_new_tokens=NEW, num_beams=4, num_return_sequences=2,
+    ref, got = layout.generate_both(model, inputs, max_new_tokens=NEW, num_beams=4, num_return_sequences=2,
                              do_sample=False, output_scores=True, vkv=SMALL)
     assert_same_tokens(ref.sequences, got.sequences)
     assert torch.equal(ref.sequences_scores, got.sequences_scores)
@@ -112,28 +99,28 @@ def test_beam_search(arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_beam_sampling(arch: str) -> None:
+def test_beam_sampling(layout: LayoutRun, arch: str) -> None:
     model = tiny(arch)
     inputs = prompts(2, 8, seed=4, left_pad=[3, 0])
-    ref, got = generate_both(model, inputs, seed=11, max_new_tokens=NEW, num_beams=3, do_sample=True,
+    ref, got = layout.generate_both(model, inputs, seed=11, max_new_tokens=NEW, num_beams=3, do_sample=True,
                              temperature=1.5, vkv=SMALL)
     assert_same_tokens(ref.sequences, got.sequences)
     _check(got.past_key_values)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_continue_from_returned_cache(arch: str) -> None:
+def test_continue_from_returned_cache(layout: LayoutRun, arch: str) -> None:
     """generate, then generate again from the returned cache with the output plus new ids."""
     model = tiny(arch)
     inputs = prompts(2, 7, seed=5, left_pad=[0, 2])
     more = prompts(2, 3, seed=6)["input_ids"]
-    ref, got = generate_both(model, inputs, max_new_tokens=8, do_sample=False, vkv=SMALL)
+    ref, got = layout.generate_both(model, inputs, max_new_tokens=8, do_sample=False, vkv=SMALL)
     assert_same_tokens(ref.sequences, got.sequences)
     results = []
     for first in (ref, got):
         ids = torch.cat([first.sequences, more], dim=1)
         mask = torch.cat([inputs["attention_mask"], torch.ones(2, ids.shape[1] - 7, dtype=torch.long)], dim=1)
-        with vkv_attention(model) if first is got else contextlib.nullcontext():
+        with layout.attention(model) if first is got else contextlib.nullcontext():
             out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=first.past_key_values,
                                  max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
         assert out.past_key_values is first.past_key_values
@@ -146,7 +133,7 @@ def test_continue_from_returned_cache(arch: str) -> None:
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=needs_sliding_rollback) if a in ("mistral", "gemma3") else a
                                   for a in ARCHS])
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sample"])
-def test_assisted_decoding(arch: str, do_sample: bool) -> None:
+def test_assisted_decoding(layout: LayoutRun, arch: str, do_sample: bool) -> None:
     """An assistant proposes tokens; the main model verifies them and crops its cache back. With
     "vkv" the assistant's cache is a VKVCache too (its generation config inherits the string), reused
     round after round and grown past the first round's length."""
@@ -160,7 +147,7 @@ def test_assisted_decoding(arch: str, do_sample: bool) -> None:
 
     VKVCache.crop = counting_crop  # type: ignore[method-assign]
     try:
-        ref, got = generate_both(model, prompts(1, 9, seed=8), seed=3, max_new_tokens=2 * NEW,
+        ref, got = layout.generate_both(model, prompts(1, 9, seed=8), seed=3, max_new_tokens=2 * NEW,
                                  do_sample=do_sample, assistant_model=helper, vkv=SMALL)
     finally:
         VKVCache.crop = original  # type: ignore[method-assign]
@@ -172,15 +159,15 @@ def test_assisted_decoding(arch: str, do_sample: bool) -> None:
 
 # ------------------------------------------------------------------------------------ other entry points
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cache_object_passed_directly(arch: str) -> None:
+def test_cache_object_passed_directly(layout: LayoutRun, arch: str) -> None:
     model = tiny(arch)
     inputs = prompts(2, 8, seed=9, left_pad=[0, 3])
     for kwargs in ({"do_sample": False}, {"num_beams": 4, "num_return_sequences": 2, "do_sample": False}):
         ref = model.generate(**inputs, max_new_tokens=NEW, past_key_values=DynamicCache(config=model.config),
                              **kwargs)
-        with vkv_attention(model):
-            cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE, **layout_config())
-            assert cache.layout == current_layout()
+        with layout.attention(model):
+            cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE, **layout.config())
+            assert cache.layout == layout.name
             got = model.generate(**inputs, max_new_tokens=NEW, past_key_values=cache, **kwargs)
         assert_same_tokens(ref, got)
         _check(cache)
@@ -189,14 +176,14 @@ def test_cache_object_passed_directly(arch: str) -> None:
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("mode", ["greedy", "padded", "beam"])
-def test_llama_attention_implementations(attn: str, mode: str) -> None:
-    if attn == "eager" and current_layout() == "paged":
+def test_llama_attention_implementations(layout: LayoutRun, attn: str, mode: str) -> None:
+    if attn == "eager" and layout.name == "paged":
         pytest.skip("the paged layout is read by the vkv_paged attention, which computes as sdpa does")
     model = tiny("llama", attn=attn)
     assert model.config._attn_implementation == attn
     inputs = prompts(2, 9, seed=10, left_pad=[0, 5] if mode != "greedy" else None)
     kwargs = {"num_beams": 4, "num_return_sequences": 4} if mode == "beam" else {}
-    ref, got = generate_both(model, inputs, max_new_tokens=NEW, do_sample=False, vkv=SMALL, **kwargs)
+    ref, got = layout.generate_both(model, inputs, max_new_tokens=NEW, do_sample=False, vkv=SMALL, **kwargs)
     assert_same_tokens(ref.sequences, got.sequences)
     _check(got.past_key_values)
 
@@ -205,12 +192,12 @@ def test_llama_attention_implementations(attn: str, mode: str) -> None:
 @pytest.mark.parametrize("kwargs", [{"do_sample": False},
                                     {"num_beams": 3, "num_return_sequences": 3, "do_sample": False},
                                     {"do_sample": True, "num_return_sequences": 2}], ids=["greedy", "beam", "sample"])
-def test_bfloat16_and_chunked_prefill(monkeypatch: pytest.MonkeyPatch, arch: str, kwargs: dict) -> None:
+def test_bfloat16_and_chunked_prefill(layout: LayoutRun, monkeypatch: pytest.MonkeyPatch, arch: str, kwargs: dict) -> None:
     """A bf16 model (2-byte items in the byte buffer), and a prompt prefilled in chunks of 4 tokens
     (the prompt's pages are shared at the first chunk, the later chunks write each row)."""
     bf16 = copy.deepcopy(tiny(arch)).to(torch.bfloat16)
     inputs = prompts(2, 13, seed=14, left_pad=[0, 5])
-    ref, got = generate_both(bf16, inputs, max_new_tokens=15, vkv=SMALL, **kwargs)
+    ref, got = layout.generate_both(bf16, inputs, max_new_tokens=15, vkv=SMALL, **kwargs)
     assert_same_tokens(ref.sequences, got.sequences)
     assert got.past_key_values.layers[0].keys.dtype == torch.bfloat16
     _check(got.past_key_values)
@@ -223,7 +210,7 @@ def test_bfloat16_and_chunked_prefill(monkeypatch: pytest.MonkeyPatch, arch: str
         return original(self, key_states, *args, **kw)
 
     monkeypatch.setattr(VKVCache, "update", recording_update)
-    ref, got = generate_both(tiny(arch), inputs, max_new_tokens=15, vkv=SMALL, prefill_chunk_size=4, **kwargs)
+    ref, got = layout.generate_both(tiny(arch), inputs, max_new_tokens=15, vkv=SMALL, prefill_chunk_size=4, **kwargs)
     assert_same_tokens(ref.sequences, got.sequences)
     assert max(seen) == 4  # the prompt really went in chunks
     _check(got.past_key_values)
@@ -231,18 +218,18 @@ def test_bfloat16_and_chunked_prefill(monkeypatch: pytest.MonkeyPatch, arch: str
 
 @pytest.mark.parametrize("page_bytes", [None, SMALL_PAGE, 3 * SMALL_PAGE])
 @pytest.mark.parametrize("groups", ["kind", "layer"])
-def test_page_size_and_groups(page_bytes: int | None, groups: str) -> None:
+def test_page_size_and_groups(layout: LayoutRun, page_bytes: int | None, groups: str) -> None:
     """Options change where bytes go, never the tokens (gemma3: a sliding and a full group)."""
     model = tiny("gemma3")
     options = {"groups": groups, **({"page_bytes": page_bytes} if page_bytes else {})}
-    ref, got = generate_both(model, prompts(2, 9, seed=12, left_pad=[2, 0]), max_new_tokens=NEW, num_beams=3,
+    ref, got = layout.generate_both(model, prompts(2, 9, seed=12, left_pad=[2, 0]), max_new_tokens=NEW, num_beams=3,
                              do_sample=False, vkv=options)
     assert_same_tokens(ref.sequences, got.sequences)
     cache = got.past_key_values
     assert len(cache.groups) == (3 if groups == "layer" else 2)
     keys = cache.layers[2].keys
     assert torch.equal(keys, ref.past_key_values.layers[2].keys)
-    if current_layout() == "head_major":  # each head's tokens are adjacent, and rows x heads one batch
+    if layout.name == "head_major":  # each head's tokens are adjacent, and rows x heads one batch
         group = cache.layers[2].group
         k_view, _ = group.layout.cached(group.buffer, batch=group.batch, slot=group.slot[2], start=0,
                                         end=cache.get_seq_length())
@@ -262,12 +249,12 @@ def test_group_policy_is_a_deprecated_spelling() -> None:
         VKVCache(model.config, group_policy="head", layout="paged")
 
 
-def test_sliding_window_pages_are_dropped() -> None:
+def test_sliding_window_pages_are_dropped(layout: LayoutRun) -> None:
     """Mistral (window 8): pages wholly behind the window go back; the returned K/V match."""
     model = tiny("mistral")
-    head = current_layout() == "head_major"
+    head = layout.name == "head_major"
     new = 300 if head else 40  # head-major: a 4 KiB page holds 64 tokens of one head
-    ref, got = generate_both(model, prompts(1, 10, seed=13), max_new_tokens=new, do_sample=False, vkv=SMALL)
+    ref, got = layout.generate_both(model, prompts(1, 10, seed=13), max_new_tokens=new, do_sample=False, vkv=SMALL)
     assert_same_tokens(ref.sequences, got.sequences)
     cache = got.past_key_values
     assert all(isinstance(layer, VKVSlidingLayer) for layer in cache.layers)
@@ -307,7 +294,7 @@ def _chat(tok, texts: list[str]) -> dict[str, torch.Tensor]:
 
 @needs_smollm2
 @pytest.mark.parametrize("mode", ["greedy", "padded", "beam"])
-def test_smollm2(smollm2, mode: str) -> None:
+def test_smollm2(layout: LayoutRun, smollm2, mode: str) -> None:
     model, tok = smollm2
     if mode == "greedy":
         inputs, kwargs = _chat(tok, ["What is the capital of France?"]), {}
@@ -317,6 +304,6 @@ def test_smollm2(smollm2, mode: str) -> None:
     else:
         inputs = _chat(tok, ["Say hello.", "Count to three, please."])
         kwargs = {"num_beams": 4, "num_return_sequences": 2}
-    ref, got = generate_both(model, inputs, max_new_tokens=12, do_sample=False, **kwargs)
+    ref, got = layout.generate_both(model, inputs, max_new_tokens=12, do_sample=False, **kwargs)
     assert_same_tokens(ref.sequences, got.sequences)
     _check(got.past_key_values)

@@ -1,7 +1,8 @@
 """Executable specs of PageTable: exact Row records, page ids, refcounts and CoW copies.
 
-Tiny tables: pages of 4 units, 4 pages a row, so row ``r``'s page index ``i`` prefers the id
-``4 * r + i`` (its home). ``check_invariants()`` runs after every operation.
+Tiny tables: pages of 4 bytes, 4 pages a row, so row ``r``'s page index ``i`` prefers the id
+``4 * r + i`` (its home). After every operation :func:`check_pages` checks the pool, the tables
+and that every refcount equals the entries holding the page (over all tables of the pool).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hf_vkv.memory import (
     PagePool,
     PageTable,
     Row,
+    check_pages,
 )
 
 P = PageId
@@ -27,8 +29,9 @@ def make(rows: int = 4, budget: int = 64) -> PageTable:
     return PageTable(pool, rows=rows, pages_per_row=4, page_size=4)
 
 
-def ok(table: PageTable) -> PageTable:
-    table.check_invariants()
+def ok(table: PageTable, *others: PageTable) -> PageTable:
+    """Check ``table`` and the ``others`` of its pool (every table the pool has); return ``table``."""
+    check_pages(table.pool, [table, *others])
     return table
 
 
@@ -156,13 +159,13 @@ def test_assign_forks_rows_into_another_table_of_the_same_pool():
     u = PageTable(t.pool, rows=2, pages_per_row=4, page_size=4)  # ids 16..23
     assert u.home(0, 0) == 16 and u.home(1, 3) == 23
     u.assign(1, t.row(0))
-    assert ok(u).row(1) == Row(6, 0, (0, 1)) and refs(t, 0, 1) == [2, 2]
+    assert ok(u, t).row(1) == Row(6, 0, (0, 1)) and refs(t, 0, 1) == [2, 2]
     # The pool counts references from both tables: a grow in either sees the sharing.
     assert u.grow(1, 9) == [2]  # after page 1 comes 2 (row 0's next home, free)
     assert t.grow(0, 9) == [3]  # row 0: after 1 and its home are both 2, in use: a fresh id
-    assert ok(t).row(0) == Row(9, 0, (0, 1, 3)) and ok(u).row(1) == Row(9, 0, (0, 1, 2))
+    assert ok(t, u).row(0) == Row(9, 0, (0, 1, 3)) and ok(u, t).row(1) == Row(9, 0, (0, 1, 2))
     u.assign(1, Row())  # dropping a fork's row returns only its own references
-    assert refs(t, 0, 1, 2, 3) == [1, 1, 0, 1] and ok(u).row(1) == Row()
+    assert refs(t, 0, 1, 2, 3) == [1, 1, 0, 1] and ok(u, t).row(1) == Row()
 
 
 def test_assign_rejects_rows_that_do_not_fit_with_nothing_changed():
@@ -186,7 +189,7 @@ def test_cow_returns_exact_copy_records():
     t = make()
     t.grow(0, 10)  # pages 0, 1, 2
     t.share(0, 1)
-    # Row 1 writes units 9..10 (page 2 only): one copy to its home page 4 + 2 = 6.
+    # Row 1 writes bytes 9..10 (page 2 only): one copy to its home page 4 + 2 = 6.
     t.grow(1, 11)
     assert ok(t).row(1) == Row(11, 0, (0, 1, 2))  # the tail page is still shared after a grow
     copies, created = t.cow(1, 9, 11)
@@ -195,7 +198,7 @@ def test_cow_returns_exact_copy_records():
     assert refs(t, 0, 1, 2, 6) == [2, 2, 1, 1] and t.cow_copies == 1
     # Writing the now private page again copies nothing.
     assert t.cow(1, 8, 11) == ([], [])
-    # Row 0 writes units 0..5 (pages 0 and 1, both shared): two copies, consecutive ids.
+    # Row 0 writes bytes 0..5 (pages 0 and 1, both shared): two copies, consecutive ids.
     # Its homes 0 and 1 are the shared pages themselves: fresh ids from the pool's cursor.
     copies, created = t.cow(0, 0, 5)
     assert copies == [CowCopy(0, 0, P(0), P(3)), CowCopy(0, 1, P(1), P(4))] and created == [3, 4]
@@ -224,7 +227,7 @@ def test_cow_of_a_recycled_page_creates_nothing():
     ok(t)
 
 
-def test_cow_rejects_ranges_outside_the_live_units_with_nothing_changed():
+def test_cow_rejects_ranges_outside_the_live_bytes_with_nothing_changed():
     t = make()
     t.grow(0, 10)
     t.share(0, 1)
@@ -341,7 +344,7 @@ def test_truncate_behind_the_window_keeps_the_row_consistent():
     assert ok(t).row(0) == Row()
 
 
-def test_drop_before_rejects_units_past_the_end():
+def test_drop_before_rejects_bytes_past_the_end():
     t = make()
     t.grow(0, 5)
     before = state(t)
@@ -426,7 +429,33 @@ def test_check_invariants_catches_corruption(corrupt, message):
     ok(t)
     corrupt(t)
     with pytest.raises(InvariantError, match=message):
+        ok(t)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda t: t._rows.__setitem__(0, Row(9, 0, (P(0), P(1)))), "length 9 needs pages up to 3"),
+    (lambda t: t._rows.__setitem__(1, Row(4, 0, (P(7),))), "row 1 holds page 7, which the pool says is free"),
+])
+def test_a_table_checks_its_own_rows_alone(corrupt, message):
+    t = make()
+    t.grow(0, 8)
+    t.check_invariants()
+    corrupt(t)
+    with pytest.raises(InvariantError, match=message):
         t.check_invariants()
+
+
+def test_a_refcount_is_checked_against_every_table_given():
+    t = make()
+    t.grow(0, 8)  # pages 0, 1
+    u = PageTable(t.pool, rows=1, pages_per_row=4, page_size=4)
+    u.assign(0, t.row(0))  # refcounts 2, 2: both tables hold them
+    ok(t, u)
+    with pytest.raises(InvariantError, match=r"\{0: \(2, 1\), 1: \(2, 1\)\}"):
+        ok(t)  # a table left out: the pool counts references the check does not see
+    t.pool._refs[P(0)] = 3  # a wrong refcount
+    with pytest.raises(InvariantError, match=r"\{0: \(3, 2\)\}"):
+        ok(t, u)
 
 
 def test_bad_construction_is_a_value_error():

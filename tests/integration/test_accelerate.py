@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
 from models import SMALL_PAGE, assert_same_tokens, generate_both, prompts, tiny
 from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,5 @@
-"""Prefix reuse across generate() calls: the radix tree, ``PrefixStore`` and prefix files.
+"""Prefix reuse across generate() calls: ``PrefixStore`` and prefix files (the radix tree on its
+own: ``tests/unit/test_radix.py``).
 
 The oracle is a full prefill with ``DynamicCache``: a generation that starts from a stored prefix
 must give the very same tokens (greedy and seeded sampling) as one that prefills the whole prompt.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import one_intra_op_thread  # noqa: F401  (an autouse fixture)
-from models import PAGED_BLOCK_TOKENS, SMALL_PAGE, assert_same_tokens, prompts, tiny, vkv_attention, vkv_layout
+from models import PAGED_BLOCK_TOKENS, SMALL_PAGE, LayoutRun, assert_same_tokens, prompts, tiny
 from safetensors.torch import save_file
 from transformers.cache_utils import DynamicCache
 
@@ -35,9 +34,11 @@ from hf_vkv import (
     load_prefix,
     save_prefix,
 )
-from hf_vkv.prefix import RadixTree
+
+pytestmark = pytest.mark.integration
 
 SMALL = {"page_bytes": SMALL_PAGE}
+PAGED = LayoutRun("paged")
 PROMPT = 20  # tokens of the first request
 NEW = 12  # tokens generated per request: the windows (8 and 6) are passed
 
@@ -79,61 +80,7 @@ def _in_use_bytes(store: PrefixStore, probe: torch.Tensor) -> int:
         fork.close()
 
 
-# ------------------------------------------------------------------------------------ the radix tree
-def test_radix_tree_exact_matches() -> None:
-    tree: RadixTree[str] = RadixTree()
-    tree.insert([1, 2, 3, 4], "a")
-    tree.insert([1, 2, 5], "b")  # splits the edge after [1, 2]
-    tree.insert([1, 2], "c")  # a key on the split node
-    tree.insert([7], "d")
-    tree.check_invariants()
-    got = tree.common_prefixes([1, 2, 3, 9])
-    assert got[0] == (3, "a") and sorted(got[1:]) == [(2, "b"), (2, "c")]
-    assert tree.common_prefixes([1, 2, 3, 4, 5])[0] == (4, "a")
-    assert sorted(tree.common_prefixes([1])) == [(1, "a"), (1, "b"), (1, "c")]
-    assert tree.common_prefixes([8, 1]) == [] and tree.common_prefixes([]) == []
-    assert tree.get([1, 2]) == "c" and tree.get([1]) is None and tree.get([1, 2, 3]) is None
-    assert tree.insert([1, 2, 5], "e") == "b"  # replaced
-    tree.remove("c")
-    tree.check_invariants()
-    tree.remove("a")  # [1, 2] is keyless with one child now: merged
-    tree.check_invariants()
-    assert tree.tokens("e") == (1, 2, 5) and len(tree) == 2
-    with pytest.raises(KeyError):
-        tree.remove("a")
-    with pytest.raises(ValueError, match="at least one token"):
-        tree.insert([], "z")
-
-
-def test_radix_tree_against_brute_force() -> None:
-    rng = random.Random(0)
-    tree: RadixTree[int] = RadixTree()
-    stored: dict[int, tuple[int, ...]] = {}
-    for step in range(600):
-        if stored and rng.random() < 0.3:
-            key = rng.choice(list(stored))
-            tree.remove(key)
-            del stored[key]
-        else:
-            tokens = tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 8)))
-            replaced = tree.insert(tokens, step)
-            if replaced is not None:
-                assert stored.pop(replaced) == tokens
-            stored[step] = tokens
-        tree.check_invariants()
-        query = tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 9)))
-        expected = {}
-        for key, tokens in stored.items():
-            n = next((i for i, (a, b) in enumerate(zip(tokens, query)) if a != b), min(len(tokens), len(query)))
-            if n:
-                expected[key] = n
-        got = tree.common_prefixes(query)
-        assert dict((k, n) for n, k in got) == expected and len(got) == len(expected)
-        assert [n for n, _ in got] == sorted((n for n, _ in got), reverse=True)
-
-
 # ------------------------------------------------------------------------------------ reuse == full prefill
-@pytest.mark.integration
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
 def test_reuse_is_token_identical(arch: str, sample: bool) -> None:
@@ -175,14 +122,13 @@ def test_reuse_is_token_identical(arch: str, sample: bool) -> None:
     assert stats.hits == sum(1 for r in reused.values() if r) and stats.tokens_reused == sum(reused.values())
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
 def test_reuse_in_the_paged_layout(arch: str) -> None:
     """The store holds paged caches when the model reads the paged layout ("vkv_paged"); reuse is
     token-identical to a full DynamicCache prefill with the model's own sdpa attention."""
     model = tiny(arch)
     first = _ids(PROMPT, seed=0)
-    with vkv_layout("paged"), vkv_attention(model):
+    with PAGED.attention(model):
         store = PrefixStore(model.config, cache_config={**SMALL, "block_tokens": PAGED_BLOCK_TOKENS})
         out = _generate(model, first, store.lookup(first))
         assert out.past_key_values.layout == "paged"
@@ -191,7 +137,7 @@ def test_reuse_in_the_paged_layout(arch: str) -> None:
     for shared in (15, n - 1, n + 1):
         query = torch.cat([out.sequences[:, :shared], _ids(6, seed=shared)], dim=1)
         ref = _generate(model, query, None, seed=shared)
-        with vkv_layout("paged"), vkv_attention(model):
+        with PAGED.attention(model):
             fork = store.lookup(query)
             reused = fork.get_seq_length()
             assert fork.layout == "paged" and reused in (0, min(shared, n))  # sliding windows may refuse
@@ -202,7 +148,6 @@ def test_reuse_in_the_paged_layout(arch: str) -> None:
     store.check_invariants()
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_stored_prefix_is_never_changed(arch: str) -> None:
     """Copy-on-write: requests that reuse an entry (and the caller's own cache, going on after
@@ -226,7 +171,6 @@ def test_stored_prefix_is_never_changed(arch: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ conversations
-@pytest.mark.integration
 def test_five_turn_chat_reuses_every_earlier_turn() -> None:
     model = tiny("llama")
     store = PrefixStore(model.config, cache_config=SMALL)
@@ -252,7 +196,6 @@ def test_five_turn_chat_reuses_every_earlier_turn() -> None:
     store.check_invariants()
 
 
-@pytest.mark.integration
 def test_eviction_keeps_the_newest_and_frees_the_rest() -> None:
     """Requests sharing a system prompt (one arena); a budget of 1.6 entries keeps the newest ones,
     and the pool holds exactly the pages the store reports once the requests are done."""
@@ -288,7 +231,6 @@ def test_eviction_keeps_the_newest_and_frees_the_rest() -> None:
     assert cache.get_seq_length() == len(tokens)  # the caller's cache is untouched
 
 
-@pytest.mark.integration
 def test_bad_input_is_rejected_and_the_store_stays_usable() -> None:
     model = tiny("llama")
     store = PrefixStore(model.config, cache_config=SMALL)
@@ -340,7 +282,6 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.integration
 def test_save_then_load_in_a_new_process_generates_the_same(tmp_path: Path) -> None:
     """gemma3: a full-attention layer and sliding layers past their window (saved as windows)."""
     model = tiny("gemma3")
@@ -348,7 +289,7 @@ def test_save_then_load_in_a_new_process_generates_the_same(tmp_path: Path) -> N
     tokens, cache = _cached(out)
     path = save_prefix(tmp_path / "prefix.safetensors", cache, tokens, model=model)
     query = torch.cat([out.sequences, _ids(5, seed=9)], dim=1)
-    child = _CHILD.format(tests=str(Path(__file__).parent), query=query[0].tolist(), path=str(path), new=NEW)
+    child = _CHILD.format(tests=str(Path(__file__).parents[1]), query=query[0].tolist(), path=str(path), new=NEW)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -358,7 +299,6 @@ def test_save_then_load_in_a_new_process_generates_the_same(tmp_path: Path) -> N
         assert_same_tokens(ref.sequences, torch.tensor([got[mode]]))
 
 
-@pytest.mark.integration
 def test_loaded_sliding_prefix_serves_only_what_it_has(tmp_path: Path) -> None:
     """A loaded mistral prefix kept only its window: the store serves it whole, never cut back
     (its earlier positions are placeholders), and a reused load gives the same tokens."""
@@ -376,7 +316,6 @@ def test_loaded_sliding_prefix_serves_only_what_it_has(tmp_path: Path) -> None:
     assert_same_tokens(_generate(model, query, None).sequences, _generate(model, query, fork).sequences)
 
 
-@pytest.mark.integration
 def test_prefix_files_are_checked_on_load(tmp_path: Path) -> None:
     model = tiny("llama")
     tokens, cache = _cached(_generate(model, _ids(12, seed=4), VKVCache(model.config, **SMALL), new=4))
@@ -432,7 +371,6 @@ def _smollm2() -> Any:
     return load_default_model()
 
 
-@pytest.mark.integration
 def test_smollm2_two_turn_chat_matches_a_full_prefill() -> None:
     model, tok = _smollm2()
     store = PrefixStore(model.config)

@@ -1,0 +1,47 @@
+"""The invariant that spans a pool and its page tables: refcounts equal table references.
+
+A :class:`~hf_vkv.memory.pool.PagePool` checks what it knows alone (its sets are disjoint, its ids
+exist, its budget holds); a :class:`~hf_vkv.memory.page_table.PageTable` checks its rows (each
+covers exactly its length, and holds only pages in use). Whether a page's refcount equals the
+number of table entries that hold it can only be checked by whoever knows *every* table of the
+pool: a page store knows the tables of its open buffers, so
+:meth:`~hf_vkv.memory.row_buffer.RowBuffer.check_invariants` calls :func:`check_pages` with them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+from .errors import InvariantError
+from .pool import PageId, PagePool
+
+__all__ = ["PageHolder", "check_pages"]
+
+
+class PageHolder(Protocol):
+    """What the check needs of a page table: its own check, and its entries."""
+
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` unless the holder's own invariants hold."""
+
+    def referenced_pages(self) -> Iterator[PageId]:
+        """Every page held, once per table entry that holds it."""
+
+
+def check_pages(pool: PagePool, tables: Iterable[PageHolder]) -> None:
+    """Raise :class:`InvariantError` unless ``pool`` and ``tables`` (all the page tables drawing
+    pages from ``pool``) are consistent: the pool's and each table's own invariants hold, and
+    every page's refcount equals the number of table entries, over all ``tables``, that hold it."""
+    pool.check_invariants()
+    seen: Counter[PageId] = Counter()
+    for table in tables:
+        table.check_invariants()
+        seen.update(table.referenced_pages())
+    refs = {page: pool.refcount(page) for page in pool.in_use_pages()}
+    if seen != refs:
+        wrong = {p: (refs.get(p, 0), seen.get(p, 0)) for p in sorted(seen.keys() | refs.keys())
+                 if refs.get(p, 0) != seen.get(p, 0)}
+        raise InvariantError(f"refcount != occurrences in page tables (page: (refcount, seen)): "
+                             f"{dict(list(wrong.items())[:8])}")

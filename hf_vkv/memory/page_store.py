@@ -1,0 +1,88 @@
+"""What a row buffer needs from the memory behind its page tables, and the bookkeeping of the
+buffers open on it that every such page store shares.
+
+A row buffer (:mod:`.row_buffer`) keeps a page table; the page store it draws from supplies the
+pool that numbers and counts the pages and does the three things that touch memory: make fresh
+pages usable, copy pages (copy-on-write), and give pages back on a rollback. Two stores exist: the
+:class:`~hf_vkv.memory.arena.Arena` of a backend, and the
+:class:`~hf_vkv.memory.block_buffer.BlockStore` of the paged layout.
+
+A store also knows the page tables of the buffers open on it (:class:`OpenTables`): it closes with
+the last of them, and it is the one place that can check that each page's refcount equals the
+number of table entries holding it (:func:`~hf_vkv.memory.invariants.check_pages`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Protocol
+
+from .errors import CacheClosedError
+from .page_table import PageTable
+from .pool import PageId, PagePool
+
+__all__ = ["OpenTables", "PageStore"]
+
+
+class PageStore(Protocol):
+    """What a row buffer needs from the memory behind its page tables."""
+
+    pool: PagePool  # numbers, counts and budgets the pages
+    closed: bool
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page."""
+
+    def create(self, pages: Sequence[PageId]) -> None:
+        """Make freshly allocated ``pages`` usable (called before they are written)."""
+
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+        """Copy page ``src`` to page ``dst`` for each ``(src, dst)``."""
+
+    def release(self, pages: Sequence[PageId]) -> None:
+        """Give back pages created by a transaction that is being rolled back."""
+
+    def buffer_opened(self, table: PageTable) -> None:
+        """A buffer with page table ``table`` starts drawing from this store (raises
+        :class:`CacheClosedError` if the store is closed)."""
+
+    def buffer_closed(self, table: PageTable) -> None:
+        """The buffer of ``table`` stopped drawing from this store (its rows are empty, unless
+        the store was closed); the store closes with its last buffer."""
+
+    def tables(self) -> list[PageTable]:
+        """The page tables of the buffers open on this store: every table drawing from ``pool``."""
+
+
+class OpenTables(ABC):
+    """The open-buffer bookkeeping of a page store: the tables of its open buffers, and closing
+    with the last one (:meth:`_last_closed` says what closing does).
+
+    Invariant: ``closed`` is False while any buffer is open, and never goes back to False.
+    """
+
+    _name = "page store"  # what errors call the store
+
+    def __init__(self) -> None:
+        self._tables: dict[int, PageTable] = {}  # id(table) -> table, in opening order
+        self.closed = False
+
+    def buffer_opened(self, table: PageTable) -> None:
+        if self.closed:
+            raise CacheClosedError(f"this {self._name} was closed with its last buffer; create a new cache")
+        self._tables[id(table)] = table
+
+    def buffer_closed(self, table: PageTable) -> None:
+        self._tables.pop(id(table), None)
+        if not self._tables and not self.closed:
+            self.closed = True
+            self._last_closed()
+
+    def tables(self) -> list[PageTable]:
+        return list(self._tables.values())
+
+    @abstractmethod
+    def _last_closed(self) -> None:
+        """Release the store's memory: its last buffer closed."""

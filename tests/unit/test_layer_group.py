@@ -1,0 +1,147 @@
+"""Executable specs of :class:`hf_vkv.cache.group.LayerGroup` driven directly (no model, no
+transformers cache): a token-major layout of two members, one KV head of 2 float32 dims (a token
+of the group is 2 members x (K, V) x 2 x 4 bytes = 32 bytes), 4 KiB host pages (128 tokens).
+
+Lengths per member, crop rules of sliding groups with and without recording, reorder/repeat on
+exact row contents, and ``check_invariants`` catching a broken state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_vkv.cache.group import LayerGroup
+from hf_vkv.cache.layouts.token_major import TokenMajorLayout
+from hf_vkv.memory import Arena, HostBackend, InvariantError
+
+PAGE = 4096
+
+
+def make(*, window: int | None = None, rows: int = 2, repeats: int = 1) -> LayerGroup:
+    arenas: dict[torch.device, Arena] = {}
+
+    def arena_for(device: torch.device, layout: type) -> Arena:
+        if device not in arenas:
+            arenas[device] = Arena(HostBackend(page_bytes=PAGE, name="hf_vkv-test-group"))
+        return arenas[device]
+
+    return LayerGroup(name="g", members=[3, 5], sliding_window=window,
+                      make_layout=lambda geometry, members: TokenMajorLayout(geometry, members=members),
+                      arena_for=arena_for, rows_hint=rows, capacity=512, prompt_repeats=repeats, share_prompts=True)
+
+
+def states(batch: int, tokens: int, first: float) -> torch.Tensor:
+    """``[batch, 1, tokens, 2]`` whose token ``t`` of row ``b`` is ``first + 100 * b + t`` in both dims."""
+    t = first + torch.arange(tokens, dtype=torch.float32) + 100 * torch.arange(batch, dtype=torch.float32)[:, None]
+    return t[:, None, :, None].expand(batch, 1, tokens, 2).contiguous()
+
+
+def step(group: LayerGroup, batch: int, tokens: int, first: float) -> None:
+    """One model step: every member writes ``tokens`` new tokens (values = keys + 0.5)."""
+    for layer in group.members:
+        k = states(batch, tokens, first)
+        group.init_layer(layer, k, k + 0.5)
+        group.update(layer, k, k + 0.5)
+    group.check_invariants()
+
+
+def tokens_of(group: LayerGroup, layer: int) -> list[list[float]]:
+    keys, values = group.cached(layer)
+    assert torch.equal(values, keys + 0.5)
+    return keys[:, 0, :, 0].tolist()
+
+
+def test_each_member_keeps_its_own_length() -> None:
+    g = make()
+    k = states(2, 4, 0)
+    g.init_layer(3, k, k + 0.5)
+    g.update(3, k, k + 0.5)  # member 3 wrote a step, member 5 not yet
+    assert (g.length(3), g.length(5), g.lengths, g.batch) == (4, 0, [4, 0], 2)
+    g.check_invariants()
+    g.init_layer(5, k, k + 0.5)
+    g.update(5, k, k + 0.5)
+    assert g.lengths == [4, 4] and g.slot == {3: 0, 5: 1}
+    step(g, 2, 1, 4)
+    assert g.lengths == [5, 5] and tokens_of(g, 5) == [[0, 1, 2, 3, 4], [100, 101, 102, 103, 104]]
+    g.close()
+
+
+def test_a_sliding_group_shows_its_window_and_crops_only_when_recording() -> None:
+    g = make(window=3)
+    step(g, 1, 5, 0)
+    assert g.window_start(5) == 3 and g.kept_from(3) == 3
+    assert tokens_of(g, 3) == [[3, 4]]
+    step(g, 1, 1, 5)
+    assert tokens_of(g, 3) == [[4, 5]]  # 6 tokens, window 3: tokens 4 and 5 (the mask adds the next)
+    with pytest.raises(RuntimeError, match="does not track past states"):
+        g.check_crop()
+    g.close()
+
+    r = make(window=3)
+    step(r, 1, 2, 0)
+    r.check_crop()  # under the window: a crop is fine even without recording
+    r.start_recording()
+    step(r, 1, 4, 2)
+    assert r.kept_from(3) == 0 and tokens_of(r, 3) == [[0, 1, 2, 3, 4, 5]]  # recording keeps every token
+    r.check_crop()
+    r.crop(-2)
+    assert r.lengths == [4, 4] and r.kept_from(3) == 2 and tokens_of(r, 3) == [[2, 3]]
+    step(r, 1, 1, 40)
+    assert tokens_of(r, 5) == [[2, 3, 40]]
+    r.close()
+
+
+def test_crop_of_a_full_group_truncates_every_row() -> None:
+    g = make()
+    step(g, 2, 6, 0)
+    g.crop(-4)
+    assert g.lengths == [2, 2] and [g.buffer.length(r) for r in range(2)] == [2, 2]
+    assert tokens_of(g, 3) == [[0, 1], [100, 101]]
+    g.crop(-9)  # more than it holds: empty, not negative
+    assert g.lengths == [0, 0]
+    g.check_invariants()
+    g.close()
+
+
+def test_reorder_and_repeat_move_rows_without_copies() -> None:
+    g = make(rows=2)
+    step(g, 2, 3, 0)
+    g.reorder([1, 1])
+    assert tokens_of(g, 3) == [[100, 101, 102], [100, 101, 102]]
+    assert g.buffer.table.cow_copies == 0 and g.buffer.stats().shared_pages == 1
+    with pytest.raises(IndexError, match=r"row indices \[2\] are out of range for a batch of 2"):
+        g.reorder([2])
+    g.reorder([0])
+    assert g.batch == 1
+    g.repeat_rows(3)  # more rows than the buffer has: it moves to a larger one, sharing the pages
+    assert g.batch == 3 and g.buffer.rows == 3
+    assert tokens_of(g, 5) == [[100, 101, 102]] * 3
+    g.check_invariants()
+    step(g, 3, 1, 7)  # a write to the shared page copies it per row
+    assert tokens_of(g, 5) == [[100, 101, 102, 7], [100, 101, 102, 107], [100, 101, 102, 207]]
+    g.close()
+
+
+def test_check_invariants_catches_a_broken_state() -> None:
+    g = make(rows=3)
+    step(g, 2, 4, 0)
+    g.lengths[1] = 9  # a member longer than its rows
+    with pytest.raises(InvariantError, match="group 'g': row 0 holds 4 tokens, a member has 9"):
+        g.check_invariants()
+    g.lengths[1] = 4
+    g.buffer.grow([2], 1)  # a row past the batch holding tokens
+    with pytest.raises(InvariantError, match=r"group 'g': row 2 is past the batch \(2\) but holds tokens"):
+        g.check_invariants()
+    g.buffer.clear([2])
+    g.check_invariants()
+    g.close()
+
+    s = make(window=2)
+    step(s, 1, 200, 0)
+    step(s, 1, 1, 200)  # the page of tokens 0..127 lies wholly behind the window: dropped
+    assert s.buffer.first_live(0) == 128
+    s.lengths = [50, 50]  # a window at 49 would need a dropped page
+    with pytest.raises(InvariantError, match="dropped tokens its window still needs"):
+        s.check_invariants()
+    s.close()

@@ -1,0 +1,100 @@
+"""Executable specs of :class:`hf_vkv.cache.CacheOptions`: defaults, every validation message,
+and the deprecated ``group_policy`` spelling (its mapping, its warning and its conflicts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+
+from hf_vkv.cache import CacheOptions
+from hf_vkv.cache.options import LAYOUT_NAMES
+
+
+def test_defaults_and_known_layout_names() -> None:
+    assert CacheOptions() == CacheOptions(layout=None, groups="kind", page_bytes=None, budget_bytes=None,
+                                          share_prompts=True, block_tokens=None, max_tokens=None, map_ahead=None,
+                                          group_policy=None)
+    assert LAYOUT_NAMES == ("token_major", "head_major", "paged", "static", "contiguous")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CacheOptions().layout = "paged"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        CacheOptions("paged")  # type: ignore[misc]  # keyword-only
+
+
+@pytest.mark.parametrize("name", ["page_bytes", "budget_bytes", "block_tokens", "max_tokens"])
+@pytest.mark.parametrize("value", [0, -4096, True, 4096.0, "4096"])
+def test_sizes_must_be_positive_ints(name: str, value: object) -> None:
+    extra = {"layout": "paged"} if name == "block_tokens" else {}
+    with pytest.raises(ValueError, match=rf"^cache_config\['{name}'\] must be a positive int, got {value!r}$"):
+        CacheOptions(**{name: value}, **extra)
+    assert getattr(CacheOptions(**{name: 16}, **extra), name) == 16
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"map_ahead": -1, "layout": "static"}, ValueError, r"cache_config\['map_ahead'\] must be an int >= 0, got -1"),
+    ({"map_ahead": True, "layout": "static"}, ValueError, r"must be an int >= 0, got True"),
+    ({"map_ahead": 4}, ValueError, r"^cache_config\['map_ahead'\] applies to the static layout only$"),
+    ({"layout": "ring"}, ValueError,
+     r"cache_config\['layout'\] must be one of \['token_major', 'head_major', 'paged', 'static', 'contiguous'\], "
+     r"got 'ring'"),
+    ({"groups": "model"}, ValueError, r"^cache_config\['groups'\] must be 'kind' or 'layer', got 'model'$"),
+    ({"share_prompts": 1}, TypeError, r"^cache_config\['share_prompts'\] must be a bool, got 1$"),
+    ({"block_tokens": 4, "layout": "head_major"}, ValueError,
+     r"^cache_config\['block_tokens'\] applies to the paged layout only, not 'head_major'$"),
+])
+def test_each_bad_option_is_named_in_its_error(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        CacheOptions(**kwargs)
+
+
+def test_valid_combinations() -> None:
+    assert CacheOptions(map_ahead=0, layout="static").map_ahead == 0
+    assert CacheOptions(block_tokens=8).block_tokens == 8  # no layout yet: the paged one may be chosen
+    assert CacheOptions(block_tokens=8, layout="paged").layout == "paged"
+    for name in LAYOUT_NAMES:
+        assert CacheOptions(layout=name).layout == name
+
+
+def test_from_dict_names_unknown_keys_and_the_known_ones() -> None:
+    assert CacheOptions.from_dict(None) == CacheOptions()
+    assert CacheOptions.from_dict({"layout": "paged", "block_tokens": 4}) == CacheOptions(layout="paged", block_tokens=4)
+    with pytest.raises(ValueError, match=r"unknown cache_config key\(s\) \['pages', 'ring'\] for "
+                                         r"cache_implementation='vkv'; known keys: \['block_tokens', 'budget_bytes'"):
+        CacheOptions.from_dict({"ring": 1, "pages": 2, "layout": "paged"})
+
+
+@pytest.mark.parametrize("policy, layout, groups, spelled", [
+    ("model", "token_major", "kind", "{'layout': 'token_major'}"),
+    ("layer", "token_major", "layer", "{'layout': 'token_major', 'groups': 'layer'}"),
+    ("head", "head_major", "kind", "{'layout': 'head_major'}"),
+])
+def test_group_policy_maps_to_layout_and_groups_with_a_warning(policy: str, layout: str, groups: str,
+                                                               spelled: str) -> None:
+    with pytest.warns(FutureWarning) as caught:
+        options = CacheOptions(group_policy=policy)
+    assert str(caught[0].message) == f"cache_config['group_policy'] is deprecated: write {spelled} instead"
+    assert (options.layout, options.groups, options.group_policy) == (layout, groups, None)
+    with pytest.warns(FutureWarning):  # the same layout / groups given again agree: no conflict
+        assert CacheOptions(group_policy=policy, layout=layout, groups=groups) == options
+
+
+@pytest.mark.parametrize("kwargs, means", [
+    ({"group_policy": "head", "layout": "paged"}, "layout='head_major', groups='kind'"),
+    ({"group_policy": "model", "layout": "head_major"}, "layout='token_major', groups='kind'"),
+    ({"group_policy": "model", "groups": "layer"}, "layout='token_major', groups='kind'"),
+])
+def test_group_policy_conflicts_are_errors(kwargs: dict, means: str) -> None:
+    given = f"layout={kwargs.get('layout')!r}, groups={kwargs.get('groups', 'kind')!r}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a conflict raises before any warning
+        with pytest.raises(ValueError, match=rf"^cache_config\['group_policy'\]={kwargs['group_policy']!r} means "
+                                             rf"{means}, which conflicts with {given}; give layout/groups only$"):
+            CacheOptions(**kwargs)
+
+
+def test_an_unknown_group_policy_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"^cache_config\['group_policy'\] must be 'model', 'layer' or 'head', "
+                                         r"got 'rows' \(deprecated: use 'layout' and 'groups'\)$"):
+        CacheOptions(group_policy="rows")

@@ -1,0 +1,103 @@
+"""Executable specs of :class:`hf_vkv.memory.SubRowBuffer` (the head-major translator): which
+page-table rows hold each row's parts, and the strides of its views after every row operation.
+
+Geometry: 3 rows of 2 blocks x 2 heads (4 parts each, 12 table rows), 4 KiB pages, 16-byte items,
+256 items a sub-row (one page). Table row of (block g, row r, head h) = ``(g * 3 + r) * 2 + h``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_vkv.memory import Arena, HostBackend, Row, SubRowBuffer
+
+PAGE, ITEM, ROWS, BLOCKS, HEADS = 4096, 16, 3, 2, 2
+
+
+@pytest.fixture
+def buf(mapped_pages):
+    arena = Arena(HostBackend(page_bytes=PAGE, name="hf_vkv-test-subrows"))
+    b = SubRowBuffer(arena, rows=ROWS, blocks=BLOCKS, heads=HEADS, capacity=PAGE // ITEM, item_bytes=ITEM)
+    yield b
+    b.check_invariants()
+    mapped_pages(b)
+    b.close()
+    assert arena.closed
+
+
+def fill(b: SubRowBuffer, row: int, end: int, value: int) -> None:
+    """Write ``value + part`` into every byte of items ``[0, end)`` of ``row``'s parts."""
+    b.prepare_write([row], 0, end)
+    view = b.view(range(row, row + 1), 0, end)  # [blocks, 1, heads, end * item]
+    for g in range(BLOCKS):
+        for h in range(HEADS):
+            view[g, 0, h] = value + g * HEADS + h
+
+
+def test_table_rows_of_each_row_are_exact() -> None:
+    arena = Arena(HostBackend(page_bytes=PAGE))
+    b = SubRowBuffer(arena, rows=ROWS, blocks=BLOCKS, heads=HEADS, capacity=8, item_bytes=ITEM)
+    assert b.parts == 4 and b.table.rows == 12
+    assert [list(b.table_rows(r)) for r in range(ROWS)] == [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11]]
+    with pytest.raises(IndexError, match="row 3 is out of range for 3 rows"):
+        b.table_rows(3)
+    with pytest.raises(ValueError, match="blocks and heads must be positive, got 0, 2"):
+        SubRowBuffer(arena, rows=1, blocks=0, heads=2, capacity=8, item_bytes=ITEM)
+    b.close()
+
+
+def test_a_block_view_is_one_batch_of_rows_times_heads(buf: SubRowBuffer) -> None:
+    buf.grow(range(ROWS), 10)
+    view = buf.view(range(0, ROWS), 2, 10)
+    s = buf.row_stride
+    assert view.shape == (BLOCKS, ROWS, HEADS, 8 * ITEM)
+    assert view.stride() == (ROWS * HEADS * s, HEADS * s, s, 1)
+    assert view.stride(1) == HEADS * view.stride(2)  # stride(row) == heads * stride(head)
+    assert view[1].flatten(0, 1).shape == (ROWS * HEADS, 8 * ITEM)  # a [B * H, T] batch, no copy
+    assert view.data_ptr() == buf.address + 2 * ITEM
+    part = buf.view(range(1, 3), 0, 4)
+    assert part.data_ptr() == buf.address + 1 * HEADS * s  # row 1, head 0 of block 0: table row 2
+
+
+def test_grow_maps_every_part_of_the_rows_only(buf: SubRowBuffer) -> None:
+    buf.grow([1], 5)
+    held = {t for t in range(buf.table.rows) if buf.table.row(t).pages}
+    assert held == {2, 3, 8, 9}
+    assert all(buf.table.row(t) == Row(5 * ITEM, 0, (buf.table.row(t).pages[0],)) for t in held)
+    assert [buf.length(r) for r in range(ROWS)] == [0, 5, 0]
+
+
+def test_share_reorder_and_fork_act_on_each_part(buf: SubRowBuffer) -> None:
+    fill(buf, 0, 6, value=10)
+    buf.share(0, [2])
+    for g in range(BLOCKS):  # each part shares the page of the same part: no mixing of heads or blocks
+        for h in range(HEADS):
+            assert buf.table.row((g * ROWS + 2) * HEADS + h).pages == buf.table.row((g * ROWS + 0) * HEADS + h).pages
+    assert buf.stats().shared_pages == BLOCKS * HEADS
+    fill(buf, 2, 6, value=50)  # copy-on-write per part: row 0 keeps its bytes
+    assert buf.table.cow_copies == BLOCKS * HEADS
+    assert torch.equal(buf.view(range(0, 1), 0, 6)[:, 0, :, 0], torch.tensor([[10, 11], [12, 13]], dtype=torch.uint8))
+    buf.reorder([2, 2, 0])
+    got = buf.view(range(0, ROWS), 0, 6)[:, :, :, 0]  # [blocks, rows, heads]
+    assert got[:, 0].tolist() == got[:, 1].tolist() == [[50, 51], [52, 53]]
+    assert got[:, 2].tolist() == [[10, 11], [12, 13]]
+    fork = buf.fork(rows=3)
+    try:
+        assert [fork.table.row(t).pages for t in range(12)] == [buf.table.row(t).pages for t in range(12)]
+        view = fork.view(range(0, 3), 0, 6)
+        assert view.stride(1) == HEADS * view.stride(2)
+        assert torch.equal(view, buf.view(range(0, 3), 0, 6))
+        buf.check_invariants()  # both buffers' tables are counted
+    finally:
+        fork.close()
+
+
+def test_crop_and_window_apply_to_every_part(buf: SubRowBuffer) -> None:
+    buf.grow([0], 256)  # one full page per part
+    buf.truncate([0], 100)
+    assert {buf.table.row(t).length for t in buf.table_rows(0)} == {100 * ITEM}
+    buf.drop_before([0], 100)  # item 100 is inside page 0: nothing lies wholly before it
+    assert buf.first_live(0) == 0
+    buf.clear([0])
+    assert all(buf.table.row(t) == Row() for t in buf.table_rows(0))
