@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import one_intra_op_thread, prompts, tiny  # noqa: F401  (the autouse fixture applies here)
+from models import prompts, tiny
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from hf_vkv import VKVCache
