@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -265,15 +265,19 @@ class VKVCache(Cache):
         self.map_ahead()
 
     # ----------------------------------------------------------------------------- row operations
+    def _row_operation(self, on_group: Callable[[LayerGroup], None], on_layer: Callable[[Any], None]) -> None:
+        """Apply a row operation once to each group and to each layer kept by transformers."""
+        self._sync_static()
+        for group in self._groups:
+            on_group(group)
+        for layer in self._other_layers():
+            on_layer(layer)
+        self._after_row_operation()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` takes row ``beam_idx[i]``'s pages (``beam_idx``: int tensor, any device): no copy."""
         index = [int(i) for i in beam_idx.tolist()]  # one host transfer for every group
-        self._sync_static()
-        for group in self._groups:
-            group.reorder(index)
-        for layer in self._other_layers():
-            layer.reorder_cache(beam_idx)
-        self._after_row_operation()
+        self._row_operation(lambda group: group.reorder(index), lambda layer: layer.reorder_cache(beam_idx))
 
     def batch_select_indices(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Keep only the rows ``indices`` (row numbers, negative ones, a bool mask, a tensor or a
@@ -282,24 +286,15 @@ class VKVCache(Cache):
             indices = torch.tensor(list(indices), dtype=torch.bool if all(isinstance(i, bool) for i in indices) and
                                    len(indices) else torch.long)
         index = torch.arange(self.rows)[indices.cpu()].reshape(-1).tolist()
-        self._sync_static()
-        for group in self._groups:
-            group.reorder(index)
-        for layer in self._other_layers():
-            layer.batch_select_indices(indices)
-        self._after_row_operation()
+        self._row_operation(lambda group: group.reorder(index), lambda layer: layer.batch_select_indices(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times, consecutively (pages shared, nothing copied)."""
         repeats = int(repeats)
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
-        self._sync_static()
-        for group in self._groups:
-            group.repeat_rows(repeats)
-        for layer in self._other_layers():
-            layer.batch_repeat_interleave(repeats)
-        self._after_row_operation()
+        self._row_operation(lambda group: group.repeat_rows(repeats),
+                            lambda layer: layer.batch_repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (a negative int, as for DynamicCache);
@@ -321,11 +316,7 @@ class VKVCache(Cache):
 
     def reset(self) -> None:
         """Forget every cached token (pages go back to the pool)."""
-        for group in self._groups:
-            group.clear()
-        for layer in self._other_layers():
-            layer.reset()
-        self._after_row_operation()
+        self._row_operation(LayerGroup.clear, lambda layer: layer.reset())
 
     def activate_past_recording(self) -> None:
         """Keep sliding layers' pages behind the window until :meth:`crop` (assisted decoding)."""
