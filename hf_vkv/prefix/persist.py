@@ -51,6 +51,11 @@ def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *
     tokens = token_list(token_ids)
     if not isinstance(cache, VKVCache):
         raise TypeError(f"save_prefix needs a hf_vkv.VKVCache, got {type(cache).__name__}")
+    kept = cache.stats().transformers_layers
+    if kept:
+        raise ValueError(f"save_prefix saves key/value states only, and {kept} layer(s) of this cache keep "
+                         f"recurrent or linear-attention state in transformers' classes: a file without it would "
+                         f"continue the generation wrongly; keep such prefixes in memory (PrefixStore, cache.fork())")
     n = cache.get_seq_length()
     if cache.rows != 1:
         raise ValueError(f"save_prefix saves batch-1 caches, this one holds {cache.rows} rows")

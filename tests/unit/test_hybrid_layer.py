@@ -186,3 +186,12 @@ def test_row_operations_on_one_layer_are_refused(op: str) -> None:
     assert isinstance(layer, VKVHybridLayer) and not isinstance(layer, VKVHybridSlidingLayer)
     with pytest.raises(RuntimeError, match="VKVCache"):
         getattr(layer, op)(torch.tensor([0]))
+
+
+def test_a_prefix_file_refuses_a_cache_with_recurrent_state(tmp_path: Any) -> None:
+    """A file holds key/value states only: saving a hybrid cache would lose its linear state."""
+    got, _ = _pair()
+    _step((got,), 5, seed=0)
+    with pytest.raises(ValueError, match=r"keep recurrent or linear-attention state"):
+        hf_vkv.save_prefix(tmp_path / "prefix.safetensors", got, list(range(5)))
+    assert not (tmp_path / "prefix.safetensors").exists()
