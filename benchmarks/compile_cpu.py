@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 from transformers import CompileConfig
-from transformers.cache_utils import DynamicCache, StaticCache
 
-import hf_vkv
 from hf_vkv.ab.harness import describe_environment
+from hf_vkv.ab.probes import kv_bytes
 from hf_vkv.default_model import load_default_model
 from common import StepClock
 
@@ -35,17 +34,6 @@ def _compile_config(backend: str) -> CompileConfig:
     config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
     config._compile_all_devices = True  # transformers compiles on accelerators only unless told
     return config
-
-
-def _kv_bytes(cache: Any) -> int:
-    if isinstance(cache, hf_vkv.VKVCache):
-        return cache.stats().resident_bytes
-    total = 0
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,7 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     clock = StepClock()
                     out = model.generate(**common, **extra, streamer=clock)
                     times[name].append(clock.step_seconds() * 1000)
-                    kv[name] = _kv_bytes(out.past_key_values)
+                    kv[name] = kv_bytes(out.past_key_values)
                     tokens[name] = out.sequences
             identical = all(torch.equal(tokens["static"], t) for t in tokens.values())
             step = {name: statistics.median(v) for name, v in times.items()}

@@ -227,13 +227,16 @@ class VKVCache(Cache):
             group.check_invariants()
 
     # ----------------------------------------------------------------------------- static layout
-    def _static_layers(self) -> dict[int, VKVStaticLayer]:
-        """``{id(group): its first layer}`` for the groups in the static layout."""
-        out: dict[int, VKVStaticLayer] = {}
+    def _static_groups(self) -> list[tuple[LayerGroup, VKVStaticLayer]]:
+        """``(group, its first layer)`` for every group of the static layout that holds states
+        (none in the other layouts: their row operations pay nothing for this)."""
+        if self._layout_name != "static":
+            return []
+        firsts: dict[int, VKVStaticLayer] = {}
         for layer in self.layers:
             if isinstance(layer, VKVStaticLayer) and layer.is_initialized:
-                out.setdefault(id(layer.group), layer)
-        return out
+                firsts.setdefault(id(layer.group), layer)
+        return [(group, firsts[id(group)]) for group in self._groups if id(group) in firsts]
 
     def map_ahead(self, tokens: int | None = None) -> None:
         """Static layout, before a (compiled) step: make the next ``tokens`` tokens of every row
@@ -241,23 +244,18 @@ class VKVCache(Cache):
         (default ``cache_config['map_ahead']``, 32). Called by ``generate`` before each step and
         after every row operation; a no-op for the other layouts."""
         ahead = max(tokens or 0, self.options.map_ahead or 32)
-        for group in self._groups:
-            first = self._static_layers().get(id(group))
-            if first is not None:
-                group.map_ahead(first.written_length(), ahead)
+        for group, first in self._static_groups():
+            group.map_ahead(first.written_length(), ahead)
 
     def _sync_static(self) -> None:
         """Before a row operation: the groups learn the lengths compiled steps wrote."""
-        for group in self._groups:
-            first = self._static_layers().get(id(group))
-            if first is not None:
-                group.lengths = [first.written_length()] * len(group.members)
+        for group, first in self._static_groups():
+            group.lengths = [first.written_length()] * len(group.members)
 
     def _after_row_operation(self) -> None:
         """After a row operation: static layers follow the group's lengths, and the next write's
         pages are made private again (a reorder may have shared them)."""
-        layers = self._static_layers()
-        if not layers:
+        if not self._static_groups():
             return
         for layer in self.layers:
             if isinstance(layer, VKVStaticLayer) and layer.is_initialized:
