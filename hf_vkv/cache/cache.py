@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    STATIC_LAYER_TYPE_MAPPING,
+    Cache,
+    get_layer_types_and_kwargs,
+)
 
 from ..attention.paged_kv import PAGED_ATTENTION
 from ..devices import arena_for_device, layer_devices_of, policy_for
@@ -98,8 +103,11 @@ class VKVCache(Cache):
 
         types, kwargs = _layer_types(text_config)
         members: dict[tuple[str, int | None, str], list[int]] = {}
+        static = self._layout_name == "static"
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):
-            if kind in _VKV_KINDS:
+            # the static layout pages full-attention layers; a sliding window is bounded, so in a
+            # compiled step it stays transformers' StaticSlidingWindowLayer (the same as StaticCache's)
+            if kind in _VKV_KINDS and not (static and kind != "full_attention"):
                 window = kw.get("sliding_window") if _VKV_KINDS[kind] else None
                 device = str(layer_devices.get(idx, "")) if layer_devices else ""
                 key = ("sliding_attention" if window else "full_attention", window, f"{device}#{idx}" if self.options.groups == "layer" else device)
@@ -117,14 +125,9 @@ class VKVCache(Cache):
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):
             group = group_of.get(idx)
             if group is None:
-                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
-            elif self._layout_name == "static":
-                if kind != "full_attention":
-                    raise ValueError(
-                        f"cache_config['layout']='static' serves full-attention layers only, and layer {idx} of this "
-                        f"{getattr(text_config, 'model_type', 'model')} model is {kind!r}: generate without "
-                        f"compile_config (any other vkv layout), or compile with transformers' StaticCache "
-                        f"(cache_implementation='static')")
+                layers.append(STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=capacity, **kw) if static
+                              else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
+            elif static:
                 layers.append(VKVStaticLayer(group, idx))
             else:
                 layers.append(make_vkv_layer(kind, group, idx, kw))

@@ -30,8 +30,8 @@ def _counting_backend(gm: torch.fx.GraphModule, example_inputs: Any, **_: Any) -
     return gm.forward
 
 
-def _compile_config(backend: Any = _counting_backend) -> CompileConfig:
-    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+def _compile_config(backend: Any = _counting_backend, *, dynamic: bool | None = False) -> CompileConfig:
+    config = CompileConfig(fullgraph=True, dynamic=dynamic, backend=backend, mode=None)
     config._compile_all_devices = True  # compile on the CPU too (transformers compiles on accelerators only)
     return config
 
@@ -66,10 +66,11 @@ def test_compiled_generate_matches_static_cache(arch: str, mode: str) -> None:
     got.past_key_values.check_invariants()
 
 
-def test_beam_search_with_a_static_layout_matches_static_cache() -> None:
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_beam_search_with_a_static_layout_matches_static_cache(arch: str) -> None:
     """transformers' beam search does not compile the forward (5.23): the layout's beams run
     eagerly here, token-identical to StaticCache's; the compiled reorder is the next test."""
-    model = tiny("llama")
+    model = tiny(arch)
     inputs = prompts(2, 9, seed=32, left_pad=[2, 0])
     kwargs = dict(max_new_tokens=12, num_beams=3, num_return_sequences=2, do_sample=False)
     ref = model.generate(**inputs, cache_implementation="static", **kwargs, disable_compile=True)
@@ -143,9 +144,32 @@ def test_resident_bytes_follow_the_tokens_not_the_capacity() -> None:
     assert keys.shape[2] == 32 * 1024 and torch.count_nonzero(keys[:, :, 2048:]) == 0  # unbacked reads as zeros
 
 
-def test_sliding_window_models_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="serves full-attention layers only, and layer 0 of this mistral model is .sliding_attention."):
-        VKVCache(tiny("mistral").config, layout="static")
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_sliding_window_layers_compile_as_static_cache_s(arch: str) -> None:
+    """Sliding-window layers keep transformers' StaticSlidingWindowLayer (a bounded window, as in
+    StaticCache); full-attention layers are vkv's: the whole model is token- and logit-identical to
+    StaticCache, past the window, with as many captures as StaticCache (its sliding layer keeps a
+    Python int length, so it needs ``dynamic=None``: ``dynamic=False`` recompiles it every step)."""
+    model = tiny(arch)
+    inputs = prompts(2, 9, seed=36, left_pad=[0, 2])
+    kwargs = dict(max_new_tokens=14, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    torch._dynamo.reset()
+    FRAMES.clear()
+    ref = model.generate(**inputs, cache_implementation="static", compile_config=_compile_config(dynamic=None), **kwargs)
+    reference_frames = len(FRAMES)
+    torch._dynamo.reset()
+    FRAMES.clear()
+    got = model.generate(**inputs, cache_implementation="vkv", cache_config={"page_bytes": 4096},
+                         compile_config=_compile_config(dynamic=None), **kwargs)
+    assert reference_frames <= 2 and len(FRAMES) == reference_frames  # no more captures than StaticCache's own
+    assert_same_tokens(ref.sequences, got.sequences)
+    for a, b in zip(ref.logits, got.logits, strict=True):
+        assert torch.equal(a, b)
+    cache = got.past_key_values
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds == [type(layer).__name__.replace("StaticLayer", "VKVStaticLayer") for layer in ref.past_key_values.layers]
+    assert cache.stats().vkv_layers == kinds.count("VKVStaticLayer")
+    cache.check_invariants()
 
 
 def test_static_layout_is_compileable_only_there() -> None:
