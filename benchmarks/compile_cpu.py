@@ -8,6 +8,12 @@ StaticCache's full-capacity buffers, DynamicCache's tensors, vkv's resident page
 configuration is run once, untimed, before the rounds (compilation and warm-up), and the tokens
 of every run must equal StaticCache's.
 
+``--capacity N`` gives both static caches room for N tokens per row (a StaticCache built with
+``max_cache_len=N``, vkv's ``cache_config={"max_tokens": N}``), as a compiled application does to
+keep one shape across requests; without it each holds just the generation's length.
+``--samples K`` samples K sequences per prompt (``num_return_sequences``, fixed seed) instead of
+greedy decoding: rows of one prompt, which vkv stores once.
+
     python benchmarks/compile_cpu.py --json benchmarks/results/compile_cpu.json
 """
 
@@ -23,6 +29,7 @@ from typing import Any
 
 import torch
 from transformers import CompileConfig
+from transformers.cache_utils import StaticCache
 
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.ab.probes import kv_bytes
@@ -46,33 +53,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             g = torch.Generator().manual_seed(prompt * 31 + batch)
             ids = torch.randint(10, vocab, (batch, prompt), generator=g)
             common = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
-                          min_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
+                          min_new_tokens=args.new_tokens, return_dict_in_generate=True,
+                          **(dict(do_sample=True, num_return_sequences=args.samples, top_k=0, top_p=1.0)
+                             if args.samples > 1 else dict(do_sample=False)))
+            capacity = {} if args.capacity is None else {"max_tokens": args.capacity}
             configs = {
                 "static": dict(cache_implementation="static", compile_config=_compile_config(args.backend)),
-                "vkv-static": dict(cache_implementation="vkv", compile_config=_compile_config(args.backend)),
+                "vkv-static": dict(cache_implementation="vkv", cache_config=capacity,
+                                   compile_config=_compile_config(args.backend)),
                 "dynamic": dict(disable_compile=True),
             }
+
+            def generate(name: str, **extra: Any) -> Any:
+                kwargs = dict(configs[name])
+                if name == "static" and args.capacity is not None:  # a StaticCache of that capacity
+                    del kwargs["cache_implementation"]
+                    kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=args.capacity)
+                torch.manual_seed(0)
+                return model.generate(**common, **kwargs, **extra)
+
             torch._dynamo.reset()
             for name in ("static", "vkv-static"):  # compile and warm up, untimed (same shapes as the timed runs)
-                model.generate(**configs[name], **common)
+                generate(name)
             times: dict[str, list[float]] = {name: [] for name in configs}
             kv: dict[str, int] = {}
             tokens: dict[str, torch.Tensor] = {}
             for _ in range(args.rounds):
-                for name, extra in configs.items():
+                for name in configs:
                     clock = StepClock()
-                    out = model.generate(**common, **extra, streamer=clock)
+                    out = generate(name, streamer=clock)
                     times[name].append(clock.step_seconds() * 1000)
                     kv[name] = kv_bytes(out.past_key_values)
                     tokens[name] = out.sequences
             identical = all(torch.equal(tokens["static"], t) for t in tokens.values())
             step = {name: statistics.median(v) for name, v in times.items()}
-            cell = dict(prompt=prompt, batch=batch, ms_per_step=step, ms_per_step_runs=times, kv_bytes=kv,
+            cell = dict(prompt=prompt, batch=batch, capacity=args.capacity, samples=args.samples, ms_per_step=step, ms_per_step_runs=times, kv_bytes=kv,
                         identical_tokens=identical,
                         vkv_over_static_time=step["vkv-static"] / step["static"],
                         vkv_over_static_kv=kv["vkv-static"] / kv["static"])
             cells.append(cell)
-            print(f"prompt {prompt:5d} batch {batch}: " + "  ".join(f"{n} {step[n]:7.1f} ms {kv[n] / 2**20:7.1f} MiB"
+            print(f"prompt {prompt:5d} batch {batch} x{args.samples}: " + "  ".join(f"{n} {step[n]:7.1f} ms {kv[n] / 2**20:7.1f} MiB"
                                                                     for n in configs)
                   + f"  vkv/static time {cell['vkv_over_static_time']:.3f} KV {cell['vkv_over_static_kv']:.3f}"
                   + ("" if identical else "  TOKENS DIFFER"), flush=True)
@@ -89,6 +109,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--capacity", type=int, default=None, help="tokens per row both static caches hold room for")
+    parser.add_argument("--samples", type=int, default=1, help="sequences sampled per prompt (1: greedy)")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -87,11 +87,15 @@ def _attn(config: Any, attn: str) -> Any:
 
 
 @functools.cache
-def tiny(arch: str, *, attn: str = "sdpa", layers: int | None = None, seed: int = 0) -> PreTrainedModel:
-    """The tiny ``arch`` model (see the module docstring); ``layers`` overrides its depth."""
+def tiny(arch: str, *, attn: str = "sdpa", layers: int | None = None, seed: int = 0,
+         kv_heads: int | None = None) -> PreTrainedModel:
+    """The tiny ``arch`` model (see the module docstring); ``layers`` overrides its depth,
+    ``kv_heads`` a Llama's key/value heads (4: one per query head, MHA; default 2, GQA)."""
+    if kv_heads is not None and arch != "llama":
+        raise ValueError("kv_heads is a Llama option here")
     if arch == "llama":
         cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=256, **_COMMON)
+                          num_key_value_heads=kv_heads or 2, max_position_embeddings=256, **_COMMON)
         return _seeded(seed, lambda: LlamaForCausalLM(_attn(cfg, attn)))
     if arch == "qwen2":
         cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 2, num_attention_heads=4,

@@ -22,7 +22,7 @@ from .geometry import GroupGeometry
 from .group import LayerGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
-from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, layout_class
+from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
 from .options import CacheOptions
 from .stats import CacheStats, GroupStats
 
@@ -40,6 +40,20 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
     if isinstance(kwargs, dict):
         kwargs = [dict(kwargs) for _ in types]
     return list(types), list(kwargs)
+
+
+#: Attention implementations whose result does not depend on the strides of the K/V they read.
+_STRIDE_EXACT_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_3", PAGED_ATTENTION})
+
+
+def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> bool:
+    """Whether the model's attention must get contiguous K/V to compute exactly as on
+    DynamicCache's: a matmul over the returned tensors themselves (eager and other
+    non-fused attention) with one key/value head per query head (see
+    :meth:`TokenMajorLayout.attention_inputs`)."""
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    heads = getattr(config, "num_attention_heads", None)
+    return attention not in _STRIDE_EXACT_ATTENTION and heads == geometry.kv_heads
 
 
 def _resolve_layout(options: CacheOptions, attn: str | None) -> str | None:
@@ -172,7 +186,10 @@ class VKVCache(Cache):
             return StaticLayout(geometry, members=members, base=base)
         if name == "paged":
             return PagedLayout(geometry, members=members, block_tokens=self.options.block_tokens or DEFAULT_BLOCK_TOKENS)
-        return layout_class(name)(geometry, members=members)
+        kind = layout_class(name)
+        if kind is TokenMajorLayout:
+            return TokenMajorLayout(geometry, members=members, copy_reads=reads_need_contiguous(self.config, geometry))
+        return kind(geometry, members=members)
 
     def _arena_for(self, device: torch.device, layout: Layout) -> Arena:
         device = torch.device(device)

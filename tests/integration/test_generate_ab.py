@@ -175,16 +175,23 @@ def test_cache_object_passed_directly(layout: LayoutRun, arch: str) -> None:
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
 @pytest.mark.parametrize("mode", ["greedy", "padded", "beam"])
-def test_llama_attention_implementations(layout: LayoutRun, attn: str, mode: str) -> None:
+def test_llama_attention_implementations(layout: LayoutRun, attn: str, kv_heads: int, mode: str) -> None:
+    """Tokens and every step's logits bit-identical to DynamicCache's, with grouped and with one
+    key/value head per query head (eager attention then multiplies strided views: the layout's
+    strides must let it take the same BLAS path as on DynamicCache's tensors)."""
     if attn == "eager" and layout.name == "paged":
         pytest.skip("the paged layout is read by the vkv_paged attention, which computes as sdpa does")
-    model = tiny("llama", attn=attn)
+    model = tiny("llama", attn=attn, kv_heads=kv_heads)
     assert model.config._attn_implementation == attn
     inputs = prompts(2, 9, seed=10, left_pad=[0, 5] if mode != "greedy" else None)
     kwargs = {"num_beams": 4, "num_return_sequences": 4} if mode == "beam" else {}
-    ref, got = layout.generate_both(model, inputs, max_new_tokens=NEW, do_sample=False, vkv=SMALL, **kwargs)
+    ref, got = layout.generate_both(model, inputs, max_new_tokens=NEW, do_sample=False, vkv=SMALL,
+                                    output_logits=True, **kwargs)
     assert_same_tokens(ref.sequences, got.sequences)
+    for step, (a, b) in enumerate(zip(ref.logits, got.logits, strict=True)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {float((a - b).abs().max()):.3g}"
     _check(got.past_key_values)
 
 

@@ -145,3 +145,47 @@ def test_check_invariants_catches_a_broken_state() -> None:
     with pytest.raises(InvariantError, match="dropped tokens its window still needs"):
         s.check_invariants()
     s.close()
+
+
+def _returned(copy_reads: bool, tokens: int) -> torch.Tensor:
+    arena = Arena(HostBackend(page_bytes=PAGE, name="hf_vkv-test-group"))
+    group = LayerGroup(name="g", members=[0], sliding_window=None,
+                       make_layout=lambda geometry, members: TokenMajorLayout(geometry, members=members,
+                                                                              copy_reads=copy_reads),
+                       arena_for=lambda device, layout: arena, rows_hint=2, capacity=64, prompt_repeats=1,
+                       share_prompts=False)
+    k = states(2, 5, 0.0)
+    group.init_layer(0, k, k)
+    group.update(0, k, k)
+    new = states(2, tokens, 5.0)
+    keys, _ = group.update(0, new, new)
+    assert keys[:, 0, :, 0].tolist() == [[float(t) + 100 * b for t in range(5 + tokens)] for b in range(2)]
+    return keys
+
+
+def test_token_major_hands_views_to_decode_steps_and_copies_to_several_tokens() -> None:
+    """One new token: a strided view of the pages (zero copy); several: a contiguous copy, as
+    DynamicCache's torch.cat; with copy_reads (eager attention, one K/V head per query head):
+    always a contiguous copy."""
+    view = _returned(False, 1)
+    assert not view.is_contiguous() and view.stride(2) == 4  # a token: the one member's K and V, 2 elements each
+    assert _returned(False, 3).is_contiguous()
+    assert _returned(True, 1).is_contiguous()
+
+
+def test_which_attention_reads_need_contiguous_states() -> None:
+    from transformers import LlamaConfig
+
+    from hf_vkv.cache.cache import reads_need_contiguous
+    from hf_vkv.cache.geometry import GroupGeometry
+
+    def need(attn: str, kv_heads: int) -> bool:
+        config = LlamaConfig(num_attention_heads=4, num_key_value_heads=kv_heads)
+        config._attn_implementation = attn
+        geometry = GroupGeometry(kv_heads=kv_heads, key_dim=8, value_dim=8, dtype=torch.float32,
+                                 device=torch.device("cpu"))
+        return reads_need_contiguous(config, geometry)
+
+    assert need("eager", 4)  # a matmul over the returned tensors themselves
+    assert not need("eager", 2)  # repeat_kv copies grouped heads first
+    assert not need("sdpa", 4) and not need("vkv_paged", 4)

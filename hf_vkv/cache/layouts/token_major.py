@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ...memory import DEFAULT_HOST_PAGE_BYTES, Arena, RowBuffer, VirtualBuffer
+from ..geometry import GroupGeometry
 from .base import Layout
 
 __all__ = ["TokenMajorLayout"]
@@ -81,3 +82,24 @@ class TokenMajorLayout(Layout):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self._split(self._tokens(buffer, batch, start, end)[:, :, slot])
         return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def __init__(self, geometry: GroupGeometry, *, members: int, copy_reads: bool = False) -> None:
+        super().__init__(geometry, members=members)
+        self.copy_reads = copy_reads
+
+    def attention_inputs(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int,
+                         key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached tokens ``[start, end)``: zero-copy views for a decode step (one new token),
+        contiguous copies for several new tokens (a prefill, a chunk: ``DynamicCache`` returns a
+        ``torch.cat`` there too) and at every step with ``copy_reads``.
+
+        Why: attention that multiplies the returned tensors directly with a matmul (eager, with one
+        key/value head per query head; grouped heads are copied by ``repeat_kv`` first) takes
+        another BLAS path over this layout's token-strided keys than over contiguous ones, and its
+        logits come out ~1e-6 apart: for several queries at once always, for one query once the
+        context is longer than a few dozen tokens. The cache sets ``copy_reads`` for such models
+        (:func:`hf_vkv.cache.cache.reads_need_contiguous`); SDPA reads strided views exactly."""
+        keys, values = self.cached(buffer, batch=batch, slot=slot, start=start, end=end)
+        if self.copy_reads or key.shape[2] > 1:
+            return keys.contiguous(), values.contiguous()
+        return keys, values
