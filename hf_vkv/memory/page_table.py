@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import CapacityError, InvariantError
 from .pool import PageId, PagePool
@@ -27,9 +28,9 @@ def _pages_for(length: int, page_size: int) -> int:
     return -(-length // page_size)
 
 
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One row's table. Immutable: every operation replaces the record, so undo is a reference."""
+class Row(NamedTuple):
+    """One row's table. Immutable: every operation replaces the record, so undo is a reference
+    (a named tuple: a decode step replaces one per sub-row, and a tuple is the cheapest record)."""
 
     length: int = 0  # bytes held
     start: int = 0  # page index of pages[0]; earlier pages were dropped behind a window
@@ -176,21 +177,30 @@ class PageTable:
         lengths: every row already has the pages for ``[start, end)`` and none of those pages is
         shared. Then set the lengths and return True; otherwise change nothing and return False
         (the caller grows and copies-on-write in a transaction). The cheap path of a decode step
-        that stays inside the rows' last pages."""
+        that stays inside the rows' last pages: one pass of plain comparisons per row (a
+        head-major decode step calls it for every (layer, K/V, head) sub-row of every row)."""
         ps = self.page_size
         need = _pages_for(end, ps)
         first, last = start // ps, (end - 1) // ps
-        held = []
+        if rows and not (0 <= min(rows) and max(rows) < self.rows):
+            raise IndexError(f"rows {min(rows)}..{max(rows)} are out of range: this table has rows 0..{self.rows - 1}")
+        table, is_shared = self._rows, self.pool.is_shared
+        changed = []
         for row in rows:
-            old = self._rows[self._check_row(row)]
-            if old.length > end or need != old.end or start > old.length or first < old.start:
+            old = table[row]
+            if old.length > end or need != old.start + len(old.pages) or start > old.length or first < old.start:
                 return False
-            if any(self.pool.is_shared(old.pages[i - old.start]) for i in range(first, last + 1)):
-                return False
-            held.append((row, old))
-        for row, old in held:
+            pages = old.pages
+            for i in range(first - old.start, last + 1 - old.start):
+                if is_shared(pages[i]):
+                    return False
             if old.length != end:
-                self._set(row, Row(end, old.start, old.pages))
+                changed.append((row, old))
+        undo = self._undo
+        for row, old in changed:  # _set, inlined: this loop runs for every sub-row of a decode step
+            if undo is not None and row not in undo:
+                undo[row] = old
+            table[row] = Row(end, old.start, old.pages)
         return True
 
     def share(self, src: int, dst: int, *, length: int | None = None) -> None:
