@@ -54,6 +54,8 @@ import torch
 
 import hf_vkv
 from common import StepClock  # benchmarks/common.py
+from gpu_vmm import environment  # benchmarks/gpu_vmm.py
+from hf_vkv.ab.probes import kv_bytes, kv_bytes_per_token
 
 CACHES = ("dynamic", "static", "vkv", "vkv-layer")
 MAPPING_CALLS = ("create", "map", "set_access", "synchronize", "unmap", "release")
@@ -134,17 +136,6 @@ def load_model(kind: str, dtype: torch.dtype):
     return model.to("cuda").eval(), name
 
 
-def kv_bytes(cache: object) -> int:
-    if isinstance(cache, hf_vkv.VKVCache):
-        return cache.stats().resident_bytes
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
-
-
 class CountingClock(StepClock):
     """A :class:`StepClock` that also snapshots the CUDA backends' counters at each step."""
 
@@ -156,13 +147,6 @@ class CountingClock(StepClock):
     def put(self, value: torch.Tensor) -> None:
         super().put(value)
         self.counts.append(self.log.counters())
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes of K and V one token of one row holds in a DynamicCache (all layers)."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
 
 
 def run_one(model, ids: torch.Tensor, *, cache: str, new_tokens: int, log: DriverLog, beams: int = 1) -> dict:
@@ -281,8 +265,6 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_generate.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from gpu_vmm import environment
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model, model_name = load_model(args.model, dtype)

@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 
 import hf_vkv
 from common import StepClock  # benchmarks/common.py
-from hf_vkv import VKVCache
+from hf_vkv.ab.probes import kv_bytes
 from hf_vkv.default_model import load_default_model
 
 
@@ -62,12 +62,8 @@ def run(model, ids, *, attn: str, cache_config: dict | None, new_tokens: int, be
         model.set_attn_implementation("sdpa")
     cache = out.past_key_values
     step = clock.step_seconds() if clock is not None else None
-    if isinstance(cache, VKVCache):
-        kv = cache.stats().resident_bytes
-    else:
-        kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     return dict(wall_s=wall, decode_step_s=step, reorder_s_per_step=reorder_s[0] / new_tokens if beams > 1 else None,
-                kv_bytes=kv, _sequences=out.sequences)
+                kv_bytes=kv_bytes(cache), _sequences=out.sequences)
 
 
 def main(argv: list[str] | None = None) -> int:
