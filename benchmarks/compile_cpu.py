@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -76,9 +75,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                     for n in configs)
                   + f"  vkv/static time {cell['vkv_over_static_time']:.3f} KV {cell['vkv_over_static_kv']:.3f}"
                   + ("" if identical else "  TOKENS DIFFER"), flush=True)
-    return dict(schema="hf_vkv.compile_cpu/1", command=" ".join(sys.argv), threads=args.threads,
+    environment = describe_environment(model)
+    return dict(schema="hf_vkv.compile_cpu/1", command=environment["command"], threads=args.threads,
                 backend=args.backend, new_tokens=args.new_tokens, rounds=args.rounds,
-                environment=describe_environment(model), cells=cells,
+                environment=environment, cells=cells,
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 

@@ -43,7 +43,6 @@ import argparse
 import gc
 import importlib.util
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -54,7 +53,7 @@ import torch
 
 import hf_vkv
 from common import StepClock  # benchmarks/common.py
-from gpu_vmm import environment  # benchmarks/gpu_vmm.py
+from hf_vkv.ab.harness import describe_environment
 from hf_vkv.ab.probes import kv_bytes, kv_bytes_per_token
 
 CACHES = ("dynamic", "static", "vkv", "vkv-layer")
@@ -273,7 +272,7 @@ def main() -> int:
     log.install()
     vocab = model.config.vocab_size
     rows: list[dict] = []
-    report = dict(benchmark="gpu_generate", environment=environment(device), model=model_name, dtype=args.dtype,
+    report = dict(benchmark="gpu_generate", environment=describe_environment(model), model=model_name, dtype=args.dtype,
                   new_tokens=args.new_tokens, repeats=args.repeats, static_cache="disable_compile=True",
                   warmup="every cache once, 256 tokens x batch 1, 8 new tokens, before the first cell",
                   hf_vkv=hf_vkv.__version__, complete=False, results=rows)

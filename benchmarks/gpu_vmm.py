@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -25,37 +24,11 @@ from pathlib import Path
 
 import torch
 
+from hf_vkv.ab.harness import describe_environment
+
 #: vAttention (Prabhu et al., "vAttention: Dynamic Memory Management for Serving LLMs without
 #: PagedAttention"), A100, per 2 MB page, microseconds: the figures quoted by the project's issue.
 VATTENTION_A100_US = {"create": 29, "map": 2, "set_access": 38, "unmap": 34, "release": 23}
-
-
-def environment(device: torch.device) -> dict:
-    """Device, driver, CUDA, torch and transformers versions, and the exact command."""
-    import transformers
-
-    from hf_vkv.cuda import Driver
-
-    props = torch.cuda.get_device_properties(device)
-    driver = Driver(device.index)
-    version = driver.driver_version()
-    driver.close()
-    try:
-        from cuda import bindings
-        bindings_version = getattr(bindings, "__version__", "?")
-    except ImportError:
-        bindings_version = None
-    return {
-        "device": props.name,
-        "device_memory_bytes": props.total_memory,
-        "driver_cuda_version": f"{version // 1000}.{version % 1000 // 10}",
-        "torch_cuda_version": torch.version.cuda,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda_bindings": bindings_version,
-        "python": platform.python_version(),
-        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-    }
 
 
 def summarize(samples: list[float]) -> dict:
@@ -147,7 +120,7 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.init()
     torch.empty(1, device=device)  # the primary context, current on this thread
-    env = environment(device)
+    env = describe_environment(device=device)  # device, driver/torch CUDA, versions, command
     measure_driver(device, min(args.pages, 16))  # warm-up: first calls pay one-time driver costs
     page, calls = measure_driver(device, args.pages)
     backend = measure_backend(device, args.pages)

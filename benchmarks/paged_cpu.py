@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
 from transformers.cache_utils import Cache
 
-import hf_vkv
 from common import StepClock  # benchmarks/common.py
+from hf_vkv.ab.harness import describe_environment
 from hf_vkv.ab.probes import kv_bytes
 from hf_vkv.default_model import load_default_model
 
@@ -107,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"reorder/step {reorder} kv {r['kv_bytes'] / 2**20:7.1f} MiB "
                       f"speedup {r.get('decode_speedup_vs_dynamic', float('nan')):5.2f}x "
                       f"wall ratio {r['wall_ratio_vs_dynamic']:5.2f} identical {r['tokens_identical']}", flush=True)
+    env = describe_environment(model)
     report = dict(
         benchmark="paged_cpu",
-        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
-        device=dict(kind="cpu", processor=platform.processor() or platform.machine(), cores=os.cpu_count(),
-                    torch_threads=torch.get_num_threads(), platform=platform.platform()),
-        versions=dict(python=platform.python_version(), torch=torch.__version__,
-                      transformers=transformers.__version__, hf_vkv=hf_vkv.__version__),
+        command=env["command"],
+        device=dict(kind="cpu", processor=env["processor"], cores=int(env["cpu_count"]),
+                    torch_threads=int(env["torch_threads"]), platform=env["platform"]),
+        versions={k: env[k] for k in ("python", "torch", "transformers", "hf_vkv")},
         model="SmolLM2-135M-Instruct (fp32)", new_tokens=args.new_tokens, results=rows,
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
