@@ -59,6 +59,17 @@ def test_memory_imports_no_transformers() -> None:
             assert not any(n.split(".")[0] in ("transformers", "hf_vkv") for n in names), (path, names)
 
 
+def test_slot_means_only_a_page_slot() -> None:
+    """"slot" is the memory layer's word (a page-sized place in a reservation: ``hf_vkv.memory``);
+    the cache's layer index in its group is a *member*, a token's place in a block its position."""
+    import re
+
+    for sub in ("cache", "attention", "ab", "prefix"):
+        for path in (PACKAGE / sub).rglob("*.py"):
+            text = re.sub(r"slots=True|slots dataclass", "", path.read_text())  # Python's __slots__
+            assert not re.search(r"slot", text, re.IGNORECASE), f"{path}: 'slot' outside the memory layer"
+
+
 class _CountingIndex(torch.Tensor):
     calls = 0
 
