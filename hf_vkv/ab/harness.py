@@ -28,14 +28,13 @@ from transformers.cache_utils import Cache, DynamicCache
 from ..cache import CacheOptions, VKVCache
 from .progress import progress_bar
 from .probes import StepProbe, UpdateTee, kv_bytes
-from .records import ABReport, Divergence, RunSummary, StepReport
+from .records import ABReport, AttentionPath, Divergence, RunSummary, StepReport
 
 __all__ = [
-    "Layout", "PAGED_ATTENTION", "VKVCacheFactory", "describe_environment", "paged_attention_available", "run_ab",
+    "AttentionPath", "PAGED_ATTENTION", "VKVCacheFactory", "describe_environment", "paged_attention_available", "run_ab",
 ]
 
-Layout = Literal["contiguous", "paged"]
-#: The attention implementation that reads the vkv cache through block tables (layout "paged").
+#: The attention implementation that reads the vkv cache through block tables (attention path "paged").
 PAGED_ATTENTION = "vkv_paged"
 #: Builds the cache under test: ``factory(config, batch_size=rows, prompt_repeats=k, options=...)``.
 VKVCacheFactory = type[VKVCache]
@@ -70,7 +69,7 @@ def run_ab(
     inputs: Mapping[str, torch.Tensor],
     *,
     max_new_tokens: int = 32,
-    layout: Layout = "contiguous",
+    layout: AttentionPath = "contiguous",
     tee: bool = True,
     seed: int = 0,
     cache_config: Mapping[str, Any] | None = None,
@@ -85,8 +84,9 @@ def run_ab(
         inputs: ``input_ids`` ``[batch, prompt]`` (int64) and optionally ``attention_mask``
             ``[batch, prompt]`` (left padding), on the model's device.
         max_new_tokens: tokens to generate per row.
-        layout: ``"contiguous"`` (attention as the model has it) or ``"paged"`` (the vkv run uses the
-            ``"vkv_paged"`` attention implementation; the model's own is restored afterwards).
+        layout: the :data:`~.records.AttentionPath` of the vkv run (whatever the cache's own layout):
+            ``"contiguous"`` (the model's attention reads what ``update`` returns) or ``"paged"`` (the
+            ``"vkv_paged"`` attention reads the pages; the model's own is restored afterwards).
         tee: record every layer's K/V at every step in both runs and compare them (costs a
             digest of each update; excluded from the step times).
         seed: ``torch.manual_seed(seed)`` before each run (sampling draws the same numbers).
@@ -184,7 +184,7 @@ def _check_arguments(model: Any, inputs: Any, *, max_new_tokens: Any, layout: An
                          "and pass the vkv options as cache_config=..., the length as max_new_tokens=...")
 
 
-def _source(layout: Layout) -> Literal["returned", "stored"]:
+def _source(layout: AttentionPath) -> Literal["returned", "stored"]:
     # the paged attention reads pages, not what update returns: compare what the layers store
     return "stored" if layout == "paged" else "returned"
 
