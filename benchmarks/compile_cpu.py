@@ -14,7 +14,6 @@ of every run must equal StaticCache's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from transformers import CompileConfig
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.ab.probes import kv_bytes
 from hf_vkv.default_model import load_default_model
-from common import StepClock
+from common import StepClock, write_report
 
 
 def _compile_config(backend: str) -> CompileConfig:
@@ -94,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     report = run(args)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        write_report(args.json, report)
 
 
 if __name__ == "__main__":

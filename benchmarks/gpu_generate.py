@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import sys
 import time
 import traceback
@@ -52,7 +51,7 @@ from pathlib import Path
 import torch
 
 import hf_vkv
-from common import StepClock  # benchmarks/common.py
+from common import StepClock, write_report  # benchmarks/common.py
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.ab.probes import kv_bytes, kv_bytes_per_token
 
@@ -278,8 +277,7 @@ def main() -> int:
                   hf_vkv=hf_vkv.__version__, complete=False, results=rows)
 
     def write() -> None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.json, report)
 
     warm = torch.randint(10, vocab, (1, 256), generator=torch.Generator().manual_seed(1)).to(device)
     for cache in args.caches:  # untimed: lazy CUDA, cuBLAS and allocator initialization
@@ -302,7 +300,6 @@ def main() -> int:
         write()  # after every cell: an error later loses nothing
     report["complete"] = True
     write()
-    print(f"wrote {args.json}")
     return 0 if all(r.get("tokens_identical", True) for r in rows) else 1
 
 

@@ -16,7 +16,6 @@ Exits with a message on a machine without a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from common import write_report  # benchmarks/common.py
 from hf_vkv.ab.harness import describe_environment
 
 #: vAttention (Prabhu et al., "vAttention: Dynamic Memory Management for Serving LLMs without
@@ -126,8 +126,6 @@ def main() -> None:
     backend = measure_backend(device, args.pages)
     result = {"environment": env, "page_bytes": page, "pages": args.pages, "driver_calls": calls,
               "backend": backend, "vattention_a100_us": VATTENTION_A100_US}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{env['device']}, driver CUDA {env['driver_cuda_version']}, page {page // (1 << 20)} MiB, "
           f"{args.pages} pages")
     print(f"{'call':<14}{'median µs':>11}{'p90 µs':>9}{'vAttention A100 µs':>20}")
@@ -140,7 +138,7 @@ def main() -> None:
     print(f"backend map of a page: {backend['map_page']['median_us']} µs; unmap: {backend['unmap_page']['median_us']} µs")
     r = backend["readable_reserve"]
     print(f"readable reservation of {r['pages']} pages: {r['per_slot_us']} µs per slot (scratch map + access)")
-    print(f"wrote {args.out}")
+    write_report(args.out, result)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import time
 from pathlib import Path
 
 import torch
 
+from common import write_report  # benchmarks/common.py
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.memory import HostBackend, PageId
 
@@ -126,9 +126,7 @@ def main() -> None:
         "torch_threads": int(env["torch_threads"]),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

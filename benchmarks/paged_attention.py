@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common import write_report  # benchmarks/common.py
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.attention.kernels import gather_kv, paged_attention_reference
 
@@ -175,9 +175,7 @@ def main() -> None:
         "results": results,
     }
     out = args.out or Path(__file__).parent / "results" / f"paged_attention_{device_type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(out, report)
 
 
 if __name__ == "__main__":

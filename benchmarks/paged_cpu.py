@@ -18,14 +18,13 @@ the numbers say how much that costs and which block size costs least.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache
 
-from common import StepClock  # benchmarks/common.py
+from common import StepClock, write_report  # benchmarks/common.py
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.ab.probes import kv_bytes
 from hf_vkv.default_model import load_default_model
@@ -112,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         versions={k: env[k] for k in ("python", "torch", "transformers", "hf_vkv")},
         model="SmolLM2-135M-Instruct (fp32)", new_tokens=args.new_tokens, results=rows,
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.json}")
+    write_report(args.json, report)
     return 0 if all(r["tokens_identical"] for r in rows) else 1
 
 

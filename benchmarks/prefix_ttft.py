@@ -20,7 +20,6 @@ exact command.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 import hf_vkv
+from common import write_report  # benchmarks/common.py
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.default_model import load_default_model
 
@@ -127,9 +127,7 @@ def main() -> None:
         "command": env["command"],
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":
