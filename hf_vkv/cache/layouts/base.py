@@ -75,11 +75,13 @@ class Layout(ABC):
         """``[batch, H, end - start, Dk]`` keys and ``[..., Dv]`` values of member ``member``
         (views where the layout allows, else copies), valid until the rows change."""
 
+    @abstractmethod
     def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``update`` returns after writing ``key``/``value``: by default the cached tokens
-        ``[start, end)`` (``kv_length`` of the mask)."""
-        return self.cached(buffer, batch=batch, member=member, start=start, end=end)
+        """What ``update`` returns after writing ``key``/``value``: the views of the cached tokens
+        ``[start, end)`` (``kv_length`` of the mask) in the token- and head-major layouts, which
+        make it their :meth:`cached` itself (no wrapper: one call less on every decode step), or what
+        their attention reads in the others."""
 
     def invalidate(self) -> None:
         """The rows changed: forget views taken of them."""

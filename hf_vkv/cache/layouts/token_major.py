@@ -77,7 +77,12 @@ class TokenMajorLayout(Layout):
             keys[row].copy_(key[row].transpose(0, 1))
             values[row].copy_(value[row].transpose(0, 1))
 
-    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
+               key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the tokens; ``key``/``value`` (as :meth:`attention_inputs` gets them) are not
+        needed: the views hold them."""
         keys, values = self._split(self._tokens(buffer, batch, start, end)[:, :, member])
         return keys.transpose(1, 2), values.transpose(1, 2)
+
+    # update returns the cached tokens' views: cached itself (a wrapper would be one call more per step)
+    attention_inputs = cached  # type: ignore[assignment]
