@@ -3,12 +3,15 @@ module imports as ``common``)."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-__all__ = ["StepClock"]
+__all__ = ["StepClock", "write_report"]
 
 
 class StepClock(BaseStreamer):
@@ -28,3 +31,10 @@ class StepClock(BaseStreamer):
         """Mean seconds per decode step, prefill excluded (None with fewer than two steps)."""
         gen = self.times[1:]
         return (gen[-1] - gen[0]) / (len(gen) - 1) if len(gen) > 1 else None
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """Write ``report`` as indented JSON to ``path`` (its folder made if missing) and say so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")

@@ -20,9 +20,7 @@ greedy decoding: rows of one prompt, which vkv stores once.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ from transformers.cache_utils import StaticCache
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.ab.probes import kv_bytes
 from hf_vkv.default_model import load_default_model
-from common import StepClock
+from common import StepClock, write_report
 
 
 def _compile_config(backend: str) -> CompileConfig:
@@ -96,9 +94,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                     for n in configs)
                   + f"  vkv/static time {cell['vkv_over_static_time']:.3f} KV {cell['vkv_over_static_kv']:.3f}"
                   + ("" if identical else "  TOKENS DIFFER"), flush=True)
-    return dict(schema="hf_vkv.compile_cpu/1", command=" ".join(sys.argv), threads=args.threads,
+    environment = describe_environment(model)
+    return dict(schema="hf_vkv.compile_cpu/1", command=environment["command"], threads=args.threads,
                 backend=args.backend, new_tokens=args.new_tokens, rounds=args.rounds,
-                environment=describe_environment(model), cells=cells,
+                environment=environment, cells=cells,
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
@@ -116,7 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     report = run(args)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        write_report(args.json, report)
 
 
 if __name__ == "__main__":

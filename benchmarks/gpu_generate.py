@@ -42,8 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
-import statistics
 import sys
 import time
 import traceback
@@ -53,7 +51,9 @@ from pathlib import Path
 import torch
 
 import hf_vkv
-from common import StepClock  # benchmarks/common.py
+from common import StepClock, write_report  # benchmarks/common.py
+from hf_vkv.ab.harness import describe_environment
+from hf_vkv.ab.probes import kv_bytes, kv_bytes_per_token
 
 CACHES = ("dynamic", "static", "vkv", "vkv-layer")
 MAPPING_CALLS = ("create", "map", "set_access", "synchronize", "unmap", "release")
@@ -134,17 +134,6 @@ def load_model(kind: str, dtype: torch.dtype):
     return model.to("cuda").eval(), name
 
 
-def kv_bytes(cache: object) -> int:
-    if isinstance(cache, hf_vkv.VKVCache):
-        return cache.stats().resident_bytes
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
-
-
 class CountingClock(StepClock):
     """A :class:`StepClock` that also snapshots the CUDA backends' counters at each step."""
 
@@ -156,13 +145,6 @@ class CountingClock(StepClock):
     def put(self, value: torch.Tensor) -> None:
         super().put(value)
         self.counts.append(self.log.counters())
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes of K and V one token of one row holds in a DynamicCache (all layers)."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
 
 
 def run_one(model, ids: torch.Tensor, *, cache: str, new_tokens: int, log: DriverLog, beams: int = 1) -> dict:
@@ -281,8 +263,6 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_generate.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from gpu_vmm import environment
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model, model_name = load_model(args.model, dtype)
@@ -291,14 +271,13 @@ def main() -> int:
     log.install()
     vocab = model.config.vocab_size
     rows: list[dict] = []
-    report = dict(benchmark="gpu_generate", environment=environment(device), model=model_name, dtype=args.dtype,
+    report = dict(benchmark="gpu_generate", environment=describe_environment(model), model=model_name, dtype=args.dtype,
                   new_tokens=args.new_tokens, repeats=args.repeats, static_cache="disable_compile=True",
                   warmup="every cache once, 256 tokens x batch 1, 8 new tokens, before the first cell",
                   hf_vkv=hf_vkv.__version__, complete=False, results=rows)
 
     def write() -> None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.json, report)
 
     warm = torch.randint(10, vocab, (1, 256), generator=torch.Generator().manual_seed(1)).to(device)
     for cache in args.caches:  # untimed: lazy CUDA, cuBLAS and allocator initialization
@@ -321,7 +300,6 @@ def main() -> int:
         write()  # after every cell: an error later loses nothing
     report["complete"] = True
     write()
-    print(f"wrote {args.json}")
     return 0 if all(r.get("tokens_identical", True) for r in rows) else 1
 
 

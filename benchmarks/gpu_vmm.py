@@ -16,8 +16,6 @@ Exits with a message on a machine without a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -25,37 +23,12 @@ from pathlib import Path
 
 import torch
 
+from common import write_report  # benchmarks/common.py
+from hf_vkv.ab.harness import describe_environment
+
 #: vAttention (Prabhu et al., "vAttention: Dynamic Memory Management for Serving LLMs without
 #: PagedAttention"), A100, per 2 MB page, microseconds: the figures quoted by the project's issue.
 VATTENTION_A100_US = {"create": 29, "map": 2, "set_access": 38, "unmap": 34, "release": 23}
-
-
-def environment(device: torch.device) -> dict:
-    """Device, driver, CUDA, torch and transformers versions, and the exact command."""
-    import transformers
-
-    from hf_vkv.cuda import Driver
-
-    props = torch.cuda.get_device_properties(device)
-    driver = Driver(device.index)
-    version = driver.driver_version()
-    driver.close()
-    try:
-        from cuda import bindings
-        bindings_version = getattr(bindings, "__version__", "?")
-    except ImportError:
-        bindings_version = None
-    return {
-        "device": props.name,
-        "device_memory_bytes": props.total_memory,
-        "driver_cuda_version": f"{version // 1000}.{version % 1000 // 10}",
-        "torch_cuda_version": torch.version.cuda,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda_bindings": bindings_version,
-        "python": platform.python_version(),
-        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-    }
 
 
 def summarize(samples: list[float]) -> dict:
@@ -147,14 +120,12 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.init()
     torch.empty(1, device=device)  # the primary context, current on this thread
-    env = environment(device)
+    env = describe_environment(device=device)  # device, driver/torch CUDA, versions, command
     measure_driver(device, min(args.pages, 16))  # warm-up: first calls pay one-time driver costs
     page, calls = measure_driver(device, args.pages)
     backend = measure_backend(device, args.pages)
     result = {"environment": env, "page_bytes": page, "pages": args.pages, "driver_calls": calls,
               "backend": backend, "vattention_a100_us": VATTENTION_A100_US}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{env['device']}, driver CUDA {env['driver_cuda_version']}, page {page // (1 << 20)} MiB, "
           f"{args.pages} pages")
     print(f"{'call':<14}{'median µs':>11}{'p90 µs':>9}{'vAttention A100 µs':>20}")
@@ -167,7 +138,7 @@ def main() -> None:
     print(f"backend map of a page: {backend['map_page']['median_us']} µs; unmap: {backend['unmap_page']['median_us']} µs")
     r = backend["readable_reserve"]
     print(f"readable reservation of {r['pages']} pages: {r['per_slot_us']} µs per slot (scratch map + access)")
-    print(f"wrote {args.out}")
+    write_report(args.out, result)
 
 
 if __name__ == "__main__":

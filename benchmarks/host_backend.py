@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-import hf_vkv
+from common import write_report  # benchmarks/common.py
+from hf_vkv.ab.harness import describe_environment
 from hf_vkv.memory import HostBackend, PageId
 
 PAGE_SIZES = (4 << 10, 64 << 10, 2 << 20)
@@ -107,8 +104,9 @@ def main() -> None:
                 "median_us": round(percentile(times[op], 0.5), 3), "p90_us": round(percentile(times[op], 0.9), 3),
             })
 
+    env = describe_environment(device="cpu")
     header = f"{'operation':<20}" + "".join(f"{f'{p >> 10} KiB median':>16}{'p90':>10}" for p in PAGE_SIZES)
-    print(f"host backend, microseconds per call ({os.cpu_count()} CPUs, Linux {platform.release()})")
+    print(f"host backend, microseconds per call ({env['cpu_count']} CPUs, Linux {env['kernel']})")
     print(header)
     print("-" * len(header))
     for op in OPS:
@@ -117,20 +115,18 @@ def main() -> None:
 
     report = {
         "benchmark": "host_backend",
-        "command": [sys.executable, *sys.argv],
+        "command": env["command"],
         "quick": args.quick,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
-            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "kernel": platform.release(),
+            "platform": env["platform"], "processor": env["processor"], "cpu_count": int(env["cpu_count"]),
+            "kernel": env["kernel"],
         },
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "hf_vkv": hf_vkv.__version__},
-        "torch_threads": torch.get_num_threads(),
+        "versions": {k: env[k] for k in ("python", "torch", "hf_vkv")},
+        "torch_threads": int(env["torch_threads"]),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import hf_vkv
+from common import write_report  # benchmarks/common.py
+from hf_vkv.ab.harness import describe_environment
 from hf_vkv.attention.kernels import gather_kv, paged_attention_reference
 
 GRIDS = {
@@ -161,31 +159,23 @@ def main() -> None:
 
     load_before = os.getloadavg()  # the CPU timings are only as quiet as the machine was
     results = bench(device, grid, iters)
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "hf_vkv": hf_vkv.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        pass
+    env = describe_environment(device=device)
     report = {
         "benchmark": "paged_attention",
-        "command": [sys.executable, *sys.argv],
+        "command": env["command"],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or "cpu",
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+        "device": env["device"],
+        "machine": {"platform": env["platform"], "cpu_count": int(env["cpu_count"]),
                     "load_average_1_5_15_min": {"before": [round(x, 2) for x in load_before],
                                                 "after": [round(x, 2) for x in os.getloadavg()]}},
-        "versions": versions,
-        "torch_threads": torch.get_num_threads(),
+        "versions": {k: env[k] for k in ("python", "torch", "hf_vkv", "triton") if k in env},
+        "torch_threads": int(env["torch_threads"]),
         "heads": dict(zip(("q_heads", "kv_heads", "head_dim"), grid[3])),
         "iters": iters,
         "results": results,
     }
     out = args.out or Path(__file__).parent / "results" / f"paged_attention_{device_type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(out, report)
 
 
 if __name__ == "__main__":

@@ -18,20 +18,15 @@ the numbers say how much that costs and which block size costs least.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
 from transformers.cache_utils import Cache
 
-import hf_vkv
-from common import StepClock  # benchmarks/common.py
-from hf_vkv import VKVCache
+from common import StepClock, write_report  # benchmarks/common.py
+from hf_vkv.ab.harness import describe_environment
+from hf_vkv.ab.probes import kv_bytes
 from hf_vkv.default_model import load_default_model
 
 
@@ -62,12 +57,8 @@ def run(model, ids, *, attn: str, cache_config: dict | None, new_tokens: int, be
         model.set_attn_implementation("sdpa")
     cache = out.past_key_values
     step = clock.step_seconds() if clock is not None else None
-    if isinstance(cache, VKVCache):
-        kv = cache.stats().resident_bytes
-    else:
-        kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     return dict(wall_s=wall, decode_step_s=step, reorder_s_per_step=reorder_s[0] / new_tokens if beams > 1 else None,
-                kv_bytes=kv, _sequences=out.sequences)
+                kv_bytes=kv_bytes(cache), _sequences=out.sequences)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,18 +102,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"reorder/step {reorder} kv {r['kv_bytes'] / 2**20:7.1f} MiB "
                       f"speedup {r.get('decode_speedup_vs_dynamic', float('nan')):5.2f}x "
                       f"wall ratio {r['wall_ratio_vs_dynamic']:5.2f} identical {r['tokens_identical']}", flush=True)
+    env = describe_environment(model)
     report = dict(
         benchmark="paged_cpu",
-        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
-        device=dict(kind="cpu", processor=platform.processor() or platform.machine(), cores=os.cpu_count(),
-                    torch_threads=torch.get_num_threads(), platform=platform.platform()),
-        versions=dict(python=platform.python_version(), torch=torch.__version__,
-                      transformers=transformers.__version__, hf_vkv=hf_vkv.__version__),
+        command=env["command"],
+        device=dict(kind="cpu", processor=env["processor"], cores=int(env["cpu_count"]),
+                    torch_threads=int(env["torch_threads"]), platform=env["platform"]),
+        versions={k: env[k] for k in ("python", "torch", "transformers", "hf_vkv")},
         model="SmolLM2-135M-Instruct (fp32)", new_tokens=args.new_tokens, results=rows,
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.json}")
+    write_report(args.json, report)
     return 0 if all(r["tokens_identical"] for r in rows) else 1
 
 

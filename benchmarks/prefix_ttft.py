@@ -20,30 +20,17 @@ exact command.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
 
 import hf_vkv
+from common import write_report  # benchmarks/common.py
+from hf_vkv.ab.harness import describe_environment
 from hf_vkv.default_model import load_default_model
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def first_token(model: torch.nn.Module, ids: torch.Tensor, **kwargs: object) -> tuple[float, int]:
@@ -126,23 +113,21 @@ def main() -> None:
               f"vkv reuse {m['vkv_reuse']:.3f}s  ({r['speedup_reuse_vs_dynamic_full']:.1f}x)  "
               f"same first token: {r['first_token_equal']}", flush=True)
         results.append(r)
+    env = describe_environment(model)
     report = {
         "benchmark": "prefix_ttft",
         "model": "SmolLM2-135M-Instruct (embedded, float32)",
-        "device": cpu_name(),
-        "cpu_count": os.cpu_count(),
+        "device": env["cpu_model"],
+        "cpu_count": int(env["cpu_count"]),
         "torch_threads": args.threads,
         "load_average_at_start": load,
         "note": "machine shared with other processes; 1 intra-op thread so that timings do not depend on a "
                 "second core being free",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "hf_vkv": hf_vkv.__version__},
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "versions": {k: env[k] for k in ("python", "torch", "transformers", "hf_vkv")},
+        "command": env["command"],
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers.cache_utils import Cache
 
-from hf_vkv.ab.bench import make_cache, prompt_ids
+from hf_vkv.ab.bench import Grid, make_cache, prompt_ids
 from hf_vkv.ab.decode import load_prompt, prefill
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.default_model import load_default_model
@@ -63,7 +63,8 @@ def _steps(model: Any, cache: Cache, first: torch.Tensor, length: int, new_token
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     model, _ = load_default_model(dtype=torch.float32)
-    ids = prompt_ids(model, args.prompt, min(args.batch, 4))
+    # distinct prompts as in the benchmark's cell (8192 prompt tokens prefilled at most)
+    ids = prompt_ids(model, args.prompt, Grid(prompt_lengths=(args.prompt,), batches=(args.batch,)).distinct_prompts(args.prompt))
     prompt = prefill(model, ids)
     capacity = args.prompt + args.new_tokens
     first = prompt.first_tokens.index_select(0, prompt.rows(args.batch))

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .ab import ABReport
 
 from .ab.demo_text import SHORT_PROMPT as DEMO_PROMPT
+from .ab.records import AttentionPath
 from .memory.errors import InvariantError, VKVError
 
 __all__ = ["DEMO_PROMPT", "EXIT_REFUSED", "exit_code", "main"]
@@ -306,8 +307,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-beams", type=int, default=None, help="beams of --mode beam (default 4)")
     p.add_argument("--num-return-sequences", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--layout", choices=("contiguous", "paged"), default="contiguous",
-                   help="paged: the vkv run reads pages through the 'vkv_paged' attention")
+    p.add_argument("--layout", choices=get_args(AttentionPath), default="contiguous",
+                   help="the vkv run's attention path (not the cache layout): contiguous, the model's attention "
+                        "reads what update returns; paged, the 'vkv_paged' attention reads the pages")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tee", action="store_true", help="compare tokens and logits only, not every layer's K/V")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON (hf_vkv.ab/1)")

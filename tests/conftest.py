@@ -7,13 +7,16 @@
 * ``faulty_backend``: a :class:`FaultyBackend` factory, a host backend that fails a chosen call;
 * ``mapped_pages``: asserts the kernel (``/proc/self/maps``) maps exactly what page tables say;
 * ``buffer_snapshot``: everything a failed operation must leave exactly as it was;
-* ``rss``: resident bytes of an address range as RSS counts them (an aliased page once per mapping).
+* ``rss``: resident bytes of an address range as RSS counts them (an aliased page once per mapping);
+* :func:`assert_owner_lives_with_views` (a function): the DLPack lifetime rule of the CUDA backend's tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -224,3 +227,28 @@ def mapped_pages() -> Callable[..., None]:
 def buffer_snapshot() -> Callable[..., dict]:
     """``buffer_snapshot(*bufs, id_space=True)``: see :func:`snapshot`."""
     return snapshot
+
+
+def assert_owner_lives_with_views(make: Callable[[object], torch.Tensor]) -> None:
+    """``make(owner)`` wraps memory in a tensor through a DLPack capsule of ``hf_vkv.cuda.dlpack``
+    that keeps ``owner`` alive: check that it lives exactly as long as the tensor or any view of it
+    (one live capsule meanwhile, none after). ``make`` may check the tensor before returning it."""
+    from hf_vkv.cuda.dlpack import live_capsules
+
+    class Owner:
+        """Something a tensor keeps alive (a reservation, in the backend)."""
+
+    before = live_capsules()
+    owner = Owner()
+    ref = weakref.ref(owner)
+    t = make(owner)
+    del owner
+    gc.collect()
+    assert ref() is not None and live_capsules() == before + 1
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert ref() is not None  # a view keeps the capsule, and so the owner
+    del view
+    gc.collect()
+    assert ref() is None and live_capsules() == before

@@ -70,7 +70,7 @@ def run_from_args(args: argparse.Namespace, model: PreTrainedModel, *, grid: Gri
         import torch
 
         torch.set_num_threads(args.threads)
-    environment = describe_environment(model)
+    environment = describe_environment(model, command=command)
     cells = run_cells(model, grid, progress=True)
     modes = run_modes(model, grid, seed=args.seed, progress=True) if grid.modes else []
     report = bench_report(cells, modes, model=model_name, grid=grid, command=command, environment=environment)

@@ -14,7 +14,6 @@ the first divergence, the only place reported precisely.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import platform
 import time
@@ -29,14 +28,13 @@ from transformers.cache_utils import Cache, DynamicCache
 from ..cache import CacheOptions, VKVCache
 from .progress import progress_bar
 from .probes import StepProbe, UpdateTee, kv_bytes
-from .records import ABReport, Divergence, RunSummary, StepReport
+from .records import ABReport, AttentionPath, Divergence, RunSummary, StepReport
 
 __all__ = [
-    "Layout", "PAGED_ATTENTION", "VKVCacheFactory", "describe_environment", "paged_attention_available", "run_ab",
+    "AttentionPath", "PAGED_ATTENTION", "VKVCacheFactory", "describe_environment", "paged_attention_available", "run_ab",
 ]
 
-Layout = Literal["contiguous", "paged"]
-#: The attention implementation that reads the vkv cache through block tables (layout "paged").
+#: The attention implementation that reads the vkv cache through block tables (attention path "paged").
 PAGED_ATTENTION = "vkv_paged"
 #: Builds the cache under test: ``factory(config, batch_size=rows, prompt_repeats=k, options=...)``.
 VKVCacheFactory = type[VKVCache]
@@ -71,7 +69,7 @@ def run_ab(
     inputs: Mapping[str, torch.Tensor],
     *,
     max_new_tokens: int = 32,
-    layout: Layout = "contiguous",
+    layout: AttentionPath = "contiguous",
     tee: bool = True,
     seed: int = 0,
     cache_config: Mapping[str, Any] | None = None,
@@ -86,8 +84,9 @@ def run_ab(
         inputs: ``input_ids`` ``[batch, prompt]`` (int64) and optionally ``attention_mask``
             ``[batch, prompt]`` (left padding), on the model's device.
         max_new_tokens: tokens to generate per row.
-        layout: ``"contiguous"`` (attention as the model has it) or ``"paged"`` (the vkv run uses the
-            ``"vkv_paged"`` attention implementation; the model's own is restored afterwards).
+        layout: the :data:`~.records.AttentionPath` of the vkv run (whatever the cache's own layout):
+            ``"contiguous"`` (the model's attention reads what ``update`` returns) or ``"paged"`` (the
+            ``"vkv_paged"`` attention reads the pages; the model's own is restored afterwards).
         tee: record every layer's K/V at every step in both runs and compare them (costs a
             digest of each update; excluded from the step times).
         seed: ``torch.manual_seed(seed)`` before each run (sampling draws the same numbers).
@@ -185,7 +184,7 @@ def _check_arguments(model: Any, inputs: Any, *, max_new_tokens: Any, layout: An
                          "and pass the vkv options as cache_config=..., the length as max_new_tokens=...")
 
 
-def _source(layout: Layout) -> Literal["returned", "stored"]:
+def _source(layout: AttentionPath) -> Literal["returned", "stored"]:
     # the paged attention reads pages, not what update returns: compare what the layers store
     return "stored" if layout == "paged" else "returned"
 
@@ -338,16 +337,80 @@ def _generated(sequences: torch.Tensor, prompt_len: int) -> tuple[tuple[int, ...
     return tuple(tuple(int(x) for x in row) for row in sequences[:, prompt_len:])
 
 
-def describe_environment(model: PreTrainedModel) -> dict[str, str]:
-    """Device, dtype and library versions of a run (strings, for the JSON reports)."""
+def describe_environment(model: PreTrainedModel | None = None, *, device: torch.device | str | None = None,
+                         command: str | None = None) -> dict[str, str]:
+    """The machine, the libraries and the command of a run: the one place every JSON report
+    (``run_ab``, ``hf-vkv bench``/``demo``, ``benchmarks/*.py``) takes them from.
+
+    Args:
+        model: the model that ran; gives ``device`` and ``dtype`` (its first parameter's).
+        device: the device when there is no model (default: the model's, else the CPU).
+        command: the command line to record (default: this process's, ``python`` and ``sys.argv``).
+
+    Returns:
+        Strings (the reports' schemas want strings): ``device`` (``"cpu: x86_64"``, ``"cuda: NAME"``),
+        ``dtype`` (with a model), ``torch``, ``transformers``, ``hf_vkv``, ``python``, ``torch_threads``,
+        ``platform``, ``kernel``, ``processor``, ``cpu_model``, ``cpu_count``, ``command``; ``triton``
+        and ``cuda_bindings`` where installed; on a CUDA device also ``device_memory_bytes``,
+        ``torch_cuda_version`` and ``driver_cuda_version``.
+    """
+    import importlib.metadata
+    import os
+    import sys
+
     import transformers
 
     from .. import __version__
 
-    device = next(model.parameters()).device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    return {
-        "device": f"{device.type}: {name}", "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    if device is None:
+        device = next(model.parameters()).device if model is not None else torch.device("cpu")
+    device = torch.device(device)
+    processor = platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else processor
+    env = {"device": f"{device.type}: {name}"}
+    if model is not None:
+        env["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+    env.update({
         "torch": torch.__version__, "transformers": transformers.__version__, "hf_vkv": __version__,
         "python": platform.python_version(), "torch_threads": str(torch.get_num_threads()),
-    }
+        "platform": platform.platform(), "kernel": platform.release(), "processor": processor,
+        "cpu_model": _cpu_model() or processor, "cpu_count": str(os.cpu_count()),
+        "command": command if command is not None else " ".join([os.path.basename(sys.executable), *sys.argv]),
+    })
+    for dist, key in (("triton", "triton"), ("cuda-bindings", "cuda_bindings")):
+        try:
+            env[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if device.type == "cuda":
+        env["device_memory_bytes"] = str(torch.cuda.get_device_properties(device).total_memory)
+        env["torch_cuda_version"] = str(torch.version.cuda)
+        env["driver_cuda_version"] = _driver_cuda_version(device)
+    return env
+
+
+def _cpu_model() -> str | None:
+    """The CPU's marketing name (``model name`` in ``/proc/cpuinfo``), where Linux says it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _driver_cuda_version(device: torch.device) -> str:
+    """The CUDA version the driver supports (``"13.0"``), or ``"?"`` without cuda-bindings."""
+    try:
+        from ..cuda import Driver
+
+        driver = Driver(device.index if device.index is not None else torch.cuda.current_device())
+        try:
+            version = driver.driver_version()
+        finally:
+            driver.close()
+    except Exception:  # noqa: BLE001  (a report must not fail on a missing binding; "?" says so)
+        return "?"
+    return f"{version // 1000}.{version % 1000 // 10}"

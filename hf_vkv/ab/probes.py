@@ -23,7 +23,7 @@ import torch
 from transformers import LogitsProcessor
 from transformers.cache_utils import Cache
 
-__all__ = ["LayerDigest", "StepProbe", "TeeSource", "UpdateTee", "kv_bytes", "row_digests"]
+__all__ = ["LayerDigest", "StepProbe", "TeeSource", "UpdateTee", "kv_bytes", "kv_bytes_per_token", "row_digests"]
 
 #: ``"returned"``: digest what ``update`` returns (what attention reads in the contiguous layout);
 #: ``"stored"``: digest the layer's ``keys``/``values`` after the update (layout independent).
@@ -46,6 +46,19 @@ def kv_bytes(cache: Cache) -> int:
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of K and V one token of one row holds in a DynamicCache, all layers together.
+
+    From the model's shape: layers x (K, V) x KV heads x head dim x the parameters' item size.
+    Exact for models whose every layer keeps every token (full attention); a sliding-window
+    layer holds at most its window, so for those this is the bytes per token below the window.
+    """
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
 def row_digests(states: torch.Tensor) -> tuple[bytes, ...]:

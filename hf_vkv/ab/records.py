@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["SCHEMA_VERSION", "ABReport", "Divergence", "DivergenceKind", "RunSummary", "StepReport"]
+__all__ = ["SCHEMA_VERSION", "ABReport", "AttentionPath", "Divergence", "DivergenceKind", "RunSummary", "StepReport"]
 
 #: Version of the JSON written by :meth:`ABReport.to_json`; bumped on any incompatible change.
 SCHEMA_VERSION = "hf_vkv.ab/1"
@@ -20,6 +20,12 @@ SCHEMA_VERSION = "hf_vkv.ab/1"
 #: What differed first: a layer's K/V (tee), a row's logits, a row's chosen token, or the number of
 #: steps (one run stopped earlier).
 DivergenceKind = Literal["kv", "logits", "tokens", "steps"]
+
+#: Where the vkv run's attention reads K/V from (``run_ab(layout=...)``, ``hf-vkv ab --layout``, the
+#: report's ``layout`` field): ``"contiguous"``, the ``[B, H, T, D]`` tensors ``update`` returns, read
+#: by the model's own attention; ``"paged"``, the pages themselves, through block tables, read by
+#: the ``"vkv_paged"`` attention. Not a cache layout (those are :class:`hf_vkv.cache.layouts.Layout`).
+AttentionPath = Literal["contiguous", "paged"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +98,7 @@ class ABReport:
     """
 
     model: str
-    layout: Literal["contiguous", "paged"]
+    layout: AttentionPath  # the attention path of the vkv run (the JSON key predates the name)
     mode: Literal["greedy", "sample", "beam"]
     tee: bool
     seed: int

@@ -26,9 +26,9 @@ other fields           model, layout, mode, tee, seed, generate_kwargs, prompt_t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
-from .records import SCHEMA_VERSION
+from .records import SCHEMA_VERSION, AttentionPath
 
 __all__ = ["AB_REPORT_SCHEMA", "SCHEMA_VERSION"]
 
@@ -87,7 +87,7 @@ AB_REPORT_SCHEMA: dict[str, Any] = {
         "schema": {"const": SCHEMA_VERSION},
         "identical": {"type": "boolean"},
         "model": {"type": "string"},
-        "layout": {"enum": ["contiguous", "paged"]},
+        "layout": {"enum": list(get_args(AttentionPath))},  # the vkv run's attention path
         "mode": {"enum": ["greedy", "sample", "beam"]},
         "tee": {"type": "boolean"},
         "seed": {"type": "integer"},

@@ -9,7 +9,7 @@ The interface (shared by :func:`paged_attention_reference`, :func:`paged_attenti
 
 * ``key_cache``, ``value_cache``: ``[num_blocks, block_size, kv_heads, head_dim]``, float32,
   float16 or bfloat16, any strides with ``stride(-1) == 1`` (the cache hands strided views of a
-  token-major store whose block and slot strides span every layer of a group);
+  token-major store whose block and token strides span every layer of a group);
 * ``block_tables``: int32 ``[batch, max_blocks]``; entry ``j`` of row ``b`` is the block holding the
   row's absolute token positions ``[j * block_size, (j + 1) * block_size)``. Entries for blocks wholly
   before ``kv_offset`` (dropped behind a sliding window) and entries past a row's length may hold
@@ -171,9 +171,9 @@ def _check_block_ids(used: Tensor, num_blocks: int) -> None:
 def _token_index(
     block_tables: Tensor, *, block_size: int, num_blocks: int, kv_offset: int, kv_len: int, valid: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """Block id and slot of each token ``[kv_offset, kv_offset + kv_len)`` of each row.
+    """Block id and position in the block of each token ``[kv_offset, kv_offset + kv_len)`` of each row.
 
-    Returns ``blocks`` int64 ``[batch, kv_len]`` and ``slots`` int64 ``[kv_len]``. Where ``valid``
+    Returns ``blocks`` int64 ``[batch, kv_len]`` and ``in_block`` int64 ``[kv_len]``. Where ``valid``
     (bool ``[batch, kv_len]``) is False the table entry is not trusted: block 0 is read instead, so
     that garbage entries past a row's length never index out of the pool.
     """
@@ -186,10 +186,10 @@ def _token_index(
     return blocks, positions % block_size
 
 
-def _gather(cache: Tensor, blocks: Tensor, slots: Tensor) -> Tensor:
-    """``cache[blocks[b, t], slots[t], h, :]`` as a contiguous ``[batch, kv_heads, kv_len, head_dim]``.
+def _gather(cache: Tensor, blocks: Tensor, in_block: Tensor) -> Tensor:
+    """``cache[blocks[b, t], in_block[t], h, :]`` as a contiguous ``[batch, kv_heads, kv_len, head_dim]``.
 
-    When blocks and slots flatten into one token axis (``stride(0) == block_size * stride(1)``, true
+    When blocks and in-block positions flatten into one token axis (``stride(0) == block_size * stride(1)``, true
     of a contiguous pool and of the cache's token-major store views), one ``index_select`` of token
     rows and one transposing copy; otherwise one advanced index over all three axes (about 3x slower
     on the CPU, measured with benchmarks/paged_attention.py's shapes).
@@ -199,10 +199,10 @@ def _gather(cache: Tensor, blocks: Tensor, slots: Tensor) -> Tensor:
     if cache.stride(0) == block_size * cache.stride(1) or num_blocks == 1:
         tokens = cache.as_strided((num_blocks * block_size, kv_heads, head_dim),
                                   (cache.stride(1), cache.stride(2), cache.stride(3)), cache.storage_offset())
-        rows = tokens.index_select(0, (blocks * block_size + slots).flatten())  # [batch * kv_len, Hkv, D]
+        rows = tokens.index_select(0, (blocks * block_size + in_block).flatten())  # [batch * kv_len, Hkv, D]
         return rows.view(batch, kv_len, kv_heads, head_dim).transpose(1, 2).contiguous()
     heads = torch.arange(kv_heads, device=cache.device)
-    return cache[blocks[:, None, :], slots[None, None, :], heads[None, :, None]]
+    return cache[blocks[:, None, :], in_block[None, None, :], heads[None, :, None]]
 
 
 def gather_kv(
@@ -220,9 +220,9 @@ def gather_kv(
         the caches' dtype: an exact copy, made by one advanced index per tensor.
     """
     _check_caches(key_cache, value_cache, block_tables, kv_offset=kv_offset, kv_len=kv_len)
-    blocks, slots = _token_index(block_tables, block_size=key_cache.shape[1], num_blocks=key_cache.shape[0],
+    blocks, in_block = _token_index(block_tables, block_size=key_cache.shape[1], num_blocks=key_cache.shape[0],
                                  kv_offset=kv_offset, kv_len=kv_len, valid=None)
-    return _gather(key_cache, blocks, slots), _gather(value_cache, blocks, slots)
+    return _gather(key_cache, blocks, in_block), _gather(value_cache, blocks, in_block)
 
 
 def attend_mask(
@@ -265,9 +265,9 @@ def paged_attention_reference(
     valid = None  # [batch, kv_len]: table entries past a row's length are garbage, never index with them
     if kv_lens is not None:
         valid = torch.arange(kv_len, device=query.device)[None, :] < kv_lens.long()[:, None]
-    blocks, slots = _token_index(block_tables, block_size=key_cache.shape[1], num_blocks=key_cache.shape[0],
+    blocks, in_block = _token_index(block_tables, block_size=key_cache.shape[1], num_blocks=key_cache.shape[0],
                                  kv_offset=kv_offset, kv_len=kv_len, valid=valid)
-    keys, values = _gather(key_cache, blocks, slots), _gather(value_cache, blocks, slots)  # [B, Hkv, kv_len, D]
+    keys, values = _gather(key_cache, blocks, in_block), _gather(value_cache, blocks, in_block)  # [B, Hkv, kv_len, D]
     gqa = q_heads != key_cache.shape[2]
     if mask is None and kv_lens is None and q in (1, kv_len):
         # One query sees every token, or q == kv_len where bottom-right causal is sdpa's is_causal:

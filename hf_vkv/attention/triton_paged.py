@@ -12,7 +12,7 @@ How the kernel works (one program per ``(row, kv head, tile of query rows, KV sp
   A K/V tile is loaded once for all of them (no repeat of K/V), and decode (``q == 1``) still fills
   ``G`` rows of the ``tl.dot`` instead of one.
 * **Paged reads.** A KV tile is ``BLOCK_N`` consecutive tokens; for each token the kernel looks up
-  its block (``block_tables[b, pos // block_size]``) and slot (``pos % block_size``), so any
+  its block (``block_tables[b, pos // block_size]``) and its position in the block (``pos % block_size``), so any
   ``block_size >= 1`` works (odd ones too) and the caches may have any strides with
   ``stride(-1) == 1``. Table entries are loaded only for tokens the row has, so entries before
   ``kv_offset`` or past ``L_b`` are never read.
@@ -127,9 +127,9 @@ def _paged_attention_kernel(
         col_ok = cols < length
         pos = kv_offset + cols
         blk = tl.load(bt_row + (pos // block_size) * stride_btj, mask=col_ok, other=0).to(tl.int64)
-        slot = (pos % block_size).to(tl.int64)
-        k_off = blk * stride_kb + slot * stride_ks + kvh * stride_kh  # [BLOCK_N]
-        v_off = blk * stride_vb + slot * stride_vs + kvh * stride_vh
+        in_block = (pos % block_size).to(tl.int64)
+        k_off = blk * stride_kb + in_block * stride_ks + kvh * stride_kh  # [BLOCK_N]
+        v_off = blk * stride_vb + in_block * stride_vs + kvh * stride_vh
         kt = tl.load(K + k_off[None, :] + d[:, None], mask=col_ok[None, :] & d_ok[:, None], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)

@@ -51,7 +51,7 @@ class LayerGroup:
     ) -> None:
         self.name = name
         self.members = tuple(members)
-        self.slot = {layer: k for k, layer in enumerate(self.members)}
+        self.member_of = {layer: k for k, layer in enumerate(self.members)}  # layer -> its member index
         self.sliding_window = sliding_window
         self.capacity = capacity
         self.prompt_repeats = prompt_repeats
@@ -101,7 +101,7 @@ class LayerGroup:
     # ----------------------------------------------------------------------------- lengths
     def length(self, layer: int) -> int:
         """Tokens member ``layer`` has cached."""
-        return self.lengths[self.slot[layer]]
+        return self.lengths[self.member_of[layer]]
 
     def window_start(self, length: int) -> int:
         """First token an update at ``length`` cached tokens returns (the mask's ``kv_offset``)."""
@@ -121,34 +121,34 @@ class LayerGroup:
         """Store member ``layer``'s new ``[B, H, q, D]`` states after its cached tokens and return
         what attention reads: ``[B, H, kv_length, D]`` (``kv_length`` as the mask's) or, in the
         paged layout, the tagged new states."""
-        slot = self.slot[layer]
-        start = self.lengths[slot]
+        member = self.member_of[layer]
+        start = self.lengths[member]
         end = start + key_states.shape[2]
         self.prepare(key_states.shape[0], start, end)
         rows = None
         if self._followers:
             rows = [r for r in range(self.batch) if not self._follows_leader(r, start, key_states, value_states)]
         layout, buffer = self._lay(), self._buf()
-        layout.write(buffer, batch=self.batch, slot=slot, start=start, key=key_states, value=value_states, rows=rows)
-        self.lengths[slot] = end
-        return layout.attention_inputs(buffer, batch=self.batch, slot=slot, start=self.window_start(start), end=end,
+        layout.write(buffer, batch=self.batch, member=member, start=start, key=key_states, value=value_states, rows=rows)
+        self.lengths[member] = end
+        return layout.attention_inputs(buffer, batch=self.batch, member=member, start=self.window_start(start), end=end,
                                        key=key_states, value=value_states)
 
     def write_states(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, *, start: int) -> None:
         """Store ``[B, H, T, D]`` states of an empty member as its tokens ``[start, start + T)``;
         tokens before ``start`` are not held (a sliding window restored on its own)."""
-        slot = self.slot[layer]
-        if self.lengths[slot]:
-            raise ValueError(f"layer {layer} already holds {self.lengths[slot]} tokens; write_states fills an empty layer")
+        member = self.member_of[layer]
+        if self.lengths[member]:
+            raise ValueError(f"layer {layer} already holds {self.lengths[member]} tokens; write_states fills an empty layer")
         end = start + key_states.shape[2]
         self.prepare(key_states.shape[0], 0, end)
         if start:
             self._buf().drop_before(range(self.batch), start)
             self._lay().invalidate()
             self.written_from = max(self.written_from, start)
-        self._lay().write(self._buf(), batch=self.batch, slot=slot, start=start, key=key_states, value=value_states,
+        self._lay().write(self._buf(), batch=self.batch, member=member, start=start, key=key_states, value=value_states,
                           rows=None)
-        self.lengths[slot] = end
+        self.lengths[member] = end
 
     def first_written(self) -> int:
         """The first token every row still holds written data for (0 unless pages were dropped
@@ -167,7 +167,7 @@ class LayerGroup:
     def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, H, T, D]`` copies of what member ``layer`` holds (``kept_from .. length``)."""
         length = self.length(layer)
-        keys, values = self._lay().cached(self._buf(), batch=self.batch, slot=self.slot[layer],
+        keys, values = self._lay().cached(self._buf(), batch=self.batch, member=self.member_of[layer],
                                           start=self.kept_from(layer), end=length)
         return keys.clone(), values.clone()
 

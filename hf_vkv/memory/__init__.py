@@ -1,6 +1,12 @@
 """Backend-neutral memory: page ids and the pool, page tables, the invariant over both, page
 stores, the backend protocol, the host backend and the row buffers with their translators.
-Nothing here imports transformers."""
+Nothing here imports transformers.
+
+A *page slot* is a page-sized place in a reserved virtual range: slot ``i`` of a row's range is
+where the row's ``i``-th page is mapped (``address + i * page_bytes``); the CUDA backend's copy
+window has slots too, one per page handle. That is the only meaning of "slot" in hf_vkv (a layer's
+index in its group is its *member* index; a token's place in a paged-layout block, its position
+in the block)."""
 
 from .backend_protocol import Backend
 from .arena import Arena

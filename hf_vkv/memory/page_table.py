@@ -87,7 +87,9 @@ class PageTable:
         # mappings); a paged block pool wants dense ids instead (its store grows to the highest id).
         self.hinted = hinted
         self._base = pool.add_segment(rows * pages_per_row)
-        self._rows: list[Row] = [Row()] * rows
+        #: Each row's :class:`Row`, by index: read it freely (the buffers' views do, without a
+        #: call per row); change it only through this table's operations.
+        self.entries: list[Row] = [Row()] * rows
         self._undo: dict[int, Row] | None = None
         self._undo_counters: tuple[int, int] = (0, 0)
         self.cow_copies = 0  # pages copied by copy-on-write, over the table's life
@@ -108,7 +110,7 @@ class PageTable:
         """Restore every row replaced since :meth:`begin`."""
         undo, self._undo = self._undo or {}, None
         for index, row in undo.items():
-            self._rows[index] = row
+            self.entries[index] = row
         self.cow_copies, self.remapped_rows = self._undo_counters
 
     def changed_rows(self) -> dict[int, Row]:
@@ -117,16 +119,16 @@ class PageTable:
 
     def _set(self, index: int, row: Row) -> None:
         if self._undo is not None and index not in self._undo:
-            self._undo[index] = self._rows[index]
-        self._rows[index] = row
+            self._undo[index] = self.entries[index]
+        self.entries[index] = row
 
     # ----------------------------------------------------------------------------- queries
     def row(self, index: int) -> Row:
         """The table of row ``index``."""
-        return self._rows[self._check_row(index)]
+        return self.entries[self._check_row(index)]
 
     def __iter__(self) -> Iterator[Row]:
-        return iter(self._rows)
+        return iter(self.entries)
 
     def home(self, row: int, index: int) -> PageId:
         """The id a row's page index prefers, so a row's pages are consecutive physical ids."""
@@ -134,7 +136,7 @@ class PageTable:
 
     def referenced_pages(self) -> Iterator[PageId]:
         """Every page of every row, once per table entry that holds it."""
-        for row in self._rows:
+        for row in self.entries:
             yield from row.pages
 
     def _check_row(self, index: int) -> int:
@@ -158,7 +160,7 @@ class PageTable:
 
         Returns the pages the backend must create (fresh memory) before they are used.
         """
-        old = self._rows[self._check_row(row)]
+        old = self.entries[self._check_row(row)]
         self._check_length(row, length)
         if length <= old.length:
             return []
@@ -176,38 +178,38 @@ class PageTable:
         """Make each of ``rows`` hold ``end`` units if that needs no page table change but the
         lengths: every row already has the pages for ``[start, end)`` and none of those pages is
         shared. Then set the lengths and return True; otherwise change nothing and return False
-        (the caller grows and copies-on-write in a transaction). The cheap path of a decode step
-        that stays inside the rows' last pages: one pass of plain comparisons per row (a
-        head-major decode step calls it for every (layer, K/V, head) sub-row of every row)."""
-        ps = self.page_size
-        need = _pages_for(end, ps)
+        (the caller grows and copies-on-write in a transaction, whose operations also reject a row
+        out of range). The cheap path of a decode step that stays inside the rows' last pages (a
+        head-major step calls it for every (layer, K/V, head) sub-row of every row).
+
+        Outside a transaction only (it keeps no undo). It calls nothing, on purpose: it runs for
+        every group at every decode step (``tests/unit/test_decode_depth.py``)."""
+        if self._undo is not None:
+            raise InvariantError("PageTable.extend_in_place() inside a transaction (it keeps no undo)")
+        ps, n, entries, refs = self.page_size, self.rows, self.entries, self.pool.refs
+        need = -(-end // ps)  # pages that hold `end` units
         first, last = start // ps, (end - 1) // ps
-        if rows and not (0 <= min(rows) and max(rows) < self.rows):
-            raise IndexError(f"rows {min(rows)}..{max(rows)} are out of range: this table has rows 0..{self.rows - 1}")
-        table, is_shared = self._rows, self.pool.is_shared
         changed = []
         for row in rows:
-            old = table[row]
+            if not 0 <= row < n:
+                return False
+            old = entries[row]
             if old.length > end or need != old.start + len(old.pages) or start > old.length or first < old.start:
                 return False
-            pages = old.pages
             for i in range(first - old.start, last + 1 - old.start):
-                if is_shared(pages[i]):
+                if refs.get(old.pages[i], 0) > 1:  # shared: the write needs copy-on-write
                     return False
             if old.length != end:
                 changed.append((row, old))
-        undo = self._undo
-        for row, old in changed:  # _set, inlined: this loop runs for every sub-row of a decode step
-            if undo is not None and row not in undo:
-                undo[row] = old
-            table[row] = Row(end, old.start, old.pages)
+        for row, old in changed:
+            entries[row] = Row(end, old.start, old.pages)
         return True
 
     def share(self, src: int, dst: int, *, length: int | None = None) -> None:
         """Make ``dst`` hold the first ``length`` bytes of ``src`` (all of it by default) by
         referencing the same pages; ``dst``'s previous pages are dropped. Zero bytes move; a
         partly filled last page stays shared until someone writes to it (see :meth:`cow`)."""
-        source = self._rows[self._check_row(src)]
+        source = self.entries[self._check_row(src)]
         self._check_row(dst)
         length = source.length if length is None else length
         if not 0 <= length <= source.length:
@@ -220,7 +222,7 @@ class PageTable:
     def assign(self, row: int, table: Row) -> None:
         """Make ``row`` hold ``table`` (pages of this pool, e.g. another table's row: a fork),
         adding a reference to each of its pages and dropping the row's previous pages."""
-        old = self._rows[self._check_row(row)]
+        old = self.entries[self._check_row(row)]
         if table == old:
             return
         need = _pages_for(table.length, self.page_size)
@@ -240,7 +242,7 @@ class PageTable:
         index = [None if i is None else self._check_row(int(i)) for i in index]
         if len(index) > self.rows:
             raise ValueError(f"index has {len(index)} entries but the table has {self.rows} rows")
-        old = list(self._rows)
+        old = list(self.entries)
         new = [Row() if i is None else old[i] for i in index] + [Row()] * (self.rows - len(index))
         delta: Counter[PageId] = Counter()
         for i, (before, after) in enumerate(zip(old, new)):
@@ -260,7 +262,7 @@ class PageTable:
         Call before writing those bytes. Returns the copies the caller must perform, and the
         destination pages the backend must create first.
         """
-        old = self._rows[self._check_row(row)]
+        old = self.entries[self._check_row(row)]
         if not 0 <= start <= end <= old.length:
             raise ValueError(f"write range [{start}, {end}) is outside row {row}'s 0..{old.length} bytes")
         if start == end:
@@ -289,7 +291,7 @@ class PageTable:
 
     def truncate(self, row: int, length: int) -> None:
         """Shrink ``row`` to ``length`` bytes, dropping pages past the end."""
-        old = self._rows[self._check_row(row)]
+        old = self.entries[self._check_row(row)]
         if not 0 <= length <= old.length:
             raise ValueError(f"cannot truncate row {row} from {old.length} to {length} bytes")
         if length == old.length:
@@ -301,7 +303,7 @@ class PageTable:
 
     def drop_before(self, row: int, offset: int) -> None:
         """Drop the pages of ``row`` that lie wholly before byte ``offset`` (behind a sliding window)."""
-        old = self._rows[self._check_row(row)]
+        old = self.entries[self._check_row(row)]
         if not 0 <= offset <= old.length:
             raise ValueError(f"byte {offset} is outside row {row}'s 0..{old.length} bytes")
         new_start = min(offset // self.page_size, old.end)
@@ -313,7 +315,7 @@ class PageTable:
 
     def clear(self, row: int) -> None:
         """Empty ``row``, dropping all its pages."""
-        old = self._rows[self._check_row(row)]
+        old = self.entries[self._check_row(row)]
         if old.length or old.pages:
             self.pool.decref(old.pages)
             self._set(row, Row())
@@ -321,13 +323,13 @@ class PageTable:
     # ----------------------------------------------------------------------------- checks
     def shared_pages(self) -> int:
         """Distinct pages of this table held by more than one table entry (anywhere in the pool)."""
-        return sum(1 for p in {p for r in self._rows for p in r.pages} if self.pool.is_shared(p))
+        return sum(1 for p in {p for r in self.entries for p in r.pages} if self.pool.is_shared(p))
 
     def check_invariants(self) -> None:
         """Raise :class:`InvariantError` unless the table's invariants (class docstring) hold."""
         if self._undo is not None:
             raise InvariantError("check_invariants() inside an open transaction")
-        for i, row in enumerate(self._rows):
+        for i, row in enumerate(self.entries):
             need = _pages_for(row.length, self.page_size)
             if row.end != need or row.start > need or need > self.pages_per_row:
                 raise InvariantError(

@@ -17,8 +17,9 @@ pages usually sit at consecutive physical offsets and the host backend maps them
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NewType
 
 from .errors import InvariantError, KVCacheOutOfMemory
@@ -79,6 +80,9 @@ class PagePool:
         self.page_bytes = page_bytes
         self.budget_pages = budget_pages
         self._refs: dict[PageId, int] = {}
+        #: ``{page: refcount}`` of the pages in use, read-only and live (a page table's decode fast
+        #: path reads it directly: no call per page; a page is shared when its count is above 1).
+        self.refs: Mapping[PageId, int] = MappingProxyType(self._refs)
         # Insertion-ordered set, oldest first. An OrderedDict, not a dict: taking the oldest entry
         # of a dict again and again scans the holes its deletions left (quadratic on large pools).
         self._resident_free: OrderedDict[PageId, None] = OrderedDict()

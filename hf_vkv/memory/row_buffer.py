@@ -31,6 +31,8 @@ from .pool import PageId
 
 __all__ = ["RowBuffer", "BufferStats", "return_pages"]
 
+_CLOSED = "this buffer was closed and its pages returned; create a new cache"
+
 _Self = TypeVar("_Self", bound="RowBuffer")
 
 
@@ -62,7 +64,8 @@ class RowBuffer(ABC):
 
     A row may be ``parts`` page-table rows (sub-rows) that always hold the same items: every
     operation on a row applies to each of its parts, and :meth:`table_rows` says which table
-    rows they are (by default the ``parts`` consecutive ones; a translator may interleave them).
+    rows they are (by default the ``parts`` consecutive ones; a translator may interleave them
+    through :meth:`_part_rows`, asked once per row at construction).
 
     Subclasses implement :meth:`_sync` (make the translation follow changed table rows) and
     :meth:`_sibling` (an empty buffer of the same kind, for :meth:`fork`), and set ``_finalizer``
@@ -84,6 +87,8 @@ class RowBuffer(ABC):
         self.pages_per_row = -(-capacity * item_bytes // page)
         self._table = PageTable(store.pool, rows=rows * parts, pages_per_row=self.pages_per_row, page_size=page,
                                 hinted=hinted)
+        # row -> its table rows, built once: a decode step expands rows without a call per row
+        self._parts: list[tuple[int, ...]] = [tuple(self._part_rows(r)) for r in range(rows)]
         store.buffer_opened(self._table)  # a subclass whose own set-up fails calls store.buffer_closed()
         self._created: list[PageId] = []
         self._closed = False
@@ -101,8 +106,10 @@ class RowBuffer(ABC):
 
     def table_rows(self, row: int) -> Sequence[int]:
         """The page-table rows that hold ``row``'s parts, in part order."""
-        if not 0 <= row < self.rows:
-            raise IndexError(f"row {row} is out of range for {self.rows} rows")
+        return self._expand((row,))
+
+    def _part_rows(self, row: int) -> Sequence[int]:
+        """The table rows of ``row``'s parts (``row`` in range): by default ``parts`` consecutive ones."""
         return range(row * self.parts, (row + 1) * self.parts)
 
     def _first(self, row: int) -> Row:
@@ -251,12 +258,18 @@ class RowBuffer(ABC):
         all of it before raising on failure."""
 
     def _expand(self, rows: Iterable[int]) -> list[int]:
-        """The table rows of ``rows``' parts."""
-        return [t for r in rows for t in self.table_rows(r)]
+        """The table rows of ``rows``' parts, in order. A loop over the list built at construction,
+        calling nothing: it is on every decode step's path."""
+        parts, n, out = self._parts, self.rows, []
+        for r in rows:
+            if not 0 <= r < n:
+                raise IndexError(f"row {r} is out of range for {n} rows")
+            out += parts[r]
+        return out
 
     def _open(self) -> PageTable:
         if self._closed:
-            raise CacheClosedError("this buffer was closed and its pages returned; create a new cache")
+            raise CacheClosedError(_CLOSED)
         return self._table
 
     def _check_capacity(self, length: int) -> None:

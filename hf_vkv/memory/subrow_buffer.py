@@ -11,10 +11,6 @@ block: :mod:`hf_vkv.cache.layouts.head_major`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-
 from .arena import Arena
 from .virtual_buffer import VirtualBuffer
 
@@ -32,30 +28,15 @@ class SubRowBuffer(VirtualBuffer):
             raise ValueError(f"blocks and heads must be positive, got {blocks}, {heads}")
         self.blocks = blocks
         self.heads = heads
-        self._parts_of: dict[int, list[int]] = {}
         super().__init__(arena, rows=rows, capacity=capacity, item_bytes=item_bytes, parts=blocks * heads,
                          readable=readable)
 
-    def table_rows(self, row: int) -> Sequence[int]:
-        parts = self._parts_of.get(row)
-        if parts is None:
-            if not 0 <= row < self.rows:
-                raise IndexError(f"row {row} is out of range for {self.rows} rows")
-            r, h = self.rows, self.heads
-            parts = self._parts_of[row] = [(g * r + row) * h + k for g in range(self.blocks) for k in range(h)]
-        return parts
+    def _part_rows(self, row: int) -> list[int]:
+        r, h = self.rows, self.heads
+        return [(g * r + row) * h + k for g in range(self.blocks) for k in range(h)]
 
-    def view(self, rows: range, start: int, end: int) -> torch.Tensor:
-        """A zero-copy ``uint8`` view ``[blocks, len(rows), heads, (end - start) * item_bytes]`` of
-        items ``[start, end)`` of each row's sub-rows; valid until the next operation that changes
-        those rows' pages."""
-        self.check_mapped(rows, start, end)
-        s = self.row_stride
-        offset = rows.start * self.heads * s + start * self.item_bytes
-        return self._storage.as_strided(
-            (self.blocks, len(rows), self.heads, (end - start) * self.item_bytes),
-            (self.rows * self.heads * s, self.heads * s, s, 1), offset,
-        )
+    # view: VirtualBuffer's, which gives ``[blocks, len(rows), heads, (end - start) * item_bytes]``
+    # for a buffer of sub-rows
 
     def _sibling(self, rows: int) -> SubRowBuffer:
         return SubRowBuffer(self.store, rows=rows, blocks=self.blocks, heads=self.heads, capacity=self.capacity,

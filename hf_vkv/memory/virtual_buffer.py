@@ -16,10 +16,10 @@ import torch
 
 from .arena import Arena
 from .backend_protocol import Backend
-from .errors import BackendError
+from .errors import BackendError, CacheClosedError
 from .page_table import PageTable, Row
 from .pool import PageId
-from .row_buffer import BufferStats, RowBuffer, return_pages
+from .row_buffer import _CLOSED, BufferStats, RowBuffer, return_pages
 
 __all__ = ["Arena", "VirtualBuffer", "BufferStats"]
 
@@ -74,9 +74,15 @@ class VirtualBuffer(RowBuffer):
     """
 
     store: Arena
+    #: Rows in parts are ``blocks x heads`` sub-rows (set by :class:`~hf_vkv.memory.subrow_buffer.SubRowBuffer`).
+    blocks: int = 1
+    heads: int = 1
 
     def __init__(self, arena: Arena, *, rows: int, capacity: int, item_bytes: int, parts: int = 1,
                  readable: bool = False) -> None:
+        if parts != self.blocks * self.heads:
+            raise ValueError(f"parts ({parts}) must be blocks x heads ({self.blocks} x {self.heads}): rows in "
+                             "several parts are a SubRowBuffer's")
         super().__init__(arena, rows=rows, capacity=capacity, item_bytes=item_bytes, hinted=True, parts=parts)
         self.readable = readable
         try:
@@ -97,15 +103,30 @@ class VirtualBuffer(RowBuffer):
         return self._reservation.address
 
     def view(self, rows: range, start: int, end: int) -> torch.Tensor:
-        """A zero-copy ``uint8`` view ``[len(rows), (end - start) * item_bytes]`` of items
-        ``[start, end)`` of each row (row stride ``row_stride``); valid until the next operation
-        that changes those rows' pages (a write after copy-on-write goes to the new page only).
-        Rows of one part only (see :class:`~hf_vkv.memory.subrow_buffer.SubRowBuffer` for more)."""
-        if self.parts != 1:
-            raise TypeError("a buffer of rows in several parts gives views through its own view()")
-        self.check_mapped(rows, start, end)
-        offset = rows.start * self.row_stride + start * self.item_bytes
-        return self._storage.as_strided((len(rows), (end - start) * self.item_bytes), (self.row_stride, 1), offset)
+        """A zero-copy ``uint8`` view of items ``[start, end)`` of each row of ``rows`` (a range
+        with step 1): ``[len(rows), (end - start) * item_bytes]`` (row stride ``row_stride``), or
+        for a buffer of sub-rows (:class:`~hf_vkv.memory.subrow_buffer.SubRowBuffer`) ``[blocks,
+        len(rows), heads, (end - start) * item_bytes]``. Valid until the next operation that
+        changes those rows' pages (a write after copy-on-write goes to the new page only).
+
+        Raises ``ValueError`` unless the items are mapped in every row. It calls nothing on the
+        way (a decode step takes a view of every group: ``tests/unit/test_decode_depth.py``)."""
+        if self._closed:
+            raise CacheClosedError(_CLOSED)
+        if not isinstance(rows, range) or rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.rows:
+            raise ValueError(f"rows must be a range with step 1 inside 0..{self.rows}, got {rows!r}")
+        ib, page, entries, parts = self.item_bytes, self._table.page_size, self._table.entries, self._parts
+        for r in rows:
+            row = entries[parts[r][0]]  # every part holds the same items
+            if not 0 <= start <= end <= row.length // ib or (end > start and start * ib < row.start * page):
+                raise ValueError(f"items [{start}, {end}) of row {r} are not mapped (it holds "
+                                 f"[{self.first_live(r)}, {row.length // ib}))")
+        s, n = self.row_stride, (end - start) * ib
+        if self.parts == 1:
+            return self._storage.as_strided((len(rows), n), (s, 1), rows.start * s + start * ib)
+        blocks, heads = self.blocks, self.heads  # sub-rows: table row (g * rows + r) * heads + h
+        return self._storage.as_strided((blocks, len(rows), heads, n), (self.rows * heads * s, heads * s, s, 1),
+                                        rows.start * heads * s + start * ib)
 
     def full_view(self) -> torch.Tensor:
         """A zero-copy ``uint8`` view ``[rows * parts, row_stride]`` of the whole reservation, at
@@ -115,22 +136,6 @@ class VirtualBuffer(RowBuffer):
             raise TypeError("only a readable buffer (readable=True) may be viewed beyond its mapped items")
         self._open()
         return self._storage.view(self.rows * self.parts, self.row_stride)
-
-    def check_mapped(self, rows: range, start: int, end: int) -> None:
-        """Raise ``ValueError`` unless items ``[start, end)`` of every row in ``rows`` are mapped."""
-        self._open()
-        if not isinstance(rows, range) or rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.rows:
-            raise ValueError(f"rows must be a range with step 1 inside 0..{self.rows}, got {rows!r}")
-        page = self.store.page_bytes
-        for r in rows:
-            row = self._first(r)
-            if not 0 <= start <= end <= row.length // self.item_bytes or (
-                end > start and start * self.item_bytes < row.start * page
-            ):
-                raise ValueError(
-                    f"items [{start}, {end}) of row {r} are not mapped (it holds "
-                    f"[{self.first_live(r)}, {row.length // self.item_bytes}))"
-                )
 
     # ----------------------------------------------------------------------------- internals
     def _sibling(self, rows: int) -> VirtualBuffer:

@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+from conftest import assert_owner_lives_with_views
 from gpu_helpers import GPU, check_mapped_pages, cuda_backend
 
 from hf_vkv.memory import Arena, KVCacheOutOfMemory, PageId, VirtualBuffer
@@ -86,30 +87,10 @@ def test_cuda_array_interface_of_a_mapped_range(backend) -> None:
 
 
 def test_view_keeps_its_owner_alive() -> None:
-    from hf_vkv.cuda.dlpack import live_capsules
-
-    class Owner:
-        pass
-
-    before = live_capsules()
     b = cuda_backend(max_pages=4)
     page = b.page_bytes
-    owner = Owner()
-    import weakref
-
-    ref = weakref.ref(owner)
     address = b.reserve(page)
-    t = b.tensor(address, page, owner)
-    del owner
-    gc.collect()
-    assert ref() is not None and live_capsules() == before + 1
-    view = t[10:20]
-    del t
-    gc.collect()
-    assert ref() is not None
-    del view
-    gc.collect()
-    assert ref() is None and live_capsules() == before
+    assert_owner_lives_with_views(lambda owner: b.tensor(address, page, owner))
     b.unreserve(address, page)
     b.close()
 

@@ -25,7 +25,7 @@ from hf_vkv.ab import (
     plot_report,
     run_ab,
 )
-from hf_vkv.ab.probes import row_digests
+from hf_vkv.ab.probes import kv_bytes_per_token, row_digests
 
 pytestmark = pytest.mark.integration
 
@@ -113,10 +113,8 @@ def test_kv_bytes_per_step_are_exact_for_dynamic_cache() -> None:
     """Greedy on llama (no window): DynamicCache holds rows x tokens x layers x (K, V) x heads x dim
     float32 after each step's forward (prompt + step + 1 tokens)."""
     model = tiny("llama")
-    cfg = model.config
     report = run_ab(model, prompts(3, 7, seed=52), max_new_tokens=6, tee=False, do_sample=False)
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    per_token = 3 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
+    per_token = 3 * kv_bytes_per_token(model)  # 3 rows
     assert [s.kv_bytes_dynamic for s in report.steps] == [per_token * (7 + t) for t in range(6)]
     assert report.dynamic.kv_peak_bytes == per_token * 12
     assert all(s.kv_equal is None for s in report.steps)  # no tee, no K/V verdict

@@ -5,6 +5,7 @@ the two entry points (``hf-vkv bench``, ``benchmarks/generate_cpu.py``). No timi
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -193,6 +194,20 @@ def test_generate_cpu_script_documents_both_grids() -> None:
     assert out.returncode == 0, out.stderr
     assert "benchmarks/generate_cpu.py --threads 2" in out.stdout and "--quick" in out.stdout
     assert "prompts 64 512 2048 8192, batches 1 4 8, 24 new tokens, 3 rounds (default)" in " ".join(out.stdout.split())
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_benchmark_scripts_import_their_shared_code_without_path_hacks(script: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each script imports as ``python benchmarks/<script>`` runs it (its folder first on
+    ``sys.path``, so ``from common import ...`` works) and touches ``sys.path`` itself nowhere."""
+    path = ROOT / "benchmarks" / script
+    assert "sys.path" not in path.read_text()
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_benchmark_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert script == "common.py" or callable(module.main)
 
 
 def test_ideal_cache_is_bit_identical_under_eager_attention_without_gqa() -> None:

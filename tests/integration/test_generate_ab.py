@@ -238,7 +238,7 @@ def test_page_size_and_groups(layout: LayoutRun, page_bytes: int | None, groups:
     assert torch.equal(keys, ref.past_key_values.layers[2].keys)
     if layout.name == "head_major":  # each head's tokens are adjacent, and rows x heads one batch
         group = cache.layers[2].group
-        k_view, _ = group.layout.cached(group.buffer, batch=group.batch, slot=group.slot[2], start=0,
+        k_view, _ = group.layout.cached(group.buffer, batch=group.batch, member=group.member_of[2], start=0,
                                         end=cache.get_seq_length())
         assert k_view.stride(2) == k_view.shape[-1] and k_view.stride(3) == 1
         assert k_view.stride(0) == k_view.shape[1] * k_view.stride(1)

@@ -16,6 +16,7 @@ from transformers.cache_utils import StaticCache
 
 import hf_vkv
 from hf_vkv import VKVCache
+from hf_vkv.ab.probes import kv_bytes
 from models import assert_same_tokens, prompts, tiny
 
 pytestmark = pytest.mark.integration
@@ -137,8 +138,7 @@ def test_resident_bytes_follow_the_tokens_not_the_capacity() -> None:
     static = StaticCache(config=model.config, max_cache_len=32 * 1024)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=static, use_cache=True)
-    static_bytes = sum(t.numel() * t.element_size() for layer in static.layers for t in (layer.keys, layer.values))
-    assert static_bytes >= 30 * stats.resident_bytes
+    assert kv_bytes(static) >= 30 * stats.resident_bytes  # StaticCache: its full-capacity buffers
     # and the full-capacity views really span the capacity, at fixed addresses
     keys, _ = cache.layers[0].full_keys, cache.layers[0].full_values
     assert keys.shape[2] == 32 * 1024 and torch.count_nonzero(keys[:, :, 2048:]) == 0  # unbacked reads as zeros

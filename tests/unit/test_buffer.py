@@ -407,10 +407,10 @@ def test_check_invariants_sees_a_corrupted_table(new):
     buf = new()
     buf.grow([0], 300)
     buf.check_invariants()
-    buf.table._rows[1] = buf.table.row(0)  # a second reference without a refcount
+    buf.table.entries[1] = buf.table.row(0)  # a second reference without a refcount
     with pytest.raises(InvariantError, match="refcount != occurrences"):
         buf.check_invariants()
-    buf.table._rows[1] = Row()
+    buf.table.entries[1] = Row()
 
 
 def test_check_invariants_sees_a_wrong_refcount_anywhere_in_the_store(new):
@@ -426,10 +426,10 @@ def test_check_invariants_sees_a_wrong_refcount_anywhere_in_the_store(new):
         with pytest.raises(InvariantError, match=rf"\{{{page}: \(3, 2\)\}}"):
             b.check_invariants()
     pool._refs[page] = 2
-    fork.table._rows[1] = fork.table.row(0)  # a reference in the other buffer only
+    fork.table.entries[1] = fork.table.row(0)  # a reference in the other buffer only
     with pytest.raises(InvariantError, match="refcount != occurrences"):
         buf.check_invariants()
-    fork.table._rows[1] = Row()
+    fork.table.entries[1] = Row()
     fork.close()  # a closed buffer's table no longer counts
     assert buf.store.tables() == [buf.table]
     new.ok(buf)

@@ -9,20 +9,15 @@ the tensor or any view of it, bytes are shared with the memory under the address
 from __future__ import annotations
 
 import ctypes
-import gc
 import subprocess
 import sys
 import textwrap
-import weakref
 
 import pytest
 import torch
+from conftest import assert_owner_lives_with_views
 
-from hf_vkv.cuda.dlpack import live_capsules, tensor_over
-
-
-class Owner:
-    """Something a tensor keeps alive (a reservation, in the backend)."""
+from hf_vkv.cuda.dlpack import tensor_over
 
 
 def _memory(nbytes: int) -> tuple[ctypes.Array, int]:
@@ -31,26 +26,18 @@ def _memory(nbytes: int) -> tuple[ctypes.Array, int]:
 
 
 def test_tensor_over_shares_the_bytes_and_keeps_its_owner_alive() -> None:
-    before = live_capsules()
     buf, address = _memory(64)
-    owner = Owner()
-    ref = weakref.ref(owner)
-    t = tensor_over(address, 64, owner, device=torch.device("cpu"))
-    assert (t.dtype, t.shape, t.data_ptr(), t.device.type) == (torch.uint8, (64,), address, "cpu")
-    t[3] = 7
-    assert buf[3] == 7  # zero-copy: the tensor is the memory
-    buf[5] = 9
-    assert int(t[5]) == 9
-    del owner
-    gc.collect()
-    assert ref() is not None and live_capsules() == before + 1
-    view = t[10:20]
-    del t
-    gc.collect()
-    assert ref() is not None  # a view keeps the capsule, and so the owner
-    del view
-    gc.collect()
-    assert ref() is None and live_capsules() == before
+
+    def make(owner: object) -> torch.Tensor:
+        t = tensor_over(address, 64, owner, device=torch.device("cpu"))
+        assert (t.dtype, t.shape, t.data_ptr(), t.device.type) == (torch.uint8, (64,), address, "cpu")
+        t[3] = 7
+        assert buf[3] == 7  # zero-copy: the tensor is the memory
+        buf[5] = 9
+        assert int(t[5]) == 9
+        return t
+
+    assert_owner_lives_with_views(make)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

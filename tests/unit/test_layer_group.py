@@ -61,7 +61,7 @@ def test_each_member_keeps_its_own_length() -> None:
     g.check_invariants()
     g.init_layer(5, k, k + 0.5)
     g.update(5, k, k + 0.5)
-    assert g.lengths == [4, 4] and g.slot == {3: 0, 5: 1}
+    assert g.lengths == [4, 4] and g.member_of == {3: 0, 5: 1}
     step(g, 2, 1, 4)
     assert g.lengths == [5, 5] and tokens_of(g, 5) == [[0, 1, 2, 3, 4], [100, 101, 102, 103, 104]]
     g.close()

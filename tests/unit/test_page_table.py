@@ -416,10 +416,10 @@ def test_commit_keeps_the_changes_and_transactions_do_not_nest():
 
 # ------------------------------------------------------------------------------------ invariants
 @pytest.mark.parametrize("corrupt, message", [
-    (lambda t: t._rows.__setitem__(0, Row(9, 0, (P(0), P(1)))), "length 9 needs pages up to 3"),
-    (lambda t: t._rows.__setitem__(0, Row(8, 1, (P(0), P(1)))), "length 8 needs pages up to 2"),
-    (lambda t: t._rows.__setitem__(3, Row(4, 0, (P(0),))), "refcount != occurrences"),
-    (lambda t: t._rows.__setitem__(3, Row(4, 0, (P(7),))), "pool says is free"),
+    (lambda t: t.entries.__setitem__(0, Row(9, 0, (P(0), P(1)))), "length 9 needs pages up to 3"),
+    (lambda t: t.entries.__setitem__(0, Row(8, 1, (P(0), P(1)))), "length 8 needs pages up to 2"),
+    (lambda t: t.entries.__setitem__(3, Row(4, 0, (P(0),))), "refcount != occurrences"),
+    (lambda t: t.entries.__setitem__(3, Row(4, 0, (P(7),))), "pool says is free"),
     (lambda t: t.pool._refs.__setitem__(P(1), 3), "refcount != occurrences"),
     (lambda t: t.pool._resident_free.__setitem__(P(1), None), "both in use and free"),
 ])
@@ -433,8 +433,8 @@ def test_check_invariants_catches_corruption(corrupt, message):
 
 
 @pytest.mark.parametrize("corrupt, message", [
-    (lambda t: t._rows.__setitem__(0, Row(9, 0, (P(0), P(1)))), "length 9 needs pages up to 3"),
-    (lambda t: t._rows.__setitem__(1, Row(4, 0, (P(7),))), "row 1 holds page 7, which the pool says is free"),
+    (lambda t: t.entries.__setitem__(0, Row(9, 0, (P(0), P(1)))), "length 9 needs pages up to 3"),
+    (lambda t: t.entries.__setitem__(1, Row(4, 0, (P(7),))), "row 1 holds page 7, which the pool says is free"),
 ])
 def test_a_table_checks_its_own_rows_alone(corrupt, message):
     t = make()

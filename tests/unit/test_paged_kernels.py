@@ -228,7 +228,7 @@ def test_gather_kv_is_an_exact_copy(block_size, dtype):
 
 
 def test_gather_and_reference_on_caches_whose_blocks_do_not_flatten():
-    """Blocks with spare slots (``stride(0) != block_size * stride(1)``) take the advanced-index path."""
+    """Blocks with spare token room (``stride(0) != block_size * stride(1)``) take the advanced-index path."""
     case = make_case(block_size=7, kv_offset=9, q=3, padded=True)
     caches = []
     for cache in (case.key_cache, case.value_cache):

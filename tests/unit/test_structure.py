@@ -1,9 +1,13 @@
 """The package's shape, checked: subpackages import one another without cycles, the memory core
-imports no transformers, and a beam step converts ``beam_idx`` to Python once for every group."""
+imports no transformers, GPU code is imported only when asked for, and a beam step converts
+``beam_idx`` to Python once for every group."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -57,6 +61,39 @@ def test_memory_imports_no_transformers() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n.split(".")[0] in ("transformers", "hf_vkv") for n in names), (path, names)
+
+
+def test_slot_means_only_a_page_slot() -> None:
+    """"slot" is the memory layer's word (a page-sized place in a reservation: ``hf_vkv.memory``);
+    the cache's layer index in its group is a *member*, a token's place in a block its position."""
+    import re
+
+    for sub in ("cache", "attention", "ab", "prefix"):
+        for path in (PACKAGE / sub).rglob("*.py"):
+            text = re.sub(r"slots=True|slots dataclass", "", path.read_text())  # Python's __slots__
+            assert not re.search(r"slot", text, re.IGNORECASE), f"{path}: 'slot' outside the memory layer"
+
+
+def test_importing_hf_vkv_loads_no_gpu_code() -> None:
+    """In a fresh interpreter (one for all three checks: it costs seconds): ``import hf_vkv`` and
+    the doctor load neither ``hf_vkv.cuda`` nor the CUDA bindings nor the Triton kernels, and
+    ``hf_vkv.cuda`` itself loads no bindings until a backend is made. torch may import
+    ``cuda.bindings`` itself where installed: the last check compares with what torch and
+    transformers loaded before hf_vkv."""
+    code = "\n".join([
+        "import sys, torch, transformers",
+        "before = set(sys.modules)",
+        "import hf_vkv, hf_vkv.doctor, hf_vkv.attention, hf_vkv.cache",
+        "bad = sorted(m for m in sys.modules if m == 'hf_vkv.cuda' or m.startswith(('hf_vkv.cuda.', 'cuda.')))",
+        "assert not bad, ('import hf_vkv / the doctor loaded', bad)",
+        "assert 'hf_vkv.attention.triton_paged' not in sys.modules, 'import hf_vkv loaded the Triton kernels'",
+        "import hf_vkv.cuda, hf_vkv.devices",
+        "bad = sorted(m for m in set(sys.modules) - before if m.startswith('cuda'))",
+        "assert not bad, ('import hf_vkv.cuda loaded', bad)",
+    ])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
 
 
 class _CountingIndex(torch.Tensor):

@@ -33,7 +33,7 @@ class Layout(ABC):
     """How one layer group's rows are laid out (see the module docstring).
 
     ``geometry`` is the shape every member shares; ``members`` the number of layers (member
-    slots ``0 .. members-1``).
+    indices ``0 .. members-1``: a layer's position in its group).
     """
 
     #: The name ``cache_config={"layout": ...}`` selects it by.
@@ -63,23 +63,25 @@ class Layout(ABC):
         :meth:`~hf_vkv.memory.VirtualBuffer.full_view`), for the static layout."""
 
     @abstractmethod
-    def write(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, key: torch.Tensor,
+    def write(self, buffer: RowBuffer, *, batch: int, member: int, start: int, key: torch.Tensor,
               value: torch.Tensor, rows: Sequence[int] | None) -> None:
-        """Store member ``slot``'s ``[batch, H, q, Dk]`` keys / ``[batch, H, q, Dv]`` values at
-        tokens ``[start, start + q)`` of ``rows`` (``None``: rows ``0 .. batch-1``). The tokens
-        are writable (the group prepared them)."""
+        """Store the ``[batch, H, q, Dk]`` keys / ``[batch, H, q, Dv]`` values of member
+        ``member`` (the layer's index in its group) at tokens ``[start, start + q)`` of ``rows``
+        (``None``: rows ``0 .. batch-1``). The tokens are writable (the group prepared them)."""
 
     @abstractmethod
-    def cached(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int
+    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, H, end - start, Dk]`` keys and ``[..., Dv]`` values of member ``slot``
+        """``[batch, H, end - start, Dk]`` keys and ``[..., Dv]`` values of member ``member``
         (views where the layout allows, else copies), valid until the rows change."""
 
-    def attention_inputs(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int,
+    @abstractmethod
+    def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``update`` returns after writing ``key``/``value``: by default the cached tokens
-        ``[start, end)`` (``kv_length`` of the mask)."""
-        return self.cached(buffer, batch=batch, slot=slot, start=start, end=end)
+        """What ``update`` returns after writing ``key``/``value``: the views of the cached tokens
+        ``[start, end)`` (``kv_length`` of the mask) in the token- and head-major layouts, which
+        make it their :meth:`cached` itself (no wrapper: one call less on every decode step), or what
+        their attention reads in the others."""
 
     def invalidate(self) -> None:
         """The rows changed: forget views taken of them."""

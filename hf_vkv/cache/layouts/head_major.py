@@ -46,15 +46,15 @@ class HeadMajorLayout(Layout):
         return SubRowBuffer(arena, rows=rows, blocks=2 * self.members, heads=g.kv_heads, capacity=capacity,
                             item_bytes=self.item_dim * g.dtype.itemsize, readable=readable)
 
-    def full_states(self, buffer: RowBuffer, *, batch: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, H, capacity, Dk]`` / ``[..., Dv]`` views of every token slot, at fixed addresses
+    def full_states(self, buffer: RowBuffer, *, batch: int, member: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, H, capacity, Dk]`` / ``[..., Dv]`` views of every token position, at fixed addresses
         (a readable buffer only)."""
         assert isinstance(buffer, SubRowBuffer)
         g = self.geometry
         raw = buffer.full_view().view(2 * self.members, buffer.rows, g.kv_heads, buffer.row_stride)
         item = self.item_dim * g.dtype.itemsize
         tokens = raw[:, :batch, :, :buffer.capacity * item].view(g.dtype).unflatten(-1, (buffer.capacity, self.item_dim))
-        return self._pick(tokens, slot)
+        return self._pick(tokens, member)
 
     def _tokens(self, buffer: RowBuffer, batch: int, start: int, end: int) -> torch.Tensor:
         """Typed view ``[2 * members, batch, H, end - start, item_dim]`` of tokens ``[start, end)``."""
@@ -68,13 +68,13 @@ class HeadMajorLayout(Layout):
             self._views[key] = typed
         return typed
 
-    def _pick(self, tokens: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pick(self, tokens: torch.Tensor, member: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.geometry
-        return tokens[2 * slot, ..., :g.key_dim], tokens[2 * slot + 1, ..., :g.value_dim]
+        return tokens[2 * member, ..., :g.key_dim], tokens[2 * member + 1, ..., :g.value_dim]
 
-    def write(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, key: torch.Tensor,
+    def write(self, buffer: RowBuffer, *, batch: int, member: int, start: int, key: torch.Tensor,
               value: torch.Tensor, rows: Sequence[int] | None) -> None:
-        keys, values = self._pick(self._tokens(buffer, batch, start, start + key.shape[2]), slot)
+        keys, values = self._pick(self._tokens(buffer, batch, start, start + key.shape[2]), member)
         if rows is None:
             keys.copy_(key)
             values.copy_(value)
@@ -83,6 +83,11 @@ class HeadMajorLayout(Layout):
             keys[row].copy_(key[row])
             values[row].copy_(value[row])
 
-    def cached(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._pick(self._tokens(buffer, batch, start, end), slot)
+    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
+               key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the tokens; ``key``/``value`` (as :meth:`attention_inputs` gets them) are not
+        needed: the views hold them."""
+        return self._pick(self._tokens(buffer, batch, start, end), member)
+
+    # update returns the cached tokens' views: cached itself (a wrapper would be one call more per step)
+    attention_inputs = cached  # type: ignore[assignment]

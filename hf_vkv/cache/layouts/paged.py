@@ -38,7 +38,7 @@ class PagedLayout(Layout):
         self.block_tokens = block_tokens
         self._tables: torch.Tensor | None = None  # block tables of the active rows, until invalidate()
         self._blocks: torch.Tensor | None = None  # typed [N, block_tokens, members, H * (Dk + Dv)]
-        self._slots: dict[tuple[int, int], torch.Tensor] = {}  # (start, q) -> token slots of all rows
+        self._token_indices: dict[tuple[int, int], torch.Tensor] = {}  # (start, q) -> flat token indices, all rows
 
     @classmethod
     def page_bytes(cls, backend: str) -> int | None:
@@ -71,62 +71,63 @@ class PagedLayout(Layout):
             self._tables = buffer.block_tables(range(batch)).to(self._typed_blocks(buffer).device)
         return self._tables
 
-    def _member(self, buffer: RowBuffer, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[N, block_tokens, H, Dk]`` key and ``[..., Dv]`` value caches of member ``slot``."""
+    def _member(self, buffer: RowBuffer, member: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, block_tokens, H, Dk]`` key and ``[..., Dv]`` value caches of member ``member``."""
         g = self.geometry
-        block = self._typed_blocks(buffer)[:, :, slot]
+        block = self._typed_blocks(buffer)[:, :, member]
         split = g.kv_heads * g.key_dim
         return block[..., :split].unflatten(-1, (g.kv_heads, g.key_dim)), \
             block[..., split:].unflatten(-1, (g.kv_heads, g.value_dim))
 
-    def paged_kv(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int) -> PagedKV:
+    def paged_kv(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int) -> PagedKV:
         """The record the ``"vkv_paged"`` attention reads for tokens ``[start, end)``."""
-        keys, values = self._member(buffer, slot)
+        keys, values = self._member(buffer, member)
         return PagedKV(keys, values, self.block_tables(buffer, batch), start, end - start)
 
-    def write(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, key: torch.Tensor,
+    def write(self, buffer: RowBuffer, *, batch: int, member: int, start: int, key: torch.Tensor,
               value: torch.Tensor, rows: Sequence[int] | None) -> None:
         b, h, q, _ = key.shape
         picked = range(b) if rows is None else rows
         if not picked:
             return
-        keys, values = self._member(buffer, slot)
+        keys, values = self._member(buffer, member)
         if rows is not None:
             key, value = key[list(rows)], value[list(rows)]
-        slots = self._token_slots(buffer, batch, start, q, rows)
-        keys.flatten(0, 1).index_copy_(0, slots, key.transpose(1, 2).reshape(-1, h, key.shape[3]))
-        values.flatten(0, 1).index_copy_(0, slots, value.transpose(1, 2).reshape(-1, h, value.shape[3]))
+        index = self._token_index(buffer, batch, start, q, rows)
+        keys.flatten(0, 1).index_copy_(0, index, key.transpose(1, 2).reshape(-1, h, key.shape[3]))
+        values.flatten(0, 1).index_copy_(0, index, value.transpose(1, 2).reshape(-1, h, value.shape[3]))
 
-    def _token_slots(self, buffer: RowBuffer, batch: int, start: int, q: int, rows: Sequence[int] | None
+    def _token_index(self, buffer: RowBuffer, batch: int, start: int, q: int, rows: Sequence[int] | None
                      ) -> torch.Tensor:
-        """Flat token slots ``[R * q]`` (block * block_tokens + offset) of tokens ``[start, start + q)``
-        of ``rows`` (``None``: all; then kept for the other members' writes of this step)."""
+        """Flat token indices ``[R * q]`` into the ``[N * block_tokens]`` token axis (block *
+        block_tokens + offset in the block) of tokens ``[start, start + q)`` of ``rows`` (``None``:
+        all; then kept for the other members' writes of this step)."""
         key = (start, q)
-        if rows is None and key in self._slots:
-            return self._slots[key]
+        if rows is None and key in self._token_indices:
+            return self._token_indices[key]
         bs = self.block_tokens
         tables = self.block_tables(buffer, batch).long()
         if rows is not None:
             tables = tables[list(rows)]
         tokens = torch.arange(start, start + q, device=tables.device)
-        slots = (tables[:, tokens // bs] * bs + tokens % bs).reshape(-1)
+        index = (tables[:, tokens // bs] * bs + tokens % bs).reshape(-1)
         if rows is None:
-            self._slots[key] = slots
-        return slots
+            self._token_indices[key] = index
+        return index
 
-    def cached(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int
+    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies gathered through the block tables."""
-        keys, values = self._member(buffer, slot)
+        keys, values = self._member(buffer, member)
         return gather_kv(keys, values, self.block_tables(buffer, batch), kv_offset=start, kv_len=end - start)
 
-    def attention_inputs(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int,
+    def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The new states, the key tagged with the :class:`PagedKV` of tokens ``[start, end)``."""
-        return self.paged_kv(buffer, batch=batch, slot=slot, start=start, end=end).tag(key), value
+        return self.paged_kv(buffer, batch=batch, member=member, start=start, end=end).tag(key), value
 
     def invalidate(self) -> None:
         super().invalidate()
         self._tables = None
         self._blocks = None
-        self._slots = {}
+        self._token_indices = {}

@@ -2,8 +2,8 @@
 
 ``StaticCache`` is what makes ``torch.compile`` and CUDA graphs work in transformers: fixed-shape
 ``[B, H, max_tokens, D]`` tensors at fixed addresses, written with ``index_copy_``. The static
-layout gives the same contract over virtual memory: its row buffer is *readable* (every token slot
-of the reservation can be read; slots not yet on a real page read as zeros), and attention gets
+layout gives the same contract over virtual memory: its row buffer is *readable* (every token position
+of the reservation can be read; positions not yet on a real page read as zeros), and attention gets
 full-capacity views at fixed addresses. Physical pages are still mapped on demand — ahead of the
 writes, outside the compiled step (:meth:`hf_vkv.VKVCache.map_ahead`) — and beam reorders and
 copy-on-write remap pages under the unchanged addresses, so a graph captured at step 1 stays valid.
@@ -38,7 +38,7 @@ class StaticLayout(Layout):
         if base not in (TokenMajorLayout, HeadMajorLayout):
             raise ValueError(f"the static layout builds on a contiguous layout, not {base.name!r}")
         self.base = base(geometry, members=members)
-        self._full: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (batch, slot) -> views
+        self._full: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (batch, member) -> views
         self._full_of: RowBuffer | None = None  # the buffer those views cover
 
     @classmethod
@@ -52,32 +52,32 @@ class StaticLayout(Layout):
     def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = True) -> RowBuffer:
         return self.base.make_buffer(arena, rows=rows, capacity=capacity, readable=True)
 
-    def write(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, key: torch.Tensor,
+    def write(self, buffer: RowBuffer, *, batch: int, member: int, start: int, key: torch.Tensor,
               value: torch.Tensor, rows: Sequence[int] | None) -> None:
-        self.base.write(buffer, batch=batch, slot=slot, start=start, key=key, value=value, rows=rows)
+        self.base.write(buffer, batch=batch, member=member, start=start, key=key, value=value, rows=rows)
 
-    def cached(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int
+    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.base.cached(buffer, batch=batch, slot=slot, start=start, end=end)
+        return self.base.cached(buffer, batch=batch, member=member, start=start, end=end)
 
-    def full_states(self, buffer: RowBuffer, *, batch: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, H, capacity, D]`` key and value views of member ``slot`` at fixed addresses,
+    def full_states(self, buffer: RowBuffer, *, batch: int, member: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, H, capacity, D]`` key and value views of member ``member`` at fixed addresses,
         the same tensor objects for the buffer's life (marked static for dynamo)."""
         if buffer is not self._full_of:  # a new buffer (more rows): new addresses
             self._full, self._full_of = {}, buffer
-        views = self._full.get((batch, slot))
+        views = self._full.get((batch, member))
         if views is None:
-            views = self.base.full_states(buffer, batch=batch, slot=slot)  # type: ignore[attr-defined]
+            views = self.base.full_states(buffer, batch=batch, member=member)  # type: ignore[attr-defined]
             if not torch.compiler.is_compiling():
                 for t in views:
                     torch._dynamo.mark_static_address(t)
-            self._full[(batch, slot)] = views
+            self._full[(batch, member)] = views
         return views
 
-    def attention_inputs(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int,
+    def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token slot (``StaticLayer``'s contract: the mask covers the capacity)."""
-        return self.full_states(buffer, batch=batch, slot=slot)
+        """Every token position (``StaticLayer``'s contract: the mask covers the capacity)."""
+        return self.full_states(buffer, batch=batch, member=member)
 
     def invalidate(self) -> None:
         super().invalidate()

@@ -1,7 +1,7 @@
 """Token-major: one token of every member together, ``[tokens, members, (K | V)]`` in a row.
 
 Row ``r``, token ``t`` of the group's :class:`~hf_vkv.memory.VirtualBuffer` holds, for each
-member slot ``l``, its keys ``[H, Dk]`` then its values ``[H, Dv]``. A row strands at most one
+member ``l``, its keys ``[H, Dk]`` then its values ``[H, Dv]``. A row strands at most one
 partly filled page, so huge pages cost nothing (the GPU default: 2 MiB granularity), and a
 member's keys are the strided view ``[B, T, H, Dk] -> transpose(1, 2)`` that every attention
 reads without a copy. Consecutive tokens of one head sit a whole token of the group apart, which
@@ -26,6 +26,10 @@ class TokenMajorLayout(Layout):
 
     name = "token_major"
 
+    def __init__(self, geometry: GroupGeometry, *, members: int, copy_reads: bool = False) -> None:
+        super().__init__(geometry, members=members)
+        self.copy_reads = copy_reads  # hand attention contiguous copies (see attention_inputs)
+
     @classmethod
     def page_bytes(cls, backend: str) -> int | None:
         return DEFAULT_HOST_PAGE_BYTES if backend == "host" else None
@@ -38,14 +42,14 @@ class TokenMajorLayout(Layout):
     def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = False) -> RowBuffer:
         return VirtualBuffer(arena, rows=rows, capacity=capacity, item_bytes=self.item_bytes, readable=readable)
 
-    def full_states(self, buffer: RowBuffer, *, batch: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, H, capacity, Dk]`` / ``[..., Dv]`` views of every token slot, at fixed addresses
+    def full_states(self, buffer: RowBuffer, *, batch: int, member: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, H, capacity, Dk]`` / ``[..., Dv]`` views of every token position, at fixed addresses
         (a readable buffer only)."""
         assert isinstance(buffer, VirtualBuffer)
         g = self.geometry
         raw = buffer.full_view()[:batch, :buffer.capacity * self.item_bytes]  # uint8 [batch, capacity * item]
         tokens = raw.view(g.dtype).view(batch, buffer.capacity, self.members, g.token_elements)
-        keys, values = self._split(tokens[:, :, slot])
+        keys, values = self._split(tokens[:, :, member])
         return keys.transpose(1, 2), values.transpose(1, 2)
 
     def _tokens(self, buffer: RowBuffer, batch: int, start: int, end: int) -> torch.Tensor:
@@ -67,9 +71,9 @@ class TokenMajorLayout(Layout):
         return block[..., :split].unflatten(-1, (g.kv_heads, g.key_dim)), \
             block[..., split:].unflatten(-1, (g.kv_heads, g.value_dim))
 
-    def write(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, key: torch.Tensor,
+    def write(self, buffer: RowBuffer, *, batch: int, member: int, start: int, key: torch.Tensor,
               value: torch.Tensor, rows: Sequence[int] | None) -> None:
-        keys, values = self._split(self._tokens(buffer, batch, start, start + key.shape[2])[:, :, slot])
+        keys, values = self._split(self._tokens(buffer, batch, start, start + key.shape[2])[:, :, member])
         if rows is None:
             keys.copy_(key.transpose(1, 2))
             values.copy_(value.transpose(1, 2))
@@ -78,16 +82,14 @@ class TokenMajorLayout(Layout):
             keys[row].copy_(key[row].transpose(0, 1))
             values[row].copy_(value[row].transpose(0, 1))
 
-    def cached(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self._split(self._tokens(buffer, batch, start, end)[:, :, slot])
+    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
+               key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the tokens; ``key``/``value`` (as :meth:`attention_inputs` gets them) are not
+        needed: the views hold them."""
+        keys, values = self._split(self._tokens(buffer, batch, start, end)[:, :, member])
         return keys.transpose(1, 2), values.transpose(1, 2)
 
-    def __init__(self, geometry: GroupGeometry, *, members: int, copy_reads: bool = False) -> None:
-        super().__init__(geometry, members=members)
-        self.copy_reads = copy_reads
-
-    def attention_inputs(self, buffer: RowBuffer, *, batch: int, slot: int, start: int, end: int,
+    def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached tokens ``[start, end)``: zero-copy views for a decode step (one new token),
         contiguous copies for several new tokens (a prefill, a chunk: ``DynamicCache`` returns a
@@ -99,7 +101,8 @@ class TokenMajorLayout(Layout):
         logits come out ~1e-6 apart: for several queries at once always, for one query once the
         context is longer than a few dozen tokens. The cache sets ``copy_reads`` for such models
         (:func:`hf_vkv.cache.cache.reads_need_contiguous`); SDPA reads strided views exactly."""
-        keys, values = self.cached(buffer, batch=batch, slot=slot, start=start, end=end)
+        keys, values = self._split(self._tokens(buffer, batch, start, end)[:, :, member])  # as cached (one call less)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if self.copy_reads or key.shape[2] > 1:
             return keys.contiguous(), values.contiguous()
         return keys, values
