@@ -16,7 +16,6 @@ into each cache (:mod:`hf_vkv.ab.decode`), then
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from hf_vkv.ab.bench import Grid, make_cache, prompt_ids
 from hf_vkv.ab.decode import load_prompt, prefill
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.default_model import load_default_model
+from common import write_report
 
 
 def _wrap_update(cache: Cache) -> None:
@@ -110,12 +110,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for p in profiles.values():  # keep the report short: the top operators only
         p["self_ms_per_step"] = dict(sorted(p["self_ms_per_step"].items(), key=lambda kv: -kv[1])[: args.top])
         p["calls_per_step"] = {k: p["calls_per_step"][k] for k in p["self_ms_per_step"] if k in p["calls_per_step"]}
-    return dict(schema="hf_vkv.profile_decode/1",
-                command=" ".join(["python", "benchmarks/profile_decode.py", *sys.argv[1:]]),
+    command = " ".join(["python", "benchmarks/profile_decode.py", *sys.argv[1:]])
+    return dict(schema="hf_vkv.profile_decode/1", command=command,
                 prompt=args.prompt, batch=args.batch, new_tokens=args.new_tokens, rounds=args.rounds,
                 threads=args.threads, caches=args.caches,
                 step_ms=step_ms, mean_step_ms={n: statistics.fmean(v) for n, v in step_ms.items()},
-                profile=profiles, environment=describe_environment(model),
+                profile=profiles, environment=describe_environment(model, command=command),
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
@@ -148,7 +148,7 @@ def main() -> None:
     report = run(args)
     _print(report)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        write_report(args.json, report)
 
 
 if __name__ == "__main__":
