@@ -76,7 +76,9 @@ class VKVCache(Cache):
     (:meth:`for_generate`). Full-attention, sliding-window and chunked layers are stored in layer
     groups (:class:`~hf_vkv.cache.group.LayerGroup`) in the layout of ``options.layout`` (see
     :mod:`hf_vkv.cache.layouts`); other layer kinds (linear attention, recurrent state, ...) keep
-    transformers' own layer classes, and :meth:`stats` counts both.
+    transformers' own layer classes, and :meth:`stats` counts both. In the static (compile) layout
+    only full-attention layers are vkv's: a sliding window is bounded, and its layers keep
+    transformers' ``StaticSlidingWindowLayer`` (as in a ``StaticCache``).
 
     Row operations (``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``,
     ``crop``, ``reset``) are done here, once per step: indices are converted once and each group

@@ -24,7 +24,7 @@ from .base import Layout
 __all__ = ["HeadMajorLayout", "HEAD_MAJOR_PAGE_BYTES"]
 
 #: Host page size of the head-major layout (a sub-row strands at most one page).
-HEAD_MAJOR_PAGE_BYTES = 16 * 1024
+HEAD_MAJOR_PAGE_BYTES = 4 * 1024
 
 
 class HeadMajorLayout(Layout):
