@@ -429,9 +429,7 @@ class VKVCache(Cache):
         other.layers = []
         for layer in self.layers:
             if isinstance(layer, VKVLayer):
-                twin = copy.copy(layer)
-                twin.group = twins[id(layer.group)]
-                other.layers.append(twin)
+                other.layers.append(layer.twin(twins[id(layer.group)]))
             else:
                 other.layers.append(copy.deepcopy(layer))
         return other

@@ -171,6 +171,10 @@ class LayerGroup:
                                           start=self.kept_from(layer), end=length)
         return keys.clone(), values.clone()
 
+    def full_states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Static layout: ``[B, H, capacity, D]`` views of member ``layer`` at fixed addresses."""
+        return self._lay().full_states(self._buf(), batch=self.batch, member=self.member_of[layer])  # type: ignore[attr-defined]
+
     def prepare(self, batch: int, start: int, end: int) -> None:
         """Make tokens ``[start, end)`` of rows ``0..batch-1`` writable (once per step for the
         whole group): drop pages behind the window, grow, copy-on-write shared pages, and at a

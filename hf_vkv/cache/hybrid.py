@@ -172,13 +172,12 @@ class _HybridParts:
 
     reorder_cache = batch_select_indices = batch_repeat_interleave = crop = reset = activate_past_recording = _refuse
 
-    def __copy__(self) -> Any:
-        """A copy sharing the group (:meth:`VKVCache.fork` re-points it) with a linear state of its
-        own: the states are written in place, so a fork must not share them."""
-        twin = object.__new__(type(self))
-        twin.__dict__.update(self.__dict__)
-        twin.linear = copy.deepcopy(self.linear)
-        return twin
+    def twin(self, group: LayerGroup) -> Any:
+        """The layer over ``group`` (a fork of its own) with a linear state of its own: the states
+        are written in place, so a fork must not share them."""
+        other = VKVLayer.twin(self, group)  # type: ignore[arg-type]
+        other.linear = copy.deepcopy(self.linear)
+        return other
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layer={self.layer_idx}, group={self.group.name!r})"

@@ -10,6 +10,7 @@ calls each group once.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -92,6 +93,13 @@ class VKVLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def twin(self, group: LayerGroup) -> VKVLayer:
+        """This layer over ``group``, a fork of its own group (:meth:`VKVCache.fork`): the same
+        layer; a subclass copies what it keeps besides its group's state."""
+        other = copy.copy(self)
+        other.group = group
+        return other
+
     def offload(self) -> None:
         """Pages stay where they are: nothing to move."""
 
@@ -168,6 +176,17 @@ class VKVStaticLayer(VKVLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
+
+    def twin(self, group: LayerGroup) -> VKVStaticLayer:
+        """Its own length tensor (advanced in place by compiled steps) and full views of ``group``'s
+        pages (a fork sharing this layer's would write into this cache)."""
+        other = super().twin(group)
+        other.cumulative_length = self.cumulative_length.clone()
+        if self.is_initialized:
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(other.cumulative_length)
+            other.full_keys, other.full_values = group.full_states(self.layer_idx)
+        return other
 
     def get_seq_length(self) -> Any:
         return self.cumulative_length if self.is_initialized else 0

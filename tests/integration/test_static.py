@@ -177,3 +177,24 @@ def test_static_layout_is_compileable_only_there() -> None:
     assert VKVCache(model.config, layout="static").is_compileable
     assert not VKVCache(model.config).is_compileable
     assert isinstance(VKVCache(model.config, layout="static"), hf_vkv.VKVCache)
+
+
+def test_a_fork_of_a_static_cache_has_its_own_length_and_pages() -> None:
+    """The fork's layers get their own length tensor and full views of the fork's pages: stepping
+    the fork leaves the original's length and next logits as if there were no fork."""
+    model = tiny("llama")
+    ids = prompts(2, 9, seed=37)["input_ids"]
+    cache, alone = (VKVCache(model.config, layout="static", page_bytes=4096, max_tokens=64) for _ in range(2))
+    step = dict(position_ids=torch.full((2, 1), 9), use_cache=True)
+    with torch.no_grad():
+        for c in (cache, alone):
+            model(input_ids=ids, past_key_values=c, use_cache=True)
+        fork = cache.fork()
+        model(input_ids=ids[:, :1], past_key_values=fork, **step)
+        assert int(cache.get_seq_length()) == 9 and int(fork.get_seq_length()) == 10
+        assert fork.layers[0].full_keys.data_ptr() != cache.layers[0].full_keys.data_ptr()
+        got = model(input_ids=ids[:, 1:2], past_key_values=cache, **step).logits
+        ref = model(input_ids=ids[:, 1:2], past_key_values=alone, **step).logits
+    assert torch.equal(got, ref)
+    for c in (cache, fork):
+        c.check_invariants()
