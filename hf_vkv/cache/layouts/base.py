@@ -78,10 +78,11 @@ class Layout(ABC):
     @abstractmethod
     def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``update`` returns after writing ``key``/``value``: the views of the cached tokens
-        ``[start, end)`` (``kv_length`` of the mask) in the token- and head-major layouts, which
-        make it their :meth:`cached` itself (no wrapper: one call less on every decode step), or what
-        their attention reads in the others."""
+        """What ``update`` returns after writing ``key``/``value``: the cached tokens ``[start, end)``
+        (``kv_length`` of the mask) as attention reads them — views (head-major makes this its
+        :meth:`cached` itself: one call less on every decode step), copies where a view would change
+        the arithmetic (token-major), full-capacity views (static) or the tagged new states
+        (paged)."""
 
     def invalidate(self) -> None:
         """The rows changed: forget views taken of them."""

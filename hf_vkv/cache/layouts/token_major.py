@@ -82,10 +82,8 @@ class TokenMajorLayout(Layout):
             keys[row].copy_(key[row].transpose(0, 1))
             values[row].copy_(value[row].transpose(0, 1))
 
-    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
-               key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the tokens; ``key``/``value`` (as :meth:`attention_inputs` gets them) are not
-        needed: the views hold them."""
+    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self._split(self._tokens(buffer, batch, start, end)[:, :, member])
         return keys.transpose(1, 2), values.transpose(1, 2)
 
