@@ -44,7 +44,11 @@ class DevicePolicy:
     * ``layout``: the contiguous layout used by default (see :mod:`hf_vkv.cache.layouts` and
       ``docs/layouts.md`` for the measurements behind it);
     * ``budget``: ``"unbounded"`` (the reservation bounds it) or ``"free-memory"``
-      (:func:`default_cuda_budget`).
+      (:func:`default_cuda_budget`);
+    * ``prefill_once``: whether ``generate``'s prefill runs each repeated prompt once by default
+      (:mod:`hf_vkv.prefill_once`): on where a row of a batch-B forward was measured to equal the
+      same row of a batch-N forward (the CPU, ``tests/unit/test_prefill_once.py``), off on CUDA
+      until a GPU run measures it.
 
     Page sizes are the layouts' (each states its preferred page size per backend).
     """
@@ -53,11 +57,14 @@ class DevicePolicy:
     backend: str
     layout: str
     budget: str
+    prefill_once: bool
 
 
 _POLICIES = {
-    "cpu": DevicePolicy(device_type="cpu", backend="host", layout="head_major", budget="unbounded"),
-    "cuda": DevicePolicy(device_type="cuda", backend="cuda", layout="token_major", budget="free-memory"),
+    "cpu": DevicePolicy(device_type="cpu", backend="host", layout="head_major", budget="unbounded",
+                         prefill_once=True),
+    "cuda": DevicePolicy(device_type="cuda", backend="cuda", layout="token_major", budget="free-memory",
+                          prefill_once=False),
 }
 
 

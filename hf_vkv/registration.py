@@ -12,7 +12,9 @@ device work; ``notes/transformers.md`` §0, §2):
    :class:`VKVCache` with :meth:`VKVCache.for_generate` (rows = batch x max(num_beams,
    num_return_sequences), the options of ``cache_config``); an encoder-decoder model gets it as
    the self-attention part of a :class:`~hf_vkv.cache.encoder_decoder.VKVEncoderDecoderCache`.
-   Without this wrapper transformers would silently build a ``DynamicCache`` for an unknown string.
+   Without this wrapper transformers would silently build a ``DynamicCache`` for an unknown string;
+3. ``GenerationMixin._prefill`` is wrapped: with a :class:`VKVCache` whose rows repeat prompts it
+   runs the prompt's forward once per prompt (:mod:`hf_vkv.prefill_once`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .attention import register_attention
 from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
 from .cache.export import register_pytree
+from .prefill_once import prefill
 
 __all__ = ["register", "CACHE_IMPLEMENTATION"]
 
@@ -65,6 +68,15 @@ def register() -> None:
 
         setattr(method, _MARK, True)
         GenerationMixin._prepare_cache_for_generation = method  # type: ignore[method-assign]
+    original_prefill = GenerationMixin._prefill
+    if not getattr(original_prefill, _MARK, False):
+
+        @functools.wraps(original_prefill)
+        def prefill_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return prefill(original_prefill, self, *args, **kwargs)
+
+        setattr(prefill_method, _MARK, True)
+        GenerationMixin._prefill = prefill_method  # type: ignore[method-assign]
 
 
 def _map_ahead(model_inputs: Any) -> None:

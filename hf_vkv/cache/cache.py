@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -113,6 +114,8 @@ class VKVCache(Cache):
         text_config = config.get_text_config(decoder=True)
         self.config = text_config
         self.prompt_repeats = prompt_repeats
+        self._prompt_tokens = [0, 0]  # prompt tokens computed / saved by generate's prefills
+        self._prefill_once = "no expanded prefill yet"
         self._layout_name = _resolve_layout(self.options, getattr(text_config, "_attn_implementation", None))
         capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
         self._arenas: dict[tuple[torch.device, int | None], Arena] = {}
@@ -236,7 +239,8 @@ class VKVCache(Cache):
         pool = sum(a.pool.stats().resident_bytes for a in self._arenas.values() if not a.closed)
         others = len(self._other_layers())
         return CacheStats(groups=tuple(out), pool_resident_bytes=pool, vkv_layers=self._vkv_layers(),
-                          transformers_layers=others)
+                          transformers_layers=others, prompt_tokens_computed=self._prompt_tokens[0],
+                          prompt_tokens_saved=self._prompt_tokens[1], prefill_once=self._prefill_once)
 
     def __repr__(self) -> str:
         others = len(self._other_layers())
@@ -247,6 +251,54 @@ class VKVCache(Cache):
         """Check every group's rows, page tables and pools (see ``hf_vkv.memory``)."""
         for group in self._groups:
             group.check_invariants()
+
+    # ----------------------------------------------------------------------------- prefill once
+    def prefill_once_refusal(self, device: torch.device) -> str | None:
+        """Why ``generate``'s next prefill on ``device`` must run on every expanded row (``None``:
+        it may run once per prompt, see :meth:`unique_prompt_prefill`)."""
+        if self.prompt_repeats < 2:
+            return "no prompt is repeated"
+        if not (self.options.share_prompts and self.options.prefill_once is not False):
+            return "cache_config sets share_prompts or prefill_once to False"
+        if self.options.prefill_once is None and not policy_for(device).prefill_once:
+            return (f"not measured exact on {device.type} yet: cache_config={{'prefill_once': True}} turns it on "
+                    f"(a row of a batch-B forward may round differently from the same row in a batch-N one there)")
+        if self.get_seq_length():
+            return "the cache already holds tokens"
+        fixed = [type(layer).__name__ for layer in self._other_layers() if not hasattr(layer, "batch_repeat_interleave")]
+        if fixed:
+            return f"transformers' {fixed[0]} layers this cache keeps cannot repeat rows"
+        return None
+
+    def record_full_prefill(self, reason: str, *, rows: int, tokens: int) -> None:
+        """``generate`` ran a prefill of ``rows`` rows x ``tokens`` tokens on every row, because of ``reason``."""
+        self._prompt_tokens[0] += rows * tokens
+        self._prefill_once = reason
+
+    @contextlib.contextmanager
+    def unique_prompt_prefill(self, *, prompts: int, tokens: int,
+                              repeat_rows: Callable[[int], None] | None = None) -> Iterator[int]:
+        """Run ``generate``'s prefill on one row per prompt: inside, the cache takes ``prompts``
+        distinct rows as they are (no prompt sharing among them); on success each row is then
+        repeated :attr:`prompt_repeats` times (``repeat_rows``, default
+        :meth:`batch_repeat_interleave`; an encoder-decoder cache passes its own), its pages
+        shared and nothing copied. Yields the repeat factor. Counts ``prompts x tokens`` computed
+        and ``prompts x (k - 1) x tokens`` saved in :meth:`stats`."""
+        k = self.prompt_repeats
+        saved = [g.prompt_repeats for g in self._groups]
+        for group in self._groups:
+            group.prompt_repeats = 1
+        try:
+            yield k
+        finally:
+            for group, repeats in zip(self._groups, saved):
+                group.prompt_repeats = repeats
+        (repeat_rows or self.batch_repeat_interleave)(k)
+        for group in self._groups:
+            group.shared_prompt_rows += prompts * (k - 1)
+        self._prompt_tokens[0] += prompts * tokens
+        self._prompt_tokens[1] += prompts * (k - 1) * tokens
+        self._prefill_once = "on"
 
     # ----------------------------------------------------------------------------- static layout
     def _static_groups(self) -> list[tuple[LayerGroup, VKVStaticLayer]]:
@@ -282,6 +334,7 @@ class VKVCache(Cache):
         for layer in self.layers:
             if isinstance(layer, VKVStaticLayer) and layer.is_initialized:
                 layer.set_length(layer.group.length(layer.layer_idx))
+                layer.follow_rows()
         self.map_ahead()
 
     # ----------------------------------------------------------------------------- row operations

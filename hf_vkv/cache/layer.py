@@ -198,6 +198,12 @@ class VKVStaticLayer(VKVLayer):
         """The tokens written so far, compiled steps included (a host read of the length tensor)."""
         return int(self.cumulative_length)
 
+    def follow_rows(self) -> None:
+        """After a row operation that changed the batch (select, repeat): full views of the
+        group's rows now (the addresses of rows that stay are unchanged)."""
+        if getattr(self, "full_keys", None) is not None and self.full_keys.shape[0] != self.group.batch:
+            self.full_keys, self.full_values = self.group.full_states(self.layer_idx)
+
     def set_length(self, length: int) -> None:
         """Follow the group after a row operation changed the length (crop, reset)."""
         self.cumulative_length.fill_(length)

@@ -33,6 +33,10 @@ class CacheOptions:
       ``KVCacheOutOfMemory``.
     * ``share_prompts``: store the prompt once for the rows that ``generate`` expanded from it
       (beams, ``num_return_sequences``), after checking the rows really are equal.
+    * ``prefill_once``: with ``share_prompts``, ``generate``'s prefill runs each expanded prompt
+      through the model once (one row per prompt, not ``max(num_beams, num_return_sequences)``)
+      and the other rows take its pages (:mod:`hf_vkv.prefill_once`). Default (``None``): on
+      where it is measured exact (the CPU), off on CUDA until a GPU measurement says so.
     * ``block_tokens``: tokens per block in the paged layout (default
       :data:`~hf_vkv.cache.layouts.DEFAULT_BLOCK_TOKENS`).
     * ``max_tokens``: tokens each row can hold (default: the model's ``max_position_embeddings``,
@@ -49,6 +53,7 @@ class CacheOptions:
     page_bytes: int | None = None
     budget_bytes: int | None = None
     share_prompts: bool = True
+    prefill_once: bool | None = None
     block_tokens: int | None = None
     max_tokens: int | None = None
     map_ahead: int | None = None
@@ -68,6 +73,8 @@ class CacheOptions:
             raise ValueError(f"cache_config['groups'] must be 'kind' or 'layer', got {self.groups!r}")
         if not isinstance(self.share_prompts, bool):
             raise TypeError(f"cache_config['share_prompts'] must be a bool, got {self.share_prompts!r}")
+        if self.prefill_once is not None and not isinstance(self.prefill_once, bool):
+            raise TypeError(f"cache_config['prefill_once'] must be a bool or None, got {self.prefill_once!r}")
         if self.block_tokens is not None and self.layout not in (None, "paged"):
             raise ValueError(f"cache_config['block_tokens'] applies to the paged layout only, not {self.layout!r}")
         if self.map_ahead is not None and self.layout != "static":

@@ -35,6 +35,9 @@ class CacheStats:
     pool_resident_bytes: int  # physical bytes held by the cache's arenas (free pages kept for reuse too)
     vkv_layers: int  # layers whose KV vkv stores
     transformers_layers: int  # layers kept in transformers' own classes (linear/recurrent state, ...)
+    prompt_tokens_computed: int = 0  # prompt tokens generate's prefills ran through the model (rows x tokens)
+    prompt_tokens_saved: int = 0  # prompt tokens not computed: rows that took a repeated prompt's pages instead
+    prefill_once: str = "no expanded prefill yet"  # "on", or why the last expanded prefill ran on every row
 
     @property
     def resident_bytes(self) -> int:

@@ -1,0 +1,139 @@
+"""Prefill once (``hf_vkv.prefill_once``): generate's prefill runs each repeated prompt once, and
+tokens, scores and logits stay DynamicCache's (``torch.equal``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import pipeline
+
+import hf_vkv
+from models import SMALL_PAGE, LayoutRun, assert_same_tokens, prompts, tiny, tokenizer, words
+
+pytestmark = pytest.mark.integration
+
+SMALL = {"page_bytes": SMALL_PAGE}
+NEW = 6
+
+
+@contextlib.contextmanager
+def prompt_tokens_computed(model: torch.nn.Module) -> Iterator[list[int]]:
+    """Counts the token rows the model embeds in each forward (the first entry is the prefill)."""
+    counts: list[int] = []
+    handle = model.get_input_embeddings().register_forward_pre_hook(lambda m, args: counts.append(args[0].numel()))
+    try:
+        yield counts
+    finally:
+        handle.remove()
+
+
+def _both(layout: LayoutRun, model, inputs, **kwargs):
+    with prompt_tokens_computed(model) as counts:
+        ref, got = layout.generate_both(model, inputs, vkv=SMALL, output_logits=True, **kwargs)
+    return ref, got, counts
+
+
+def _same(ref, got) -> None:
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert len(ref.logits) == len(got.logits)
+    for step, (a, b) in enumerate(zip(ref.logits, got.logits)):
+        assert torch.equal(a, b), f"logits differ at step {step}: max |diff| {(a - b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_sampling_computes_each_prompt_once(layout: LayoutRun, arch: str) -> None:
+    inputs = prompts(2, 8, seed=5, left_pad=[0, 3])
+    ref, got, counts = _both(layout, tiny(arch), inputs, seed=7, max_new_tokens=NEW, do_sample=True,
+                             num_return_sequences=4)
+    _same(ref, got)
+    # the first forward of each generate is its prefill: 8 rows x 8 tokens for DynamicCache, 2 x 8 for vkv
+    dynamic_prefill, vkv_prefill = counts[0], counts[NEW]
+    assert (dynamic_prefill, vkv_prefill) == (64, 16)
+    stats = got.past_key_values.stats()
+    assert (stats.prompt_tokens_computed, stats.prompt_tokens_saved, stats.prefill_once) == (16, 48, "on")
+    assert all(g.shared_prompt_rows == 6 for g in stats.groups)
+    got.past_key_values.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_beam_search_scores_and_logits(layout: LayoutRun, arch: str) -> None:
+    inputs = prompts(2, 8, seed=3, left_pad=[0, 2])
+    ref, got, counts = _both(layout, tiny(arch), inputs, max_new_tokens=NEW, num_beams=4, num_return_sequences=2,
+                             do_sample=False, output_scores=True)
+    _same(ref, got)
+    assert torch.equal(ref.sequences_scores, got.sequences_scores)
+    assert got.past_key_values.stats().prompt_tokens_saved == 2 * 3 * 8
+    got.past_key_values.check_invariants()
+
+
+def test_hidden_states_and_attentions_are_expanded() -> None:
+    model = tiny("llama", attn="eager")
+    inputs = prompts(2, 8, seed=1, left_pad=[2, 0])
+    ref, got, _ = _both(LayoutRun("head_major"), model, inputs, max_new_tokens=3, do_sample=True,
+                        num_return_sequences=3, output_hidden_states=True, output_attentions=True)
+    _same(ref, got)
+    for name in ("hidden_states", "attentions"):
+        for step_ref, step_got in zip(getattr(ref, name), getattr(got, name)):
+            for a, b in zip(step_ref, step_got):
+                assert a.shape == b.shape and torch.equal(a, b), name
+
+
+def test_chunked_prefill_runs_once_per_prompt() -> None:
+    inputs = prompts(2, 12, seed=2, left_pad=[0, 1])
+    ref, got, counts = _both(LayoutRun("head_major"), tiny("llama"), inputs, max_new_tokens=NEW, num_beams=3,
+                             do_sample=False, prefill_chunk_size=5)
+    _same(ref, got)
+    assert got.past_key_values.stats().prompt_tokens_saved == 2 * 2 * 12
+    # DynamicCache embeds 6 rows in chunks of 5, 5, 2 tokens; vkv 2 rows
+    assert counts[:3] == [30, 30, 12] and counts[3 + NEW - 1:3 + NEW + 2] == [10, 10, 4]
+
+
+def test_static_layout_prefills_once() -> None:
+    inputs = prompts(2, 8, seed=4)
+    model = tiny("llama")
+    kwargs = dict(max_new_tokens=NEW, num_beams=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(**inputs, cache_implementation="static", **kwargs)  # attention over the whole capacity
+    with prompt_tokens_computed(model) as counts:
+        static = model.generate(**inputs, cache_implementation="vkv", cache_config={"layout": "static", **SMALL},
+                                **kwargs)
+    _same(ref, static)
+    assert counts[0] == 16 and static.past_key_values.stats().prefill_once == "on"
+
+
+def test_pipeline_num_return_sequences() -> None:
+    model, tok = tiny("llama"), tokenizer()
+    text = words(prompts(1, 10, seed=9)["input_ids"][0])
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    kwargs = dict(max_new_tokens=NEW, do_sample=True, num_return_sequences=4, return_full_text=False)
+    torch.manual_seed(3)
+    ref = pipe(text, **kwargs)
+    with prompt_tokens_computed(model) as counts:
+        torch.manual_seed(3)
+        got = pipe(text, cache_implementation="vkv", **kwargs)
+    assert [r["generated_text"] for r in ref] == [g["generated_text"] for g in got]
+    assert counts[0] == 10  # one row of 10 tokens, not 4
+
+
+def test_fallbacks_are_visible_and_exact() -> None:
+    model = tiny("llama")
+    # rows that differ inside a repeated prompt: the caller built the cache, generate did not expand
+    cache = hf_vkv.VKVCache(model.config, batch_size=4, prompt_repeats=2, page_bytes=SMALL_PAGE)
+    ids = prompts(4, 6, seed=8)
+    ref = model.generate(**ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    got = model.generate(**ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                         past_key_values=cache)
+    _same(ref, got)
+    stats = cache.stats()
+    assert stats.prefill_once == "the rows of 'input_ids' differ within a repeated prompt"
+    assert (stats.prompt_tokens_computed, stats.prompt_tokens_saved) == (24, 0)
+    # too few token rows for an exact matmul (MIN_EXACT_ROWS), and switched off
+    one = prompts(1, 2, seed=8)
+    for config, reason in (({}, "a forward of 2 token row(s)"), ({"prefill_once": False}, "cache_config sets")):
+        ref, got = LayoutRun("head_major").generate_both(model, one, vkv={**SMALL, **config}, max_new_tokens=3,
+                                                         num_beams=2, do_sample=False)
+        assert_same_tokens(ref.sequences, got.sequences)
+        assert got.past_key_values.stats().prefill_once.startswith(reason)
+        assert got.past_key_values.stats().prompt_tokens_saved == 0
