@@ -24,13 +24,15 @@ class UnsupportedModelError(VKVError, ValueError):
         model_type: the config's ``model_type`` (``"t5"``, ``"gpt_oss"``, ...) or the module's class.
         feature: what the paged attention cannot honour ("attention sinks (s_aux)", ...).
         instead: what to do instead.
+        attention: the attention implementation that refuses (``"vkv_paged"``, ``"vkv_cascade"``).
     """
 
-    def __init__(self, *, model_type: str, feature: str, instead: str = CONTIGUOUS_INSTEAD) -> None:
+    def __init__(self, *, model_type: str, feature: str, instead: str = CONTIGUOUS_INSTEAD,
+                 attention: str = "vkv_paged") -> None:
         self.model_type = model_type
         self.feature = feature
         self.instead = instead
         super().__init__(
-            f"hf_vkv: attn_implementation='vkv_paged' cannot serve model type {model_type!r}: {feature}. "
+            f"hf_vkv: attn_implementation={attention!r} cannot serve model type {model_type!r}: {feature}. "
             f"Instead, {instead}."
         )

@@ -1,24 +1,45 @@
-"""What the paged layout hands the ``"vkv_paged"`` attention: one record, attached to a tensor.
+"""What a cache layer hands vkv's attention implementations: a record attached to the key tensor.
 
-The paged cache layer's ``update`` returns the new key states with a :class:`PagedKV` under the
-attribute :data:`PAGED_TAG`; the attention reads the cached tokens through it. A tag travels with
-the tensor the model hands its attention function, so it works however the cache reached the
-model (built by ``generate``, passed as ``past_key_values``, or in a direct ``forward`` call), and
-untagged key/value (any other cache) are plain tensors.
+A cache layer's ``update`` may return its key states tagged (:func:`tag_key`) with one record
+under the attribute :data:`KV_TAG`; the attention reads it back with :func:`record_of`. Two kinds:
+
+* :class:`PagedKV` (the paged layout, read by ``"vkv_paged"``): where the cached tokens are;
+* :class:`~hf_vkv.attention.shared_prefix.SharedPrefix` (contiguous layouts under
+  ``"vkv_cascade"``): which rows hold a prefix of tokens on the same pages.
+
+A tag travels with the tensor the model hands its attention function, so it works however the
+cache reached the model (built by ``generate``, passed as ``past_key_values``, or in a direct
+``forward`` call), and untagged key/value (any other cache) are plain tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-__all__ = ["PAGED_ATTENTION", "PAGED_TAG", "PagedKV", "paged_kv_of"]
+__all__ = ["KV_TAG", "PAGED_ATTENTION", "PagedKV", "paged_kv_of", "record_of", "tag_key"]
 
 #: The attention implementation that reads the paged layout (registered on ``import hf_vkv``).
 PAGED_ATTENTION = "vkv_paged"
-#: Attribute of the key tensor a paged layer's ``update`` returns.
-PAGED_TAG = "_hf_vkv_paged"
+#: Attribute of a key tensor that carries a cache layer's record.
+KV_TAG = "_hf_vkv_record"
+
+_R = TypeVar("_R")
+
+
+def tag_key(key_states: torch.Tensor, record: object) -> torch.Tensor:
+    """A new tensor object over ``key_states`` carrying ``record`` (the caller's tensor stays untagged)."""
+    tagged = key_states.view_as(key_states)
+    setattr(tagged, KV_TAG, record)
+    return tagged
+
+
+def record_of(key: torch.Tensor, kind: type[_R]) -> _R | None:
+    """The ``kind`` record a cache layer attached to ``key``, or ``None``."""
+    record = getattr(key, KV_TAG, None)
+    return record if isinstance(record, kind) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +62,10 @@ class PagedKV:
         return self.key_cache, self.value_cache, self.block_tables
 
     def tag(self, key_states: torch.Tensor) -> torch.Tensor:
-        """A new tensor object over ``key_states`` carrying this record (the model's own tensor
-        stays untagged)."""
-        tagged = key_states.view_as(key_states)
-        setattr(tagged, PAGED_TAG, self)
-        return tagged
+        """``key_states`` tagged with this record (:func:`tag_key`)."""
+        return tag_key(key_states, self)
 
 
 def paged_kv_of(key: torch.Tensor) -> PagedKV | None:
     """The record a paged layer attached to ``key``, or ``None`` for plain key states."""
-    return getattr(key, PAGED_TAG, None)
+    return record_of(key, PagedKV)

@@ -18,12 +18,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..attention.paged_kv import tag_key
+from ..attention.shared_prefix import Cluster, SharedPrefix
 from ..memory import Arena, BufferStats, RowBuffer
 from ..memory.errors import InvariantError
 from .geometry import GroupGeometry, LayerMismatchError
 from .layouts import Layout
 
-__all__ = ["LayerGroup", "LayoutFactory"]
+__all__ = ["CASCADE_MIN_TOKENS", "LayerGroup", "LayoutFactory"]
+
+#: Fewest shared tokens for which a cluster of rows is tagged for the cascade attention: below it
+#: reading the prefix once saves less than the extra operations cost (measured crossover:
+#: ``benchmarks/cascade_crossover.py``).
+CASCADE_MIN_TOKENS = 256
 
 #: Makes a group's layout from its geometry and member count (``None``: the device's default).
 LayoutFactory = Callable[[GroupGeometry, int], Layout]
@@ -48,6 +55,7 @@ class LayerGroup:
         capacity: int,
         prompt_repeats: int,
         share_prompts: bool,
+        read_shared_prefix: bool = False,
     ) -> None:
         self.name = name
         self.members = tuple(members)
@@ -70,6 +78,9 @@ class LayerGroup:
         self.written_from = 0  # tokens before it were never written (a window restored by write_states)
         self._prepared: tuple[int, int, int] | None = None  # (batch, start, end) made writable since the last change
         self._followers: dict[int, int] = {}  # prefill only: row -> leader row it shares pages with
+        # decode steps tag the keys with the rows sharing a prefix (the "vkv_cascade" attention reads it)
+        self.read_shared_prefix = read_shared_prefix and sliding_window is None
+        self._shared: SharedPrefix | None | bool = False  # this step's shared_prefix() (False: not derived yet)
 
     # ----------------------------------------------------------------------------- set-up
     def init_layer(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -131,8 +142,38 @@ class LayerGroup:
         layout, buffer = self._lay(), self._buf()
         layout.write(buffer, batch=self.batch, member=member, start=start, key=key_states, value=value_states, rows=rows)
         self.lengths[member] = end
-        return layout.attention_inputs(buffer, batch=self.batch, member=member, start=self.window_start(start), end=end,
-                                       key=key_states, value=value_states)
+        keys, values = layout.attention_inputs(buffer, batch=self.batch, member=member, start=self.window_start(start),
+                                               end=end, key=key_states, value=value_states)
+        if self.read_shared_prefix and end - start == 1 and not layout.static:
+            prefix = self.shared_prefix()
+            if prefix is not None:
+                keys = tag_key(keys, prefix)
+        return keys, values
+
+    def shared_prefix(self) -> SharedPrefix | None:
+        """The clusters of rows that hold their first tokens on the same pages (at least
+        :data:`CASCADE_MIN_TOKENS` of them, every row of a cluster the same), derived from the
+        page tables once per step; ``None`` when no cluster is worth reading once."""
+        if self._shared is not False:
+            return self._shared  # type: ignore[return-value]
+        buffer = self._buf()
+        rows_of: dict[int, list[int]] = {}  # a cluster's first row -> its rows
+        tokens_of: dict[int, int] = {}  # a cluster's first row -> tokens all its rows share
+        for row in range(self.batch):
+            for first in rows_of:
+                shared = buffer.shared_items(row, first)
+                if shared:
+                    rows_of[first].append(row)
+                    tokens_of[first] = min(tokens_of[first], shared)
+                    break
+            else:
+                rows_of[row], tokens_of[row] = [row], buffer.length(row)
+        kept = tuple(Cluster(index=tuple(rows), tokens=tokens_of[first]) for first, rows in rows_of.items()
+                     if len(rows) > 1 and tokens_of[first] >= CASCADE_MIN_TOKENS)
+        taken = {r for c in kept for r in c.index}
+        self._shared = SharedPrefix(clusters=kept, alone=tuple(r for r in range(self.batch) if r not in taken)) \
+            if kept else None
+        return self._shared
 
     def write_states(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, *, start: int) -> None:
         """Store ``[B, H, T, D]`` states of an empty member as its tokens ``[start, start + T)``;
@@ -207,6 +248,7 @@ class LayerGroup:
         self.batch = batch
         self._lay().invalidate()
         self._prepared = (batch, start, end)
+        self._shared = False
 
     def map_ahead(self, length: int, tokens: int) -> None:
         """Static layout, outside a compiled step: the rows hold ``length`` tokens (every member);
@@ -314,7 +356,7 @@ class LayerGroup:
         other = LayerGroup(name=self.name, members=self.members, sliding_window=self.sliding_window,
                            make_layout=self._make_layout, arena_for=arena_for, rows_hint=self._rows_hint,
                            capacity=self.capacity, prompt_repeats=self.prompt_repeats,
-                           share_prompts=self.share_prompts)
+                           share_prompts=self.share_prompts, read_shared_prefix=self.read_shared_prefix)
         other.geometry = self.geometry
         other.batch = self.batch
         other.lengths = list(self.lengths)
@@ -339,6 +381,7 @@ class LayerGroup:
         if self.buffer is None or self.buffer.closed:
             return
         self.buffer.check_invariants()
+        self.buffer.check_shared_parts(range(self.batch))
         longest = max(self.lengths)
         for r in range(self.buffer.rows):
             held = self.buffer.length(r)
@@ -361,6 +404,7 @@ class LayerGroup:
 
     def _changed(self) -> None:
         self._settle_followers()
+        self._shared = False
         if self.layout is not None:
             self.layout.invalidate()
         self._prepared = None

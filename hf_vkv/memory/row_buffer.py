@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .errors import CacheClosedError, CapacityError
+from .errors import CacheClosedError, CapacityError, InvariantError
 from .invariants import check_pages
 from .page_store import PageStore
 from .page_table import PageTable, Row
@@ -125,6 +125,33 @@ class RowBuffer(ABC):
         ``length(row)`` when none is)."""
         r = self._first(row)
         return min(-(-r.start * self.store.page_bytes // self.item_bytes), r.length // self.item_bytes)
+
+    def shared_items(self, row: int, other: int) -> int:
+        """Items ``[0, n)`` that ``row`` and ``other`` hold on the same physical pages (so equal
+        bytes), read from their first parts: every row operation applies to all parts of a row
+        alike (:meth:`check_shared_parts` checks it). 0 when either dropped pages behind a window."""
+        a, b = self._first(row), self._first(other)
+        if a.start or b.start:
+            return 0
+        pages = 0
+        for p, q in zip(a.pages, b.pages):
+            if p != q:
+                break
+            pages += 1
+        return min(pages * self.store.page_bytes, a.length, b.length) // self.item_bytes
+
+    def check_shared_parts(self, rows: Sequence[int]) -> None:
+        """Raise :class:`~hf_vkv.memory.errors.InvariantError` unless every part of ``rows``
+        shares pages with the same part of another row exactly where the first parts do (the
+        premise of :meth:`shared_items`)."""
+        table = self._open()
+        for i in rows:
+            for j in rows:
+                if i < j:
+                    shapes = {tuple(p == q for p, q in zip(table.row(a).pages, table.row(b).pages))
+                              for a, b in zip(self.table_rows(i), self.table_rows(j))}
+                    if len(shapes) > 1:
+                        raise InvariantError(f"rows {i} and {j} share different pages in different parts")
 
     def stats(self) -> BufferStats:
         """Memory accounting (see :class:`BufferStats`)."""

@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicCache
 
 from hf_vkv import VKVCache
 from hf_vkv.devices import policy_for
-from hf_vkv.attention import PAGED_TAG
+from hf_vkv.attention import KV_TAG
 
 pytestmark = pytest.mark.integration
 
@@ -119,7 +119,7 @@ def test_update_tags_only_its_own_tensor() -> None:
         keys, values = cache.update(states, states.clone(), 0)
     finally:
         model.set_attn_implementation("sdpa")
-    tag = getattr(keys, PAGED_TAG)
+    tag = getattr(keys, KV_TAG)
     assert (tag.kv_offset, tag.kv_len) == (0, 3)
-    assert not hasattr(states, PAGED_TAG)  # the model's own tensor stays untagged
+    assert not hasattr(states, KV_TAG)  # the model's own tensor stays untagged
     assert torch.equal(cache.layers[0].keys, states)  # gathered back through the block tables

@@ -41,7 +41,7 @@ import hf_vkv.registration as registration
 from hf_vkv.devices import policy_for
 from hf_vkv import VKVCache
 from hf_vkv.attention.kernels import gather_kv
-from hf_vkv.attention import PAGED_TAG
+from hf_vkv.attention import KV_TAG
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("layout")]
 
@@ -72,7 +72,7 @@ class TeeCache(VKVCache):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         seen = keys, values
         if self.layout == "paged":  # what the vkv_paged attention reads
-            tag = getattr(keys, PAGED_TAG)
+            tag = getattr(keys, KV_TAG)
             seen = gather_kv(*tag.caches(), kv_offset=tag.kv_offset, kv_len=tag.kv_len)
         step = f"update #{self.calls['update']} of layer {layer_idx} (q={key_states.shape[2]})"
         for name, got, exp in (("keys", seen[0], exp_k), ("values", seen[1], exp_v)):

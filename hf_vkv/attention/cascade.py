@@ -1,0 +1,173 @@
+"""The ``"vkv_cascade"`` attention: a shared prefix read once per decode step (cascade attention).
+
+Rows whose page tables share a prefix (one prompt's ``num_return_sequences`` rows, beams, forks)
+hold the same keys and values there. For a decode step (one query per row) this attention splits
+each cluster of such rows (:class:`~hf_vkv.attention.shared_prefix.SharedPrefix`, tagged on the
+keys by the cache) in two:
+
+* the shared prefix ``[0, P)``, read **once**, with the queries of all the cluster's rows (and all
+  query heads of a key head) stacked into one matmul — ``[Hkv, n*G, D] @ [Hkv, D, P]``;
+* each row's own suffix ``[P, T)``, read per row;
+
+and merges the two softmaxes by their log-sum-exp (:func:`merge_partials`), as vLLM v1's cascade
+attention, FlashInfer's shared-prefix decode and Hydragen do. Everything else — prefill, several
+new tokens, rows in no cluster, untagged keys, dropout, ``output_attentions``, a position bias,
+a mask that differs over a cluster's prefix — goes to transformers' sdpa attention unchanged.
+
+This reorders the float sums of attention, so it is opt-in: ``attn_implementation="vkv_cascade"``
+(the door is the attention implementation because the computation that changes is attention's;
+``cache_implementation="vkv"`` then tags the shared prefix). The A/B harness reports its max
+|Δlogit| against DynamicCache; tokens must stay identical. Sums run in float32 for half-precision
+inputs. The cache tags a cluster only above :data:`~hf_vkv.cache.group.CASCADE_MIN_TOKENS`
+shared tokens (the measured crossover below which the plain path is as fast).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .errors import UnsupportedModelError
+from .paged_kv import record_of
+from .shared_prefix import Cluster, SharedPrefix
+from .support import model_type_of
+
+__all__ = ["CASCADE_ATTENTION", "attend_part", "cascade_decode", "merge_partials", "vkv_cascade_attention"]
+
+#: The attention implementation that reads shared prefixes once (registered on ``import hf_vkv``).
+CASCADE_ATTENTION = "vkv_cascade"
+
+
+def attend_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over one part of the keys, with its log-sum-exp.
+
+    Args:
+        query: ``[..., m, D]`` (any leading batch dims shared with ``key``/``value``).
+        key, value: ``[..., n, D]`` / ``[..., n, Dv]``.
+        mask: bool, broadcastable to ``[..., m, n]`` (True = attend), or ``None``.
+    Returns:
+        ``(out [..., m, Dv], lse [..., m])`` in float32; a query with nothing to attend to in this
+        part has ``lse = -inf`` and ``out = 0``.
+    """
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(scores - finite.unsqueeze(-1))
+    return torch.matmul(weights, value.float()), lse
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint parts of the keys, merged: ``[..., m, Dv]`` from each part's
+    ``(out [..., m, Dv], lse [..., m])`` (:func:`attend_part`). Rows with nothing to attend to
+    in either part give 0."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w_a = torch.exp(lse_a - finite).unsqueeze(-1)
+    w_b = torch.exp(lse_b - finite).unsqueeze(-1)
+    return out_a * w_a + out_b * w_b
+
+
+def _rows(tensor: torch.Tensor, cluster: Cluster) -> torch.Tensor:
+    """The cluster's rows of ``tensor`` (a view when they are consecutive)."""
+    if cluster.consecutive:
+        return tensor[cluster.index[0]:cluster.index[0] + len(cluster.index)]
+    return tensor[list(cluster.index)]
+
+
+def _cluster_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float, cluster: Cluster) -> torch.Tensor:
+    """``[n, Hq, 1, Dv]`` attention of one cluster's ``n`` rows (see the module docstring)."""
+    n, p = len(cluster.index), cluster.tokens
+    q = _rows(query, cluster)  # [n, Hq, 1, D]
+    hkv = key.shape[1]
+    g = q.shape[1] // hkv
+    d = q.shape[-1]
+    first = cluster.index[0]
+    # the prefix once: every row's query heads of a key head stacked, [Hkv, n*G, D] @ [Hkv, D, P]
+    stacked = q.reshape(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
+    prefix_mask = None if mask is None else mask[first, 0, -1, :p]  # [P]: the cluster agrees on it
+    out_p, lse_p = attend_part(stacked, key[first, :, :p], value[first, :, :p], scale=scale, mask=prefix_mask)
+    out_p = out_p.reshape(hkv, n, g, -1).permute(1, 0, 2, 3)  # [n, Hkv, G, Dv]
+    lse_p = lse_p.reshape(hkv, n, g).permute(1, 0, 2)
+    # each row's own suffix, [n, Hkv, G, D] @ [n, Hkv, D, T - P]
+    suffix_mask = None if mask is None else _rows(mask, cluster)[:, :, -1:, p:]  # [n, 1, 1, T - P]
+    out_s, lse_s = attend_part(q.reshape(n, hkv, g, d), _rows(key, cluster)[:, :, p:], _rows(value, cluster)[:, :, p:],
+                               scale=scale, mask=suffix_mask)
+    return merge_partials(out_p, lse_p, out_s, lse_s).reshape(n, hkv * g, 1, -1)
+
+
+def cascade_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mask: torch.Tensor | None,
+                   scale: float, prefix: SharedPrefix) -> torch.Tensor:
+    """Decode attention with each cluster's shared prefix read once.
+
+    Args:
+        query: ``[B, Hq, 1, D]``.
+        key, value: ``[B, Hkv, T, D]`` / ``[B, Hkv, T, Dv]`` (``Hq % Hkv == 0``); rows of a
+            cluster hold the same keys and values over its prefix.
+        mask: bool ``[B, 1, 1, T]`` (True = attend) agreeing over each cluster's prefix, or
+            ``None`` (every token; a decode query sees all of them).
+        prefix: the clusters (every row not in one is in ``prefix.alone``).
+    Returns:
+        ``[B, Hq, 1, Dv]`` in the query's dtype, rows in none of the clusters left as zeros (the
+        caller computes them).
+    """
+    out = query.new_zeros(*query.shape[:-1], value.shape[-1])
+    for cluster in prefix.clusters:
+        result = _cluster_decode(query, key, value, mask, scale, cluster).to(query.dtype)
+        if cluster.consecutive:
+            out[cluster.index[0]:cluster.index[0] + len(cluster.index)] = result
+        else:
+            out[list(cluster.index)] = result
+    return out
+
+
+def vkv_cascade_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The transformers attention contract, with shared prefixes read once (module docstring).
+
+    Args:
+        query: ``[B, Hq, q, D]``.
+        key, value: ``[B, Hkv, kv, D]``, possibly tagged with a :class:`SharedPrefix`.
+        attention_mask: ``sdpa_mask``'s bool ``[B, 1, q, kv]`` or ``None``.
+    Returns:
+        ``([B, q, Hq, Dv], None)`` as transformers' sdpa attention.
+    Raises:
+        UnsupportedModelError: attention sinks or logit softcapping (not computed here).
+    """
+    for name, feature in (("s_aux", "attention sinks (s_aux)"), ("softcap", "attention logit softcapping")):
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(
+                model_type=model_type_of(getattr(module, "config", None), type(module).__name__),
+                feature=f"{feature} are not part of the cascade attention", attention=CASCADE_ATTENTION)
+    prefix = record_of(key, SharedPrefix)
+    plain = (
+        prefix is None or query.shape[2] != 1 or dropout > 0 or kwargs.get("output_attentions")
+        or kwargs.get("position_bias") is not None or query.shape[0] != key.shape[0]
+        or (attention_mask is not None and (attention_mask.dtype != torch.bool or not prefix.mask_agrees(attention_mask)))
+    )
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = cascade_decode(query, key, value, mask=attention_mask, scale=scale, prefix=prefix)  # [B, Hq, 1, Dv]
+    out = out.transpose(1, 2)
+    if prefix.alone:
+        rows = list(prefix.alone)
+        mask = None if attention_mask is None else attention_mask[rows]
+        alone, _ = sdpa_attention_forward(module, query[rows], key[rows], value[rows], mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        out[rows] = alone.to(out.dtype)
+    return out.contiguous(), None
