@@ -18,8 +18,9 @@ This reorders the float sums of attention, so it is opt-in: ``attn_implementatio
 (the door is the attention implementation because the computation that changes is attention's;
 ``cache_implementation="vkv"`` then tags the shared prefix). The A/B harness reports its max
 |Δlogit| against DynamicCache; tokens must stay identical. Sums run in float32 for half-precision
-inputs. The cache tags a cluster only above :data:`~hf_vkv.cache.group.CASCADE_MIN_TOKENS`
-shared tokens (the measured crossover below which the plain path is as fast).
+inputs. The cache tags a cluster only where it spares at least
+:data:`~hf_vkv.cache.group.CASCADE_MIN_SAVED_TOKENS` re-read tokens (the measured crossover, below
+which the plain path is as fast).
 """
 
 from __future__ import annotations
@@ -55,10 +56,12 @@ def attend_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)).mul_(scale)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    weights = torch.exp(scores - finite.unsqueeze(-1))
-    return torch.matmul(weights, value.float()), lse
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # nothing to attend to: exp gives 0
+    weights = scores.sub_(top).exp_()  # one exp pass: the softmax's numerators
+    total = weights.sum(dim=-1)
+    out = torch.matmul(weights, value.float()).div_(total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1))
+    return out, top.squeeze(-1) + torch.log(total)
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:

@@ -25,12 +25,15 @@ from ..memory.errors import InvariantError
 from .geometry import GroupGeometry, LayerMismatchError
 from .layouts import Layout
 
-__all__ = ["CASCADE_MIN_TOKENS", "LayerGroup", "LayoutFactory"]
+__all__ = ["CASCADE_MIN_SAVED_TOKENS", "LayerGroup", "LayoutFactory"]
 
-#: Fewest shared tokens for which a cluster of rows is tagged for the cascade attention: below it
-#: reading the prefix once saves less than the extra operations cost (measured crossover:
-#: ``benchmarks/cascade_crossover.py``).
-CASCADE_MIN_TOKENS = 256
+#: Fewest prefix tokens a cluster must spare the cascade attention from re-reading
+#: (``shared tokens x (rows - 1)``) to be tagged: below it the plain path is as fast or faster.
+#: Measured on the CPU (``benchmarks/results/cascade_crossover.json``: SmolLM2's attention
+#: geometry, one thread): the cascade takes 0.93x sdpa's time at 2048 tokens x 2 rows (2,048
+#: spared), 0.74x at 512 x 8 (3,584), 0.83x at 1024 x 4 (3,072), but 1.10x at 256 x 8 (1,792),
+#: 1.15x at 512 x 4 (1,536) and 1.28x at 1024 x 2 (1,024). Not yet measured on CUDA.
+CASCADE_MIN_SAVED_TOKENS = 2048
 
 #: Makes a group's layout from its geometry and member count (``None``: the device's default).
 LayoutFactory = Callable[[GroupGeometry, int], Layout]
@@ -151,9 +154,9 @@ class LayerGroup:
         return keys, values
 
     def shared_prefix(self) -> SharedPrefix | None:
-        """The clusters of rows that hold their first tokens on the same pages (at least
-        :data:`CASCADE_MIN_TOKENS` of them, every row of a cluster the same), derived from the
-        page tables once per step; ``None`` when no cluster is worth reading once."""
+        """The clusters of rows that hold their first tokens on the same pages (each sparing at
+        least :data:`CASCADE_MIN_SAVED_TOKENS` re-read tokens), derived from the page tables
+        once per step; ``None`` when no cluster is worth reading once."""
         if self._shared is not False:
             return self._shared  # type: ignore[return-value]
         buffer = self._buf()
@@ -169,7 +172,7 @@ class LayerGroup:
             else:
                 rows_of[row], tokens_of[row] = [row], buffer.length(row)
         kept = tuple(Cluster(index=tuple(rows), tokens=tokens_of[first]) for first, rows in rows_of.items()
-                     if len(rows) > 1 and tokens_of[first] >= CASCADE_MIN_TOKENS)
+                     if len(rows) > 1 and tokens_of[first] * (len(rows) - 1) >= CASCADE_MIN_SAVED_TOKENS)
         taken = {r for c in kept for r in c.index}
         self._shared = SharedPrefix(clusters=kept, alone=tuple(r for r in range(self.batch) if r not in taken)) \
             if kept else None
