@@ -52,8 +52,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
 
 
 def exit_code(reports: Sequence[ABReport]) -> int:
-    """0 when every report is identical to DynamicCache, else 1."""
-    return 0 if all(r.identical for r in reports) else 1
+    """0 when every report passes the A/B against DynamicCache (:attr:`ABReport.passed`), else 1."""
+    return 0 if all(r.passed for r in reports) else 1
 
 
 def _load(name: str, *, quiet: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -309,7 +309,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--layout", choices=get_args(AttentionPath), default="contiguous",
                    help="the vkv run's attention path (not the cache layout): contiguous, the model's attention "
-                        "reads what update returns; paged, the 'vkv_paged' attention reads the pages")
+                        "reads what update returns; paged, the 'vkv_paged' attention reads the pages; cascade, the "
+                        "'vkv_cascade' attention reads a prefix shared by several rows once (reorders float sums: "
+                        "passes with identical tokens and float32 logits within 1e-4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tee", action="store_true", help="compare tokens and logits only, not every layer's K/V")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON (hf_vkv.ab/1)")

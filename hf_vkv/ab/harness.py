@@ -19,7 +19,7 @@ import platform
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from transformers import LogitsProcessorList, PreTrainedModel
@@ -36,6 +36,8 @@ __all__ = [
 
 #: The attention implementation that reads the vkv cache through block tables (attention path "paged").
 PAGED_ATTENTION = "vkv_paged"
+#: The attention implementation of each attention path that is not the model's own.
+_PATH_ATTENTION = {"paged": PAGED_ATTENTION, "cascade": "vkv_cascade"}
 #: Builds the cache under test: ``factory(config, batch_size=rows, prompt_repeats=k, options=...)``.
 VKVCacheFactory = type[VKVCache]
 
@@ -85,8 +87,10 @@ def run_ab(
             ``[batch, prompt]`` (left padding), on the model's device.
         max_new_tokens: tokens to generate per row.
         layout: the :data:`~.records.AttentionPath` of the vkv run (whatever the cache's own layout):
-            ``"contiguous"`` (the model's attention reads what ``update`` returns) or ``"paged"`` (the
-            ``"vkv_paged"`` attention reads the pages; the model's own is restored afterwards).
+            ``"contiguous"`` (the model's attention reads what ``update`` returns), ``"paged"`` (the
+            ``"vkv_paged"`` attention reads the pages) or ``"cascade"`` (the ``"vkv_cascade"``
+            attention reads shared prefixes once: see :attr:`ABReport.passed`); the model's own
+            attention is restored afterwards.
         tee: record every layer's K/V at every step in both runs and compare them (costs a
             digest of each update; excluded from the step times).
         seed: ``torch.manual_seed(seed)`` before each run (sampling draws the same numbers).
@@ -131,13 +135,14 @@ def run_ab(
                     progress=progress)
     gc.collect()
     previous = model.config._attn_implementation
-    if layout == "paged":
-        model.set_attn_implementation(PAGED_ATTENTION)
+    attention = _PATH_ATTENTION.get(layout)
+    if attention is not None:
+        model.set_attn_implementation(attention)
     try:
         got = _generate(model, vkv_cache, common, seed=seed, tee=tee, source=_source(layout), label="vkv",
                         progress=progress)
     finally:
-        if layout == "paged":
+        if attention is not None:
             model.set_attn_implementation(previous)
     gc.collect()
 
@@ -167,8 +172,8 @@ def _check_arguments(model: Any, inputs: Any, *, max_new_tokens: Any, layout: An
         raise ValueError(f"inputs['input_ids'] must be [batch, prompt], got shape {tuple(inputs['input_ids'].shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if layout not in ("contiguous", "paged"):
-        raise ValueError(f"layout must be 'contiguous' or 'paged', got {layout!r}")
+    if layout not in get_args(AttentionPath):
+        raise ValueError(f"layout must be one of {list(get_args(AttentionPath))}, got {layout!r}")
     if layout == "paged" and not paged_attention_available():
         raise ValueError(
             f"layout='paged' needs the {PAGED_ATTENTION!r} attention implementation, which this hf_vkv does not "

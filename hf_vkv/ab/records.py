@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["SCHEMA_VERSION", "ABReport", "AttentionPath", "Divergence", "DivergenceKind", "RunSummary", "StepReport"]
+__all__ = ["CASCADE_FP32_LOGIT_BOUND", "SCHEMA_VERSION", "ABReport", "AttentionPath", "Divergence", "DivergenceKind", "RunSummary", "StepReport"]
 
 #: Version of the JSON written by :meth:`ABReport.to_json`; bumped on any incompatible change.
 SCHEMA_VERSION = "hf_vkv.ab/1"
@@ -24,8 +24,13 @@ DivergenceKind = Literal["kv", "logits", "tokens", "steps"]
 #: Where the vkv run's attention reads K/V from (``run_ab(layout=...)``, ``hf-vkv ab --layout``, the
 #: report's ``layout`` field): ``"contiguous"``, the ``[B, H, T, D]`` tensors ``update`` returns, read
 #: by the model's own attention; ``"paged"``, the pages themselves, through block tables, read by
-#: the ``"vkv_paged"`` attention. Not a cache layout (those are :class:`hf_vkv.cache.layouts.Layout`).
-AttentionPath = Literal["contiguous", "paged"]
+#: the ``"vkv_paged"`` attention; ``"cascade"``, the returned tensors read by the ``"vkv_cascade"``
+#: attention, which reads a prefix shared by several rows once (it reorders float sums, so its
+#: verdict is :attr:`ABReport.tokens_identical` with :attr:`ABReport.max_abs_logit_diff`). Not a
+#: cache layout (those are :class:`hf_vkv.cache.layouts.Layout`).
+AttentionPath = Literal["contiguous", "paged", "cascade"]
+#: Largest |Δlogit| the cascade path may show against DynamicCache in float32 (issue 20's bound).
+CASCADE_FP32_LOGIT_BOUND = 1e-4
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +124,21 @@ class ABReport:
     def identical(self) -> bool:
         """Tokens, logits and (tee mode) K/V identical everywhere."""
         return self.tokens_identical and self.first_divergence is None
+
+    @property
+    def max_abs_logit_diff(self) -> float:
+        """The largest |logit_vkv - logit_dynamic| over every step both runs made (0.0 when equal)."""
+        return max((s.max_abs_logit_diff for s in self.steps if s.max_abs_logit_diff is not None), default=0.0)
+
+    @property
+    def passed(self) -> bool:
+        """The oracle's verdict for this attention path: :attr:`identical`; for ``"cascade"``
+        (float sums reordered on purpose) identical tokens and, in float32, logits within
+        :data:`CASCADE_FP32_LOGIT_BOUND`."""
+        if self.layout != "cascade":
+            return self.identical
+        bounded = self.environment.get("dtype") != "float32" or self.max_abs_logit_diff <= CASCADE_FP32_LOGIT_BOUND
+        return self.tokens_identical and bounded
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of :data:`~hf_vkv.ab.schema.AB_REPORT_SCHEMA` (``schema`` key first)."""

@@ -86,7 +86,12 @@ def format_report(report: ABReport, *, max_steps: int = 24) -> str:
         f"vkv {_ms(v.decode_step_s)} ms; prefill {_ms(d.prefill_s)} / {_ms(v.prefill_s)} ms; "
         f"wall {d.wall_s:.2f} / {v.wall_s:.2f} s",
     ]
-    if report.identical:
+    if report.layout == "cascade":
+        lines.append(
+            f"{'PASSED' if report.passed else 'FAILED'} (cascade attention reorders float sums): tokens "
+            f"{'identical' if report.tokens_identical else 'differ'}, max |dlogit| "
+            f"{_diff(report.max_abs_logit_diff)} over {len(report.steps)} steps")
+    elif report.identical:
         what = "tokens, logits and K/V" if report.tee else "tokens and logits"
         lines.append(f"IDENTICAL: {what} equal at all {len(report.steps)} steps")
     else:

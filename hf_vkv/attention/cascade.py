@@ -53,6 +53,10 @@ def attend_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
         ``(out [..., m, Dv], lse [..., m])`` in float32; a query with nothing to attend to in this
         part has ``lse = -inf`` and ``out = 0``.
     """
+    if key.shape[-2] == 0:  # an empty part: nothing to attend to
+        shape = torch.broadcast_shapes(query.shape[:-2], value.shape[:-2])
+        return (query.new_zeros(*shape, query.shape[-2], value.shape[-1], dtype=torch.float32),
+                query.new_full((*shape, query.shape[-2]), float("-inf"), dtype=torch.float32))
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)).mul_(scale)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

@@ -101,3 +101,22 @@ def test_crop_and_window_apply_to_every_part(buf: SubRowBuffer) -> None:
     assert buf.first_live(0) == 0
     buf.clear([0])
     assert all(buf.table.row(t) == Row() for t in buf.table_rows(0))
+
+
+def test_shared_items_follow_sharing_reorder_and_copy_on_write() -> None:
+    """``shared_items``: the items two rows hold on the same pages (the cascade attention's prefix)."""
+    arena = Arena(HostBackend(page_bytes=PAGE, name="hf_vkv-test-shared"))
+    b = SubRowBuffer(arena, rows=ROWS, blocks=BLOCKS, heads=HEADS, capacity=4 * PAGE // ITEM, item_bytes=ITEM)
+    per_page = PAGE // ITEM  # 256 items
+    b.prepare_write([0], 0, 600)  # 3 pages, the last partly filled
+    b.share(0, [1, 2], length=600)
+    assert [b.shared_items(0, r) for r in (1, 2)] == [600, 600]
+    b.prepare_write([1], 600, 601)  # row 1 writes into the shared third page: copy on write
+    assert b.shared_items(0, 1) == 2 * per_page and b.shared_items(1, 0) == 2 * per_page
+    assert b.shared_items(0, 2) == 600
+    b.reorder([1, 1, 2])  # beam reorder: rows 0 and 1 both take row 1's pages
+    assert b.shared_items(0, 1) == 601 and b.shared_items(0, 2) == 2 * per_page
+    b.check_shared_parts(range(ROWS))
+    b.clear([2])
+    assert b.shared_items(0, 2) == 0
+    b.close()

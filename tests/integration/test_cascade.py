@@ -1,0 +1,112 @@
+"""The ``"vkv_cascade"`` attention in ``generate``: a shared prefix read once per decode step.
+
+It reorders float sums, so the oracle is: tokens identical to DynamicCache's and float32 logits
+within 1e-4 (the measured maximum is reported by the A/B harness). Tiny models hold at most 256
+positions, so the crossover (``CASCADE_MIN_SAVED_TOKENS``) is lowered here to make every shared
+prefix count; a test keeps the real one and checks that the plain path then runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import hf_vkv.attention.cascade as cascade_module
+import hf_vkv.cache.group as group_module
+from hf_vkv.ab import run_ab
+from models import SMALL_PAGE, assert_same_tokens, prompts, tiny
+
+pytestmark = pytest.mark.integration
+
+BOUND = 1e-4
+NEW = 8
+
+
+@contextlib.contextmanager
+def cascade(model, *, min_saved: int | None = 1) -> Iterator[list[int]]:
+    """The model's attention is "vkv_cascade" inside; yields a list that counts cascade decodes."""
+    calls: list[int] = []
+    real = cascade_module.cascade_decode
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    before, threshold = model.config._attn_implementation, group_module.CASCADE_MIN_SAVED_TOKENS
+    cascade_module.cascade_decode = counted
+    if min_saved is not None:
+        group_module.CASCADE_MIN_SAVED_TOKENS = min_saved
+    model.set_attn_implementation("vkv_cascade")
+    try:
+        yield calls
+    finally:
+        model.set_attn_implementation(before)
+        cascade_module.cascade_decode = real
+        group_module.CASCADE_MIN_SAVED_TOKENS = threshold
+
+
+def _run(model, inputs, layout: str, *, min_saved: int | None = 1, **kwargs):
+    kwargs = dict(max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True, **kwargs)
+    torch.manual_seed(0)
+    ref = model.generate(**inputs, **kwargs)
+    with cascade(model, min_saved=min_saved) as calls:
+        torch.manual_seed(0)
+        got = model.generate(**inputs, cache_implementation="vkv",
+                             cache_config={"layout": layout, "page_bytes": SMALL_PAGE}, **kwargs)
+    assert_same_tokens(ref.sequences, got.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, got.logits))
+    got.past_key_values.check_invariants()
+    return diff, len(calls), got
+
+
+MODES = {
+    "beam": dict(num_beams=4, do_sample=False),
+    "sample": dict(do_sample=True, num_return_sequences=4),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+@pytest.mark.parametrize("arch, kv_heads, attn", [("llama", None, "sdpa"), ("llama", 4, "eager"),
+                                                  ("gpt2", None, "sdpa"), ("qwen2", None, "eager")])
+def test_shared_prefix_is_read_once_with_identical_tokens(mode: str, layout: str, arch: str, kv_heads: int | None,
+                                                          attn: str) -> None:
+    model = tiny(arch, attn=attn, kv_heads=kv_heads) if kv_heads else tiny(arch, attn=attn)
+    inputs = prompts(2, 150, seed=3, left_pad=[0, 7])  # over two head-major pages of shared prompt, left-padded
+    diff, calls, _ = _run(model, inputs, layout, **MODES[mode])
+    assert calls == (NEW - 1) * 2  # every decode step, both layers
+    assert diff <= BOUND
+
+
+def test_sliding_layers_stay_on_the_plain_path() -> None:
+    # mistral: every layer slides (exact, nothing tagged); gemma3: its full-attention layer is tagged
+    diff, calls, _ = _run(tiny("mistral"), prompts(1, 150, seed=2), "head_major", **MODES["sample"])
+    assert (calls, diff) == (0, 0.0)
+    diff, calls, _ = _run(tiny("gemma3"), prompts(1, 150, seed=2), "head_major", **MODES["sample"])
+    assert calls == NEW - 1 and diff <= BOUND
+
+
+def test_below_the_crossover_the_plain_path_runs_exactly() -> None:
+    diff, calls, got = _run(tiny("llama"), prompts(1, 150, seed=4), "head_major", min_saved=None, **MODES["beam"])
+    assert group_module.CASCADE_MIN_SAVED_TOKENS > 150 * 3  # 150 shared tokens x 3 other beams is below it
+    assert (calls, diff) == (0, 0.0)
+
+
+def test_greedy_rows_share_nothing() -> None:
+    diff, calls, _ = _run(tiny("llama"), prompts(2, 150, seed=5), "head_major", do_sample=False)
+    assert (calls, diff) == (0, 0.0)
+
+
+def test_ab_harness_reports_the_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(group_module, "CASCADE_MIN_SAVED_TOKENS", 1)
+    model = tiny("llama")
+    report = run_ab(model, prompts(1, 150, seed=6), max_new_tokens=NEW, layout="cascade", tee=False,
+                    cache_config={"page_bytes": SMALL_PAGE}, num_beams=3, do_sample=False)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert report.layout == "cascade" and report.tokens_identical and report.passed
+    assert 0.0 < report.max_abs_logit_diff <= BOUND  # the sums were reordered, within the bound
+    assert not report.identical
+    assert report.to_dict()["layout"] == "cascade"
