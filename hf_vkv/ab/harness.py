@@ -253,6 +253,14 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs()[~same].max())  # nan where one side is nan
 
 
+def _as_rows(digests: tuple[bytes, ...], rows: int) -> tuple[bytes, ...]:
+    """A prefill-once step's digests (one row per prompt: :mod:`hf_vkv.prefill_once`) stand for
+    the ``rows // len(digests)`` rows DynamicCache computed for each prompt; others are as they are."""
+    if digests and rows > len(digests) and rows % len(digests) == 0:
+        return tuple(d for d in digests for _ in range(rows // len(digests)))
+    return digests
+
+
 def _kv_differences(ref: UpdateTee, got: UpdateTee, step: int) -> list[tuple[int, int, str]]:
     """(layer, row, "keys"/"values") that differ at ``step``, in computation order."""
     out = []
@@ -266,7 +274,7 @@ def _kv_differences(ref: UpdateTee, got: UpdateTee, step: int) -> list[tuple[int
             continue
         for row in range(max(len(a[step].keys), len(b[step].keys))):
             for name in ("keys", "values"):
-                da, db = getattr(a[step], name), getattr(b[step], name)
+                da, db = getattr(a[step], name), _as_rows(getattr(b[step], name), len(getattr(a[step], name)))
                 if row >= len(da) or row >= len(db) or da[row] != db[row]:
                     out.append((layer, row, name))
                     break
