@@ -47,7 +47,7 @@ class DevicePolicy:
       (:func:`default_cuda_budget`);
     * ``prefill_once``: whether ``generate``'s prefill runs each repeated prompt once by default
       (:mod:`hf_vkv.prefill_once`): on where a row of a batch-B forward was measured to equal the
-      same row of a batch-N forward (the CPU, ``tests/unit/test_prefill_once.py``), off on CUDA
+      same row of a batch-N forward (the CPU, ``tests/unit/test_prefill_rows.py``), off on CUDA
       until a GPU run measures it.
 
     Page sizes are the layouts' (each states its preferred page size per backend).

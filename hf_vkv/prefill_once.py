@@ -43,7 +43,7 @@ __all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal"]
 _NOT_ROWS = frozenset({"cache_position", "logits_to_keep"})
 #: Fewest rows a matmul may have for a row of it to equal the same row in a matmul of more rows.
 #: Measured on the CPU (MKL / oneDNN, fp32 and bf16): 1-3 rows take another kernel and round
-#: differently, from 4 rows on every row is bit-identical (``tests/unit/test_prefill_once.py``
+#: differently, from 4 rows on every row is bit-identical (``tests/unit/test_prefill_rows.py``
 #: checks this premise). The prompt's forward has ``prompts x tokens`` rows per matmul; the output
 #: head, which sees one token per row, runs on every expanded row (see :func:`prefill`).
 MIN_EXACT_ROWS = 4
