@@ -24,7 +24,7 @@ Exact: a row of a batch-``B`` forward equals the same row of a batch-``B*k`` for
 kernels we test (``torch.equal``; see ``tests/integration/test_prefill_once.py``), so tokens and
 logits are DynamicCache's; it is on by default (``cache_config={"prefill_once": False}`` turns it
 off). Where it cannot apply — rows that differ, a model in training mode (dropout differs per row),
-experts with a capacity (rows compete for it) — the prefill runs on every row as before and
+mixture-of-experts models (an expert's matmul size depends on the batch) — the prefill runs on every row as before and
 :meth:`VKVCache.stats` says why (``prefill_once``).
 """
 
@@ -47,8 +47,11 @@ _NOT_ROWS = frozenset({"cache_position", "logits_to_keep"})
 #: checks this premise). The prompt's forward has ``prompts x tokens`` rows per matmul; the output
 #: head, which sees one token per row, runs on every expanded row (see :func:`prefill`).
 MIN_EXACT_ROWS = 4
-#: Config attributes of models whose rows compete for something in one forward.
-_ROW_MIXING = ("expert_capacity", "capacity_factor")
+#: Config attributes of mixture-of-experts models: each expert multiplies the tokens routed to it,
+#: so its matmul has fewer rows when the forward has fewer (and rounds differently below
+#: MIN_EXACT_ROWS: DeepSeek-V3 and GPT-OSS gave logits 4.8e-7 apart), and with an expert capacity
+#: rows compete for it.
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "expert_capacity", "moe_num_experts")
 
 
 def _vkv_cache(model_kwargs: dict) -> tuple[Any, VKVCache] | None:
@@ -89,39 +92,33 @@ def repeats_refusal(input_ids: torch.Tensor, model_kwargs: dict, k: int) -> str 
     return None
 
 
-def first_of_repeats(value: Any, rows: int, k: int, *, keep: Any = None) -> Any:
-    """``value`` with every row-indexed tensor (first dim ``rows``) cut to its first row of each
-    ``k`` (``[::k]``); tuples, lists, dicts and ModelOutputs are rebuilt around them, ``keep``
-    (the cache) and anything else is passed through."""
+def _map_rows(value: Any, rows: int, fn: Any, keep: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor whose first dim is ``rows``; tuples, lists,
+    dicts and ModelOutputs rebuilt around them; ``keep`` (the cache) and anything else as it is."""
     if value is keep:
         return value
     if isinstance(value, torch.Tensor):
-        return value[::k] if value.dim() and value.shape[0] == rows else value
+        return fn(value) if value.dim() and value.shape[0] == rows else value
     if isinstance(value, (tuple, list)):
-        return type(value)(first_of_repeats(v, rows, k, keep=keep) for v in value)
+        return type(value)(_map_rows(v, rows, fn, keep) for v in value)
     if isinstance(value, dict):
         out = copy_mapping(value)
         for key, v in value.items():
-            out[key] = first_of_repeats(v, rows, k, keep=keep)
+            out[key] = _map_rows(v, rows, fn, keep)
         return out
     return value
+
+
+def first_of_repeats(value: Any, rows: int, k: int, *, keep: Any = None) -> Any:
+    """``value`` with every row-indexed tensor (first dim ``rows``) cut to the first row of each
+    ``k`` (``[::k]``), containers rebuilt (:func:`_map_rows`)."""
+    return _map_rows(value, rows, lambda t: t[::k], keep)
 
 
 def expand_rows(value: Any, rows: int, k: int, *, keep: Any = None) -> Any:
     """The inverse for outputs: every tensor with first dim ``rows`` repeated ``k`` times per row
-    (``repeat_interleave``), containers rebuilt, ``keep`` (the cache) passed through."""
-    if value is keep:
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.repeat_interleave(k, dim=0) if value.dim() and value.shape[0] == rows else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(expand_rows(v, rows, k, keep=keep) for v in value)
-    if isinstance(value, dict):
-        out = copy_mapping(value)
-        for key, v in value.items():
-            out[key] = expand_rows(v, rows, k, keep=keep)
-        return out
-    return value
+    (``repeat_interleave``), containers rebuilt (:func:`_map_rows`)."""
+    return _map_rows(value, rows, lambda t: t.repeat_interleave(k, dim=0), keep)
 
 
 def copy_mapping(value: dict) -> dict:
@@ -157,9 +154,10 @@ def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, generation_co
         return (f"a forward of {smallest} token row(s) (prompts x tokens) rounds differently from the same rows in "
                 f"a larger batch; prefill once needs at least {MIN_EXACT_ROWS}")
     config = model.config.get_text_config(decoder=True)
-    mixing = [name for name in _ROW_MIXING if getattr(config, name, None)]
-    if mixing:
-        return f"the model's experts have a capacity ({mixing[0]}): rows of one forward compete for it"
+    experts = [name for name in _EXPERTS if getattr(config, name, None)]
+    if experts:
+        return (f"a mixture-of-experts model ({experts[0]}={getattr(config, experts[0])}): an expert's matmul size "
+                f"depends on how many rows the forward has")
     return repeats_refusal(input_ids, model_kwargs, cache.prompt_repeats)
 
 
