@@ -287,7 +287,18 @@ class BufferMachine(RuleBasedStateMachine):
                 span = slice(first * self.item, m.length * self.item)
                 known = m.known[span]
                 assert torch.equal(got[known], m.data[span][known]), f"row {r} reads other bytes"
+            self._shared_items_hold_equal_bytes(buf, models)
         assert self.backend.resident_bytes() <= self.arena.pool.stats().resident_bytes
+
+    def _shared_items_hold_equal_bytes(self, buf: VirtualBuffer, models: list[RowModel]) -> None:
+        """What the cascade attention reads once for two rows (``shared_items``) is the same bytes
+        in both rows' models, and within both rows."""
+        for a, b in itertools.combinations(range(len(models)), 2):
+            n = buf.shared_items(a, b)
+            assert n == buf.shared_items(b, a) and n <= min(models[a].length, models[b].length), (a, b)
+            span = slice(0, n * self.item)
+            both = models[a].known[span] & models[b].known[span]
+            assert torch.equal(models[a].data[span][both], models[b].data[span][both]), f"rows {a}, {b}"
 
     def teardown(self):
         if not hasattr(self, "bufs"):
