@@ -1,48 +1,19 @@
 """Paged attention kernels: a torch reference, and the dispatcher that picks the fastest one.
 
-The paged layout keeps key/value tokens in a pool of fixed-size blocks; each row (sequence) owns a
-block table that lists, in order, the blocks holding its tokens. A kernel reads K/V through that
-table instead of through a contiguous tensor.
-
-The interface (shared by :func:`paged_attention_reference`, :func:`paged_attention`,
-:func:`hf_vkv.attention.triton_paged.paged_attention_triton`):
-
-* ``key_cache``, ``value_cache``: ``[num_blocks, block_size, kv_heads, head_dim]``, float32,
-  float16 or bfloat16, any strides with ``stride(-1) == 1`` (the cache hands strided views of a
-  token-major store whose block and token strides span every layer of a group);
-* ``block_tables``: int32 ``[batch, max_blocks]``; entry ``j`` of row ``b`` is the block holding the
-  row's absolute token positions ``[j * block_size, (j + 1) * block_size)``. Entries for blocks wholly
-  before ``kv_offset`` (dropped behind a sliding window) and entries past a row's length may hold
-  anything: they are never read;
-* row ``b`` attends to absolute tokens ``[kv_offset, kv_offset + L_b)``, ``L_b = kv_lens[b]`` when
-  ``kv_lens`` (int32 ``[batch]``, each ``<= kv_len``) is given, else ``kv_len``;
-* ``query``: ``[batch, q_heads, q, head_dim]`` with ``q_heads % kv_heads == 0``; query head ``h``
-  reads kv head ``h // (q_heads // kv_heads)`` (GQA/MQA); query token ``i`` of row ``b`` sits at
-  absolute position ``kv_offset + L_b - q + i``;
-* ``mask``: ``None`` means causal, bottom-right aligned (query ``i`` attends the tokens at positions
-  up to its own). Otherwise a bool ``[batch, 1, q, kv_len]`` (True = attend; column ``c`` is absolute
-  token ``kv_offset + c``), as transformers' ``sdpa_mask`` makes it, that *replaces* the causal rule
-  (it already encodes causality, padding and the sliding window). Columns ``>= L_b`` are never
-  attended either way;
-* output: ``[batch, q_heads, q, head_dim]`` in the query's dtype. **A query row with nothing to
-  attend to returns zeros**, as flash-attn does (``F.scaled_dot_product_attention`` returns NaN
-  there in some torch versions and backends; torch 2.13 on the CPU returns zeros; the reference
-  zeroes such rows itself either way).
-
-Bad arguments raise ``TypeError``/``ValueError`` naming the argument and the fix. Checks that would
-read tensor values (``kv_lens <= kv_len``, block ids inside the pool) run only for CPU tensors: on a
-GPU they would cost a host synchronization per layer, and the block tables come from the cache, not
-from users.
+Every kernel follows the interface of :mod:`hf_vkv.attention.paged_interface` (shapes, the mask
+and offset rules, zeros for a query with nothing to attend to) and checks its arguments through
+it; the Triton kernel lives in :mod:`hf_vkv.attention.triton_paged`, imported only when it runs.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .paged_interface import check_block_ids, check_caches, check_paged_inputs, paged_kernel
 
 __all__ = [
     "PagedBackend",
@@ -57,115 +28,10 @@ __all__ = [
 
 PagedBackend = Literal["flash_attn", "triton", "reference"]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: flash-attn 2's ``flash_attn_with_kvcache`` documents for its paged KV cache: "page_block_size
 #: must be a multiple of 256" (flash_attn/flash_attn_interface.py, argument ``k_cache``).
 FLASH_ATTN_BLOCK_MULTIPLE = 256
 
-
-def _check_caches(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, *, kv_offset: int,
-                  kv_len: int) -> None:
-    """The checks :func:`gather_kv` and the attention kernels share (caches, tables, offsets)."""
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, value in (("kv_offset", kv_offset), ("kv_len", kv_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [num_blocks, block_size, kv_heads, head_dim], got shape "
-                             f"{tuple(t.shape)}")
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride(-1) == 1), got strides "
-                             f"{t.stride()}; pass a view of a store whose head_dim is innermost")
-    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
-        raise ValueError(f"key_cache ({key_cache.dtype} {tuple(key_cache.shape)}) and value_cache "
-                         f"({value_cache.dtype} {tuple(value_cache.shape)}) must have the same shape and dtype")
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if block_size < 1 or kv_heads < 1:
-        raise ValueError(f"key_cache needs block_size >= 1 and kv_heads >= 1, got shape {tuple(key_cache.shape)}")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
-        raise ValueError(f"block_tables must be int32 [batch, max_blocks], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
-    if block_tables.shape[1] * block_size < kv_offset + kv_len:
-        raise ValueError(f"block_tables has {block_tables.shape[1]} blocks of {block_size} tokens a row, fewer "
-                         f"than kv_offset + kv_len = {kv_offset + kv_len} tokens; give every row enough entries")
-    devices = {t.device for t in (key_cache, value_cache, block_tables)}
-    if len(devices) > 1:
-        raise ValueError(f"key_cache, value_cache and block_tables must be on one device, got "
-                         f"{sorted(str(d) for d in devices)}")
-
-
-def check_paged_inputs(
-    query: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    block_tables: Tensor,
-    *,
-    kv_offset: int,
-    kv_len: int,
-    scale: float,
-    mask: Tensor | None = None,
-    kv_lens: Tensor | None = None,
-) -> None:
-    """Raise ``TypeError``/``ValueError`` (naming the argument and the fix) unless the arguments
-    follow the interface of this module's docstring. Reads tensor values only for CPU tensors."""
-    _check_caches(key_cache, value_cache, block_tables, kv_offset=kv_offset, kv_len=kv_len)
-    if not isinstance(query, Tensor):
-        raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite float (usually head_dim ** -0.5), got {scale!r}")
-    if query.dtype != key_cache.dtype:
-        raise TypeError(f"query has dtype {query.dtype} but the caches have {key_cache.dtype}; cast the query")
-    if query.dim() != 4:
-        raise ValueError(f"query must be [batch, q_heads, q, head_dim], got shape {tuple(query.shape)}")
-    batch, q_heads, q, head_dim = query.shape
-    kv_heads = key_cache.shape[2]
-    if head_dim != key_cache.shape[3]:
-        raise ValueError(f"query head_dim {head_dim} differs from the caches' head_dim {key_cache.shape[3]}")
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads ({q_heads}) must be a multiple of the caches' kv_heads ({kv_heads})")
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but query has batch {batch}")
-    devices = {query.device, key_cache.device}
-    if mask is not None:
-        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a bool tensor (True = attend) or None for causal, got "
-                            f"{getattr(mask, 'dtype', type(mask).__name__)}")
-        if tuple(mask.shape) != (batch, 1, q, kv_len):
-            raise ValueError(f"mask must be [batch, 1, q, kv_len] = {[batch, 1, q, kv_len]}, got {list(mask.shape)}")
-        devices.add(mask.device)
-    if kv_lens is not None:
-        if not isinstance(kv_lens, Tensor) or kv_lens.dtype != torch.int32 or tuple(kv_lens.shape) != (batch,):
-            raise ValueError(f"kv_lens must be int32 [batch={batch}] or None, got "
-                             f"{getattr(kv_lens, 'dtype', type(kv_lens).__name__)} "
-                             f"{tuple(getattr(kv_lens, 'shape', ()))}")
-        devices.add(kv_lens.device)
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
-    if block_tables.device.type != "cpu" or not batch:
-        return
-    if kv_lens is not None:
-        low, high = int(kv_lens.min()), int(kv_lens.max())
-        if low < 0 or high > kv_len:
-            raise ValueError(f"kv_lens must lie in [0, kv_len={kv_len}], got values in [{low}, {high}]")
-    block_size = key_cache.shape[1]
-    ends = kv_offset + (kv_lens.long() if kv_lens is not None else torch.full((batch,), kv_len))  # [batch]
-    starts = torch.arange(block_tables.shape[1]) * block_size  # first position of each entry's block
-    read = (starts[None, :] + block_size > kv_offset) & (starts[None, :] < ends[:, None])  # [batch, max_blocks]
-    _check_block_ids(block_tables[read], key_cache.shape[0])
-
-
-def _check_block_ids(used: Tensor, num_blocks: int) -> None:
-    """``used``: the block ids a kernel will read (any shape); each must index the pool."""
-    if used.numel():
-        low, high = int(used.min()), int(used.max())
-        if low < 0 or high >= num_blocks:
-            raise ValueError(f"block_tables refers to block {low if low < 0 else high} for a token that is read, "
-                             f"but the caches hold blocks [0, {num_blocks})")
 
 
 def _token_index(
@@ -182,7 +48,7 @@ def _token_index(
     if valid is not None:
         blocks = blocks.masked_fill(~valid, 0)
     if blocks.device.type == "cpu":
-        _check_block_ids(blocks, num_blocks)
+        check_block_ids(blocks, num_blocks)
     return blocks, positions % block_size
 
 
@@ -219,7 +85,7 @@ def gather_kv(
         ``(keys, values)``, each a new contiguous ``[batch, kv_heads, kv_len, head_dim]`` tensor of
         the caches' dtype: an exact copy, made by one advanced index per tensor.
     """
-    _check_caches(key_cache, value_cache, block_tables, kv_offset=kv_offset, kv_len=kv_len)
+    check_caches(key_cache, value_cache, block_tables, kv_offset=kv_offset, kv_len=kv_len)
     blocks, in_block = _token_index(block_tables, block_size=key_cache.shape[1], num_blocks=key_cache.shape[0],
                                  kv_offset=kv_offset, kv_len=kv_len, valid=None)
     return _gather(key_cache, blocks, in_block), _gather(value_cache, blocks, in_block)
@@ -239,6 +105,7 @@ def attend_mask(
     return (cols[None, None, None, :] <= own[:, None, :, None]) & in_row
 
 
+@paged_kernel
 def paged_attention_reference(
     query: Tensor,
     key_cache: Tensor,
@@ -257,8 +124,6 @@ def paged_attention_reference(
     Shapes and semantics: see the module docstring. Returns ``[batch, q_heads, q, head_dim]`` in the
     query's dtype, zeros for query rows with nothing to attend to.
     """
-    check_paged_inputs(query, key_cache, value_cache, block_tables, kv_offset=kv_offset, kv_len=kv_len,
-                       scale=scale, mask=mask, kv_lens=kv_lens)
     batch, q_heads, q, _ = query.shape
     if kv_len == 0 or batch == 0 or q == 0:
         return query.new_zeros(query.shape)
@@ -338,6 +203,7 @@ def _paged_attention_flash(
     return out.transpose(1, 2)  # [batch, q_heads, q, head_dim]
 
 
+@paged_kernel
 def paged_attention(
     query: Tensor,
     key_cache: Tensor,
@@ -352,10 +218,10 @@ def paged_attention(
 ) -> Tensor:
     """Paged attention with the fastest kernel available (see :func:`select_paged_backend`).
 
-    Same arguments, shapes and result as :func:`paged_attention_reference` (module docstring).
+    Same arguments, shapes and result as :func:`paged_attention_reference`; the arguments are
+    checked once (:func:`~hf_vkv.attention.paged_interface.paged_kernel`), and the kernel picked
+    runs unchecked.
     """
-    check_paged_inputs(query, key_cache, value_cache, block_tables, kv_offset=kv_offset, kv_len=kv_len,
-                       scale=scale, mask=mask, kv_lens=kv_lens)
     backend = select_paged_backend(query, key_cache, kv_offset=kv_offset, mask=mask)
     if backend == "flash_attn":
         return _paged_attention_flash(query, key_cache, value_cache, block_tables, kv_len=kv_len, scale=scale,
@@ -363,7 +229,7 @@ def paged_attention(
     if backend == "triton":
         from .triton_paged import paged_attention_triton
 
-        return paged_attention_triton(query, key_cache, value_cache, block_tables, kv_offset=kv_offset,
-                                      kv_len=kv_len, scale=scale, mask=mask, kv_lens=kv_lens)
-    return paged_attention_reference(query, key_cache, value_cache, block_tables, kv_offset=kv_offset,
+        return paged_attention_triton.__wrapped__(query, key_cache, value_cache, block_tables, kv_offset=kv_offset,
+                                                  kv_len=kv_len, scale=scale, mask=mask, kv_lens=kv_lens)
+    return paged_attention_reference.__wrapped__(query, key_cache, value_cache, block_tables, kv_offset=kv_offset,
                                      kv_len=kv_len, scale=scale, mask=mask, kv_lens=kv_lens)

@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 from torch import Tensor
 
-from .kernels import check_paged_inputs
+from .paged_interface import paged_kernel
 
 __all__ = ["paged_attention_triton"]
 
@@ -309,6 +309,7 @@ def launch_paged_attention(
     return out
 
 
+@paged_kernel
 def paged_attention_triton(
     query: Tensor,
     key_cache: Tensor,
@@ -329,8 +330,6 @@ def paged_attention_triton(
     ``kv_lens [batch]``; returns ``[batch, q_heads, q, head_dim]`` in the query's dtype (fp32
     accumulation), zeros for query rows with nothing to attend to.
     """
-    check_paged_inputs(query, key_cache, value_cache, block_tables, kv_offset=kv_offset, kv_len=kv_len,
-                       scale=scale, mask=mask, kv_lens=kv_lens)
     if query.device.type != "cuda" and not _interpreting():
         raise ValueError(f"paged_attention_triton needs CUDA tensors (got {query.device}); on the CPU use "
                          f"paged_attention_reference, or set TRITON_INTERPRET=1 before this module is first "
