@@ -246,18 +246,21 @@ def ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The benchmark (:mod:`hf_vkv.ab.bench`, shared with ``benchmarks/generate_cpu.py``): tables on
     stdout, JSON to ``--json``."""
-    from .ab.bench_args import grid_from_args, run_from_args
+    from .ab.bench_args import grid_from_args, run_from_args, run_shared_from_args, shared_grid_from_args
 
+    # --shared-prompt: the shared-prompt grid of issue 20 (hf_vkv.ab.shared_prompt) instead
+    make_grid, run = (shared_grid_from_args, run_shared_from_args) if args.shared_prompt else (grid_from_args,
+                                                                                               run_from_args)
     try:
-        grid = grid_from_args(args)
+        grid = make_grid(args)
     except ValueError as e:
         parser.error(str(e))
     _check_model(args.model, parser)
     _threads(args.threads)
     model, _ = _load(args.model)
     name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL else args.model
-    return run_from_args(args, model, grid=grid, model_name=name, command=" ".join(["hf-vkv", *sys.argv[1:]]),
-                         json_path=Path(args.json))
+    return run(args, model, grid=grid, model_name=name, command=" ".join(["hf-vkv", *sys.argv[1:]]),
+               json_path=Path(args.json))
 
 
 # --------------------------------------------------------------------------------------- doctor
@@ -322,9 +325,10 @@ def _parser() -> argparse.ArgumentParser:
                        "(and optionally generate() A/B runs), as a table and JSON")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'default' or a local model folder (default: %(default)s)")
     p.add_argument("--json", default="hf-vkv-bench.json", metavar="OUT", help="default: %(default)s")
-    from .ab.bench_args import add_arguments
+    from .ab.bench_args import add_arguments, add_shared_prompt_arguments
 
     add_arguments(p, default="quick")
+    add_shared_prompt_arguments(p, standalone=False)
     p.set_defaults(func=bench, command_parser=p)
     return parser
 

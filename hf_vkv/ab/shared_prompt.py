@@ -367,23 +367,23 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+_SHORT = {"dynamic": "dyn", "vkv": "vkv", "vkv_cascade": "casc", "ideal": "ideal"}
+
+
 def format_shared_prompt(cells: Sequence[dict[str, Any]], *, header: bool = True) -> str:
-    """One line per cell: TTFT (s) and decode step (ms) per cache, vkv's ratios, tokens."""
-    names = list(CACHES)
-    cols = [f"TTFT {n}" for n in names] + [f"step {n}" for n in names] + ["ttft v/d", "ttft v/i", "step v/d",
-                                                                         "step v/i", "tokens", "casc |dl|"]
-    head = f"{'prompt':>6s} {'workload':8s} " + " ".join(f"{c[:16]:>16s}" for c in cols)
+    """One line per cell: TTFT (s) and decode step (ms) per cache, vkv's ratios (median of the
+    per-round ratios), vkv's tokens against the reference, the cascade's max |Δlogit|."""
+    cols = ([f"TTFT {_SHORT[n]}" for n in CACHES] + [f"ms {_SHORT[n]}" for n in CACHES]
+            + ["TTFT v/d", "TTFT v/i", "step v/d", "step v/i", "tokens", "casc|dl|"])
+    head = f"{'prompt':>6s} {'workload':8s} " + " ".join(f"{c:>10s}" for c in cols)
     lines = [head, "-" * len(head)] if header else []
     for c in cells:
         caches, ratios = c["caches"], c["ratios"]
-        values = [_fmt(caches.get(n, {}).get("ttft_s"), ".2f") for n in names]
-        values += [_fmt(caches.get(n, {}).get("decode_step_ms"), ".1f") for n in names]
-        for base in ("dynamic", "ideal"):
-            values.append(_fmt(ratios.get(f"vkv/{base}", {}).get("ttft"), ".3f"))
-        for base in ("dynamic", "ideal"):
-            values.append(_fmt(ratios.get(f"vkv/{base}", {}).get("decode_step"), ".3f"))
-        same = caches.get("vkv", {}).get("tokens_identical")
-        values.append({None: "-", True: "identical", False: "DIFFERENT"}[same])
+        values = [_fmt(caches.get(n, {}).get("ttft_s"), ".3f") for n in CACHES]
+        values += [_fmt(caches.get(n, {}).get("decode_step_ms"), ".1f") for n in CACHES]
+        values += [_fmt(ratios.get(f"vkv/{base}", {}).get(key), ".3f")
+                   for key in ("ttft", "decode_step") for base in ("dynamic", "ideal")]
+        values.append({None: "-", True: "identical", False: "DIFFERENT"}[caches.get("vkv", {}).get("tokens_identical")])
         values.append(_fmt(caches.get("vkv_cascade", {}).get("max_abs_logit_diff"), ".2g"))
-        lines.append(f"{c['prompt']:6d} {c['workload']:8s} " + " ".join(f"{v:>16s}" for v in values))
+        lines.append(f"{c['prompt']:6d} {c['workload']:8s} " + " ".join(f"{v:>10s}" for v in values))
     return "\n".join(lines)
