@@ -25,32 +25,16 @@ A quick check::
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from pathlib import Path
 
-import torch
-
-from hf_vkv.ab.bench_args import add_shared_prompt_arguments, run_shared_from_args, shared_grid_from_args
-from hf_vkv.default_model import load_default_model
+from hf_vkv.ab.bench_args import add_shared_prompt_arguments, shared_grid_from_args, run_shared_from_args, script_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_shared_prompt_arguments(parser, standalone=True)
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/shared_prompt_cpu.json"))
-    args = parser.parse_args(argv)
-    try:
-        grid = shared_grid_from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model, _ = load_default_model(dtype=torch.float32)
-    command = " ".join(["python", "benchmarks/shared_prompt.py", *(sys.argv[1:] if argv is None else argv)])
-    return run_shared_from_args(args, model, grid=grid, model_name="SmolLM2-135M-Instruct (embedded, fp32)",
-                                command=command, json_path=args.json)
+    return script_main(argv, doc=__doc__, script="benchmarks/shared_prompt.py",
+                       add=lambda parser: add_shared_prompt_arguments(parser, standalone=True),
+                       make_grid=shared_grid_from_args, run=run_shared_from_args,
+                       json_default=Path("benchmarks/results/shared_prompt_cpu.json"))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from transformers import PreTrainedModel
 
@@ -29,7 +30,7 @@ from .shared_prompt import (
 )
 
 __all__ = ["add_arguments", "add_shared_prompt_arguments", "grid_from_args", "run_from_args", "run_shared_from_args",
-           "shared_grid_from_args"]
+           "script_main", "shared_grid_from_args"]
 
 
 def _describe(grid: Grid) -> str:
@@ -155,3 +156,30 @@ def run_shared_from_args(args: argparse.Namespace, model: PreTrainedModel, *, gr
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {json_path}")
     return 0 if all(c["caches"].get("vkv", {}).get("tokens_identical") is not False for c in cells) else 1
+
+
+# ----------------------------------------------------------------------------- the scripts' main
+def script_main(argv: list[str] | None, *, doc: str, script: str, add: Callable[[argparse.ArgumentParser], None],
+                make_grid: Callable[[argparse.Namespace], Any], run: Callable[..., int], json_default: Path) -> int:
+    """The ``main`` of a benchmark script (``benchmarks/generate_cpu.py``, ``benchmarks/shared_prompt.py``):
+    its docstring as help, ``add``'s options and ``--json``, the grid (``make_grid``; a bad one is a
+    usage error), the embedded SmolLM2 in fp32, then ``run(args, model, grid=, model_name=,
+    command=, json_path=)`` (:func:`run_from_args` or :func:`run_shared_from_args`)."""
+    import torch
+
+    from ..default_model import load_default_model
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add(parser)
+    parser.add_argument("--json", type=Path, default=json_default)
+    args = parser.parse_args(argv)
+    try:
+        grid = make_grid(args)
+    except ValueError as e:
+        parser.error(str(e))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model, _ = load_default_model(dtype=torch.float32)
+    command = " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)])
+    return run(args, model, grid=grid, model_name="SmolLM2-135M-Instruct (embedded, fp32)", command=command,
+               json_path=args.json)

@@ -336,7 +336,8 @@ def _cell_result(prompt: int, workload: str, rows: int, grid: SharedPromptGrid, 
                 ttft_target_met=target, ttft_target="vkv TTFT <= 1.2/N x DynamicCache's (N = rows, prompt >= 512)")
 
 
-def run_shared_prompt(model: PreTrainedModel, grid: SharedPromptGrid, *, progress: bool = False) -> list[dict[str, Any]]:
+def run_shared_prompt(model: PreTrainedModel, grid: SharedPromptGrid, *,
+                      progress: bool = False) -> list[dict[str, Any]]:
     """Every cell of ``grid``; one JSON-able dict each."""
     skipped = {} if cascade_attention_available() else {
         "vkv_cascade": f"the {CASCADE_ATTENTION!r} attention is not registered with transformers' AttentionInterface "

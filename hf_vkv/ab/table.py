@@ -146,7 +146,8 @@ def format_times(reports: Sequence[tuple[str, ABReport]]) -> str:
     for label, r in reports:
         d, v = r.dynamic, r.vkv
         lines.append(
-            f"{label:24s} {_ms(d.prefill_s) + 'ms':>9s} {_ms(v.prefill_s) + 'ms':>9s} {_ratio(d.prefill_s, v.prefill_s):>7s} "
+            f"{label:24s} {_ms(d.prefill_s) + 'ms':>9s} {_ms(v.prefill_s) + 'ms':>9s} "
+            f"{_ratio(d.prefill_s, v.prefill_s):>7s} "
             f"{_ms(d.decode_step_s) + 'ms':>9s} {_ms(v.decode_step_s) + 'ms':>9s} "
             f"{_ratio(d.decode_step_s, v.decode_step_s):>7s} {_mib(d.kv_peak_bytes):>10s} {_mib(v.kv_peak_bytes):>9s}"
         )
