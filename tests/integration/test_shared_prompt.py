@@ -121,3 +121,17 @@ def test_hf_vkv_bench_runs_the_shared_prompt_grid(model, tmp_path: Path, capsys:
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["schema"] == sp.SHARED_PROMPT_SCHEMA_VERSION and data["command"].startswith("hf-vkv")
     assert [(c["prompt"], c["workload"]) for c in data["cells"]] == [(6, "greedy")]
+
+
+def test_hf_vkv_demo_prints_time_beside_memory(model, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``hf-vkv demo``'s tables on the tiny model (the embedded one takes minutes: tests/integration/test_cli.py)."""
+    from hf_vkv import cli
+
+    monkeypatch.setattr(cli, "_load", lambda name, quiet=False: (model, tokenizer()))
+    assert cli.main(["demo", "--max-new-tokens", "2", "--document-tokens", "8", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "Time beside memory" in out
+    lines = out[out.index("Time beside memory"):].splitlines()
+    assert "TTFT dyn" in lines[1] and "KV vkv" in lines[1]
+    assert [line.split()[0] for line in lines[3:6]] == ["n=8", "4", "greedy,"]
