@@ -25,33 +25,15 @@ KV memory of beam search and parallel sampling) at every cell with a batch <= 4.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from pathlib import Path
 
-import torch
-
-from hf_vkv.ab.bench_args import add_arguments, grid_from_args, run_from_args
-from hf_vkv.default_model import load_default_model
+from hf_vkv.ab.bench_args import add_arguments, grid_from_args, run_from_args, script_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser, default="full")
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/generate_cpu_decode.json"))
-    args = parser.parse_args(argv)
-    try:
-        grid = grid_from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model, _ = load_default_model(dtype=torch.float32)
-    command = " ".join(["python", "benchmarks/generate_cpu.py", *(sys.argv[1:] if argv is None else argv)])
-    return run_from_args(args, model, grid=grid, model_name="SmolLM2-135M-Instruct (embedded, fp32)",
-                         command=command, json_path=args.json)
-
+    return script_main(argv, doc=__doc__, script="benchmarks/generate_cpu.py",
+                       add=lambda parser: add_arguments(parser, default="full"), make_grid=grid_from_args,
+                       run=run_from_args, json_default=Path("benchmarks/results/generate_cpu_decode.json"))
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -130,7 +130,7 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     come from on stdout."""
     from .ab.demo import demo_to_dict, run_demo
     from .ab.harness import describe_environment
-    from .ab.table import format_savings, format_summary
+    from .ab.table import format_savings, format_summary, format_times
 
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be >= 2 (a prefill and at least one decode step)")
@@ -162,6 +162,8 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print("tokens: tokens and logits equal at every step; KV: peak bytes held (vkv: resident pages, a shared page "
           "counted once); step: mean decode step")
     print(format_summary(labelled, ideal_kv_bytes=[row.ideal_kv_bytes for row in rows]))
+    print("\nTime beside memory (TTFT: generate's set-up, prefill and first logits; step: mean decode step):")
+    print(format_times(labelled))
     print("\nWhere vkv's memory goes (stats() after generate):")
     print(format_savings([(row.case.label, row.stats) for row in rows]))
     if all(row.ideal_kv_bytes is None for row in rows):
@@ -246,18 +248,21 @@ def ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The benchmark (:mod:`hf_vkv.ab.bench`, shared with ``benchmarks/generate_cpu.py``): tables on
     stdout, JSON to ``--json``."""
-    from .ab.bench_args import grid_from_args, run_from_args
+    from .ab.bench_args import grid_from_args, run_from_args, run_shared_from_args, shared_grid_from_args
 
+    # --shared-prompt: the shared-prompt grid of issue 20 (hf_vkv.ab.shared_prompt) instead
+    make_grid, run = (shared_grid_from_args, run_shared_from_args) if args.shared_prompt else (grid_from_args,
+                                                                                               run_from_args)
     try:
-        grid = grid_from_args(args)
+        grid = make_grid(args)
     except ValueError as e:
         parser.error(str(e))
     _check_model(args.model, parser)
     _threads(args.threads)
     model, _ = _load(args.model)
     name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL else args.model
-    return run_from_args(args, model, grid=grid, model_name=name, command=" ".join(["hf-vkv", *sys.argv[1:]]),
-                         json_path=Path(args.json))
+    return run(args, model, grid=grid, model_name=name, command=" ".join(["hf-vkv", *sys.argv[1:]]),
+               json_path=Path(args.json))
 
 
 # --------------------------------------------------------------------------------------- doctor
@@ -324,9 +329,10 @@ def _parser() -> argparse.ArgumentParser:
                        "(and optionally generate() A/B runs), as a table and JSON")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'default' or a local model folder (default: %(default)s)")
     p.add_argument("--json", default="hf-vkv-bench.json", metavar="OUT", help="default: %(default)s")
-    from .ab.bench_args import add_arguments
+    from .ab.bench_args import add_arguments, add_shared_prompt_arguments
 
     add_arguments(p, default="quick")
+    add_shared_prompt_arguments(p, standalone=False)
     p.set_defaults(func=bench, command_parser=p)
     return parser
 

@@ -9,7 +9,8 @@
 Modules: :mod:`.harness` (``run_ab``), :mod:`.probes` (what is attached to each run),
 :mod:`.records` (the report), :mod:`.schema` (its JSON schema), :mod:`.table`, :mod:`.plot`,
 :mod:`.bench` (the benchmark of ``hf-vkv bench`` and ``benchmarks/generate_cpu.py``, with
-:mod:`.bench_args`, its command line), :mod:`.decode` (decode-step timing of several caches,
+:mod:`.bench_args`, its command line), :mod:`.shared_prompt` (TTFT and decode step of workloads
+sharing a prompt, ``hf-vkv bench --shared-prompt``), :mod:`.decode` (decode-step timing of several caches,
 interleaved), :mod:`.ideal` (the ideal cache it compares the layouts with), :mod:`.demo`
 (``hf-vkv demo``), :mod:`.progress` (progress output).
 """

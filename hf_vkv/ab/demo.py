@@ -152,7 +152,9 @@ def _stats_dict(stats: CacheStats | None) -> dict[str, Any] | None:
         return None
     return {"resident_bytes": stats.resident_bytes, "token_bytes": stats.token_bytes,
             "utilization": stats.utilization, "shared_pages": stats.shared_pages, "cow_copies": stats.cow_copies,
-            "shared_prompt_rows": sum(g.shared_prompt_rows for g in stats.groups)}
+            "shared_prompt_rows": sum(g.shared_prompt_rows for g in stats.groups),
+            "prompt_tokens_computed": stats.prompt_tokens_computed, "prompt_tokens_saved": stats.prompt_tokens_saved,
+            "prefill_once": stats.prefill_once}
 
 
 def demo_to_dict(rows: Sequence[DemoRow], *, wall_s: float, environment: Mapping[str, str]) -> dict[str, Any]:
@@ -169,6 +171,11 @@ def demo_to_dict(rows: Sequence[DemoRow], *, wall_s: float, environment: Mapping
             "kv_ratio_vs_dynamic": v.kv_peak_bytes / d.kv_peak_bytes if d.kv_peak_bytes else None,
             "decode_step_s": {"dynamic": d.decode_step_s, "vkv": v.decode_step_s},
             "prefill_s": {"dynamic": d.prefill_s, "vkv": v.prefill_s},
+            # time to first token = step 0 (set-up, prefill, first logits), beside KV memory (issue 20)
+            "ttft_s": {"dynamic": d.prefill_s, "vkv": v.prefill_s},
+            "ttft_ratio_vs_dynamic": v.prefill_s / d.prefill_s if d.prefill_s else None,
+            "decode_ratio_vs_dynamic": (v.decode_step_s / d.decode_step_s
+                                        if d.decode_step_s and v.decode_step_s else None),
             "vkv_stats": _stats_dict(row.stats),
         })
     return {"schema": DEMO_SCHEMA_VERSION, "identical": all(r.report.identical for r in rows), "wall_s": wall_s,

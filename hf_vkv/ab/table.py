@@ -1,4 +1,5 @@
-"""Plain-text tables of A/B reports: one report step by step, or several reports one line each."""
+"""Plain-text tables of A/B reports: one report step by step, or several reports one line each
+(memory and decode step; time to first token and decode step beside memory; where the memory goes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from .records import ABReport, StepReport
 if TYPE_CHECKING:
     from ..cache import CacheStats
 
-__all__ = ["format_report", "format_savings", "format_summary"]
+__all__ = ["format_report", "format_savings", "format_summary", "format_times"]
 
 MiB = 2**20
 
@@ -136,5 +137,23 @@ def format_savings(items: Sequence[tuple[str, CacheStats | None]]) -> str:
         lines.append(
             f"{label:24s} {_mib(s.resident_bytes):>9s} {_mib(s.token_bytes):>9s} {s.utilization:11.0%} "
             f"{s.shared_pages:12d} {s.cow_copies:10d} {prompt_rows:23d}"
+        )
+    return "\n".join(lines)
+
+
+def format_times(reports: Sequence[tuple[str, ABReport]]) -> str:
+    """Time beside memory, one line per labelled report: time to first token (step 0: set-up,
+    prefill, first logits) and mean decode step of each cache, vkv/dynamic of each, and the KV
+    peak of each cache."""
+    header = (f"{'run':24s} {'TTFT dyn':>9s} {'TTFT vkv':>9s} {'vkv/dyn':>7s} {'step dyn':>9s} {'step vkv':>9s} "
+              f"{'vkv/dyn':>7s} {'KV dynamic':>10s} {'KV vkv':>9s}")
+    lines = [header, "-" * len(header)]
+    for label, r in reports:
+        d, v = r.dynamic, r.vkv
+        lines.append(
+            f"{label:24s} {_ms(d.prefill_s) + 'ms':>9s} {_ms(v.prefill_s) + 'ms':>9s} "
+            f"{_ratio(d.prefill_s, v.prefill_s):>7s} "
+            f"{_ms(d.decode_step_s) + 'ms':>9s} {_ms(v.decode_step_s) + 'ms':>9s} "
+            f"{_ratio(d.decode_step_s, v.decode_step_s):>7s} {_mib(d.kv_peak_bytes):>10s} {_mib(v.kv_peak_bytes):>9s}"
         )
     return "\n".join(lines)
