@@ -139,7 +139,7 @@ def _fewest_tokens(tokens: int, generation_config: Any) -> int:
     return min(chunk, tokens % chunk or chunk)
 
 
-def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, generation_config: Any,
+def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, tokens: int, generation_config: Any,
              model_kwargs: dict) -> str | None:
     reason = cache.prefill_once_refusal(input_ids.device)
     if reason is not None:
@@ -149,7 +149,7 @@ def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, generation_co
     if model.get_output_embeddings() is None:
         return "the model has no output embedding layer to run on every row"
     prompts = input_ids.shape[0] // cache.prompt_repeats
-    smallest = prompts * _fewest_tokens(input_ids.shape[-1], generation_config)
+    smallest = prompts * _fewest_tokens(tokens, generation_config)
     if smallest < MIN_EXACT_ROWS:
         return (f"a forward of {smallest} token row(s) (prompts x tokens) rounds differently from the same rows in "
                 f"a larger batch; prefill once needs at least {MIN_EXACT_ROWS}")
@@ -169,8 +169,10 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
     if found is None:
         return original(model, input_ids, generation_config, model_kwargs, *args, **kwargs)
     outer, cache = found
-    rows, tokens = input_ids.shape[0], input_ids.shape[-1]
-    reason = _refusal(model, cache, input_ids, generation_config, model_kwargs)
+    embeds = model_kwargs.get("inputs_embeds")
+    rows = input_ids.shape[0]
+    tokens = input_ids.shape[-1] or (embeds.shape[1] if isinstance(embeds, torch.Tensor) else 0)  # [B, 0] ids
+    reason = _refusal(model, cache, input_ids, tokens, generation_config, model_kwargs)
     if reason is not None:
         if cache.prompt_repeats > 1:
             cache.record_full_prefill(reason, rows=rows, tokens=tokens)

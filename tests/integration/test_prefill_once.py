@@ -137,3 +137,15 @@ def test_fallbacks_are_visible_and_exact() -> None:
         assert_same_tokens(ref.sequences, got.sequences)
         assert got.past_key_values.stats().prefill_once.startswith(reason)
         assert got.past_key_values.stats().prompt_tokens_saved == 0
+
+
+def test_inputs_embeds_prefill_once() -> None:
+    model = tiny("llama")
+    ids = prompts(2, 8, seed=6)
+    embeds = model.get_input_embeddings()(ids["input_ids"]).detach()
+    kwargs = dict(inputs_embeds=embeds, attention_mask=ids["attention_mask"], max_new_tokens=4, num_beams=2,
+                  do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(**kwargs)
+    got = model.generate(**kwargs, cache_implementation="vkv", cache_config=SMALL)
+    _same(ref, got)
+    assert got.past_key_values.stats().prompt_tokens_saved == 2 * 8
