@@ -2,6 +2,7 @@
 
 from .cache import VKVCache
 from .geometry import GroupGeometry, LayerMismatchError
+from .grad import VKVGradientError
 from .group import LayerGroup
 from .layer import VKVLayer, VKVSlidingLayer
 from .options import CacheOptions
@@ -9,5 +10,5 @@ from .stats import CacheStats, GroupStats
 
 __all__ = [
     "CacheOptions", "CacheStats", "GroupGeometry", "GroupStats", "LayerGroup", "LayerMismatchError", "VKVCache",
-    "VKVLayer", "VKVSlidingLayer",
+    "VKVGradientError", "VKVLayer", "VKVSlidingLayer",
 ]

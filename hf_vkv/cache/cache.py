@@ -19,6 +19,7 @@ from ..attention.paged_kv import PAGED_ATTENTION
 from ..devices import arena_for_device, layer_devices_of, policy_for
 from ..memory import Arena
 from .geometry import GroupGeometry
+from .grad import refuse_trainable_states
 from .group import LayerGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
@@ -360,6 +361,7 @@ class VKVCache(Cache):
                 raise ValueError(f"layer {layer_idx} is kept by transformers' own class: it takes states from token 0")
             layer.update(key_states, value_states)
             return
+        refuse_trainable_states(key_states, value_states, layer_idx=layer_idx, stored_only=True)
         if start and not isinstance(layer, VKVSlidingLayer):
             raise ValueError(f"layer {layer_idx} is full attention: its states start at token 0, not {start}")
         if not layer.is_initialized:

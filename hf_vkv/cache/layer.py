@@ -6,6 +6,10 @@ but ``update`` writes the new tokens in place and returns views, with no concate
 holds no state of its own: its length, rows and pages are its group's. Row operations
 (reorder, select, repeat, crop, reset) are the cache's (:class:`~hf_vkv.cache.VKVCache`), which
 calls each group once.
+
+With autograd on, ``update`` stores detached states and returns ``torch.cat([cached, new])``, so
+the tokens of that forward carry their history while cached tokens are data in pages, as in a
+``StaticCache`` (:mod:`hf_vkv.cache.grad`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .grad import VKVGradientError, refuse_trainable_states, tracks_grad, with_new_states
 from .group import LayerGroup
 
 __all__ = ["VKVLayer", "VKVSlidingLayer", "VKVStaticLayer"]
@@ -79,9 +84,19 @@ class VKVLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, H, q, D]`` states after the cached tokens; return ``[B, H, kv_length, D]``
         views of everything attention needs (``kv_length`` as given by :meth:`get_mask_sizes`),
-        or in the paged layout the new states tagged for the ``"vkv_paged"`` attention."""
+        or in the paged layout the new states tagged for the ``"vkv_paged"`` attention.
+
+        With autograd on (:func:`~hf_vkv.cache.grad.tracks_grad`) the pages get detached copies
+        and the result is new ``[B, H, kv_length, D]`` tensors: the cached tokens (data, no
+        history) followed by the states themselves (with history), as ``DynamicLayer`` returns
+        them. Raises :class:`~hf_vkv.cache.grad.VKVGradientError` for leaf states requiring grad
+        (a trainable prefix: later forwards could not give its gradient)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if tracks_grad(key_states, value_states):
+            refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
+            keys, values = self.group.update(self.layer_idx, key_states.detach(), value_states.detach())
+            return with_new_states(keys, values, key_states, value_states)
         return self.group.update(self.layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -161,12 +176,25 @@ class VKVStaticLayer(VKVLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        tracked = tracks_grad(key_states, value_states)
         if not torch.compiler.is_compiling():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
+            if tracked:
+                refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
+                key_states, value_states, new_keys, new_values = key_states.detach(), value_states.detach(), key_states, value_states
             self.full_keys, self.full_values = self.group.update(self.layer_idx, key_states, value_states)
-            self.cumulative_length.fill_(self.group.length(self.layer_idx))
+            length = self.group.length(self.layer_idx)
+            self.cumulative_length.fill_(length)
+            if tracked:  # full capacity, the new tokens with their history (StaticLayer's index_copy_, out of place)
+                positions = torch.arange(length - key_states.shape[-2], length, device=self.full_keys.device)
+                return (self.full_keys.index_copy(2, positions, new_keys),
+                        self.full_values.index_copy(2, positions, new_values))
             return self.full_keys, self.full_values
+        if tracked:
+            raise VKVGradientError(
+                f"layer {self.layer_idx}: a compiled step of the static layout writes into pages in place and cannot "
+                f"record gradients; compile the forward under torch.no_grad(), or run it eagerly")
         keys, values = self.full_keys, self.full_values  # fixed addresses, set by the eager prefill
         positions = torch.arange(key_states.shape[-2], device=keys.device) + self.cumulative_length
         self.cumulative_length.add_(key_states.shape[-2])
