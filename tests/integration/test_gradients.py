@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import DynamicCache, StaticCache
 
 import hf_vkv
+from hf_vkv.registration import cache_kwarg
 from models import VOCAB, tiny
 
 pytestmark = pytest.mark.integration
@@ -43,7 +44,7 @@ def _step(model: torch.nn.Module, cache: Any, ids: torch.Tensor) -> tuple[torch.
     """One forward with labels and ``loss.backward()``: ``(logits, {param name: grad})``."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # the same dropout masks (gpt2 trains with dropout)
-    out = model(ids, labels=ids, past_key_values=cache)
+    out = model(ids, labels=ids, **{cache_kwarg(): cache})
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.logits.detach(), grads
