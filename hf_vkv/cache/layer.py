@@ -21,9 +21,15 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .grad import VKVGradientError, refuse_trainable_states, tracks_grad, with_new_states
+from ..memory import VKVError
 from .group import LayerGroup
 
-__all__ = ["VKVLayer", "VKVSlidingLayer", "VKVStaticLayer"]
+__all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer"]
+
+
+class LayerCallError(VKVError, NotImplementedError):
+    """A row operation called on one layer whose rows are shared with other layers (its group's);
+    the message names the cache-level call that does it."""
 
 
 class VKVLayer(CacheLayerMixin):
@@ -107,6 +113,62 @@ class VKVLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    # ----------------------------------------------------- DynamicLayer's row operations, one layer
+    # A layer's rows and pages are its group's: alone in its group (``groups="layer"``) a layer
+    # does what DynamicLayer does; sharing it, the operation would change every member, so it is
+    # refused with the cache-level call (which changes every group once).
+    def _alone(self, call: str) -> LayerGroup:
+        """The group, if this layer may change its rows by itself; else :class:`LayerCallError`."""
+        from .hybrid import transformers_part  # hybrid builds on this module
+
+        shared = len(self.group.members) > 1
+        if shared or self.is_compileable or transformers_part(self) is not None:
+            why = (f"its rows and pages are shared by the layers {list(self.group.members)} of its group"
+                   if shared else "its cache keeps other state in step with it (a static length or a linear state)")
+            raise LayerCallError(
+                f"VKVLayer.{call.split('(')[0]} on layer {self.layer_idx}: {why}; call the cache's {call} (VKVCache."
+                f"{call.split('(')[0]}), which does it for every layer at once"
+                + (", or build the cache with groups='layer' to change layers one by one" if shared else ""))
+        return self.group
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (a negative int), as ``DynamicLayer.crop``."""
+        tokens_to_remove = int(tokens_to_remove)
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        group = self._alone(f"crop({tokens_to_remove})")
+        if tokens_to_remove == 0 and not self.is_sliding or not self.is_initialized:
+            return
+        group.check_crop()
+        group.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` takes row ``beam_idx[i]``'s pages (no copy), as ``DynamicLayer.reorder_cache``."""
+        group = self._alone("reorder_cache(beam_idx)")
+        if self.get_seq_length() > 0:
+            group.reorder([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (an index or bool tensor), as ``DynamicLayer.batch_select_indices``."""
+        group = self._alone("batch_select_indices(indices)")
+        if self.get_seq_length() > 0:
+            group.reorder(torch.arange(group.batch)[torch.as_tensor(indices).cpu()].reshape(-1).tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row ``repeats`` times (pages shared), as ``DynamicLayer.batch_repeat_interleave``."""
+        group = self._alone(f"batch_repeat_interleave({repeats})")
+        if self.get_seq_length() > 0:
+            group.repeat_rows(int(repeats))
+
+    def reset(self) -> None:
+        """Forget the cached tokens (pages go back to the pool), as ``DynamicLayer.reset``."""
+        group = self._alone("reset()")
+        if self.is_initialized:
+            group.clear()
 
     def twin(self, group: LayerGroup) -> VKVLayer:
         """This layer over ``group``, a fork of its own group (:meth:`VKVCache.fork`): the same
