@@ -21,8 +21,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .grad import VKVGradientError, refuse_trainable_states, tracks_grad, with_new_states
-from ..memory import VKVError
+from ..memory import KVCacheOutOfMemory, VKVError
 from .group import LayerGroup
+from .oom import step_out_of_memory
 
 __all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer"]
 
@@ -99,11 +100,16 @@ class VKVLayer(CacheLayerMixin):
         (a trainable prefix: later forwards could not give its gradient)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if tracks_grad(key_states, value_states):
-            refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
-            keys, values = self.group.update(self.layer_idx, key_states.detach(), value_states.detach())
-            return with_new_states(keys, values, key_states, value_states)
-        return self.group.update(self.layer_idx, key_states, value_states)
+        start = self.group.length(self.layer_idx)
+        try:
+            if tracks_grad(key_states, value_states):
+                refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
+                keys, values = self.group.update(self.layer_idx, key_states.detach(), value_states.detach())
+                return with_new_states(keys, values, key_states, value_states)
+            return self.group.update(self.layer_idx, key_states, value_states)
+        except KVCacheOutOfMemory as error:  # restated for the whole step: its total, what is free, a budget that fits
+            raise step_out_of_memory(self.group, key_states.shape[0], start, start + key_states.shape[-2],
+                                     error) from None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
