@@ -130,7 +130,7 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     come from on stdout."""
     from .ab.demo import demo_to_dict, run_demo
     from .ab.harness import describe_environment
-    from .ab.table import format_savings, format_summary
+    from .ab.table import format_savings, format_step_spread, format_summary
 
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be >= 2 (a prefill and at least one decode step)")
@@ -162,6 +162,7 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print("tokens: tokens and logits equal at every step; KV: peak bytes held (vkv: resident pages, a shared page "
           "counted once); step: mean decode step")
     print(format_summary(labelled, ideal_kv_bytes=[row.ideal_kv_bytes for row in rows]))
+    print(format_step_spread(labelled))
     print("\nWhere vkv's memory goes (stats() after generate):")
     print(format_savings([(row.case.label, row.stats) for row in rows]))
     if all(row.ideal_kv_bytes is None for row in rows):
