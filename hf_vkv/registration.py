@@ -94,6 +94,12 @@ def _map_ahead(model_inputs: Any) -> None:
         past.map_ahead(ids.shape[-1] if ids is not None else None)
 
 
+def _prompt_tokens(generation_config: Any, max_cache_length: int) -> int | None:
+    """The prompt's tokens: generate sizes the cache ``max_length - 1`` = prompt + new tokens - 1."""
+    new = generation_config.max_new_tokens
+    return None if new is None else max(max_cache_length + 1 - new, 0)
+
+
 def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwargs: dict, generation_mode: Any,
                    batch_size: int, max_cache_length: int, *args: Any, **kwargs: Any) -> Any:
     if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
@@ -130,7 +136,8 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         # attention reads the whole capacity: StaticCache's, so the same keys (and sums) as it
         cache_config["max_tokens"] = max_cache_length
     cache: Any = VKVCache.for_generate(model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1,
-                                       cache_config=cache_config)
+                                       cache_config=cache_config, num_beams=generation_config.num_beams or 1,
+                                       prompt_tokens=_prompt_tokens(generation_config, max_cache_length))
     if model.config.is_encoder_decoder:
         cache = VKVEncoderDecoderCache(cache, DynamicCache(config=model.config.get_text_config(decoder=True)))
     model_kwargs[cache_kwarg()] = cache

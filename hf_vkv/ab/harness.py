@@ -126,7 +126,7 @@ def run_ab(
 
     def vkv_cache() -> Cache:  # as generate(cache_implementation="vkv") builds it
         return factory.for_generate(model, batch_size=batch, expand=expand, max_length=prompt_len + max_new_tokens + 1,
-                                    cache_config=cache_config)
+                                    cache_config=cache_config, num_beams=num_beams, prompt_tokens=prompt_len)
 
     common = dict(inputs, max_new_tokens=max_new_tokens, **generate_kwargs)
     ref = _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",

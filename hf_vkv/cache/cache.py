@@ -25,6 +25,7 @@ from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
 from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
 from .options import CacheOptions
+from .workload import layout_for_generate
 from .stats import CacheStats, GroupStats
 
 __all__ = ["VKVCache"]
@@ -158,15 +159,23 @@ class VKVCache(Cache):
 
     @classmethod
     def for_generate(cls, model: Any, *, batch_size: int, expand: int, max_length: int,
-                     cache_config: Mapping[str, Any] | None) -> VKVCache:
+                     cache_config: Mapping[str, Any] | None, num_beams: int = 1,
+                     prompt_tokens: int | None = None) -> VKVCache:
         """The cache ``generate(..., cache_implementation="vkv")`` builds (and the A/B harness).
 
         Rows: ``batch_size * expand`` (``expand = max(num_beams, num_return_sequences)``, the
         rows sharing each prompt). Tokens: ``cache_config['max_tokens']``, else room for the
         model's whole context and at least ``max_length`` — only address space, so the returned
-        cache can be passed back to ``generate()`` to continue.
+        cache can be passed back to ``generate()`` to continue. Layout: ``cache_config['layout']``,
+        else the one a measured workload (``num_beams``, ``prompt_tokens``) calls for
+        (:func:`~hf_vkv.cache.workload.layout_for_generate`), else the device's.
         """
         options = dict(cache_config or {})
+        if options.get("layout") is None and getattr(model.config, "_attn_implementation", None) != PAGED_ATTENTION:
+            layout = layout_for_generate(device_type=model.device.type, num_beams=num_beams,
+                                         prompt_tokens=prompt_tokens)
+            if layout is not None:
+                options["layout"] = layout
         if options.get("max_tokens") is None:
             context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
             options["max_tokens"] = max(max_length, context)
