@@ -130,6 +130,15 @@ def test_continue_from_returned_cache(layout: LayoutRun, arch: str) -> None:
     _check(results[1].past_key_values)
 
 
+def _assistant_keeps_cache_implementation() -> bool:
+    """Whether transformers' assistant inherits ``cache_implementation`` (5.17-5.23); 5.24 clears it."""
+    import inspect
+
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+    return "cache_implementation = None" not in inspect.getsource(AssistedCandidateGenerator.__init__)
+
+
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=needs_sliding_rollback) if a in ("mistral", "gemma3") else a
                                   for a in ARCHS])
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sample"])
@@ -153,7 +162,10 @@ def test_assisted_decoding(layout: LayoutRun, arch: str, do_sample: bool) -> Non
         VKVCache.crop = original  # type: ignore[method-assign]
     assert_same_tokens(ref.sequences, got.sequences)
     assert id(got.past_key_values) in cropped, "assisted decoding never cropped the main VKV cache"
-    assert len(cropped) == 2, "the assistant's cache was not a (cropped) VKVCache"
+    if _assistant_keeps_cache_implementation():
+        assert len(cropped) == 2, "the assistant's cache was not a (cropped) VKVCache"
+    else:  # transformers >= 5.24 builds the assistant's cache itself (a DynamicCache), whatever the string
+        assert len(cropped) == 1
     _check(got.past_key_values)
 
 
