@@ -84,7 +84,11 @@ class VKVCache(Cache):
 
     Row operations (``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``,
     ``crop``, ``reset``) are done here, once per step: indices are converted once and each group
-    is called once.
+    is called once (a layer alone in its group does them too, see :class:`VKVLayer`).
+
+    Gradients: in a forward with autograd on, the tokens of that forward carry their history
+    (``update`` returns DynamicLayer's ``torch.cat``); tokens cached by earlier forwards are data
+    in pages, not autograd history, as a ``StaticCache``'s buffers are (:mod:`hf_vkv.cache.grad`).
 
     Args:
         config: the model's config (its text/decoder part is used).
