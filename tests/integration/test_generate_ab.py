@@ -31,6 +31,7 @@ from models import (
     SMALL_PAGE,
     assert_same_tokens,
     assistant,
+    assistant_keeps_cache_implementation,
     needs_sliding_rollback,
     prompts,
     tiny,
@@ -130,15 +131,6 @@ def test_continue_from_returned_cache(layout: LayoutRun, arch: str) -> None:
     _check(results[1].past_key_values)
 
 
-def _assistant_keeps_cache_implementation() -> bool:
-    """Whether transformers' assistant inherits ``cache_implementation`` (5.17-5.23); 5.24 clears it."""
-    import inspect
-
-    from transformers.generation.candidate_generator import AssistedCandidateGenerator
-
-    return "cache_implementation = None" not in inspect.getsource(AssistedCandidateGenerator.__init__)
-
-
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=needs_sliding_rollback) if a in ("mistral", "gemma3") else a
                                   for a in ARCHS])
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sample"])
@@ -162,7 +154,7 @@ def test_assisted_decoding(layout: LayoutRun, arch: str, do_sample: bool) -> Non
         VKVCache.crop = original  # type: ignore[method-assign]
     assert_same_tokens(ref.sequences, got.sequences)
     assert id(got.past_key_values) in cropped, "assisted decoding never cropped the main VKV cache"
-    if _assistant_keeps_cache_implementation():
+    if assistant_keeps_cache_implementation():
         assert len(cropped) == 2, "the assistant's cache was not a (cropped) VKVCache"
     else:  # transformers >= 5.24 builds the assistant's cache itself (a DynamicCache), whatever the string
         assert len(cropped) == 1
