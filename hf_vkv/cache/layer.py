@@ -251,7 +251,12 @@ class VKVStaticLayer(VKVLayer):
             if tracked:
                 refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
                 key_states, value_states, new_keys, new_values = key_states.detach(), value_states.detach(), key_states, value_states
-            self.full_keys, self.full_values = self.group.update(self.layer_idx, key_states, value_states)
+            start = self.group.length(self.layer_idx)
+            try:
+                self.full_keys, self.full_values = self.group.update(self.layer_idx, key_states, value_states)
+            except KVCacheOutOfMemory as error:  # restated for the whole step, as VKVLayer.update does
+                raise step_out_of_memory(self.group, key_states.shape[0], start, start + key_states.shape[-2],
+                                         error) from None
             length = self.group.length(self.layer_idx)
             self.cumulative_length.fill_(length)
             if tracked:  # full capacity, the new tokens with their history (StaticLayer's index_copy_, out of place)

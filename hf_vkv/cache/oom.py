@@ -5,12 +5,13 @@ after the step's earlier allocations (rolled back since) took the free ones, so 
 bytes, 0 free" while the step needed hundreds of pages and the budget had room for many. This
 module counts, from the page tables alone (nothing is allocated), the pages the whole step of
 the group needs, and :func:`step_out_of_memory` re-raises with that total, what is free now,
-and a ``budget_bytes`` that would fit the step.
+and a ``budget_bytes`` that would fit the step. Contiguous layouts (head-major, token-major) only:
+the paged layout's block store and the static layout's pages mapped ahead are not restated yet.
 """
 
 from __future__ import annotations
 
-from ..memory import KVCacheOutOfMemory
+from ..memory import KVCacheOutOfMemory, VirtualBuffer
 
 __all__ = ["pages_for_step", "step_out_of_memory"]
 
@@ -43,7 +44,9 @@ def step_out_of_memory(group: object, batch: int, start: int, end: int, error: K
     """``error`` restated for the whole step of ``group`` (rows ``0..batch-1``, tokens
     ``[start, end)``): its total need, the bytes free, and a budget that fits it."""
     buffer = getattr(group, "buffer", None)
-    if buffer is None or getattr(buffer, "closed", True):
+    if not isinstance(buffer, VirtualBuffer) or buffer.closed:
+        # the paged layout's blocks live in a block store that grows by pages of its own: its
+        # error already counts those pages
         return error
     stats = buffer.store.pool.stats()
     page = stats.page_bytes

@@ -1,4 +1,4 @@
-"""``KVCacheOutOfMemory`` states the whole step: what it needs in total, what is free, and a
+"""``KVCacheOutOfMemory`` states the whole step (contiguous and static layouts): what it needs in total, what is free, and a
 ``budget_bytes`` that fits it (it used to name the one sub-row page that failed last: "need
 4,096 bytes, 0 free" for a step of hundreds of pages)."""
 
@@ -27,24 +27,25 @@ def _in_use(cache: Any) -> int:
     return sum(g.buffer.store.pool.stats().in_use for g in cache.groups)
 
 
-@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+@pytest.mark.parametrize("layout", ["head_major", "token_major", "static"])
 def test_out_of_memory_gives_the_step_total_the_free_bytes_and_a_budget_that_fits(layout: str) -> None:
     config, inputs = tiny("llama").config, prompts(2, 40)
-    free = hf_vkv.VKVCache(config=config, layout=layout, page_bytes=PAGE)
+    extra = {"max_tokens": 64} if layout == "static" else {}
+    free = hf_vkv.VKVCache(config=config, layout=layout, page_bytes=PAGE, **extra)
     _prefill(free, inputs)
     need = _in_use(free)  # what the prefill took with no budget
     assert need > 3
-    small = hf_vkv.VKVCache(config=config, layout=layout, page_bytes=PAGE, budget_bytes=3 * PAGE)
+    small = hf_vkv.VKVCache(config=config, layout=layout, page_bytes=PAGE, budget_bytes=3 * PAGE, **extra)
     with pytest.raises(hf_vkv.KVCacheOutOfMemory) as caught:
         _prefill(small, inputs)
     error = caught.value
     assert (error.requested_bytes, error.free_bytes, error.budget_bytes, error.fits_bytes) == \
         (need * PAGE, 3 * PAGE, 3 * PAGE, need * PAGE)
     assert f"need {need * PAGE:,} bytes" in str(error) and f"at least {need * PAGE:,}" in str(error)
-    assert small.get_seq_length() == 0  # nothing changed
-    fits = hf_vkv.VKVCache(config=config, layout=layout, page_bytes=PAGE, budget_bytes=error.fits_bytes)
+    assert int(small.get_seq_length()) == 0  # nothing changed
+    fits = hf_vkv.VKVCache(config=config, layout=layout, page_bytes=PAGE, budget_bytes=error.fits_bytes, **extra)
     _prefill(fits, inputs)
-    assert fits.get_seq_length() == 40
+    assert int(fits.get_seq_length()) == 40
 
 
 def test_decode_step_counts_what_is_held() -> None:
