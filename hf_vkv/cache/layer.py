@@ -100,7 +100,6 @@ class VKVLayer(CacheLayerMixin):
         (a trainable prefix: later forwards could not give its gradient)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start = self.group.length(self.layer_idx)
         try:
             if tracks_grad(key_states, value_states):
                 refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
@@ -108,6 +107,7 @@ class VKVLayer(CacheLayerMixin):
                 return with_new_states(keys, values, key_states, value_states)
             return self.group.update(self.layer_idx, key_states, value_states)
         except KVCacheOutOfMemory as error:  # restated for the whole step: its total, what is free, a budget that fits
+            start = self.group.length(self.layer_idx)  # unchanged: the step failed before writing
             raise step_out_of_memory(self.group, key_states.shape[0], start, start + key_states.shape[-2],
                                      error) from None
 
@@ -147,7 +147,7 @@ class VKVLayer(CacheLayerMixin):
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
         group = self._alone(f"crop({tokens_to_remove})")
-        if tokens_to_remove == 0 and not self.is_sliding or not self.is_initialized:
+        if (tokens_to_remove == 0 and not self.is_sliding) or not self.is_initialized:
             return
         group.check_crop()
         group.crop(tokens_to_remove)
