@@ -13,8 +13,10 @@ pages hold values, never autograd history. So in a forward with gradients on (no
 
 Where that would silently drop a gradient a caller visibly asked for, :class:`VKVGradientError`
 is raised instead: states that are leaf tensors requiring grad (a trainable prefix written with
-``cache.update``), states requiring grad given to ``write_states`` (stored with no attention run,
-so their history would go nowhere), and a compiled static-layout step with gradients on.
+``cache.update``) and states requiring grad given to ``write_states`` (stored with no attention
+run, so their history would go nowhere). The static layout's compiled branch (in-place
+``index_copy_``) refuses gradients too; a ``torch.compile``d forward with gradients on was seen to
+run the eager branch instead (``backend="eager"``, CPU), which returns them as described above.
 """
 
 from __future__ import annotations
