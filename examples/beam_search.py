@@ -12,5 +12,5 @@ out = model.generate(**inputs, max_new_tokens=30, num_beams=4, num_return_sequen
                      cache_implementation="vkv", return_dict_in_generate=True)
 for seq in out.sequences:
     print(repr(tok.decode(seq, skip_special_tokens=True)))
-stats = out.past_key_values.stats()
+stats = out.cache.stats()  # the cache generate built (transformers < 5.24: out.past_key_values)
 print(f"resident KV {stats.resident_bytes / 2**20:.2f} MiB, pages copied on write: {stats.cow_copies}")

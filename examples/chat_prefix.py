@@ -21,10 +21,10 @@ for turn, question in enumerate(questions, 1):
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     cache = store.lookup(ids)  # the longest stored prefix, or an empty cache
     reused = cache.get_seq_length()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=30,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=30,
                          do_sample=False, return_dict_in_generate=True)
-    cached = out.past_key_values.get_seq_length()
-    store.insert(out.sequences[0, :cached], out.past_key_values)  # the store keeps a fork
+    cached = out.cache.get_seq_length()  # transformers < 5.24 calls it past_key_values (here and above)
+    store.insert(out.sequences[0, :cached], out.cache)  # the store keeps a fork
     answer = tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
     chat.append({"role": "assistant", "content": answer})
     print(f"turn {turn}: prompt {ids.shape[1]} tokens, reused {reused}, prefilled {ids.shape[1] - reused}")

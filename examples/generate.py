@@ -9,5 +9,5 @@ inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_te
 
 out = model.generate(**inputs, max_new_tokens=40, cache_implementation="vkv", return_dict_in_generate=True)
 print(tok.decode(out.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
-stats = out.past_key_values.stats()
+stats = out.cache.stats()  # the cache generate built (transformers < 5.24: out.past_key_values)
 print(f"resident KV {stats.resident_bytes / 2**20:.2f} MiB, utilization {stats.utilization:.0%}")

@@ -4,7 +4,7 @@
 (with its mask function) with transformers and does nothing else (no device work).
 """
 
-from .cache import CacheOptions, CacheStats, LayerMismatchError, VKVCache
+from .cache import CacheOptions, CacheStats, LayerCallError, LayerMismatchError, VKVCache, VKVGradientError
 from .attention import UnsupportedModelError
 from .cache.export import VKVExportError
 from .devices import UnsupportedDeviceError
@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 register()
 
 __all__ = [
-    "CacheOptions", "CacheStats", "LayerMismatchError", "UnsupportedDeviceError", "UnsupportedModelError", "VKVCache", "VKVExportError", "register",
+    "CacheOptions", "CacheStats", "LayerCallError", "LayerMismatchError", "UnsupportedDeviceError", "UnsupportedModelError", "VKVCache", "VKVExportError", "VKVGradientError", "register",
     "Arena", "BackendError", "CacheClosedError", "CapacityError", "HostBackend", "InvariantError",
     "KVCacheOutOfMemory", "VKVError", "VirtualBuffer", "__version__",
     "PrefixFileCorruptError", "PrefixFileError", "PrefixFormatError", "PrefixMismatchError", "PrefixStats",

@@ -130,7 +130,7 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     come from on stdout."""
     from .ab.demo import demo_to_dict, run_demo
     from .ab.harness import describe_environment
-    from .ab.table import format_savings, format_summary, format_times
+    from .ab.table import format_savings, format_step_spread, format_summary, format_times
 
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be >= 2 (a prefill and at least one decode step)")
@@ -164,6 +164,7 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(format_summary(labelled, ideal_kv_bytes=[row.ideal_kv_bytes for row in rows]))
     print("\nTime beside memory (TTFT: generate's set-up, prefill and first logits; step: mean decode step):")
     print(format_times(labelled))
+    print(format_step_spread(labelled))
     print("\nWhere vkv's memory goes (stats() after generate):")
     print(format_savings([(row.case.label, row.stats) for row in rows]))
     if all(row.ideal_kv_bytes is None for row in rows):
@@ -234,13 +235,17 @@ def ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     seed=args.seed, progress=not args.quiet, pad_token_id=_pad_id(tok), **kwargs)
     if args.model == DEFAULT_MODEL:
         report = dataclasses.replace(report, model=DEFAULT_MODEL_NAME)
-    text = tok.decode(list(report.generated_vkv[0]), skip_special_tokens=True).strip()
-    print(f"vkv, sequence 0: {text!r}\n")
-    print(format_report(report))
-    if args.json is not None:
-        print(f"wrote {report.write_json(args.json)}")
+    to_stdout = args.json is not None and str(args.json) == "-"
+    if to_stdout:  # as demo's: JSON on stdout instead of the table
+        sys.stdout.write(report.to_json() + "\n")
+    else:
+        text = tok.decode(list(report.generated_vkv[0]), skip_special_tokens=True).strip()
+        print(f"vkv, sequence 0: {text!r}\n")
+        print(format_report(report))
+        if args.json is not None:
+            print(f"wrote {report.write_json(args.json)}")
     if args.plot is not None:
-        print(f"wrote {plot_report(report, args.plot)}")
+        print(f"wrote {plot_report(report, args.plot)}", file=sys.stderr if to_stdout else sys.stdout)
     return exit_code([report])
 
 
@@ -281,7 +286,8 @@ def doctor(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-vkv", description="A virtual-memory KV cache for transformers. "
-                                     "Exit status: 0 identical to DynamicCache, 1 diverged, 2 usage error.")
+                                     "Exit status: 0 identical to DynamicCache, 1 diverged (doctor: a check "
+                                     "failed), 2 usage error, 3 vkv refused the run (one line says why).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="where vkv wins: a ~1k-token document answered with n=8 sampling and 4 beams, "
@@ -308,18 +314,22 @@ def _parser() -> argparse.ArgumentParser:
     prompts.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; default: the demo's)")
     prompts.add_argument("--prompts-file", help="a text file with one prompt per line (a left-padded batch)")
     p.add_argument("--raw", action="store_true", help="do not wrap prompts in the tokenizer's chat template")
-    p.add_argument("--mode", choices=sorted(_MODE_KWARGS), default="greedy")
+    p.add_argument("--mode", choices=sorted(_MODE_KWARGS), default="greedy",
+                   help="greedy search, seeded sampling or beam search (default: %(default)s)")
     p.add_argument("--num-beams", type=int, default=None, help="beams of --mode beam (default 4)")
-    p.add_argument("--num-return-sequences", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--num-return-sequences", type=int, default=1,
+                   help="sequences returned per prompt (sampling: continuations sharing the prompt's pages; "
+                        "default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="per row (default: %(default)s)")
     p.add_argument("--layout", choices=get_args(AttentionPath), default="contiguous",
                    help="the vkv run's attention path (not the cache layout): contiguous, the model's attention "
                         "reads what update returns; paged, the 'vkv_paged' attention reads the pages; cascade, the "
                         "'vkv_cascade' attention reads a prefix shared by several rows once (reorders float sums: "
-                        "passes with identical tokens and float32 logits within 1e-4)")
-    p.add_argument("--seed", type=int, default=0)
+                        "passes with identical tokens and float32 logits within 1e-4; default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed before each of the two runs (default: %(default)s)")
     p.add_argument("--no-tee", action="store_true", help="compare tokens and logits only, not every layer's K/V")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON (hf_vkv.ab/1)")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON (hf_vkv.ab/1); "
+                   "'-': JSON on stdout instead of the table")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="plot KV memory and step time")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")

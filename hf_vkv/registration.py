@@ -12,7 +12,10 @@ device work; ``notes/transformers.md`` §0, §2):
    :class:`VKVCache` with :meth:`VKVCache.for_generate` (rows = batch x max(num_beams,
    num_return_sequences), the options of ``cache_config``); an encoder-decoder model gets it as
    the self-attention part of a :class:`~hf_vkv.cache.encoder_decoder.VKVEncoderDecoderCache`.
-   Without this wrapper transformers would silently build a ``DynamicCache`` for an unknown string;
+   Without this wrapper transformers would silently build a ``DynamicCache`` for an unknown string.
+   The cache is read and written under :func:`cache_kwarg`, the name the running transformers
+   uses (``"cache"`` from 5.24, ``"past_key_values"`` before); a user cache under either name
+   together with ``cache_implementation="vkv"`` is refused as transformers refuses it;
 3. ``GenerationMixin._prefill`` is wrapped: with a :class:`VKVCache` whose rows repeat prompts it
    runs the prompt's forward once per prompt (:mod:`hf_vkv.prefill_once`).
 """
@@ -25,18 +28,31 @@ from typing import Any
 
 from transformers.cache_utils import DynamicCache
 from transformers.generation import configuration_utils
+from transformers.generation import utils as generation_utils
 from transformers.generation.utils import GenerationMixin
 
 from .attention import register_attention
 from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
+from .cache.options import from_transformers_keys
 from .cache.export import register_pytree
 from .prefill_once import prefill
 
-__all__ = ["register", "CACHE_IMPLEMENTATION"]
+__all__ = ["register", "cache_kwarg", "CACHE_IMPLEMENTATION"]
 
 CACHE_IMPLEMENTATION = "vkv"
 _MARK = "_hf_vkv_wrapped"
+#: The names a cache has gone by in ``generate``'s model kwargs and the models' ``forward``.
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+def cache_kwarg() -> str:
+    """The keyword the running transformers passes the cache under: ``"cache"`` (5.24 and later:
+    ``generate``'s ``model_kwargs``, ``prepare_inputs_for_generation``, the models' ``forward`` and
+    their outputs) or ``"past_key_values"`` (5.17 - 5.23, deprecated since). Read from
+    ``transformers.generation.utils.ALL_CACHE_NAMES``, whose first entry is the default name."""
+    names = getattr(generation_utils, "ALL_CACHE_NAMES", None) or ("past_key_values",)
+    return "cache" if names[0] == "cache" else "past_key_values"
 
 
 def register() -> None:
@@ -82,7 +98,7 @@ def register() -> None:
 def _map_ahead(model_inputs: Any) -> None:
     """Before each forward of ``generate``: a static-layout cache maps the pages the step writes
     (outside a compiled step, which cannot run page-table code)."""
-    past = model_inputs.get("past_key_values") if isinstance(model_inputs, dict) else None
+    past = model_inputs.get(cache_kwarg()) if isinstance(model_inputs, dict) else None
     if isinstance(past, VKVEncoderDecoderCache):
         past = past.self_attention_cache
     if isinstance(past, VKVCache) and past.layout == "static":
@@ -90,20 +106,27 @@ def _map_ahead(model_inputs: Any) -> None:
         past.map_ahead(ids.shape[-1] if ids is not None else None)
 
 
+def _prompt_tokens(generation_config: Any, max_cache_length: int) -> int | None:
+    """The prompt's tokens: generate sizes the cache ``max_length - 1`` = prompt + new tokens - 1."""
+    new = generation_config.max_new_tokens
+    return None if new is None else max(max_cache_length + 1 - new, 0)
+
+
 def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwargs: dict, generation_mode: Any,
                    batch_size: int, max_cache_length: int, *args: Any, **kwargs: Any) -> Any:
     if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
-    past = model_kwargs.get("past_key_values")
-    if past is not None:
+    given = [name for name in _CACHE_NAMES if model_kwargs.get(name) is not None]
+    if given:
+        past = model_kwargs[given[0]]
         if generation_config.is_assistant and isinstance(past, (VKVCache, VKVEncoderDecoderCache)):
             # assisted decoding: the candidate generator calls the assistant's generate() again with the
             # cache this wrapper built for it in the first round (its config still says "vkv")
             past._is_user_defined = True
             return None
         raise ValueError(
-            "Passing both `cache_implementation` (used to initialize certain caches) and `past_key_values` (a "
+            f"Passing both `cache_implementation` (used to initialize certain caches) and `{given[0]}` (a "
             "Cache object) is unsupported. Please use only one of the two."
         )
     if generation_config.use_cache is False or not model._supports_default_dynamic_cache():
@@ -118,17 +141,18 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-    cache_config = dict(generation_config.cache_config or {})
+    cache_config = from_transformers_keys(dict(generation_config.cache_config or {}))  # max_cache_len: max_tokens
     if generation_config.compile_config is not None and cache_config.get("layout") is None:
         cache_config["layout"] = "static"  # compiling: the layout StaticLayer's contract holds for
     if cache_config.get("layout") == "static" and cache_config.get("max_tokens") is None:
         # attention reads the whole capacity: StaticCache's, so the same keys (and sums) as it
         cache_config["max_tokens"] = max_cache_length
     cache: Any = VKVCache.for_generate(model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1,
-                                       cache_config=cache_config)
+                                       cache_config=cache_config, num_beams=generation_config.num_beams or 1,
+                                       prompt_tokens=_prompt_tokens(generation_config, max_cache_length))
     if model.config.is_encoder_decoder:
         cache = VKVEncoderDecoderCache(cache, DynamicCache(config=model.config.get_text_config(decoder=True)))
-    model_kwargs["past_key_values"] = cache
+    model_kwargs[cache_kwarg()] = cache
     if generation_config.is_assistant:
         cache.activate_past_recording()
     return None

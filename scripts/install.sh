@@ -3,9 +3,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# torch first, explicitly: an unpinned torch (direct or through a dependency) pulls a CUDA build.
+# torch first, explicitly, when none is installed: the CUDA build where an NVIDIA driver answers
+# (nvidia-smi), else the CPU build from PyTorch's CPU index (a plain `pip install torch` on Linux
+# resolves to the CUDA build, gigabytes of libraries a CPU-only machine never uses).
+# HF_VKV_TORCH_INDEX=<url> picks another index (e.g. a specific CUDA version's).
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-    "$PY" -m pip install -q "torch==2.13.0"
+    if [ -n "${HF_VKV_TORCH_INDEX:-}" ]; then
+        "$PY" -m pip install -q "torch==2.13.0" --index-url "$HF_VKV_TORCH_INDEX"
+    elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        "$PY" -m pip install -q "torch==2.13.0"  # the CUDA build (PyPI's default on Linux)
+    else
+        "$PY" -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+    fi
 fi
 "$PY" -m pip install -q -e ".[test]"
 "$PY" -m pip install -q "triton==3.9.0; python_version >= '3.11' and platform_machine == 'x86_64'"  # paged kernel tests run it interpreted on the CPU; pulls no torch

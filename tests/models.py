@@ -246,3 +246,13 @@ needs_sliding_rollback = pytest.mark.skipif(
     reason="this transformers' DynamicSlidingWindowLayer returns more K/V than its mask covers while recording "
            "its past (fixed after 5.17): the DynamicCache reference fails, there is nothing to compare with",
 )
+
+
+def assistant_keeps_cache_implementation() -> bool:
+    """Whether transformers' assistant inherits ``cache_implementation`` (5.17-5.23: with "vkv" its
+    cache is a VKVCache); 5.24's candidate generator clears it and builds the assistant's cache itself."""
+    import inspect
+
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+    return "cache_implementation = None" not in inspect.getsource(AssistedCandidateGenerator.__init__)

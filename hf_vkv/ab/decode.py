@@ -31,6 +31,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
+from ..registration import cache_kwarg
+
 __all__ = ["CacheTiming", "Prompt", "load_prompt", "prefill", "time_decode"]
 
 #: Builds one cache for ``batch`` rows of ``capacity`` tokens: ``factory(model, batch, capacity)``.
@@ -88,7 +90,7 @@ def prefill(model: PreTrainedModel, input_ids: torch.Tensor, *, chunk: int = 204
     logits = None
     for start in range(0, input_ids.shape[1], chunk):
         part = input_ids[:, start : start + chunk]
-        logits = model(input_ids=part, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=part, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1).logits
     assert logits is not None
     keys = tuple(layer.keys for layer in cache.layers)
     values = tuple(layer.values for layer in cache.layers)
@@ -169,7 +171,7 @@ def _round(model: PreTrainedModel, caches: Mapping[str, Cache], order: Sequence[
         for k, name in enumerate(order):
             t0 = time.perf_counter()
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                           past_key_values=caches[name], use_cache=True, logits_to_keep=1).logits[:, -1]
+                           **{cache_kwarg(): caches[name]}, use_cache=True, logits_to_keep=1).logits[:, -1]
             chosen = logits.argmax(-1)
             spent[name] += time.perf_counter() - t0
             if k == 0:

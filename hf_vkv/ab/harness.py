@@ -1,6 +1,7 @@
 """``run_ab``: the same ``generate()`` with DynamicCache and with vkv, compared step by step.
 
-Both runs get a cache built here and passed as ``past_key_values`` (``DynamicCache(config=...)``
+Both runs get a cache built here and passed under the running transformers' cache keyword
+(:func:`hf_vkv.registration.cache_kwarg`: ``cache``, or ``past_key_values`` before 5.24) (``DynamicCache(config=...)``
 and ``VKVCache(config, batch_size=rows, prompt_repeats=k)``, sized and configured as
 ``cache_implementation="vkv"`` would size it), the same seed, and a :class:`~.probes.StepProbe`
 in ``logits_processor``; with ``tee=True`` an :class:`~.probes.UpdateTee` on each cache. Logits
@@ -26,6 +27,7 @@ from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..cache import CacheOptions, VKVCache
+from ..registration import cache_kwarg
 from .progress import progress_bar
 from .probes import StepProbe, UpdateTee, kv_bytes
 from .records import ABReport, AttentionPath, Divergence, RunSummary, StepReport
@@ -42,7 +44,7 @@ _PATH_ATTENTION = {"paged": PAGED_ATTENTION, "cascade": "vkv_cascade"}
 VKVCacheFactory = type[VKVCache]
 
 # run_ab sets these itself; a caller passing them would change what is compared
-_RESERVED = ("past_key_values", "cache_implementation", "cache_config", "logits_processor", "output_logits",
+_RESERVED = ("past_key_values", "cache", "cache_implementation", "cache_config", "logits_processor", "output_logits",
              "return_dict_in_generate", "streamer", "assistant_model", "prompt_lookup_num_tokens", "max_new_tokens",
              "input_ids", "attention_mask")
 
@@ -128,7 +130,7 @@ def run_ab(
 
     def vkv_cache() -> Cache:  # as generate(cache_implementation="vkv") builds it
         return factory.for_generate(model, batch_size=batch, expand=expand, max_length=prompt_len + max_new_tokens + 1,
-                                    cache_config=cache_config)
+                                    cache_config=cache_config, num_beams=num_beams, prompt_tokens=prompt_len)
 
     common = dict(inputs, max_new_tokens=max_new_tokens, **generate_kwargs)
     ref = _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",
@@ -207,7 +209,7 @@ def _generate(model: PreTrainedModel, make_cache: Callable[[], Cache], kwargs: d
         probe.start()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(**kwargs, past_key_values=cache, logits_processor=LogitsProcessorList([probe]),
+            out = model.generate(**kwargs, **{cache_kwarg(): cache}, logits_processor=LogitsProcessorList([probe]),
                                  output_logits=True, return_dict_in_generate=True)
         wall = time.perf_counter() - t0
     finally:

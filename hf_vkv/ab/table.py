@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -11,7 +13,10 @@ from .records import ABReport, StepReport
 if TYPE_CHECKING:
     from ..cache import CacheStats
 
-__all__ = ["format_report", "format_savings", "format_summary", "format_times"]
+__all__ = ["format_report", "format_savings", "format_step_spread", "format_summary", "format_times", "step_spread"]
+
+#: Above this relative spread of single decode steps a run's step times are not read as a speed.
+TOO_WIDE = 0.5
 
 MiB = 2**20
 
@@ -156,4 +161,36 @@ def format_times(reports: Sequence[tuple[str, ABReport]]) -> str:
             f"{_ms(d.decode_step_s) + 'ms':>9s} {_ms(v.decode_step_s) + 'ms':>9s} "
             f"{_ratio(d.decode_step_s, v.decode_step_s):>7s} {_mib(d.kv_peak_bytes):>10s} {_mib(v.kv_peak_bytes):>9s}"
         )
+    return "\n".join(lines)
+
+
+def step_spread(report: ABReport, cache: str) -> float | None:
+    """Spread of ``cache``'s (``"dynamic"`` / ``"vkv"``) single decode steps (steps 1..): the 10th
+    to 90th percentile range over the median; ``None`` with fewer than 3 decode steps."""
+    times = [t for s in report.steps[1:] if (t := getattr(s, f"time_{cache}_s")) is not None]
+    if len(times) < 3:
+        return None
+    deciles = statistics.quantiles(times, n=10, method="inclusive")
+    median = statistics.median(times)
+    return (deciles[-1] - deciles[0]) / median if median > 0 else None
+
+
+def format_step_spread(reports: Sequence[tuple[str, ABReport]]) -> str:
+    """One line per labelled report: the spread of each cache's single decode steps and whether
+    the difference of the mean steps can be read as a speed difference (it is larger than both
+    spreads, and neither spread exceeds :data:`TOO_WIDE`)."""
+    lines = ["step spread (10th-90th percentile of single decode steps, over their median):"]
+    for label, r in reports:
+        d, v = step_spread(r, "dynamic"), step_spread(r, "vkv")
+        if d is None or v is None or not r.dynamic.decode_step_s or r.vkv.decode_step_s is None:
+            lines.append(f"  {label}: too few decode steps to say")
+            continue
+        diff = abs(r.vkv.decode_step_s / r.dynamic.decode_step_s - 1)
+        if max(d, v) > TOO_WIDE:
+            verdict = "too wide to read the step columns (a busy machine?); rerun on an idle one"
+        elif diff <= max(d, v):
+            verdict = f"the {diff:.0%} difference of the means is within it: no speed difference can be read"
+        else:
+            verdict = f"the {diff:.0%} difference of the means is wider than it"
+        lines.append(f"  {label}: dynamic {d:.0%}, vkv {v:.0%}: {verdict}")
     return "\n".join(lines)

@@ -2,12 +2,13 @@
 
 from .cache import VKVCache
 from .geometry import GroupGeometry, LayerMismatchError
+from .grad import VKVGradientError
 from .group import LayerGroup
-from .layer import VKVLayer, VKVSlidingLayer
+from .layer import LayerCallError, VKVLayer, VKVSlidingLayer
 from .options import CacheOptions
 from .stats import CacheStats, GroupStats
 
 __all__ = [
-    "CacheOptions", "CacheStats", "GroupGeometry", "GroupStats", "LayerGroup", "LayerMismatchError", "VKVCache",
-    "VKVLayer", "VKVSlidingLayer",
+    "CacheOptions", "CacheStats", "GroupGeometry", "GroupStats", "LayerCallError", "LayerGroup", "LayerMismatchError", "VKVCache",
+    "VKVGradientError", "VKVLayer", "VKVSlidingLayer",
 ]

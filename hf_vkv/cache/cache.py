@@ -21,11 +21,13 @@ from ..attention.paged_kv import PAGED_ATTENTION
 from ..devices import arena_for_device, layer_devices_of, policy_for
 from ..memory import Arena
 from .geometry import GroupGeometry
+from .grad import refuse_trainable_states
 from .group import LayerGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
 from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
 from .options import CacheOptions
+from .workload import layout_for_generate
 from .stats import CacheStats, GroupStats
 
 __all__ = ["VKVCache"]
@@ -84,7 +86,11 @@ class VKVCache(Cache):
 
     Row operations (``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``,
     ``crop``, ``reset``) are done here, once per step: indices are converted once and each group
-    is called once.
+    is called once (a layer alone in its group does them too, see :class:`VKVLayer`).
+
+    Gradients: in a forward with autograd on, the tokens of that forward carry their history
+    (``update`` returns DynamicLayer's ``torch.cat``); tokens cached by earlier forwards are data
+    in pages, not autograd history, as a ``StaticCache``'s buffers are (:mod:`hf_vkv.cache.grad`).
 
     Args:
         config: the model's config (its text/decoder part is used).
@@ -164,15 +170,23 @@ class VKVCache(Cache):
 
     @classmethod
     def for_generate(cls, model: Any, *, batch_size: int, expand: int, max_length: int,
-                     cache_config: Mapping[str, Any] | None) -> VKVCache:
+                     cache_config: Mapping[str, Any] | None, num_beams: int = 1,
+                     prompt_tokens: int | None = None) -> VKVCache:
         """The cache ``generate(..., cache_implementation="vkv")`` builds (and the A/B harness).
 
         Rows: ``batch_size * expand`` (``expand = max(num_beams, num_return_sequences)``, the
         rows sharing each prompt). Tokens: ``cache_config['max_tokens']``, else room for the
         model's whole context and at least ``max_length`` — only address space, so the returned
-        cache can be passed back to ``generate()`` to continue.
+        cache can be passed back to ``generate()`` to continue. Layout: ``cache_config['layout']``,
+        else the one a measured workload (``num_beams``, ``prompt_tokens``) calls for
+        (:func:`~hf_vkv.cache.workload.layout_for_generate`), else the device's.
         """
         options = dict(cache_config or {})
+        if options.get("layout") is None and getattr(model.config, "_attn_implementation", None) != PAGED_ATTENTION:
+            layout = layout_for_generate(device_type=model.device.type, num_beams=num_beams,
+                                         prompt_tokens=prompt_tokens)
+            if layout is not None:
+                options["layout"] = layout
         if options.get("max_tokens") is None:
             context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
             options["max_tokens"] = max(max_length, context)
@@ -417,6 +431,7 @@ class VKVCache(Cache):
                 raise ValueError(f"layer {layer_idx} is kept by transformers' own class: it takes states from token 0")
             layer.update(key_states, value_states)
             return
+        refuse_trainable_states(key_states, value_states, layer_idx=layer_idx, stored_only=True)
         if start and not isinstance(layer, VKVSlidingLayer):
             raise ValueError(f"layer {layer_idx} is full attention: its states start at token 0, not {start}")
         if not layer.is_initialized:

@@ -164,7 +164,9 @@ class _HybridParts:
         self.linear.prefetch()
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
+        from .layer import LayerCallError  # a RuntimeError too
+
+        raise LayerCallError(
             f"layer {self.layer_idx}'s K/V rows are its group's, shared with the other members: move rows with the "
             f"VKVCache's method (cache.reorder_cache, crop, reset, ...), which moves the group once and this "
             f"layer's linear state once"

@@ -6,6 +6,10 @@ but ``update`` writes the new tokens in place and returns views, with no concate
 holds no state of its own: its length, rows and pages are its group's. Row operations
 (reorder, select, repeat, crop, reset) are the cache's (:class:`~hf_vkv.cache.VKVCache`), which
 calls each group once.
+
+With autograd on, ``update`` stores detached states and returns ``torch.cat([cached, new])``, so
+the tokens of that forward carry their history while cached tokens are data in pages, as in a
+``StaticCache`` (:mod:`hf_vkv.cache.grad`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,17 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .grad import VKVGradientError, refuse_trainable_states, tracks_grad, with_new_states
+from ..memory import KVCacheOutOfMemory, VKVError
 from .group import LayerGroup
+from .oom import step_out_of_memory
 
-__all__ = ["VKVLayer", "VKVSlidingLayer", "VKVStaticLayer"]
+__all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer"]
+
+
+class LayerCallError(VKVError, NotImplementedError):
+    """A row operation called on one layer whose rows are shared with other layers (its group's);
+    the message names the cache-level call that does it."""
 
 
 class VKVLayer(CacheLayerMixin):
@@ -79,10 +91,25 @@ class VKVLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, H, q, D]`` states after the cached tokens; return ``[B, H, kv_length, D]``
         views of everything attention needs (``kv_length`` as given by :meth:`get_mask_sizes`),
-        or in the paged layout the new states tagged for the ``"vkv_paged"`` attention."""
+        or in the paged layout the new states tagged for the ``"vkv_paged"`` attention.
+
+        With autograd on (:func:`~hf_vkv.cache.grad.tracks_grad`) the pages get detached copies
+        and the result is new ``[B, H, kv_length, D]`` tensors: the cached tokens (data, no
+        history) followed by the states themselves (with history), as ``DynamicLayer`` returns
+        them. Raises :class:`~hf_vkv.cache.grad.VKVGradientError` for leaf states requiring grad
+        (a trainable prefix: later forwards could not give its gradient)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        return self.group.update(self.layer_idx, key_states, value_states)
+        try:
+            if tracks_grad(key_states, value_states):
+                refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
+                keys, values = self.group.update(self.layer_idx, key_states.detach(), value_states.detach())
+                return with_new_states(keys, values, key_states, value_states)
+            return self.group.update(self.layer_idx, key_states, value_states)
+        except KVCacheOutOfMemory as error:  # restated for the whole step: its total, what is free, a budget that fits
+            start = self.group.length(self.layer_idx)  # unchanged: the step failed before writing
+            raise step_out_of_memory(self.group, key_states.shape[0], start, start + key_states.shape[-2],
+                                     error) from None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -92,6 +119,62 @@ class VKVLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    # ----------------------------------------------------- DynamicLayer's row operations, one layer
+    # A layer's rows and pages are its group's: alone in its group (``groups="layer"``) a layer
+    # does what DynamicLayer does; sharing it, the operation would change every member, so it is
+    # refused with the cache-level call (which changes every group once).
+    def _alone(self, call: str) -> LayerGroup:
+        """The group, if this layer may change its rows by itself; else :class:`LayerCallError`."""
+        from .hybrid import transformers_part  # hybrid builds on this module
+
+        shared = len(self.group.members) > 1
+        if shared or self.is_compileable or transformers_part(self) is not None:
+            why = (f"its rows and pages are shared by the layers {list(self.group.members)} of its group"
+                   if shared else "its cache keeps other state in step with it (a static length or a linear state)")
+            raise LayerCallError(
+                f"VKVLayer.{call.split('(')[0]} on layer {self.layer_idx}: {why}; call the cache's {call} (VKVCache."
+                f"{call.split('(')[0]}), which does it for every layer at once"
+                + (", or build the cache with groups='layer' to change layers one by one" if shared else ""))
+        return self.group
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (a negative int), as ``DynamicLayer.crop``."""
+        tokens_to_remove = int(tokens_to_remove)
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        group = self._alone(f"crop({tokens_to_remove})")
+        if (tokens_to_remove == 0 and not self.is_sliding) or not self.is_initialized:
+            return
+        group.check_crop()
+        group.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` takes row ``beam_idx[i]``'s pages (no copy), as ``DynamicLayer.reorder_cache``."""
+        group = self._alone("reorder_cache(beam_idx)")
+        if self.get_seq_length() > 0:
+            group.reorder([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (an index or bool tensor), as ``DynamicLayer.batch_select_indices``."""
+        group = self._alone("batch_select_indices(indices)")
+        if self.get_seq_length() > 0:
+            group.reorder(torch.arange(group.batch)[torch.as_tensor(indices).cpu()].reshape(-1).tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row ``repeats`` times (pages shared), as ``DynamicLayer.batch_repeat_interleave``."""
+        group = self._alone(f"batch_repeat_interleave({repeats})")
+        if self.get_seq_length() > 0:
+            group.repeat_rows(int(repeats))
+
+    def reset(self) -> None:
+        """Forget the cached tokens (pages go back to the pool), as ``DynamicLayer.reset``."""
+        group = self._alone("reset()")
+        if self.is_initialized:
+            group.clear()
 
     def twin(self, group: LayerGroup) -> VKVLayer:
         """This layer over ``group``, a fork of its own group (:meth:`VKVCache.fork`): the same
@@ -161,12 +244,30 @@ class VKVStaticLayer(VKVLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        tracked = tracks_grad(key_states, value_states)
         if not torch.compiler.is_compiling():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            self.full_keys, self.full_values = self.group.update(self.layer_idx, key_states, value_states)
-            self.cumulative_length.fill_(self.group.length(self.layer_idx))
+            if tracked:
+                refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
+                key_states, value_states, new_keys, new_values = key_states.detach(), value_states.detach(), key_states, value_states
+            start = self.group.length(self.layer_idx)
+            try:
+                self.full_keys, self.full_values = self.group.update(self.layer_idx, key_states, value_states)
+            except KVCacheOutOfMemory as error:  # restated for the whole step, as VKVLayer.update does
+                raise step_out_of_memory(self.group, key_states.shape[0], start, start + key_states.shape[-2],
+                                         error) from None
+            length = self.group.length(self.layer_idx)
+            self.cumulative_length.fill_(length)
+            if tracked:  # full capacity, the new tokens with their history (StaticLayer's index_copy_, out of place)
+                positions = torch.arange(length - key_states.shape[-2], length, device=self.full_keys.device)
+                return (self.full_keys.index_copy(2, positions, new_keys),
+                        self.full_values.index_copy(2, positions, new_values))
             return self.full_keys, self.full_values
+        if tracked:
+            raise VKVGradientError(
+                f"layer {self.layer_idx}: a compiled step of the static layout writes into pages in place and cannot "
+                f"record gradients; compile the forward under torch.no_grad(), or run it eagerly")
         keys, values = self.full_keys, self.full_values  # fixed addresses, set by the eager prefill
         positions = torch.arange(key_states.shape[-2], device=keys.device) + self.cumulative_length
         self.cumulative_length.add_(key_states.shape[-2])

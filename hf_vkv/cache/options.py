@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from .layouts import LAYOUTS
 
-__all__ = ["CacheOptions", "LAYOUT_NAMES"]
+__all__ = ["CacheOptions", "LAYOUT_NAMES", "TRANSFORMERS_KEYS", "from_transformers_keys"]
 
 Groups = Literal["kind", "layer"]
 #: Names ``layout`` accepts: the layouts, ``"static"`` (the compileable layout over the device's
@@ -102,11 +102,63 @@ class CacheOptions:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | None) -> CacheOptions:
-        """Parse a ``cache_config`` dict; an unknown key is an error naming the known ones."""
-        config = dict(config or {})
+        """Parse a ``cache_config`` dict; transformers' own cache keys are translated
+        (:func:`from_transformers_keys`); an unknown key is an error naming the known ones."""
+        config = from_transformers_keys(dict(config or {}))
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"unknown cache_config key(s) {unknown} for cache_implementation='vkv'; "
                              f"known keys: {sorted(known)}")
         return cls(**config)
+
+
+#: ``cache_config`` keys transformers defines for its own caches (``Cache``, ``DynamicCache``,
+#: ``StaticCache``, ``QuantizedCache``; older static caches), and what vkv does with each: the
+#: vkv key with the same meaning, or ``None`` and what vkv offers instead.
+TRANSFORMERS_KEYS: dict[str, tuple[str | None, str]] = {
+    "max_cache_len": ("max_tokens", "tokens per row, as StaticCache's capacity"),
+    "offloading": (None, "vkv keeps pages on the device of their layer and does not move them to the CPU between "
+                         "layers; it bounds the KV memory with 'budget_bytes' and shares pages between rows instead "
+                         "(for transformers' offloading use cache_implementation='offloaded')"),
+    "offload_only_non_sliding": (None, "it only qualifies 'offloading', which vkv does not offer (see 'offloading')"),
+    "backend": (None, "vkv does not quantize: pages hold K/V in the model's dtype; for quantized K/V use "
+                      "cache_implementation='quantized'"),
+    "nbits": (None, "vkv does not quantize (see 'backend')"),
+    "axis_key": (None, "vkv does not quantize (see 'backend')"),
+    "axis_value": (None, "vkv does not quantize (see 'backend')"),
+    "q_group_size": (None, "vkv does not quantize (see 'backend')"),
+    "residual_length": (None, "vkv does not quantize (see 'backend')"),
+    "max_batch_size": (None, "vkv takes its rows from generate() (VKVCache(batch_size=...) when built by hand) and "
+                             "grows them on demand"),
+    "batch_size": (None, "vkv takes its rows from generate() (VKVCache(batch_size=...) when built by hand)"),
+    "device": (None, "vkv puts each layer's pages on the device of its first states"),
+    "dtype": (None, "vkv stores each layer in the dtype of its first states"),
+    "layer_device_map": (None, "vkv puts each layer's pages on the device of its first states"),
+}
+#: Values of a transformers key that ask for nothing vkv would do differently (accepted, dropped).
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {"offloading": (False,), "offload_only_non_sliding": (True, False)}
+
+
+def from_transformers_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with transformers' own cache keys (:data:`TRANSFORMERS_KEYS`) translated: a key
+    with vkv's meaning becomes vkv's key (``max_cache_len`` -> ``max_tokens``; both given and
+    different is an error), a value that asks for nothing (``offloading=False``;
+    ``offload_only_non_sliding`` without offloading) is dropped, and anything else is a
+    ``ValueError`` naming the key, saying vkv does not offer it and what it offers instead."""
+    out = dict(config)
+    offloading = out.get("offloading", False)
+    for key in [k for k in out if k in TRANSFORMERS_KEYS]:
+        value = out.pop(key)
+        vkv_key, meaning = TRANSFORMERS_KEYS[key]
+        if vkv_key is not None:
+            if out.get(vkv_key) not in (None, value):
+                raise ValueError(f"cache_config[{key!r}]={value!r} and cache_config[{vkv_key!r}]={out[vkv_key]!r} "
+                                 f"disagree: they mean the same ({meaning}); give one")
+            out[vkv_key] = value
+        elif value in _NO_OP_VALUES.get(key, ()) and not (key == "offload_only_non_sliding" and offloading):
+            continue
+        else:
+            raise ValueError(f"cache_config[{key!r}]={value!r} is a transformers cache option that "
+                             f"cache_implementation='vkv' does not offer: {meaning}")
+    return out

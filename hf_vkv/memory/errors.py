@@ -28,14 +28,19 @@ class KVCacheOutOfMemory(VKVError, MemoryError):
     raise ``budget_bytes``) and retry the same call.
     """
 
-    def __init__(self, *, requested_bytes: int, free_bytes: int, budget_bytes: int, what: str = "pages") -> None:
+    def __init__(self, *, requested_bytes: int, free_bytes: int, budget_bytes: int, what: str = "pages",
+                 fits_bytes: int | None = None) -> None:
         self.requested_bytes = requested_bytes
         self.free_bytes = free_bytes
         self.budget_bytes = budget_bytes
+        #: A ``budget_bytes`` that would hold what was asked for on top of what is held (when known).
+        self.fits_bytes = fits_bytes
+        raise_to = (f"raise cache_config['budget_bytes'] to at least {fits_bytes:,}" if fits_bytes is not None
+                    else "raise cache_config['budget_bytes']")
         super().__init__(
             f"KV cache out of memory: {what} need {requested_bytes:,} bytes but only {free_bytes:,} of the "
             f"{budget_bytes:,}-byte budget are free. Free finished rows, lower the batch or max_new_tokens, "
-            f"or raise cache_config['budget_bytes']."
+            f"or {raise_to}."
         )
 
 

@@ -30,6 +30,7 @@ from breadth_models import SPECS, ArchitectureMissing, build_with_attention, pro
 from transformers.cache_utils import EncoderDecoderCache, get_layer_types_and_kwargs
 
 import hf_vkv
+from hf_vkv.cache.workload import layout_for_generate
 from hf_vkv.devices import policy_for
 from hf_vkv.attention import UnsupportedModelError
 from hf_vkv.cache import LayerMismatchError
@@ -142,12 +143,14 @@ def assert_identical(ref: Any, got: Any, kind: str) -> None:
             assert torch.equal(a, b), f"beam scores differ at step {step}"
 
 
-def assert_cache_holds_kv(model: Any, past: Any, *, paged: bool) -> None:
-    """The returned cache is a VKVCache that stores every K/V layer of the model."""
+def assert_cache_holds_kv(model: Any, past: Any, *, paged: bool, num_beams: int = 1) -> None:
+    """The returned cache is a VKVCache that stores every K/V layer of the model, in the layout
+    generate picks for the workload (the prompts here are short)."""
     if isinstance(past, EncoderDecoderCache):
         past = past.self_attention_cache
     assert isinstance(past, hf_vkv.VKVCache), f"generate returned {type(past).__name__}, not a VKVCache"
-    assert past.layout == ("paged" if paged else policy_for("cpu").layout)
+    workload = layout_for_generate(device_type="cpu", num_beams=num_beams, prompt_tokens=1)
+    assert past.layout == ("paged" if paged else workload or policy_for("cpu").layout)
     assert stored_layers(past) == kv_layers(model), (
         f"VKVCache stores {stored_layers(past)} of the model's {kv_layers(model)} K/V layers")
     past.check_invariants()
@@ -171,7 +174,7 @@ def _run_identical(arch: str, mode: str) -> None:
             model.set_attn_implementation(before)
     assert_identical(ref, got, kind)
     if kv_layers(model):
-        assert_cache_holds_kv(model, got.past_key_values, paged=paged)
+        assert_cache_holds_kv(model, got.past_key_values, paged=paged, num_beams=GENERATE[kind].get("num_beams", 1))
     else:  # no K/V to store: one clear hf_vkv warning, and transformers' own cache
         assert not isinstance(got.past_key_values, hf_vkv.VKVCache)
         assert len([w for w in caught if "vkv" in str(w.message)]) == 1, [str(w.message) for w in caught]

@@ -31,6 +31,7 @@ from models import (
     SMALL_PAGE,
     assert_same_tokens,
     assistant,
+    assistant_keeps_cache_implementation,
     needs_sliding_rollback,
     prompts,
     tiny,
@@ -153,7 +154,10 @@ def test_assisted_decoding(layout: LayoutRun, arch: str, do_sample: bool) -> Non
         VKVCache.crop = original  # type: ignore[method-assign]
     assert_same_tokens(ref.sequences, got.sequences)
     assert id(got.past_key_values) in cropped, "assisted decoding never cropped the main VKV cache"
-    assert len(cropped) == 2, "the assistant's cache was not a (cropped) VKVCache"
+    if assistant_keeps_cache_implementation():
+        assert len(cropped) == 2, "the assistant's cache was not a (cropped) VKVCache"
+    else:  # transformers >= 5.24 builds the assistant's cache itself (a DynamicCache), whatever the string
+        assert len(cropped) == 1
     _check(got.past_key_values)
 
 

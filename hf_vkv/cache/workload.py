@@ -1,0 +1,36 @@
+"""The layout of a ``generate()`` call when ``cache_config`` names none: the device's default,
+except where a measured workload says otherwise.
+
+Head-major (the CPU default) keeps a partly written tail page per (layer, K/V, head) of a row, so
+when beams diverge after a reorder each beam copies one page per sub-row (SmolLM2: 180 per beam
+per step); token-major copies one page per row. With short prompts that copying is a visible part
+of the step. Measured (``python benchmarks/beam_layout_cpu.py``, SmolLM2-135M fp32, 4 beams, 16
+new tokens, one thread, median of interleaved rounds, tokens identical to DynamicCache):
+
+=============  ==========  ==========  ===========
+prompt         DynamicCache head-major  token-major
+=============  ==========  ==========  ===========
+45 (4 rounds)  1.41 s      1.89 s      1.43 s
+512 (3)        6.30 s      6.86 s      6.19 s
+=============  ==========  ==========  ===========
+
+so CPU beam search with prompts up to :data:`BEAM_TOKEN_MAJOR_MAX_PROMPT` tokens gets
+token-major. Longer prompts keep head-major: its decode steps read per-head rows, and at ~1k
+tokens the demo's 4-beam run is faster than DynamicCache with it (README); where exactly the
+two cross between 512 and ~1k tokens is not measured.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "layout_for_generate"]
+
+#: Longest prompt (tokens) for which CPU beam search gets token-major (the longest measured).
+BEAM_TOKEN_MAJOR_MAX_PROMPT = 512
+
+
+def layout_for_generate(*, device_type: str, num_beams: int, prompt_tokens: int | None) -> str | None:
+    """The layout for a ``generate()`` call on ``device_type`` (``None``: the device's default)."""
+    if device_type == "cpu" and num_beams > 1 and prompt_tokens is not None \
+            and prompt_tokens <= BEAM_TOKEN_MAJOR_MAX_PROMPT:
+        return "token_major"
+    return None

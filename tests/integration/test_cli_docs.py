@@ -1,0 +1,70 @@
+"""The ``hf-vkv`` help and the README say the same things: exit statuses, the bench grids, a help
+text and default for every ``ab`` option, ``map_ahead`` in the options table; ``ab --json -``
+means stdout, as ``demo --json -`` does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from test_cli import model_dir, run_main  # noqa: F401  (the module fixture)
+
+from hf_vkv import cli
+from hf_vkv.ab.bench import FULL_GRID, QUICK_GRID
+from hf_vkv.cache import CacheOptions
+
+pytestmark = pytest.mark.integration
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = cli._parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_top_level_help_names_every_exit_status() -> None:
+    text = cli._parser().format_help()
+    for status, meaning in ((0, "identical"), (1, "diverged"), (2, "usage error"), (3, "refused")):
+        assert f"{status} " in text and meaning in text, (status, text)
+    assert "3 when vkv refused the run" in README
+
+
+def test_every_ab_option_has_help_and_shows_its_default() -> None:
+    for action in _subparser("ab")._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"ab {action.option_strings} has no help"
+        if action.default not in (None, False) and action.default is not argparse.SUPPRESS:
+            assert "%(default)s" in action.help or "default" in action.help, f"ab {action.option_strings}: no default"
+
+
+def _grid_words(grid: object) -> str:
+    return (f"prompts {'/'.join(map(str, grid.prompt_lengths))}, batches {'/'.join(map(str, grid.batches))}, "
+            f"{grid.new_tokens} new tokens")
+
+
+def test_readme_states_the_bench_grids_of_the_help() -> None:
+    for grid in (QUICK_GRID, FULL_GRID):
+        assert _grid_words(grid) in README, _grid_words(grid)
+        assert f"prompts {' '.join(map(str, grid.prompt_lengths))}" in _subparser("bench").format_help().replace("\n", " ").replace("  ", " ")
+
+
+def test_readme_options_table_lists_every_cache_option() -> None:
+    for f in fields(CacheOptions):
+        assert f"| `{f.name}` |" in README, f"cache_config key {f.name!r} missing from the README's options table"
+
+
+def test_ab_json_dash_is_stdout(model_dir: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path,  # noqa: F811
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_main(capsys, "ab", "--model", model_dir, "--prompt", "w5 w6 w7", "--max-new-tokens", "3",
+                            "--json", "-", "--quiet", "--threads", "1")
+    assert code == 0
+    data = json.loads(out)  # stdout holds the JSON and nothing else
+    assert data["identical"] and len(data["steps"]) == 3
+    assert not (tmp_path / "-").exists()

@@ -1,0 +1,70 @@
+"""``KVCacheOutOfMemory`` states the whole step (contiguous and static layouts): what it needs in total, what is free, and a
+``budget_bytes`` that fits it (it used to name the one sub-row page that failed last: "need
+4,096 bytes, 0 free" for a step of hundreds of pages)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import hf_vkv
+from hf_vkv.registration import cache_kwarg
+from models import prompts, tiny
+
+pytestmark = pytest.mark.integration
+
+PAGE = 4096
+
+
+def _prefill(cache: Any, inputs: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        tiny("llama")(**inputs, **{cache_kwarg(): cache})
+
+
+def _in_use(cache: Any) -> int:
+    return sum(g.buffer.store.pool.stats().in_use for g in cache.groups)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major", "static"])
+def test_out_of_memory_gives_the_step_total_the_free_bytes_and_a_budget_that_fits(layout: str) -> None:
+    config, inputs = tiny("llama").config, prompts(2, 40)
+    extra = {"max_tokens": 64} if layout == "static" else {}
+    free = hf_vkv.VKVCache(config=config, layout=layout, page_bytes=PAGE, **extra)
+    _prefill(free, inputs)
+    need = _in_use(free)  # what the prefill took with no budget
+    assert need > 3
+    small = hf_vkv.VKVCache(config=config, layout=layout, page_bytes=PAGE, budget_bytes=3 * PAGE, **extra)
+    with pytest.raises(hf_vkv.KVCacheOutOfMemory) as caught:
+        _prefill(small, inputs)
+    error = caught.value
+    assert (error.requested_bytes, error.free_bytes, error.budget_bytes, error.fits_bytes) == \
+        (need * PAGE, 3 * PAGE, 3 * PAGE, need * PAGE)
+    assert f"need {need * PAGE:,} bytes" in str(error) and f"at least {need * PAGE:,}" in str(error)
+    assert int(small.get_seq_length()) == 0  # nothing changed
+    fits = hf_vkv.VKVCache(config=config, layout=layout, page_bytes=PAGE, budget_bytes=error.fits_bytes, **extra)
+    _prefill(fits, inputs)
+    assert int(fits.get_seq_length()) == 40
+
+
+def test_decode_step_counts_what_is_held() -> None:
+    """A decode step that crosses page boundaries: the budget that fits is what is held plus the
+    step's pages, and that budget lets the step run."""
+    config, inputs = tiny("llama").config, prompts(2, 64)  # 64 tokens of 64 bytes: every sub-row ends on a page
+    probe = hf_vkv.VKVCache(config=config, layout="head_major", page_bytes=PAGE)
+    _prefill(probe, inputs)
+    held = _in_use(probe)
+    cache = hf_vkv.VKVCache(config=config, layout="head_major", page_bytes=PAGE, budget_bytes=held * PAGE)
+    _prefill(cache, inputs)
+    step = {"input_ids": torch.full((2, 1), 5), "attention_mask": torch.ones(2, 65, dtype=torch.long)}
+    with pytest.raises(hf_vkv.KVCacheOutOfMemory) as caught:
+        _prefill(cache, step)
+    error = caught.value
+    grown = error.requested_bytes // PAGE
+    assert grown == 2 * 2 * 2 * 2  # rows x layers x (K, V) x kv heads: one new page per sub-row
+    assert error.free_bytes == 0 and error.fits_bytes == (held + grown) * PAGE
+    again = hf_vkv.VKVCache(config=config, layout="head_major", page_bytes=PAGE, budget_bytes=error.fits_bytes)
+    _prefill(again, inputs)
+    _prefill(again, step)
+    assert again.get_seq_length() == 65

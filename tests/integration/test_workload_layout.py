@@ -1,0 +1,44 @@
+"""The layout generate() picks when cache_config names none: token-major for CPU beam search with
+short prompts (measured: benchmarks/beam_layout_cpu.py), the device's default otherwise."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_vkv
+from hf_vkv.ab import run_ab
+from hf_vkv.cache.workload import BEAM_TOKEN_MAJOR_MAX_PROMPT, layout_for_generate
+from hf_vkv.devices import policy_for
+from hf_vkv.registration import cache_kwarg
+from models import assert_same_tokens, prompts, tiny
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_rule() -> None:
+    short, long = BEAM_TOKEN_MAJOR_MAX_PROMPT, BEAM_TOKEN_MAJOR_MAX_PROMPT + 1
+    assert layout_for_generate(device_type="cpu", num_beams=4, prompt_tokens=short) == "token_major"
+    assert layout_for_generate(device_type="cpu", num_beams=4, prompt_tokens=long) is None
+    assert layout_for_generate(device_type="cpu", num_beams=1, prompt_tokens=short) is None
+    assert layout_for_generate(device_type="cpu", num_beams=4, prompt_tokens=None) is None
+    assert layout_for_generate(device_type="cuda", num_beams=4, prompt_tokens=short) is None
+
+
+def _generate(**kwargs):
+    model = tiny("llama")
+    return model.generate(**prompts(2, 8), max_new_tokens=4, cache_implementation="vkv",
+                          return_dict_in_generate=True, **kwargs)
+
+
+def test_generate_applies_it_unless_a_layout_is_given() -> None:
+    ref = tiny("llama").generate(**prompts(2, 8), max_new_tokens=4, num_beams=3, return_dict_in_generate=True)
+    beams = _generate(num_beams=3)
+    assert beams[cache_kwarg()].layout == "token_major"
+    assert_same_tokens(ref.sequences, beams.sequences)
+    assert _generate(num_beams=3, cache_config={"layout": "head_major"})[cache_kwarg()].layout == "head_major"
+    assert _generate()[cache_kwarg()].layout == policy_for("cpu").layout
+    report = run_ab(tiny("llama"), prompts(1, 8), max_new_tokens=3, num_beams=2)  # the harness builds it the same way
+    assert report.identical and report.layout in ("contiguous",)
+    cache = hf_vkv.VKVCache.for_generate(tiny("llama"), batch_size=1, expand=2, max_length=12, cache_config=None,
+                                         num_beams=2, prompt_tokens=8)
+    assert cache.layout == "token_major"
