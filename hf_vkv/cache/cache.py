@@ -139,15 +139,17 @@ class VKVCache(Cache):
                 key = ("sliding_attention" if window else "full_attention", window, f"{device}#{idx}" if self.options.groups == "layer" else device)
                 members.setdefault(key, []).append(idx)
         self._groups: list[LayerGroup] = []
-        # "vkv_cascade" attention: full-attention groups of a contiguous layout tag shared prefixes
-        cascade = (getattr(text_config, "_attn_implementation", None) == CASCADE_ATTENTION
-                   and self._layout_name not in ("static", "paged"))
+
+        def cascade() -> bool:  # asked per step: under "vkv_cascade" contiguous full-attention groups tag prefixes
+            return getattr(text_config, "_attn_implementation", None) == CASCADE_ATTENTION
+
+        tags = None if self._layout_name in ("static", "paged") else cascade
         for (kind, window, _), idxs in members.items():
             self._groups.append(LayerGroup(
                 name=f"{kind}" + (f"[{idxs[0]}]" if self.options.groups == "layer" else ""),
                 members=idxs, sliding_window=window, make_layout=self._make_layout, arena_for=self._arena_for,
                 rows_hint=batch_size, capacity=capacity, prompt_repeats=prompt_repeats,
-                share_prompts=self.options.share_prompts, read_shared_prefix=cascade,
+                share_prompts=self.options.share_prompts, read_shared_prefix=tags,
             ))
         group_of = {i: g for g in self._groups for i in g.members}
         layers: list[Any] = []

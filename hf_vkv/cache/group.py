@@ -58,7 +58,7 @@ class LayerGroup:
         capacity: int,
         prompt_repeats: int,
         share_prompts: bool,
-        read_shared_prefix: bool = False,
+        read_shared_prefix: Callable[[], bool] | None = None,
     ) -> None:
         self.name = name
         self.members = tuple(members)
@@ -81,8 +81,9 @@ class LayerGroup:
         self.written_from = 0  # tokens before it were never written (a window restored by write_states)
         self._prepared: tuple[int, int, int] | None = None  # (batch, start, end) made writable since the last change
         self._followers: dict[int, int] = {}  # prefill only: row -> leader row it shares pages with
-        # decode steps tag the keys with the rows sharing a prefix (the "vkv_cascade" attention reads it)
-        self.read_shared_prefix = read_shared_prefix and sliding_window is None
+        # asked at each decode step (the model's attention may change after the cache is made):
+        # tag the keys with the rows sharing a prefix, for the "vkv_cascade" attention
+        self.read_shared_prefix = read_shared_prefix if sliding_window is None else None
         self._shared: SharedPrefix | None | bool = False  # this step's shared_prefix() (False: not derived yet)
 
     # ----------------------------------------------------------------------------- set-up
@@ -147,7 +148,7 @@ class LayerGroup:
         self.lengths[member] = end
         keys, values = layout.attention_inputs(buffer, batch=self.batch, member=member, start=self.window_start(start),
                                                end=end, key=key_states, value=value_states)
-        if self.read_shared_prefix and end - start == 1 and not layout.static:
+        if end - start == 1 and self.read_shared_prefix is not None and self.read_shared_prefix() and not layout.static:
             prefix = self.shared_prefix()
             if prefix is not None:
                 keys = tag_key(keys, prefix)

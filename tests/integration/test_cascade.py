@@ -110,3 +110,20 @@ def test_ab_harness_reports_the_cascade(monkeypatch: pytest.MonkeyPatch) -> None
     assert 0.0 < report.max_abs_logit_diff <= BOUND  # the sums were reordered, within the bound
     assert not report.identical
     assert report.to_dict()["layout"] == "cascade"
+
+
+def test_a_cache_made_before_the_switch_follows_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache asks at each step which attention the model runs (made first, switched after)."""
+    import hf_vkv
+
+    monkeypatch.setattr(group_module, "CASCADE_MIN_SAVED_TOKENS", 1)
+    model = tiny("llama")
+    inputs = prompts(1, 150, seed=7)
+    cache = hf_vkv.VKVCache.for_generate(model, batch_size=1, expand=3, max_length=160,
+                                         cache_config={"page_bytes": SMALL_PAGE})
+    ref = model.generate(**inputs, max_new_tokens=4, num_beams=3, do_sample=False)
+    with cascade(model) as calls:
+        got = model.generate(**inputs, max_new_tokens=4, num_beams=3, do_sample=False,
+                             **{hf_vkv.registration.cache_kwarg(): cache})
+    assert_same_tokens(ref, got)
+    assert len(calls) == 3 * 2
