@@ -18,15 +18,13 @@ from transformers.cache_utils import (
 
 from ..attention.cascade import CASCADE_ATTENTION
 from ..attention.paged_kv import PAGED_ATTENTION
-from ..devices import arena_for_device, layer_devices_of, policy_for
-from ..memory import Arena
-from .geometry import GroupGeometry
+from ..devices import layer_devices_of, policy_for
 from .grad import refuse_trainable_states
 from .group import LayerGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
-from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
 from .options import CacheOptions
+from .sources import ArenaSource, LayoutMaker
 from .workload import layout_for_generate
 from .stats import CacheStats, GroupStats
 
@@ -44,20 +42,6 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
     if isinstance(kwargs, dict):
         kwargs = [dict(kwargs) for _ in types]
     return list(types), list(kwargs)
-
-
-#: Attention implementations whose result does not depend on the strides of the K/V they read.
-_STRIDE_EXACT_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_3", PAGED_ATTENTION})
-
-
-def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> bool:
-    """Whether the model's attention must get contiguous K/V to compute exactly as on
-    DynamicCache's: a matmul over the returned tensors themselves (eager and other
-    non-fused attention) with one key/value head per query head (see
-    :meth:`TokenMajorLayout.attention_inputs`)."""
-    attention = getattr(config, "_attn_implementation", None) or "eager"
-    heads = getattr(config, "num_attention_heads", None)
-    return attention not in _STRIDE_EXACT_ATTENTION and heads == geometry.kv_heads
 
 
 def _resolve_layout(options: CacheOptions, attn: str | None) -> str | None:
@@ -125,7 +109,8 @@ class VKVCache(Cache):
         self._prefill_once = "no expanded prefill yet"
         self._layout_name = _resolve_layout(self.options, getattr(text_config, "_attn_implementation", None))
         capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
-        self._arenas: dict[tuple[torch.device, int | None], Arena] = {}
+        self._arena_for = ArenaSource(page_bytes=self.options.page_bytes, budget_bytes=self.options.budget_bytes)
+        self._arenas = self._arena_for.arenas
 
         types, kwargs = _layer_types(text_config)
         members: dict[tuple[str, int | None, str], list[int]] = {}
@@ -144,10 +129,11 @@ class VKVCache(Cache):
             return getattr(text_config, "_attn_implementation", None) == CASCADE_ATTENTION
 
         tags = None if self._layout_name in ("static", "paged") else cascade
+        make_layout = LayoutMaker(self._layout_name, self.options.block_tokens, text_config)
         for (kind, window, _), idxs in members.items():
             self._groups.append(LayerGroup(
                 name=f"{kind}" + (f"[{idxs[0]}]" if self.options.groups == "layer" else ""),
-                members=idxs, sliding_window=window, make_layout=self._make_layout, arena_for=self._arena_for,
+                members=idxs, sliding_window=window, make_layout=make_layout, arena_for=self._arena_for,
                 rows_hint=batch_size, capacity=capacity, prompt_repeats=prompt_repeats,
                 share_prompts=self.options.share_prompts, read_shared_prefix=tags,
             ))
@@ -203,27 +189,6 @@ class VKVCache(Cache):
         if self._layout_name is not None:
             return self._layout_name
         return next((g.layout.name for g in self._groups if g.layout is not None), None)
-
-    def _make_layout(self, geometry: GroupGeometry, members: int) -> Layout:
-        name = self._layout_name or policy_for(geometry.device).layout
-        if name == "static":
-            base = layout_class(policy_for(geometry.device).layout)
-            return StaticLayout(geometry, members=members, base=base)
-        if name == "paged":
-            return PagedLayout(geometry, members=members, block_tokens=self.options.block_tokens or DEFAULT_BLOCK_TOKENS)
-        kind = layout_class(name)
-        if kind is TokenMajorLayout:
-            return TokenMajorLayout(geometry, members=members, copy_reads=reads_need_contiguous(self.config, geometry))
-        return kind(geometry, members=members)
-
-    def _arena_for(self, device: torch.device, layout: Layout) -> Arena:
-        device = torch.device(device)
-        page = self.options.page_bytes or layout.preferred_page_bytes(policy_for(device).backend)
-        arena = self._arenas.get((device, page))
-        if arena is None or arena.closed:
-            arena = arena_for_device(device, page_bytes=page, budget_bytes=self.options.budget_bytes)
-            self._arenas[(device, page)] = arena
-        return arena
 
     @property
     def groups(self) -> tuple[LayerGroup, ...]:

@@ -176,7 +176,7 @@ def test_token_major_hands_views_to_decode_steps_and_copies_to_several_tokens() 
 def test_which_attention_reads_need_contiguous_states() -> None:
     from transformers import LlamaConfig
 
-    from hf_vkv.cache.cache import reads_need_contiguous
+    from hf_vkv.cache.sources import reads_need_contiguous
     from hf_vkv.cache.geometry import GroupGeometry
 
     def need(attn: str, kv_heads: int) -> bool:

@@ -1,0 +1,74 @@
+"""What a cache's layer groups call to make their layout and to get physical memory.
+
+Both are small objects owned by the :class:`~hf_vkv.cache.VKVCache` and handed to its groups, and
+neither refers back to the cache: a group holding the cache's bound methods made a reference cycle
+(cache -> layers -> group -> cache), so a dead cache kept its pages, memfds and mappings until the
+cycle collector ran. Now the last reference to a cache releases everything at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PretrainedConfig
+
+from ..devices import arena_for_device, policy_for
+from ..memory import Arena
+from .geometry import GroupGeometry
+from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
+
+__all__ = ["ArenaSource", "LayoutMaker"]
+
+#: Attention implementations whose result does not depend on the strides of the K/V they read.
+_STRIDE_EXACT_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_3", "vkv_paged", "vkv_cascade"})
+
+
+def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> bool:
+    """Whether the model's attention must get contiguous K/V to compute exactly as on
+    DynamicCache's: a matmul over the returned tensors themselves (eager and other
+    non-fused attention) with one key/value head per query head (see
+    :meth:`TokenMajorLayout.attention_inputs`)."""
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    heads = getattr(config, "num_attention_heads", None)
+    return attention not in _STRIDE_EXACT_ATTENTION and heads == geometry.kv_heads
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutMaker:
+    """Makes a group's layout from its geometry and member count: ``layout_name`` (``None``: the
+    device's default contiguous layout)."""
+
+    layout_name: str | None
+    block_tokens: int | None
+    config: PretrainedConfig
+
+    def __call__(self, geometry: GroupGeometry, members: int) -> Layout:
+        name = self.layout_name or policy_for(geometry.device).layout
+        if name == "static":
+            return StaticLayout(geometry, members=members, base=layout_class(policy_for(geometry.device).layout))
+        if name == "paged":
+            return PagedLayout(geometry, members=members, block_tokens=self.block_tokens or DEFAULT_BLOCK_TOKENS)
+        kind = layout_class(name)
+        if kind is TokenMajorLayout:
+            return TokenMajorLayout(geometry, members=members, copy_reads=reads_need_contiguous(self.config, geometry))
+        return kind(geometry, members=members)
+
+
+@dataclass(slots=True)
+class ArenaSource:
+    """One arena per (device, page size), made on first use (``page_bytes``: the option, else the
+    layout's preferred size on the device's backend)."""
+
+    page_bytes: int | None
+    budget_bytes: int | None
+    arenas: dict[tuple[torch.device, int | None], Arena] = field(default_factory=dict)
+
+    def __call__(self, device: torch.device, layout: Layout) -> Arena:
+        device = torch.device(device)
+        page = self.page_bytes or layout.preferred_page_bytes(policy_for(device).backend)
+        arena = self.arenas.get((device, page))
+        if arena is None or arena.closed:
+            arena = arena_for_device(device, page_bytes=page, budget_bytes=self.budget_bytes)
+            self.arenas[(device, page)] = arena
+        return arena

@@ -1,0 +1,61 @@
+"""A cache nobody refers to any more returns its pages, memfds and mappings at once: no reference
+cycle between a VKVCache and its parts, so no wait for the cycle collector."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+import hf_vkv
+from models import SMALL_PAGE, prompts, tiny
+
+pytestmark = pytest.mark.integration
+
+
+def _held() -> tuple[int, int, int]:
+    """(open fds, mappings, bytes allocated in memfds) of this process."""
+    fds = mapped = memfd_bytes = 0
+    for name in os.listdir("/proc/self/fd"):
+        fds += 1
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:"):
+                memfd_bytes += os.fstat(int(name)).st_blocks * 512
+        except OSError:
+            continue  # the directory's own fd, closed meanwhile
+    with open("/proc/self/maps") as f:
+        mapped = sum(1 for _ in f)
+    return fds, mapped, memfd_bytes
+
+
+MIXED = [
+    dict(do_sample=False),
+    dict(num_beams=3, do_sample=False),
+    dict(do_sample=True, num_return_sequences=2),
+    dict(do_sample=False, cache_config={"layout": "token_major"}),
+    dict(num_beams=2, do_sample=False, cache_config={"layout": "head_major", "page_bytes": SMALL_PAGE}),
+]
+
+
+def test_300_generate_calls_without_the_cycle_collector_hold_nothing() -> None:
+    model = tiny("llama")
+    inputs = prompts(2, 12, seed=1)
+    model.generate(**inputs, max_new_tokens=2, cache_implementation="vkv")  # first-use imports and caches
+    gc.collect()
+    gc.disable()
+    try:
+        before = _held()
+        for i in range(300):
+            kwargs = dict(MIXED[i % len(MIXED)])
+            model.generate(**inputs, max_new_tokens=3, cache_implementation="vkv", **kwargs)
+            if i % 100 == 99:
+                assert _held() == before, f"after {i + 1} calls: (fds, mappings, memfd bytes) {_held()} != {before}"
+        cache = hf_vkv.VKVCache(model.config, page_bytes=SMALL_PAGE)
+        model(**inputs, **{hf_vkv.registration.cache_kwarg(): cache})
+        fork = cache.fork()
+        assert _held() != before  # the check sees a live cache ...
+        del cache, fork
+        assert _held() == before  # ... and its release, at once
+    finally:
+        gc.enable()
