@@ -51,6 +51,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from .bench import MODES, prompt_ids
 from .decode import Prompt, load_prompt
 from .ideal import IdealCache
+from ..registration import cache_kwarg
 from .probes import StepProbe
 
 __all__ = [
@@ -173,7 +174,7 @@ def _generate(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, *, new_to
     try:
         probe.start()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(): cache},
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_token_id,
                                  logits_processor=LogitsProcessorList([probe]), output_logits=True,
                                  return_dict_in_generate=True, **kwargs)
