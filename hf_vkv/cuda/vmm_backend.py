@@ -350,7 +350,10 @@ class CudaBackend:
                 if done:
                     self._timed("unmap", self._driver.unmap, address, done * page)
                 if self._is_readable(address):
-                    self._fill_scratch(address, list(range(len(pages))))
+                    try:  # best effort: the caller's rollback (or reset) fills what is still empty
+                        self._fill_scratch(address, list(range(len(pages))))
+                    except BaseException:  # noqa: BLE001  (the map's own error is the one to report)
+                        pass
                 raise
         for k, p in enumerate(pages):
             self._mapped[address + k * page] = p
@@ -365,6 +368,20 @@ class CudaBackend:
         if num_pages <= 0:
             return
         with self._driver.current():
+            self._unmap_slots(address, num_pages, scratch=False)
+            if self._is_readable(address):
+                page = self.page_bytes
+                self._fill_scratch(address, [k for k in range(num_pages) if address + k * page not in self._scratch_at])
+
+    def reset(self, address: int, nbytes: int) -> None:
+        """Unmap every real page of the reservation at ``address``; in a readable one, every slot
+        holds the scratch page afterwards (the last resort of a rollback that failed: no slot a
+        kernel may read is left unbacked)."""
+        self._open()
+        if self._reservations.get(address) != nbytes:
+            raise BackendError("reset", f"no reservation of {nbytes} bytes at {address:#x}")
+        with self._driver.current():
+            num_pages = nbytes // self.page_bytes
             self._unmap_slots(address, num_pages, scratch=False)
             if self._is_readable(address):
                 page = self.page_bytes
