@@ -225,8 +225,9 @@ class VirtualBuffer(RowBuffer):
                 if self._reservation.budget is not None:
                     self._reservation.budget.charge(1 - self._reservation.mappings)
                     self._reservation.mappings = 1
+            detail = cause.detail if isinstance(cause, BackendError) else _detail(cause)
             raise BackendError(getattr(cause, "call", "map"),
-                               f"{_detail(cause)}, and restoring the mappings failed too ({_root(again)}), so "
+                               f"{detail}, and restoring the mappings failed too ({_root(again)}), so "
                                f"this cache was closed and its pages returned: create a new cache") from None
 
     @contextmanager
