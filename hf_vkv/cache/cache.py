@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from transformers.cache_utils import (
 
 from ..attention.paged_kv import PAGED_ATTENTION
 from ..devices import arena_for_device, layer_devices_of, policy_for
-from ..memory import Arena
+from ..memory import Arena, CacheClosedError
 from .geometry import GroupGeometry
 from .group import LayerGroup
 from .hybrid import make_vkv_layer, transformers_part
@@ -67,6 +68,21 @@ def _resolve_layout(options: CacheOptions, attn: str | None) -> str | None:
             f"model.set_attn_implementation({PAGED_ATTENTION!r})), or leave 'layout' unset"
         )
     return None if options.layout == "contiguous" else options.layout
+
+
+def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a cache's bound method) without a reference to its cache: groups call back into
+    the cache through it, and a strong one would make a cycle that keeps a dead cache's pages,
+    fds and mappings until the cycle collector runs (issue 22)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise CacheClosedError("the VKVCache of this layer group is gone; create a new cache")
+        return bound(*args)
+
+    return call
 
 
 class VKVCache(Cache):
@@ -132,7 +148,7 @@ class VKVCache(Cache):
         for (kind, window, _), idxs in members.items():
             self._groups.append(LayerGroup(
                 name=f"{kind}" + (f"[{idxs[0]}]" if self.options.groups == "layer" else ""),
-                members=idxs, sliding_window=window, make_layout=self._make_layout, arena_for=self._arena_for,
+                members=idxs, sliding_window=window, make_layout=_weak(self._make_layout), arena_for=_weak(self._arena_for),
                 rows_hint=batch_size, capacity=capacity, prompt_repeats=prompt_repeats,
                 share_prompts=self.options.share_prompts,
             ))
@@ -424,7 +440,7 @@ class VKVCache(Cache):
 
     def _fork(self) -> VKVCache:
         other = copy.copy(self)
-        twins = {id(g): g.fork(self._arena_for) for g in self._groups}
+        twins = {id(g): g.fork(_weak(other._arena_for)) for g in self._groups}
         other._groups = [twins[id(g)] for g in self._groups]
         other.layers = []
         for layer in self.layers:
