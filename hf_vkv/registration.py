@@ -27,6 +27,7 @@ from transformers.generation.utils import GenerationMixin
 
 from .attention import register_attention
 from .cache import VKVCache
+from .cache.options import config_dict
 from .cache.encoder_decoder import VKVEncoderDecoderCache
 from .cache.export import register_pytree
 
@@ -106,7 +107,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-    cache_config = dict(generation_config.cache_config or {})
+    cache_config = config_dict(generation_config.cache_config)  # a string: TypeError naming cache_config
     if generation_config.compile_config is not None and cache_config.get("layout") is None:
         cache_config["layout"] = "static"  # compiling: the layout StaticLayer's contract holds for
     if cache_config.get("layout") == "static" and cache_config.get("max_tokens") is None:

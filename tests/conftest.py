@@ -114,10 +114,10 @@ class FaultyBackend:
             raise BackendError("mmap", "injected failure")
         self.inner.unmap(address, num_pages)
 
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
         if self._fails("copy"):
             raise BackendError("copy", "injected failure")
-        self.inner.copy(pairs)
+        self.inner.copy(pairs, nbytes)
 
     def close(self) -> None:
         if self.resident_bytes_at_close is None:

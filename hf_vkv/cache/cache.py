@@ -24,7 +24,7 @@ from .group import LayerGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
 from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
-from .options import CacheOptions
+from .options import CacheOptions, config_dict
 from .stats import CacheStats, GroupStats
 
 __all__ = ["VKVCache"]
@@ -181,7 +181,7 @@ class VKVCache(Cache):
         model's whole context and at least ``max_length`` — only address space, so the returned
         cache can be passed back to ``generate()`` to continue.
         """
-        options = dict(cache_config or {})
+        options = config_dict(cache_config)
         if options.get("max_tokens") is None:
             context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
             options["max_tokens"] = max(max_length, context)
@@ -312,6 +312,11 @@ class VKVCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` takes row ``beam_idx[i]``'s pages (``beam_idx``: int tensor, any device): no copy."""
+        if not isinstance(beam_idx, torch.Tensor) or beam_idx.is_floating_point() or beam_idx.is_complex() \
+                or beam_idx.dtype == torch.bool or beam_idx.dim() != 1:
+            raise TypeError(f"reorder_cache takes a 1-d integer tensor of row indices (beam_idx), got "
+                            f"{getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
+                            f"{tuple(getattr(beam_idx, 'shape', ()))}; pass e.g. beam_idx.long()")
         index = [int(i) for i in beam_idx.tolist()]  # one host transfer for every group
         self._row_operation(lambda group: group.reorder(index), lambda layer: layer.reorder_cache(beam_idx))
 

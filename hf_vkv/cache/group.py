@@ -121,6 +121,7 @@ class LayerGroup:
         """Store member ``layer``'s new ``[B, H, q, D]`` states after its cached tokens and return
         what attention reads: ``[B, H, kv_length, D]`` (``kv_length`` as the mask's) or, in the
         paged layout, the tagged new states."""
+        self.geometry.check(layer, key_states, value_states)
         member = self.member_of[layer]
         start = self.lengths[member]
         end = start + key_states.shape[2]

@@ -61,8 +61,9 @@ class Backend(Protocol):
         as :meth:`reserve` made it (the last resort of a rollback that failed: no hole, nothing
         stale mapped)."""
 
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
-        """Copy the bytes of page ``src`` to page ``dst`` for each ``(src, dst)``."""
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
+        """Copy the bytes of page ``src`` to page ``dst`` for each ``(src, dst)``: the first
+        ``nbytes[k]`` of them (a copy-on-write of a partly written page), or all of them."""
 
     def tensor(self, address: int, nbytes: int, owner: object) -> torch.Tensor:
         """A zero-copy ``uint8`` tensor ``[nbytes]`` over ``[address, address + nbytes)`` that keeps

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import BackendError, CacheClosedError
+from .limits import MAX_HOST_PAGE_BYTES, check_page_bytes
 from .map_budget import PROCESS_MAP_BUDGET, process_mappings, read_max_map_count
 from .pool import PageId
 from .runs import consecutive_runs
@@ -104,6 +105,7 @@ class HostBackend:
             raise ValueError(
                 f"page_bytes must be a positive multiple of the OS page size ({mmap.PAGESIZE}), got {page_bytes}"
             )
+        check_page_bytes(page_bytes, low=mmap.PAGESIZE, high=MAX_HOST_PAGE_BYTES, where=" of the host (CPU)")
         self.page_bytes = page_bytes
         self.device = torch.device("cpu")
         self.map_budget = PROCESS_MAP_BUDGET  # vm.max_map_count is per process
@@ -238,11 +240,13 @@ class HostBackend:
             self._pool_view = (mapping, self.tensor(address, nbytes, mapping).view(self._id_space, self.page_bytes))
         return self._pool_view[1]
 
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
         if pairs:
             view = self.pool_tensor()
-            for src, dst in pairs:
-                view[dst].copy_(view[src])
+            for k, (src, dst) in enumerate(pairs):
+                n = self.page_bytes if nbytes is None else nbytes[k]
+                if n:  # only the written part: the rest of a fresh page is never read before written
+                    view[dst, :n].copy_(view[src, :n])
 
     def close(self) -> None:
         """Close the memfd: its memory goes once no mapping refers to it. Reservations are given

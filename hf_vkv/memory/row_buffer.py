@@ -176,11 +176,15 @@ class RowBuffer(ABC):
             return  # inside the rows' own last pages: no page made, copied or mapped
         with self._transaction() as table:
             ib = self.item_bytes
+            page = self.store.page_bytes
             for t in self._expand(rows):
+                written = table.row(t).length  # a CoW copies the bytes written so far, not whole pages
                 self._create(table.grow(t, end * ib))
                 copies, created = table.cow(t, start * ib, end * ib)
                 self._create(created)
-                self.store.copy([(c.src, c.dst) for c in copies])
+                if copies:
+                    self.store.copy([(c.src, c.dst) for c in copies],
+                                    [min(page, max(0, written - c.index * page)) for c in copies])
 
     def share(self, src: int, dsts: Iterable[int], *, length: int | None = None) -> None:
         """Make each row of ``dsts`` hold the first ``length`` items of ``src`` (all by default)
