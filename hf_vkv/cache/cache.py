@@ -445,7 +445,7 @@ class VKVCache(Cache):
 
     def _fork(self) -> VKVCache:
         other = copy.copy(self)
-        twins = {id(g): g.fork(_weak(other._arena_for)) for g in self._groups}
+        twins = {id(g): g.fork(_weak(other._arena_for), _weak(other._make_layout)) for g in self._groups}
         other._groups = [twins[id(g)] for g in self._groups]
         other.layers = []
         for layer in self.layers:

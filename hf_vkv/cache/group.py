@@ -310,10 +310,13 @@ class LayerGroup:
         return self.buffer
 
     # ----------------------------------------------------------------------------- life cycle
-    def fork(self, arena_for: Callable[[torch.device, Layout], Arena]) -> LayerGroup:
-        """A copy sharing every page (zero copy); both sides copy a page only when writing it."""
+    def fork(self, arena_for: Callable[[torch.device, Layout], Arena],
+             make_layout: LayoutFactory | None = None) -> LayerGroup:
+        """A copy sharing every page (zero copy); both sides copy a page only when writing it.
+        ``arena_for`` / ``make_layout`` are the new owner's (a fork outlives its original)."""
+        make_layout = make_layout or self._make_layout
         other = LayerGroup(name=self.name, members=self.members, sliding_window=self.sliding_window,
-                           make_layout=self._make_layout, arena_for=arena_for, rows_hint=self._rows_hint,
+                           make_layout=make_layout, arena_for=arena_for, rows_hint=self._rows_hint,
                            capacity=self.capacity, prompt_repeats=self.prompt_repeats,
                            share_prompts=self.share_prompts)
         other.geometry = self.geometry
@@ -323,7 +326,7 @@ class LayerGroup:
         other._kept_from = self._kept_from
         other.written_from = self.written_from
         if self.buffer is not None and self.geometry is not None:
-            other.layout = self._make_layout(self.geometry, len(self.members))
+            other.layout = make_layout(self.geometry, len(self.members))
             other.buffer = self.buffer.fork()
         return other
 
