@@ -302,13 +302,28 @@ class RowBuffer(ABC):
             table.rollback()
             pool.rollback()
             if self._created:
-                self.store.release(self._created)
+                _give_back(self.store, self._created)
             raise
         else:
             table.commit()
             pool.commit()
         finally:
             self._created = []
+
+
+def _give_back(store: PageStore, pages: list[PageId]) -> None:
+    """A rollback's release of the pages it created: one at a time, and a page that cannot be
+    released stays resident free in the pool (so it is recycled, not created twice). Never
+    raises: the error being rolled back is the one to report, and the rollback must not stop
+    half way (issue 22)."""
+    kept = []
+    for page in pages:
+        try:
+            store.release([page])
+        except Exception:  # noqa: BLE001
+            kept.append(page)
+    if kept:
+        store.pool.keep_resident(kept)
 
 
 def return_pages(table: PageTable, store: PageStore, untranslate: Callable[[], None] | None = None) -> None:

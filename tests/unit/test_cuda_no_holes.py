@@ -46,9 +46,7 @@ def test_failed_maps_and_rollbacks_leave_no_hole(op):
     outcomes = set()
     for first in ("cuMemMap", "cuMemSetAccess", "cuMemUnmap"):
         for n in range(1, 7):
-            # (a failing unmap followed by a failing map hits the release of the pages the
-            # transaction created, which this file does not cover: see the issue 22 report)
-            for m in ((None, 1, 2, 3) if first != "cuMemUnmap" else (None,)):
+            for m in (None, 1, 2, 3):  # after a failing unmap, a failing map hits the release's remap
                 backend, cu, buf = make()
                 cu.fail(first, n, CUresult.CUDA_ERROR_OUT_OF_MEMORY)
                 if m is not None:  # a second failure, in what follows: the rollback's calls
