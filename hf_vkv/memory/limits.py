@@ -2,9 +2,12 @@
 
 * **Page size.** Every page is a multiple of the OS page (4 KiB). On the host the range is
   4 KiB .. 2 MiB: 4 KiB head-major pages decode within 1.5 % of an ideal preallocated cache and
-  256 KiB token-major pages are the token-major default (README, ``docs/layouts.md``), while a
-  larger page buys no speed and strands up to a page per sub-row (issue 22: 16 MiB pages held
-  512 MiB of memfd for 34 KiB of tokens; a 1 TiB page filled the machine's shared memory). On
+  256 KiB token-major pages are the token-major default (README, ``docs/layouts.md``); decode is
+  flat across the range (``benchmarks/page_size_cpu.py``: SmolLM2 fp32, 512 x 4, head-major,
+  one thread: 72.2 / 71.5 / 70.0 ms per step at 4 KiB / 64 KiB / 2 MiB, the same 95.6 MiB of
+  memfd), so a page larger than the huge-page size buys nothing, while every page counts whole
+  against the budget and a sub-row strands up to one (issue 22: 16 MiB pages held 512 MiB of
+  memfd for 34 KiB of tokens; a 1 TiB page filled the machine's shared memory). On
   CUDA a page is a multiple of the driver's allocation granularity (2 MiB on H100/H200) and at
   most :data:`MAX_CUDA_PAGE_BYTES`. ``CacheOptions`` refuses a size outside the union of both
   ranges when the cache is built; each backend refuses what is outside its own.
