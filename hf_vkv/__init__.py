@@ -16,6 +16,8 @@ from .memory import (
     HostBackend,
     InvariantError,
     KVCacheOutOfMemory,
+    MappingLimitError,
+    PageSizeError,
     VirtualBuffer,
     VKVError,
 )
@@ -39,7 +41,7 @@ register()
 __all__ = [
     "CacheOptions", "CacheStats", "LayerCallError", "LayerMismatchError", "UnsupportedDeviceError", "UnsupportedModelError", "VKVCache", "VKVExportError", "VKVGradientError", "register",
     "Arena", "BackendError", "CacheClosedError", "CapacityError", "HostBackend", "InvariantError",
-    "KVCacheOutOfMemory", "VKVError", "VirtualBuffer", "__version__",
+    "KVCacheOutOfMemory", "MappingLimitError", "PageSizeError", "VKVError", "VirtualBuffer", "__version__",
     "PrefixFileCorruptError", "PrefixFileError", "PrefixFormatError", "PrefixMismatchError", "PrefixStats",
     "PrefixStore", "load_prefix", "save_prefix",
 ]

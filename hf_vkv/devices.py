@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from .memory import Arena, HostBackend
 from .memory.errors import KVCacheOutOfMemory, VKVError
+from .memory.limits import default_host_budget
 
 __all__ = ["CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES", "DevicePolicy", "UnsupportedDeviceError",
            "arena_for_device", "default_cuda_budget", "layer_devices_of", "policy_for"]
@@ -43,7 +44,8 @@ class DevicePolicy:
     * ``backend``: ``"host"`` (memfd pages mapped with ``mmap``) or ``"cuda"`` (driver VMM);
     * ``layout``: the contiguous layout used by default (see :mod:`hf_vkv.cache.layouts` and
       ``docs/layouts.md`` for the measurements behind it);
-    * ``budget``: ``"unbounded"`` (the reservation bounds it) or ``"free-memory"``
+    * ``budget``: ``"mem-available"`` (a share of the host's ``MemAvailable``:
+      :func:`~hf_vkv.memory.limits.default_host_budget`) or ``"free-memory"``
       (:func:`default_cuda_budget`);
     * ``prefill_once``: whether ``generate``'s prefill runs each repeated prompt once by default
       (:mod:`hf_vkv.prefill_once`): on where a row of a batch-B forward was measured to equal the
@@ -61,7 +63,7 @@ class DevicePolicy:
 
 
 _POLICIES = {
-    "cpu": DevicePolicy(device_type="cpu", backend="host", layout="head_major", budget="unbounded",
+    "cpu": DevicePolicy(device_type="cpu", backend="host", layout="head_major", budget="mem-available",
                          prefill_once=True),
     "cuda": DevicePolicy(device_type="cuda", backend="cuda", layout="token_major", budget="free-memory",
                           prefill_once=False),
@@ -95,12 +97,15 @@ def arena_for_device(device: torch.device, *, page_bytes: int | None, budget_byt
 
     ``page_bytes`` / ``budget_bytes`` come from ``cache_config``. ``None`` page size: the
     backend's default (host 256 KiB; CUDA the driver's allocation granularity, 2 MiB on
-    H100/H200). ``None`` budget: none beyond the reservation on the CPU; on CUDA
+    H100/H200). ``None`` budget: on the CPU
+    :func:`~hf_vkv.memory.limits.default_host_budget` (half of ``MemAvailable``), on CUDA
     :func:`default_cuda_budget`.
     """
     device = torch.device(device)
     if policy_for(device).backend == "host":
         backend = HostBackend(page_bytes=page_bytes) if page_bytes else HostBackend()
+        if budget_bytes is None:  # never unbounded: a share of the memory available now
+            budget_bytes = default_host_budget()
         return Arena(backend, budget_bytes=budget_bytes)
     return _cuda_arena(device, page_bytes=page_bytes, budget_bytes=budget_bytes)
 

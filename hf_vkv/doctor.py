@@ -157,6 +157,19 @@ def _own_mappings() -> int:
         return 0
 
 
+def check_host_budget() -> Check:
+    """The CPU's default KV budget: a share of ``MemAvailable`` per cache (``budget_bytes`` overrides)."""
+    from .memory.limits import HOST_BUDGET_FRACTION, default_host_budget, mem_available
+
+    available, budget = mem_available(), default_host_budget()
+    if available is None or budget is None:
+        return Check("cpu budget", "warn", "cannot read MemAvailable from /proc/meminfo: host caches are unbounded "
+                     "unless cache_config['budget_bytes'] is given", fix="pass cache_config={'budget_bytes': ...}")
+    return Check("cpu budget", "ok", f"{_size(budget)} per cache by default ({HOST_BUDGET_FRACTION:.0%} of "
+                 f"MemAvailable {_size(available)}); cache_config['budget_bytes'] sets another; page_bytes 4 KiB .. "
+                 f"2 MiB on the host")
+
+
 def check_map_count() -> Check:
     """``vm.max_map_count`` bounds the mappings of the process: every row maps at least one range
     per layer group (head-major: per (layer, K/V, head) sub-row), two with a shared prompt, and at
@@ -170,9 +183,14 @@ def check_map_count() -> Check:
     layout, page = default_layout_and_page("cpu")
     per_row = 2 * (_DEFAULT_MODEL_SUBROWS if layout == "head_major" else 1)
     rows = free // per_row
+    from .memory.map_budget import PROCESS_MAP_BUDGET as budget
+
+    budget.others(fresh=True)
     detail = (f"{limit:,} ({used:,} used by this process): at worst one mapping per page, so {free:,} pages x "
               f"{_size(page)} = {_size(free * page)} of KV mapped at once; at best {per_row} per row with a shared "
-              f"prompt ({layout}{', SmolLM2-135M' if layout == 'head_major' else ''}), so <= {rows:,} rows")
+              f"prompt ({layout}{', SmolLM2-135M' if layout == 'head_major' else ''}), so <= {rows:,} rows; "
+              f"mapping budget: vkv may map {max(budget.available(), 0):,} more ({budget.headroom:,} left as headroom "
+              f"for the rest of the process), and refuses a step past it with KVCacheOutOfMemory before any change")
     if rows < 64:
         return Check("vm.max_map_count", "warn", detail, fix=_SYSCTL_FIX)
     return Check("vm.max_map_count", "ok", detail)
@@ -319,6 +337,7 @@ CHECKS: tuple[tuple[str, Callable[[], Check]], ...] = (
     ("platform", check_platform),
     ("host backend", check_host_backend),
     ("layout", check_layout),
+    ("cpu budget", check_host_budget),
     ("vm.max_map_count", check_map_count),
     ("cuda", check_cuda),
     ("triton", check_triton),

@@ -34,7 +34,7 @@ from transformers.generation.utils import GenerationMixin
 from .attention import register_attention
 from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
-from .cache.options import from_transformers_keys
+from .cache.options import config_dict, from_transformers_keys
 from .cache.export import register_pytree
 from .prefill_once import prefill
 
@@ -141,7 +141,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-    cache_config = from_transformers_keys(dict(generation_config.cache_config or {}))  # max_cache_len: max_tokens
+    cache_config = from_transformers_keys(config_dict(generation_config.cache_config))  # a string: TypeError; max_cache_len: max_tokens
     if generation_config.compile_config is not None and cache_config.get("layout") is None:
         cache_config["layout"] = "static"  # compiling: the layout StaticLayer's contract holds for
     if cache_config.get("layout") == "static" and cache_config.get("max_tokens") is None:

@@ -74,10 +74,17 @@ class FaultyBackend:
         self.failures = 0
         self.resident_bytes_at_close: int | None = None
         self._armed: tuple[str, int, bool] | None = None
+        self._also: tuple[str, int] | None = None
 
     def arm(self, method: str, fail_at: int, *, partial: bool = False) -> None:
         assert method in self.FAULTABLE and fail_at >= 1
         self._armed = (method, self.calls[method] + fail_at, partial)
+
+    def arm_also(self, method: str, fail_at: int) -> None:
+        """A second failure, of the ``fail_at``-th call of ``method`` from now (another method's
+        than :meth:`arm`'s, or a later call of the same): it hits a rollback's calls."""
+        assert method in self.FAULTABLE and fail_at >= 1
+        self._also = (method, self.calls[method] + fail_at)
 
     @property
     def armed(self) -> bool:
@@ -85,11 +92,15 @@ class FaultyBackend:
 
     def disarm(self) -> bool:
         """Forget the armed failure; return whether it was still pending."""
-        pending, self._armed = self._armed is not None, None
+        pending, self._armed, self._also = self._armed is not None, None, None
         return pending
 
     def _fails(self, method: str) -> bool:
         self.calls[method] += 1
+        if self._also is not None and self._also == (method, self.calls[method]):
+            self._also = None
+            self.failures += 1
+            return True
         if self._armed is not None and self._armed[0] == method and self._armed[1] == self.calls[method]:
             self._armed = None
             self.failures += 1
@@ -114,10 +125,10 @@ class FaultyBackend:
             raise BackendError("mmap", "injected failure")
         self.inner.unmap(address, num_pages)
 
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
         if self._fails("copy"):
             raise BackendError("copy", "injected failure")
-        self.inner.copy(pairs)
+        self.inner.copy(pairs, nbytes)
 
     def close(self) -> None:
         if self.resident_bytes_at_close is None:

@@ -23,7 +23,7 @@ from .grad import refuse_trainable_states
 from .group import LayerGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
-from .options import CacheOptions
+from .options import CacheOptions, config_dict
 from .sources import ArenaSource, LayoutMaker
 from .workload import layout_for_generate
 from .stats import CacheStats, GroupStats
@@ -169,7 +169,7 @@ class VKVCache(Cache):
         else the one a measured workload (``num_beams``, ``prompt_tokens``) calls for
         (:func:`~hf_vkv.cache.workload.layout_for_generate`), else the device's.
         """
-        options = dict(cache_config or {})
+        options = config_dict(cache_config)
         if options.get("layout") is None and getattr(model.config, "_attn_implementation", None) != PAGED_ATTENTION:
             layout = layout_for_generate(device_type=model.device.type, num_beams=num_beams,
                                          prompt_tokens=prompt_tokens)
@@ -334,6 +334,11 @@ class VKVCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` takes row ``beam_idx[i]``'s pages (``beam_idx``: int tensor, any device): no copy."""
+        if not isinstance(beam_idx, torch.Tensor) or beam_idx.is_floating_point() or beam_idx.is_complex() \
+                or beam_idx.dtype == torch.bool or beam_idx.dim() != 1:
+            raise TypeError(f"reorder_cache takes a 1-d integer tensor of row indices (beam_idx), got "
+                            f"{getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
+                            f"{tuple(getattr(beam_idx, 'shape', ()))}; pass e.g. beam_idx.long()")
         index = [int(i) for i in beam_idx.tolist()]  # one host transfer for every group
         self._row_operation(lambda group: group.reorder(index), lambda layer: layer.reorder_cache(beam_idx))
 
@@ -463,7 +468,7 @@ class VKVCache(Cache):
 
     def _fork(self) -> VKVCache:
         other = copy.copy(self)
-        twins = {id(g): g.fork(self._arena_for) for g in self._groups}
+        twins = {id(g): g.fork(other._arena_for) for g in self._groups}
         other._groups = [twins[id(g)] for g in self._groups]
         other.layers = []
         for layer in self.layers:

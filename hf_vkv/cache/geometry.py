@@ -41,6 +41,20 @@ class GroupGeometry:
             )
         return cls(k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
 
+    def check(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Raise :class:`LayerMismatchError` unless ``[B, H, q, D]`` states of ``layer`` have this
+        geometry (a wrong-shaped update, or a cache reused with another model). Cheap: on every
+        update's path."""
+        k, v = key_states, value_states
+        if (k.dim() != 4 or v.dim() != 4 or k.shape[1] != self.kv_heads or k.shape[3] != self.key_dim
+                or v.shape[3] != self.value_dim or k.shape[:3] != v.shape[:3] or k.dtype != self.dtype
+                or v.dtype != self.dtype or k.device != self.device or v.device != self.device):
+            raise LayerMismatchError(
+                f"layer {layer}: got keys {tuple(k.shape)} / values {tuple(v.shape)} ({k.dtype}, {v.dtype} on "
+                f"{k.device}) but this cache holds {self.describe()} as [batch, kv_heads, tokens, head_dim]; a cache "
+                f"serves the model it was made for: create a new one for another model"
+            )
+
     @property
     def token_elements(self) -> int:
         """Elements of one token of one layer, keys and values."""

@@ -136,6 +136,7 @@ class LayerGroup:
         """Store member ``layer``'s new ``[B, H, q, D]`` states after its cached tokens and return
         what attention reads: ``[B, H, kv_length, D]`` (``kv_length`` as the mask's) or, in the
         paged layout, the tagged new states."""
+        self.geometry.check(layer, key_states, value_states)
         member = self.member_of[layer]
         start = self.lengths[member]
         end = start + key_states.shape[2]
@@ -368,7 +369,7 @@ class LayerGroup:
         other._kept_from = self._kept_from
         other.written_from = self.written_from
         if self.buffer is not None and self.geometry is not None:
-            other.layout = self._make_layout(self.geometry, len(self.members))
+            other.layout = make_layout(self.geometry, len(self.members))
             other.buffer = self.buffer.fork()
         return other
 

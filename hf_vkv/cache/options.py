@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, fields
+from collections.abc import Mapping
 from typing import Any, Literal
 
+from ..memory.limits import MIN_PAGE_BYTES, check_page_bytes
 from .layouts import LAYOUTS
 
-__all__ = ["CacheOptions", "LAYOUT_NAMES", "TRANSFORMERS_KEYS", "from_transformers_keys"]
+__all__ = ["CacheOptions", "LAYOUT_NAMES", "TRANSFORMERS_KEYS", "config_dict", "from_transformers_keys"]
 
 Groups = Literal["kind", "layer"]
 #: Names ``layout`` accepts: the layouts, ``"static"`` (the compileable layout over the device's
 #: contiguous one) and ``"contiguous"`` (the device's default contiguous layout).
 LAYOUT_NAMES = (*LAYOUTS, "static", "contiguous")
 _GROUP_POLICY = {"model": ("token_major", "kind"), "layer": ("token_major", "layer"), "head": ("head_major", "kind")}
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """``cache_config`` as a new dict (``None``: empty); ``TypeError`` naming it for anything
+    that is not a mapping (a string such as ``"page_bytes=4096"``)."""
+    if config is not None and not isinstance(config, Mapping):
+        raise TypeError(f"cache_config must be a dict such as {{'page_bytes': 4096}}, got {type(config).__name__} "
+                        f"{config!r}")
+    return dict(config or {})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +75,12 @@ class CacheOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"cache_config[{name!r}] must be a positive int, got {value!r}")
+        if self.page_bytes is not None:
+            check_page_bytes(self.page_bytes)  # the backend of the device checks its own range too
+        if self.budget_bytes is not None and self.budget_bytes < (self.page_bytes or MIN_PAGE_BYTES):
+            raise ValueError(f"cache_config['budget_bytes']={self.budget_bytes:,} is smaller than one page "
+                             f"({self.page_bytes or MIN_PAGE_BYTES:,} bytes): give at least a page per layer group, "
+                             f"or leave it unset for the default")
         if self.map_ahead is not None and (isinstance(self.map_ahead, bool) or not isinstance(self.map_ahead, int)
                                            or self.map_ahead < 0):
             raise ValueError(f"cache_config['map_ahead'] must be an int >= 0, got {self.map_ahead!r}")
@@ -102,9 +119,9 @@ class CacheOptions:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | None) -> CacheOptions:
-        """Parse a ``cache_config`` dict; transformers' own cache keys are translated
-        (:func:`from_transformers_keys`); an unknown key is an error naming the known ones."""
-        config = from_transformers_keys(dict(config or {}))
+        """Parse a ``cache_config`` dict (:func:`config_dict`); transformers' own cache keys are
+        translated (:func:`from_transformers_keys`); an unknown key is an error naming the known ones."""
+        config = from_transformers_keys(config_dict(config))
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:

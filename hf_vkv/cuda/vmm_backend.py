@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ..memory.errors import BackendError, CacheClosedError, KVCacheOutOfMemory
+from ..memory.limits import MAX_CUDA_PAGE_BYTES, PageSizeError
 from ..memory.pool import PageId
 from ..memory.runs import consecutive_runs as _runs
 from .driver import CudaDriverError, Driver
@@ -103,8 +104,11 @@ class CudaBackend:
         if page_bytes is None:
             page_bytes = granularity
         if not isinstance(page_bytes, int) or page_bytes <= 0 or page_bytes % granularity:
-            raise ValueError(f"page_bytes must be a positive multiple of the device's allocation granularity "
-                             f"({granularity:,} bytes), got {page_bytes!r}")
+            raise PageSizeError(f"cache_config['page_bytes'] must be a positive multiple of the device's allocation "
+                                f"granularity ({granularity:,} bytes) up to {MAX_CUDA_PAGE_BYTES:,}, got {page_bytes!r}")
+        if page_bytes > max(MAX_CUDA_PAGE_BYTES, granularity):
+            raise PageSizeError(f"cache_config['page_bytes']={page_bytes:,} is larger than {MAX_CUDA_PAGE_BYTES:,} "
+                                f"bytes; use a multiple of the granularity ({granularity:,}) up to that")
         self.page_bytes = page_bytes
         self._align = _alignment(page_bytes)
         if max_pages is None:
@@ -350,7 +354,10 @@ class CudaBackend:
                 if done:
                     self._timed("unmap", self._driver.unmap, address, done * page)
                 if self._is_readable(address):
-                    self._fill_scratch(address, list(range(len(pages))))
+                    try:  # best effort: the caller's rollback (or reset) fills what is still empty
+                        self._fill_scratch(address, list(range(len(pages))))
+                    except BaseException:  # noqa: BLE001  (the map's own error is the one to report)
+                        pass
                 raise
         for k, p in enumerate(pages):
             self._mapped[address + k * page] = p
@@ -365,6 +372,20 @@ class CudaBackend:
         if num_pages <= 0:
             return
         with self._driver.current():
+            self._unmap_slots(address, num_pages, scratch=False)
+            if self._is_readable(address):
+                page = self.page_bytes
+                self._fill_scratch(address, [k for k in range(num_pages) if address + k * page not in self._scratch_at])
+
+    def reset(self, address: int, nbytes: int) -> None:
+        """Unmap every real page of the reservation at ``address``; in a readable one, every slot
+        holds the scratch page afterwards (the last resort of a rollback that failed: no slot a
+        kernel may read is left unbacked)."""
+        self._open()
+        if self._reservations.get(address) != nbytes:
+            raise BackendError("reset", f"no reservation of {nbytes} bytes at {address:#x}")
+        with self._driver.current():
+            num_pages = nbytes // self.page_bytes
             self._unmap_slots(address, num_pages, scratch=False)
             if self._is_readable(address):
                 page = self.page_bytes
@@ -436,8 +457,9 @@ class CudaBackend:
         return self._handle_of(page)
 
     # ----------------------------------------------------------------------------- data
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
-        """Queue a page copy per ``(src, dst)`` on torch's current stream (through the window)."""
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
+        """Queue a page copy per ``(src, dst)`` on torch's current stream (through the window):
+        its first ``nbytes[k]`` bytes (the written part), or the whole page."""
         self._open()
         if not pairs:
             return
@@ -449,9 +471,11 @@ class CudaBackend:
             slots.append((self._slot_of[src], self._slot_of[dst]))
         stream = self._hooks.stream()
         with self._driver.current():
-            for s, d in slots:
-                self._timed("copy", self._driver.copy_async, self._slot_address(d), self._slot_address(s),
-                            self.page_bytes, stream)
+            for k, (s, d) in enumerate(slots):
+                n = self.page_bytes if nbytes is None else nbytes[k]
+                if n:
+                    self._timed("copy", self._driver.copy_async, self._slot_address(d), self._slot_address(s),
+                                n, stream)
                 self._counts["pages_copied"] += 1
 
     def tensor(self, address: int, nbytes: int, owner: object) -> torch.Tensor:

@@ -45,8 +45,8 @@ class Arena(OpenTables):
         self.backend.ensure_id_space(self.pool.id_space)
         self.backend.create(pages)
 
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
-        self.backend.copy(pairs)
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
+        self.backend.copy(pairs, nbytes)
 
     def release(self, pages: Sequence[PageId]) -> None:
         self.backend.release(pages)

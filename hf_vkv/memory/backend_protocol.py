@@ -56,8 +56,14 @@ class Backend(Protocol):
         """Unmap ``num_pages`` pages from ``address`` on; the range stays reserved (and readable if
         it was reserved so)."""
 
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
-        """Copy the bytes of page ``src`` to page ``dst`` for each ``(src, dst)``."""
+    def reset(self, address: int, nbytes: int) -> None:
+        """Unmap every page of the whole reservation at ``address`` at once, leaving it reserved
+        as :meth:`reserve` made it (the last resort of a rollback that failed: no hole, nothing
+        stale mapped)."""
+
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
+        """Copy the bytes of page ``src`` to page ``dst`` for each ``(src, dst)``: the first
+        ``nbytes[k]`` of them (a copy-on-write of a partly written page), or all of them."""
 
     def tensor(self, address: int, nbytes: int, owner: object) -> torch.Tensor:
         """A zero-copy ``uint8`` tensor ``[nbytes]`` over ``[address, address + nbytes)`` that keeps

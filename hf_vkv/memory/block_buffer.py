@@ -80,7 +80,8 @@ class BlockStore(OpenTables):
             self._store.grow([0], need)  # may raise KVCacheOutOfMemory: the caller's transaction rolls back
             self._view = None
 
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
+        # whole blocks (a block is a few KiB: one gathered copy beats per-block slices)
         if pairs:
             blocks = self.blocks()
             src = torch.tensor([s for s, _ in pairs], device=blocks.device)

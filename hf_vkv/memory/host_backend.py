@@ -8,7 +8,10 @@
 * map = ``mmap(MAP_SHARED | MAP_FIXED, memfd, p * page_bytes)``, one call per run of consecutive
   ids (so the kernel merges a row's pages into one mapping: Linux allows ``vm.max_map_count``);
 * unmap = re-reserve the range as it was reserved (``munmap`` would open a hole that an unrelated
-  ``mmap`` could take);
+  ``mmap`` could take); a ``MAP_FIXED`` that fails is followed by the same re-reserve, so a failed
+  map or unmap never leaves a hole, and :meth:`HostBackend.reset` re-reserves a whole reservation
+  in one call (the last resort of a rollback);
+* mappings count against ``vm.max_map_count``: buffers check :data:`map_budget` before they change any;
 * release = ``fallocate(PUNCH_HOLE)``; resident bytes = the memfd's allocated blocks (RSS counts an
   aliased page once per mapping).
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import weakref
@@ -27,6 +31,8 @@ from collections.abc import Sequence
 import torch
 
 from .errors import BackendError, CacheClosedError
+from .limits import MAX_HOST_PAGE_BYTES, check_page_bytes
+from .map_budget import PROCESS_MAP_BUDGET, process_mappings, read_max_map_count
 from .pool import PageId
 from .runs import consecutive_runs
 
@@ -61,7 +67,12 @@ def _mmap(address: int | None, nbytes: int, prot: int, flags: int, fd: int, offs
     out = _lib().mmap(address, nbytes, prot, flags, fd, offset)
     if out is None or out == _MAP_FAILED:
         err = ctypes.get_errno()
-        raise BackendError("mmap", f"{os.strerror(err)} (errno {err}; {nbytes} bytes at {address!r})")
+        where = "anywhere" if address is None else f"{address:#x}"
+        hint = ""
+        if err == errno.ENOMEM:  # the usual cause at a fixed address: the mapping limit, not memory
+            hint = (f"; the process holds {process_mappings():,} mappings and vm.max_map_count is "
+                    f"{read_max_map_count():,}")
+        raise BackendError("mmap", f"{os.strerror(err)} (errno {err}; {nbytes:,} bytes at {where}{hint})")
     if address is not None and flags & _MAP_FIXED and out != address:
         raise BackendError("mmap", f"MAP_FIXED returned {out:#x} instead of {address:#x}")
     return int(out)
@@ -94,8 +105,10 @@ class HostBackend:
             raise ValueError(
                 f"page_bytes must be a positive multiple of the OS page size ({mmap.PAGESIZE}), got {page_bytes}"
             )
+        check_page_bytes(page_bytes, low=mmap.PAGESIZE, high=MAX_HOST_PAGE_BYTES, where=" of the host (CPU)")
         self.page_bytes = page_bytes
         self.device = torch.device("cpu")
+        self.map_budget = PROCESS_MAP_BUDGET  # vm.max_map_count is per process
         self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
         self._id_space = 0
         self._pool_view: tuple[_Mapping, torch.Tensor] | None = None
@@ -168,15 +181,40 @@ class HostBackend:
         for first, count in consecutive_runs(pages):
             if first + count > self._id_space:
                 raise BackendError("mmap", f"pages {first}..{first + count - 1} outside id space {self._id_space}")
-            _mmap(address + pos * self.page_bytes, count * self.page_bytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED,
-                  fd, first * self.page_bytes)
+            at, nbytes = address + pos * self.page_bytes, count * self.page_bytes
+            try:
+                _mmap(at, nbytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED, fd, first * self.page_bytes)
+            except BackendError:
+                self._rereserve(at, nbytes)  # a failed MAP_FIXED may have unmapped the range: no hole
+                raise
             pos += count
 
     def unmap(self, address: int, num_pages: int) -> None:
         if num_pages:
-            prot = _PROT_RW if self._in_readable(address) else _PROT_NONE
-            _mmap(address, num_pages * self.page_bytes, prot,
-                  _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+            try:
+                self._rereserve_or_raise(address, num_pages * self.page_bytes)
+            except BackendError:
+                self._rereserve(address, num_pages * self.page_bytes)  # one more try: no hole
+                raise
+
+    def reset(self, address: int, nbytes: int) -> None:
+        """Unmap everything in the reservation at ``address`` with one call: it is reserved (and
+        readable if it was reserved so) and holds no page afterwards."""
+        if self._reservations.get(address) != nbytes:
+            raise BackendError("reset", f"no reservation of {nbytes} bytes at {address:#x}")
+        self._rereserve_or_raise(address, nbytes)
+
+    def _rereserve_or_raise(self, address: int, nbytes: int) -> None:
+        prot = _PROT_RW if self._in_readable(address) else _PROT_NONE
+        _mmap(address, nbytes, prot, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+
+    def _rereserve(self, address: int, nbytes: int) -> None:
+        """Best effort after a failure (the caller raises the first error, and its rollback or
+        :meth:`reset` restores the range)."""
+        try:
+            self._rereserve_or_raise(address, nbytes)
+        except BackendError:
+            pass
 
     def _in_readable(self, address: int) -> bool:
         """Whether ``address`` lies in a reservation made with ``readable=True``."""
@@ -202,11 +240,13 @@ class HostBackend:
             self._pool_view = (mapping, self.tensor(address, nbytes, mapping).view(self._id_space, self.page_bytes))
         return self._pool_view[1]
 
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
         if pairs:
             view = self.pool_tensor()
-            for src, dst in pairs:
-                view[dst].copy_(view[src])
+            for k, (src, dst) in enumerate(pairs):
+                n = self.page_bytes if nbytes is None else nbytes[k]
+                if n:  # only the written part: the rest of a fresh page is never read before written
+                    view[dst, :n].copy_(view[src, :n])
 
     def close(self) -> None:
         """Close the memfd: its memory goes once no mapping refers to it. Reservations are given

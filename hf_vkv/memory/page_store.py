@@ -38,8 +38,9 @@ class PageStore(Protocol):
     def create(self, pages: Sequence[PageId]) -> None:
         """Make freshly allocated ``pages`` usable (called before they are written)."""
 
-    def copy(self, pairs: Sequence[tuple[PageId, PageId]]) -> None:
-        """Copy page ``src`` to page ``dst`` for each ``(src, dst)``."""
+    def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
+        """Copy page ``src`` to page ``dst`` for each ``(src, dst)``: its first ``nbytes[k]``
+        bytes (the part written so far), or the whole page when ``nbytes`` is None."""
 
     def release(self, pages: Sequence[PageId]) -> None:
         """Give back pages created by a transaction that is being rolled back."""

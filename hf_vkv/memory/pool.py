@@ -110,6 +110,17 @@ class PagePool:
         for step in reversed(undo):
             step()
 
+    def keep_resident(self, pages: Iterable[PageId]) -> None:
+        """After a rollback: ``pages`` (created by the rolled-back transaction, unreferenced) could
+        not be given back, so they stay resident free and are recycled, never created again. Within
+        the budget: the transaction held them in use."""
+        if self._undo is not None:
+            raise InvariantError("PagePool.keep_resident() inside an open transaction")
+        for page in pages:
+            if page in self._refs:
+                raise InvariantError(f"page {page} is in use: it cannot be kept as a free page")
+            self._resident_free[page] = None
+
     def _record(self, step: Callable[[], None]) -> None:
         if self._undo is not None:
             self._undo.append(step)

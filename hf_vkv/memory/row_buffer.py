@@ -203,11 +203,15 @@ class RowBuffer(ABC):
             return  # inside the rows' own last pages: no page made, copied or mapped
         with self._transaction() as table:
             ib = self.item_bytes
+            page = self.store.page_bytes
             for t in self._expand(rows):
+                written = table.row(t).length  # a CoW copies the bytes written so far, not whole pages
                 self._create(table.grow(t, end * ib))
                 copies, created = table.cow(t, start * ib, end * ib)
                 self._create(created)
-                self.store.copy([(c.src, c.dst) for c in copies])
+                if copies:
+                    self.store.copy([(c.src, c.dst) for c in copies],
+                                    [min(page, max(0, written - c.index * page)) for c in copies])
 
     def share(self, src: int, dsts: Iterable[int], *, length: int | None = None) -> None:
         """Make each row of ``dsts`` hold the first ``length`` items of ``src`` (all by default)
@@ -325,13 +329,28 @@ class RowBuffer(ABC):
             table.rollback()
             pool.rollback()
             if self._created:
-                self.store.release(self._created)
+                _give_back(self.store, self._created)
             raise
         else:
             table.commit()
             pool.commit()
         finally:
             self._created = []
+
+
+def _give_back(store: PageStore, pages: list[PageId]) -> None:
+    """A rollback's release of the pages it created: one at a time, and a page that cannot be
+    released stays resident free in the pool (so it is recycled, not created twice). Never
+    raises: the error being rolled back is the one to report, and the rollback must not stop
+    half way (issue 22)."""
+    kept = []
+    for page in pages:
+        try:
+            store.release([page])
+        except Exception:  # noqa: BLE001
+            kept.append(page)
+    if kept:
+        store.pool.keep_resident(kept)
 
 
 def return_pages(table: PageTable, store: PageStore, untranslate: Callable[[], None] | None = None) -> None:

@@ -4,12 +4,18 @@ A :class:`VirtualBuffer` is the contiguous translator of a :class:`~hf_vkv.memor
 row ``r``'s item ``t`` lives at byte ``r * row_stride + t * item_bytes`` of one reservation, and
 the row's physical pages are mapped there in order, so a row is an ordinary strided tensor while
 its pages may be shared with other rows or other buffers of the same :class:`Arena` (forks).
-A backend failure while mapping is undone with the rest of the transaction.
+A backend failure while mapping is undone with the rest of the transaction; if undoing it fails
+too, the whole reservation is reset to reserved-and-unmapped in one call and the buffer closed,
+so a reservation never holds a hole or a stale mapping. Before it changes a mapping, a buffer on
+a backend with a mapping budget (the host's ``vm.max_map_count``) checks that the change fits
+(:mod:`.map_budget`).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -17,6 +23,7 @@ import torch
 from .arena import Arena
 from .backend_protocol import Backend
 from .errors import BackendError, CacheClosedError
+from .map_budget import MapBudget, mapping_change
 from .page_table import PageTable, Row
 from .pool import PageId
 from .row_buffer import _CLOSED, BufferStats, RowBuffer, return_pages
@@ -33,9 +40,15 @@ class _Reservation:
     ``close()`` runs the closer at once."""
 
     def __init__(self, backend: Backend, nbytes: int, *, readable: bool) -> None:
+        self.budget: MapBudget | None = getattr(backend, "map_budget", None)
+        if self.budget is not None:
+            self.budget.check(1)
         self.address = backend.reserve(nbytes, readable=readable)
         self.nbytes = nbytes
         self.closer: _Closer | None = None
+        self.mappings = 1  # kernel mappings the range holds now (charged to ``budget``)
+        if self.budget is not None:
+            self.budget.charge(1)
         # The finalizer reads the closer from the instance dict (not the instance: that would keep it alive).
         weakref.finalize(self, _release, self.__dict__, backend, self.address, nbytes)
 
@@ -45,12 +58,13 @@ class _Closer:
 
     def __init__(self, table: PageTable, arena: Arena, address: int, row_stride: int) -> None:
         self._args: tuple[PageTable, Arena, int, int] | None = (table, arena, address, row_stride)
+        self.unmapped = False  # the whole range was reset: nothing left to unmap
 
     def __call__(self) -> None:
         args, self._args = self._args, None
         if args is not None:
             table, arena = args[:2]
-            return_pages(table, arena, partial(_unmap_rows, *args))
+            return_pages(table, arena, None if self.unmapped else partial(_unmap_rows, *args))
 
 
 def _release(state: dict, backend: Backend, address: int, nbytes: int) -> None:
@@ -59,6 +73,8 @@ def _release(state: dict, backend: Backend, address: int, nbytes: int) -> None:
         if state.get("closer") is not None:
             state["closer"]()
     finally:
+        if state.get("budget") is not None:
+            state["budget"].charge(-state["mappings"])
         backend.unreserve(address, nbytes)
 
 
@@ -85,6 +101,7 @@ class VirtualBuffer(RowBuffer):
                              "several parts are a SubRowBuffer's")
         super().__init__(arena, rows=rows, capacity=capacity, item_bytes=item_bytes, hinted=True, parts=parts)
         self.readable = readable
+        self._broken = False  # a rollback failed and the reservation was reset: the buffer closes
         try:
             self.row_stride = self.pages_per_row * arena.page_bytes  # bytes between table rows
             nbytes = rows * parts * self.row_stride
@@ -146,42 +163,111 @@ class VirtualBuffer(RowBuffer):
         return self._reservation.address + row * self.row_stride + index * self.store.page_bytes
 
     def _sync(self, changed: dict[int, Row]) -> None:
-        """Make the mappings of the changed rows follow the table; undo all of it on failure."""
+        """Make the mappings of the changed rows follow the table, after checking the mapping
+        budget; undo all of it on failure (see :meth:`_undo`)."""
+        plan = [(r, first, before, after) for r, old in changed.items()
+                for first, before, after in _slot_changes(old, self._table.row(r))]
+        if not plan:
+            return
+        reservation = self._reservation
+        final = 0
+        if reservation.budget is not None:
+            peak, final = self._mapping_change(plan, changed)
+            reservation.budget.check(peak)  # nothing changed yet: the cache stays usable
         done: list[tuple[int, int, list[PageId | None], list[PageId | None]]] = []
+        for r, first, before, after in plan:
+            reached = [0]
+            try:
+                self._apply(r, first, after, reached)
+            except BaseException as exc:
+                # A failed map of several runs may have mapped a prefix of them: restore up to there.
+                done.append((r, first, before[:reached[0]], after[:reached[0]]))
+                self._undo(done, exc)
+                raise
+            done.append((r, first, before, after))
+        if reservation.budget is not None:
+            reservation.budget.charge(final)
+            reservation.mappings += final
+
+    def _mapping_change(self, plan: list, changed: dict[int, Row]) -> tuple[int, int]:
+        """``(peak, final)`` change in the kernel mappings of the reservation for ``plan``."""
+        ppr, table = self.pages_per_row, self._table
+
+        def page(row: Row, slot: int) -> PageId | None:
+            return row.pages[slot - row.start] if row.start <= slot < row.end else None
+
+        def old(g: int) -> PageId | None:
+            r = g // ppr
+            return page(changed[r] if r in changed else table.row(r), g % ppr)
+
+        def new(g: int) -> PageId | None:
+            return page(table.row(g // ppr), g % ppr)
+
+        runs = [(r * ppr + first, len(after)) for r, first, _, after in plan]
+        return mapping_change(runs, old, new, table.rows * ppr)
+
+    def _undo(self, done: list, cause: BaseException) -> None:
+        """Put back what ``done`` changed, newest first. If that fails too, reset the whole
+        reservation in one call (nothing mapped, no hole), close the buffer once its transaction
+        has rolled back (:meth:`_transaction`), and raise one error naming both causes."""
         try:
-            for r, old in changed.items():
-                for first, before, after in _slot_changes(old, self._table.row(r)):
-                    self._apply(r, first, after, before)
-                    done.append((r, first, before, after))
-        except BaseException:
             for r, first, before, after in reversed(done):
-                self._apply(r, first, before, after)
+                if before:
+                    self._apply(r, first, before, [0])
+        except BaseException as again:  # noqa: BLE001  (any failure here means: reset)
+            self._broken = True
+            try:
+                self.store.backend.reset(self._reservation.address, self._reservation.nbytes)
+            except BaseException:  # noqa: BLE001  (the closer still unmaps row by row)
+                pass
+            else:
+                self._finalizer.unmapped = True
+                if self._reservation.budget is not None:
+                    self._reservation.budget.charge(1 - self._reservation.mappings)
+                    self._reservation.mappings = 1
+            detail = cause.detail if isinstance(cause, BackendError) else _detail(cause)
+            raise BackendError(getattr(cause, "call", "map"),
+                               f"{detail}, and restoring the mappings failed too ({_root(again)}), so "
+                               f"this cache was closed and its pages returned: create a new cache") from None
+
+    @contextmanager
+    def _transaction(self) -> Iterator[PageTable]:
+        """The base transaction; a buffer whose mappings could not be restored closes after it
+        rolled back its table and pool."""
+        try:
+            with super()._transaction() as table:
+                yield table
+        except BaseException:
+            if self._broken and not self._closed:
+                self.close()
             raise
 
-    def _apply(self, row: int, first: int, pages: list[PageId | None], before: list[PageId | None]) -> None:
-        """Set slots ``first ..`` of ``row`` to ``pages`` (None = unmapped), atomically."""
+    def _apply(self, row: int, first: int, pages: list[PageId | None], reached: list[int]) -> None:
+        """Set slots ``first ..`` of ``row`` to ``pages`` (None = unmapped), one backend call per
+        run; ``reached[0]`` says how far the calls got (the end of the run being made)."""
         backend = self.store.backend
-        k = j = 0
-        try:
-            while k < len(pages):
-                j = k + 1
-                while j < len(pages) and (pages[j] is None) == (pages[k] is None):
-                    j += 1
-                address = self._slot_address(row, first + k)
-                if pages[k] is None:
-                    backend.unmap(address, j - k)
-                else:
-                    backend.map(address, pages[k:j])  # type: ignore[arg-type]
-                k = j
-        except BaseException:
-            # Restore up to j, not k: a failed map of several runs may have mapped a prefix of them.
-            if j:
-                try:
-                    self._apply(row, first, before[:j], pages[:j])
-                except BaseException as again:
-                    raise BackendError("rollback", f"could not restore the mappings ({again}); "
-                                                   "this cache is unusable") from again
-            raise
+        k = 0
+        while k < len(pages):
+            j = k + 1
+            while j < len(pages) and (pages[j] is None) == (pages[k] is None):
+                j += 1
+            reached[0] = j
+            address = self._slot_address(row, first + k)
+            if pages[k] is None:
+                backend.unmap(address, j - k)
+            else:
+                backend.map(address, pages[k:j])  # type: ignore[arg-type]
+            k = j
+
+
+def _detail(exc: BaseException) -> str:
+    """An error's own words, without a class name (one sentence for the combined message)."""
+    return str(exc) or type(exc).__name__
+
+
+def _root(exc: BaseException) -> str:
+    """``call: detail`` of a backend error, else its words: never a nested chain."""
+    return f"{exc.call}: {exc.detail}" if isinstance(exc, BackendError) else _detail(exc)
 
 
 def _slot_changes(old: Row, new: Row) -> list[tuple[int, list[PageId | None], list[PageId | None]]]:

@@ -1,14 +1,22 @@
 """Prefix files: one batch-1 cache and its token ids in a safetensors file.
 
-Layout of a file (format version 1, layout ``"contiguous"``):
+Layout of a file (format version 2, layout ``"contiguous"``):
 
 * tensors ``layers.{i}.keys`` / ``layers.{i}.values``: layer ``i``'s cached K/V, ``[1, kv_heads,
   T_i, head_dim]`` in the cache's dtype. ``T_i`` is the whole prefix for full-attention layers and
   its last ``window - 1`` tokens for sliding-window layers (all they keep);
 * metadata key ``"hf_vkv_prefix"``: JSON with ``format``, ``version``, ``layout``, ``dtype``,
   ``length``, ``token_ids``, ``config_fingerprint`` and ``config_fields`` (what was hashed, to say
-  what differs), ``weights_fingerprint`` (when saved with the model), and per layer its
-  ``start`` (the position of its first saved token) and ``window``.
+  what differs), ``weights_fingerprint`` (when saved with the model), per layer its
+  ``start`` (the position of its first saved token) and ``window``, and ``checksums``: a digest
+  of every tensor's bytes, of the token ids and of the rest of the metadata
+  (:mod:`.checksums`), so a file is verified by content at load, not only by shape.
+
+Loading checks, before it builds anything: the metadata's every key and type, each checksum
+(naming the tensor, the ids or the metadata that differ), the token ids against the model's
+vocabulary, and the weights fingerprint (a file without one is refused unless
+``check_weights=False``). Every refusal is a :class:`PrefixFileError` or
+:class:`PrefixMismatchError`; nothing is left half-loaded.
 
 Loading rebuilds a :class:`~hf_vkv.VKVCache` with :meth:`~hf_vkv.VKVCache.write_states`: a
 sliding layer holds its saved window only (tokens ``[start, length)``), so the rebuilt cache
@@ -29,13 +37,14 @@ from safetensors.torch import load_file, save_file
 
 from ..cache import VKVCache
 from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
+from .checksums import checksums_of, verify_checksums, validate_meta
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
 from .store import token_list
 
 __all__ = ["save_prefix", "load_prefix", "FORMAT", "VERSION", "LAYOUT"]
 
 FORMAT = "hf_vkv.prefix"
-VERSION = 1
+VERSION = 2  # 2: content checksums (files of version 1 are refused: save them again)
 LAYOUT = "contiguous"
 _META_KEY = "hf_vkv_prefix"
 
@@ -82,6 +91,7 @@ def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *
         "config_fingerprint": config_fingerprint(cache.config), "config_fields": config_fields(cache.config),
         "weights_fingerprint": None if model is None else weights_fingerprint(model), "layers": layers,
     }
+    meta["checksums"] = checksums_of(meta, tensors)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -95,6 +105,7 @@ def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *
 def load_prefix(
     path: str | os.PathLike[str], *, model: torch.nn.Module | None = None, config: Any = None,
     dtype: torch.dtype | None = None, device: str | torch.device = "cpu", cache_config: dict[str, Any] | None = None,
+    check_weights: bool = True,
 ) -> tuple[VKVCache, list[int]]:
     """Read a prefix file into a new :class:`~hf_vkv.VKVCache` on ``device``; return it and its token ids.
 
@@ -102,13 +113,17 @@ def load_prefix(
     its ``config`` (and optionally the expected ``dtype``). Continue with
     ``model.generate(ids, past_key_values=cache)`` where ``ids`` starts with the token ids and has
     at least one more. ``cache_config`` holds :class:`~hf_vkv.CacheOptions` for the new cache.
+    ``check_weights=False`` accepts, with a ``model``, a file saved without one (no weights
+    fingerprint): an explicit opt-out, since such a file cannot tell other weights apart.
     ``device`` picks the backend as the cache does: host pages on CPU, the CUDA backend on a
     CUDA device (``hf_vkv[cuda]``; not yet run on a GPU), ``UnsupportedDeviceError`` elsewhere.
 
     Raises:
         FileNotFoundError: no file at ``path``.
         PrefixFileCorruptError: the file is truncated or not safetensors.
-        PrefixFormatError: it is not an hf_vkv prefix of this format version and layout.
+        PrefixFormatError: it is not an hf_vkv prefix of this format version and layout, its
+            metadata is malformed, a checksum differs (naming the tensor, the ids or the
+            metadata) or a token id is outside the model's vocabulary.
         PrefixMismatchError: it was saved for another model (``field="config"``), other weights
             (``"weights"``) or another dtype (``"dtype"``).
     """
@@ -117,7 +132,7 @@ def load_prefix(
     config = model.config if model is not None else config
     path = Path(path)
     meta, tensors = _read(path)
-    _check_model(path, meta, config, model, dtype)
+    _check_model(path, meta, config, model, dtype, check_weights=check_weights)
     n, tokens = meta["length"], meta["token_ids"]
     cache = VKVCache(config, batch_size=1, **(cache_config or {}))
     if len(meta["layers"]) != len(cache.layers):
@@ -179,14 +194,13 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
                                 f"version {VERSION}: save it again with this version")
     if meta.get("layout") != LAYOUT:
         raise PrefixFormatError(f"{path} has layout {meta.get('layout')!r}; this hf_vkv reads {LAYOUT!r}")
-    missing = [k for k in ("dtype", "length", "token_ids", "config_fingerprint", "layers") if k not in meta]
-    if missing:
-        raise PrefixFormatError(f"{path}: metadata lacks {missing}")
+    validate_meta(path, meta)  # every key and type: nothing below meets a malformed value
     try:
         tensors = load_file(str(path))
     except SafetensorError as e:
         raise PrefixFileCorruptError(f"{path} cannot be read as safetensors: {e}") from None
     _check_tensors(path, meta, tensors)
+    verify_checksums(path, meta, tensors)
     return meta, tensors
 
 
@@ -208,7 +222,7 @@ def _check_tensors(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Te
 
 
 def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.Module | None,
-                 dtype: torch.dtype | None) -> None:
+                 dtype: torch.dtype | None, *, check_weights: bool = True) -> None:
     if meta["config_fingerprint"] != config_fingerprint(config):
         detail = describe_difference(meta.get("config_fields") or {}, config_fields(config), a_name="file",
                                      b_name="model")
@@ -219,7 +233,18 @@ def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.
         raise PrefixMismatchError("dtype", f"{path} holds {meta['dtype']} K/V but the model runs in "
                                   f"{str(dtype).removeprefix('torch.')}; save the prefix again from a model in that "
                                   f"dtype (converted K/V would not give the same tokens)")
+    vocab = getattr(config.get_text_config(decoder=True), "vocab_size", None) if hasattr(config, "get_text_config") \
+        else getattr(config, "vocab_size", None)
+    if isinstance(vocab, int):
+        bad = next(((i, t) for i, t in enumerate(meta["token_ids"]) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise PrefixFormatError(f"{path}: token id {bad[1]} at position {bad[0]} is outside the model's "
+                                    f"vocabulary of {vocab} ids")
     saved_weights = meta.get("weights_fingerprint")
+    if model is not None and saved_weights is None and check_weights:
+        raise PrefixMismatchError("weights", f"{path} was saved without a weights fingerprint, so it cannot be checked "
+                                  f"against this model's weights: save it again with save_prefix(..., model=model), "
+                                  f"or pass check_weights=False to load it unchecked")
     if model is not None and saved_weights is not None and saved_weights != weights_fingerprint(model):
         raise PrefixMismatchError("weights", f"{path} was saved for a model of the same architecture with other "
                                   f"weights (weights fingerprints differ)")

@@ -304,7 +304,7 @@ def test_loaded_sliding_prefix_serves_only_what_it_has(tmp_path: Path) -> None:
     (its earlier positions are placeholders), and a reused load gives the same tokens."""
     model = tiny("mistral")
     tokens, cache = _cached(_generate(model, _ids(PROMPT, seed=11), VKVCache(model.config, **SMALL)))
-    path = save_prefix(tmp_path / "m.safetensors", cache, tokens.tolist())
+    path = save_prefix(tmp_path / "m.safetensors", cache, tokens.tolist(), model=model)
     loaded, ids = load_prefix(path, model=model, cache_config=SMALL)
     assert ids == tokens.tolist() and loaded.get_seq_length() == len(ids)
     store = PrefixStore(model.config, cache_config=SMALL)

@@ -8,7 +8,9 @@ goes through ``prepare_write``, which copies shared pages first, so no row can s
 After every step each row of every buffer must read its model's bytes through ``view``, the kernel
 must map exactly what the page tables say, and ``check_invariants()`` must pass. A rule also arms a
 backend failure at a random upcoming call before a random operation: it must either succeed or
-raise ``BackendError`` with everything as it was. Teardown closes everything and checks that every
+raise ``BackendError`` with everything as it was; another arms a second failure that hits the
+rollback of the first: then the buffer may instead be closed (its reservation reset), and the
+machine goes on without it. Teardown closes everything and checks that every
 page went back and that the memfd holds no memory.
 """
 
@@ -47,12 +49,14 @@ class BufferMachine(RuleBasedStateMachine):
     make_backend = None
     tools: dict = {}
     steps = 0
+    closures = 0  # buffers closed because a rollback failed too
 
     # ------------------------------------------------------------------------------------ set-up
     @initialize(rows=st.integers(1, 4), pages=st.integers(2, 6), item=st.integers(8, 24),
                 slack=st.integers(0, 40), budget=st.one_of(st.none(), st.integers(2, 40)))
     def setup(self, rows, pages, item, slack, budget):
         self.item = item
+        self.rows, self.pages, self.slack = rows, pages, slack
         self.capacity = pages * PAGE // item - slack
         self.backend = type(self).make_backend(page_bytes=PAGE, name=f"hf_vkv-sm-{next(_names)}")
         self.budget = None if budget is None else budget * PAGE
@@ -265,6 +269,46 @@ class BufferMachine(RuleBasedStateMachine):
         finally:
             self.backend.disarm()
 
+    @rule(data=st.data(), method=st.sampled_from(("map", "unmap")), at=st.integers(1, 3),
+          then=st.sampled_from(("map", "unmap")), later=st.integers(1, 4), op=st.sampled_from(OPS))
+    def fail_an_operation_and_its_rollback(self, data, method, at, then, later, op):
+        """Two failures: the second hits the rollback of the first (issue 22). The operation
+        succeeds, or everything is as it was, or the buffer it ran on was closed (its reservation
+        reset: no hole, nothing of its memfd mapped there) and the machine goes on without it."""
+        type(self).steps += 1
+        call, error, update = getattr(self, f"op_{op}")(data)
+        self.backend.arm(method, at)
+        self.backend.arm_also(then, later + (at if then == method else 0))
+        before = self.tools["snapshot"](*self.bufs, id_space=op != "fork")
+        try:
+            result = call()
+        except BackendError as exc:
+            assert "injected failure" in str(exc) and "\n" not in str(exc), exc
+            closed = [i for i, b in enumerate(self.bufs) if b.closed]
+            if not closed:
+                assert self.tools["snapshot"](*self.bufs, id_space=op != "fork") == before
+            else:
+                assert "create a new cache" in str(exc) and len(closed) == 1
+                type(self).closures += 1
+                gone = self.bufs.pop(closed[0])
+                self.models.pop(closed[0])
+                self.tools["mapped_pages"](*self.bufs)
+                del gone
+                if not self.bufs:  # that was the arena's last buffer: start again on a new one
+                    assert self.arena.closed and self.backend.resident_bytes_at_close == 0
+                    self.setup(rows=self.rows, pages=self.pages, item=self.item, slack=self.slack,
+                               budget=None if self.budget is None else self.budget // PAGE)
+        except KVCacheOutOfMemory as exc:
+            assert self.budget == exc.budget_bytes
+        except (ValueError, IndexError) as exc:
+            assert error is not None and isinstance(exc, error), (error, exc)
+        else:
+            assert error is None, f"expected {error.__name__}"
+            self.backend.disarm()
+            update(result)
+        finally:
+            self.backend.disarm()
+
     @rule()
     def trim(self):
         type(self).steps += 1
@@ -317,12 +361,13 @@ class BufferMachine(RuleBasedStateMachine):
 def test_random_operations_on_real_memory(faulty_backend, mapped_pages, buffer_snapshot):
     BufferMachine.make_backend = faulty_backend
     BufferMachine.tools = {"mapped_pages": mapped_pages, "snapshot": buffer_snapshot}
-    BufferMachine.steps = 0
+    BufferMachine.steps = BufferMachine.closures = 0
     run_state_machine_as_test(BufferMachine, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     ))
     assert BufferMachine.steps >= 10_000, BufferMachine.steps
+    assert BufferMachine.closures > 0  # failing rollbacks were reached, not only failing operations
 
 
 def test_the_machine_check_catches_a_wrong_refcount(faulty_backend, mapped_pages, buffer_snapshot):

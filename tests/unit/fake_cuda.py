@@ -178,15 +178,16 @@ class FakeCu:
     def _overlaps(self, ptr: int, size: int) -> bool:
         return any(a < ptr + size and ptr < a + n for a, (n, _) in self.mappings.items())
 
-    def _covered(self, ptr: int, size: int) -> list[int] | None:
-        """The mappings that tile ``[ptr, ptr + size)`` exactly, or None."""
+    def _covered(self, ptr: int, size: int, *, partial_end: bool = False) -> list[int] | None:
+        """The mappings that tile ``[ptr, ptr + size)`` exactly, or None; with ``partial_end`` the
+        last may run past its end (a copy of the written part of a page)."""
         out, a = [], ptr
         while a < ptr + size:
             if a not in self.mappings:
                 return None
             out.append(a)
             a += self.mappings[a][0]
-        return out if a == ptr + size else None
+        return out if a == ptr + size or (partial_end and a > ptr + size) else None
 
     def _busy(self, ptr: int, size: int) -> bool:
         return any(lo < ptr + size and ptr < hi for lo, hi in self.inflight)
@@ -365,7 +366,7 @@ class FakeCu:
         if err:
             return (err,)
         for a in (dst, src):
-            covered = self._covered(a, nbytes)
+            covered = self._covered(a, nbytes, partial_end=True)
             if covered is None or not all(c in self.accessible for c in covered):
                 return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
         self.copies.append((dst, src, nbytes, self._stream(stream)))

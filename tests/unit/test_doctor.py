@@ -127,3 +127,15 @@ def test_cuda_without_vmm_or_bindings_fails_with_a_fix(monkeypatch: pytest.Monke
     _fake_gpu(monkeypatch, bindings=False)
     check = doctor.check_cuda()
     assert check.status == "fail" and check.fix == "pip install 'hf_vkv[cuda]'"
+
+
+def test_doctor_states_the_cpu_budget_and_the_mapping_budget():
+    """Issue 22: the CPU default budget (a share of MemAvailable) and the mapping budget."""
+    from hf_vkv.memory.limits import default_host_budget
+
+    check = doctor.check_host_budget()
+    assert check.status == "ok" and "of MemAvailable" in check.detail and "budget_bytes" in check.detail
+    assert doctor._size(default_host_budget()) in check.detail
+    maps = doctor.check_map_count()
+    assert "mapping budget: vkv may map" in maps.detail and "headroom" in maps.detail
+    assert any(name == "cpu budget" for name, _ in doctor.CHECKS)

@@ -29,7 +29,7 @@ def test_sizes_must_be_positive_ints(name: str, value: object) -> None:
     extra = {"layout": "paged"} if name == "block_tokens" else {}
     with pytest.raises(ValueError, match=rf"^cache_config\['{name}'\] must be a positive int, got {value!r}$"):
         CacheOptions(**{name: value}, **extra)
-    assert getattr(CacheOptions(**{name: 16}, **extra), name) == 16
+    assert getattr(CacheOptions(**{name: 1 << 16}, **extra), name) == 1 << 16  # a page size and a budget in range
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

@@ -1,0 +1,167 @@
+"""The mapping budget: Linux allows a process ``vm.max_map_count`` memory mappings, vkv counts its own.
+
+Every run of consecutive physical pages mapped into a reservation is one kernel mapping (a VMA),
+and so is every stretch of reserved-but-unmapped slots between them; neighbours merge when the
+kernel can (two unmapped stretches, or pages whose memfd offsets continue each other). A process
+past ``vm.max_map_count`` (65530 by default) gets ``ENOMEM`` from ``mmap``, and a ``MAP_FIXED``
+that fails half way may leave a hole in a reservation. So the host backend never goes there:
+
+* :class:`MapBudget` knows the limit (read from ``/proc/sys/vm/max_map_count``, or injected),
+  how many mappings vkv holds (its buffers charge and refund what they change), and how many the
+  rest of the process holds (``/proc/self/maps`` less vkv's, re-read when the budget gets tight),
+  and leaves ``headroom`` for the process to grow;
+* a buffer computes, before it changes any mapping, how many mappings its change needs at its peak
+  (:func:`mapping_change`) and asks :meth:`MapBudget.check`, which raises
+  :class:`MappingLimitError` (a :class:`~hf_vkv.memory.errors.KVCacheOutOfMemory`) with nothing
+  changed.
+
+The count is the kernel's merge rule applied to the page table, so it is exact for the layouts'
+mappings (``tests/unit/test_map_budget.py`` compares it with ``/proc/self/maps``); the headroom
+absorbs what it cannot see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from .errors import KVCacheOutOfMemory
+
+__all__ = ["MapBudget", "MappingLimitError", "PROCESS_MAP_BUDGET", "mapping_change", "process_mappings",
+           "read_max_map_count"]
+
+_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+_DEFAULT_LIMIT = 65530  # the kernel's default, when /proc cannot be read
+
+
+def read_max_map_count() -> int:
+    """``vm.max_map_count`` of this machine (the kernel's default 65530 if it cannot be read)."""
+    try:
+        with open(_MAX_MAP_COUNT) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return _DEFAULT_LIMIT
+
+
+def process_mappings() -> int:
+    """Mappings this process holds now: the lines of ``/proc/self/maps``."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+class MappingLimitError(KVCacheOutOfMemory):
+    """A change would take this process past ``vm.max_map_count``: raised before anything changed,
+    so the cache stays usable (free rows, or build it with fewer mappings per row)."""
+
+    def __init__(self, *, needed: int, held: int, limit: int, others: int, headroom: int) -> None:
+        self.needed, self.held, self.limit, self.others, self.headroom = needed, held, limit, others, headroom
+        self.requested_bytes = self.free_bytes = self.budget_bytes = 0  # counted in mappings, not bytes
+        MemoryError.__init__(
+            self,
+            f"KV cache out of memory mappings: this step needs up to {needed:,} more, but vkv already holds "
+            f"{held:,} and vm.max_map_count is {limit:,} (the rest of the process holds {others:,}, and "
+            f"{headroom:,} are left free for it), so use fewer rows (batch, beams, num_return_sequences), "
+            f"larger pages (cache_config['page_bytes']) or the token-major layout "
+            f"(cache_config['layout']='token_major', one mapping per row instead of one per layer and head), "
+            f"or raise the limit (sudo sysctl -w vm.max_map_count=262144).",
+        )
+
+
+class MapBudget:
+    """Mappings vkv may hold in this process (see the module docstring).
+
+    ``limit``: ``vm.max_map_count`` (read from ``/proc`` when ``None``); ``headroom``: mappings
+    left for the rest of the process to grow into (default ``max(2048, limit // 8)``).
+
+    Invariant: ``held`` is the sum of what every live buffer charged and has not refunded.
+    """
+
+    def __init__(self, *, limit: int | None = None, headroom: int | None = None) -> None:
+        self._limit = limit
+        self._headroom = headroom
+        self.held = 0  # mappings vkv's live reservations hold (its count, not the kernel's)
+        self._others: int | None = None  # the rest of the process, as last measured
+        self._held_at_measure = 0
+
+    @property
+    def limit(self) -> int:
+        if self._limit is None:
+            self._limit = read_max_map_count()
+        return self._limit
+
+    @property
+    def headroom(self) -> int:
+        return self._headroom if self._headroom is not None else max(2048, self.limit // 8)
+
+    def others(self, *, fresh: bool = False) -> int:
+        """Mappings of the rest of the process (``/proc/self/maps`` less vkv's), re-read when
+        ``fresh`` or when vkv's count moved by more than a quarter of the headroom since."""
+        if fresh or self._others is None or abs(self.held - self._held_at_measure) > self.headroom // 4:
+            self._others = max(0, process_mappings() - self.held)
+            self._held_at_measure = self.held
+        return self._others
+
+    def available(self) -> int:
+        """Mappings vkv may still add (may be negative when the process grew past the budget)."""
+        return self.limit - self.headroom - self.others() - self.held
+
+    def check(self, needed: int) -> None:
+        """Raise :class:`MappingLimitError` unless ``needed`` more mappings fit (changes nothing)."""
+        if needed <= 0 or self.held + needed <= self.limit - self.headroom - self.others():
+            return
+        others = self.others(fresh=True)  # the process may have shrunk since the last look
+        if self.held + needed > self.limit - self.headroom - others:
+            raise MappingLimitError(needed=needed, held=self.held, limit=self.limit, others=others,
+                                    headroom=self.headroom)
+
+    def charge(self, delta: int) -> None:
+        """vkv now holds ``delta`` more mappings (negative: fewer)."""
+        self.held += delta
+
+    @contextmanager
+    def override(self, *, limit: int | None = None, headroom: int | None = None) -> Iterator[MapBudget]:
+        """Tests: use ``limit`` / ``headroom`` instead of the machine's for the ``with`` block (so a
+        test reaches the limit with a few hundred mappings, not 65530)."""
+        saved = (self._limit, self._headroom, self._others)
+        self._limit, self._headroom, self._others = limit, headroom, None
+        try:
+            yield self
+        finally:
+            self._limit, self._headroom, self._others = saved
+
+
+#: The process's budget (``vm.max_map_count`` is per process): every host buffer charges it.
+PROCESS_MAP_BUDGET = MapBudget()
+
+Slot = Callable[[int], "int | None"]  # global slot -> page id mapped there (None: reserved, unmapped)
+
+
+def mapping_change(runs: Sequence[tuple[int, int]], old: Slot, new: Slot, total: int) -> tuple[int, int]:
+    """``(peak, final)`` change in the mappings of a reservation of ``total`` page slots when the
+    slot runs ``runs`` (``(first, count)``, global slots, in the order they are applied) go from
+    ``old`` to ``new``. Two neighbouring slots are one mapping when both are unmapped or hold
+    consecutive pages; the peak adds 2 for the moment inside a run when only part is applied."""
+    done: dict[int, int | None] = {}
+
+    def at(g: int) -> int | None:
+        return done[g] if g in done else old(g)
+
+    def breaks(lo: int, hi: int) -> int:  # boundaries (g-1, g) for g in [lo, hi]
+        n = 0
+        for g in range(max(lo, 1), min(hi, total - 1) + 1):
+            x, y = at(g - 1), at(g)
+            if not ((x is None and y is None) or (x is not None and y is not None and y == x + 1)):
+                n += 1
+        return n
+
+    delta = peak = 0
+    for first, count in runs:
+        before = breaks(first, first + count)
+        for g in range(first, first + count):
+            done[g] = new(g)
+        delta += breaks(first, first + count) - before
+        peak = max(peak, delta + 2)
+    return peak, delta

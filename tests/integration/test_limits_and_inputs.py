@@ -1,0 +1,105 @@
+"""Bounds and bad input (issue 22): page sizes in a documented range, a CPU budget by default, a
+budget smaller than a page refused when the cache is built, and typed errors naming the argument
+for a string ``cache_config``, float beam indices, wrong-shaped states and a cache reused with
+another model. Copy-on-write of a partly written page copies the written part only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import prompts, tiny
+
+import hf_vkv  # noqa: F401
+from hf_vkv import LayerMismatchError, VKVCache
+from hf_vkv.devices import arena_for_device, policy_for
+from hf_vkv.memory import Arena, HostBackend, VirtualBuffer
+from hf_vkv.memory.limits import HOST_BUDGET_FRACTION, MAX_HOST_PAGE_BYTES, PageSizeError, mem_available
+
+
+def test_a_huge_page_is_refused_when_the_cache_is_built_naming_the_option():
+    model = tiny("llama")
+    with pytest.raises(PageSizeError, match=r"cache_config\['page_bytes'\]=1,099,511,627,776 is outside.*4,096"):
+        model.generate(**prompts(2, 12), num_beams=2, max_new_tokens=2, cache_implementation="vkv",
+                       cache_config={"page_bytes": 1 << 40})
+    with pytest.raises(PageSizeError, match="page_bytes"):
+        VKVCache(model.config, page_bytes=1 << 40)  # at build: no update needed
+
+
+def test_the_host_refuses_pages_above_its_range():
+    with pytest.raises(PageSizeError, match=r"host.*2,097,152"):
+        HostBackend(page_bytes=2 * MAX_HOST_PAGE_BYTES)
+    HostBackend(page_bytes=MAX_HOST_PAGE_BYTES).close()  # the top of the range is fine
+
+
+def test_the_cpu_has_a_default_budget_of_half_the_available_memory():
+    assert policy_for("cpu").budget == "mem-available"
+    arena = arena_for_device(torch.device("cpu"), page_bytes=None, budget_bytes=None)
+    budget = arena.pool.budget_pages * arena.page_bytes
+    expected = HOST_BUDGET_FRACTION * mem_available()
+    assert abs(budget - expected) <= 0.1 * expected + arena.page_bytes  # MemAvailable moves a little
+    given = arena_for_device(torch.device("cpu"), page_bytes=None, budget_bytes=1 << 20)
+    assert given.pool.budget_pages * given.page_bytes == 1 << 20
+
+
+def test_a_budget_smaller_than_a_page_is_refused_at_build():
+    model = tiny("llama")
+    with pytest.raises(ValueError, match=r"budget_bytes'\]=100 is smaller than one page"):
+        VKVCache(model.config, budget_bytes=100)
+    with pytest.raises(ValueError, match=r"budget_bytes'\]=8,192 is smaller than one page \(65,536"):
+        VKVCache(model.config, budget_bytes=8192, page_bytes=65536)
+
+
+def test_a_string_cache_config_is_a_type_error_naming_it():
+    model = tiny("llama")
+    with pytest.raises(TypeError, match=r"cache_config must be a dict such as \{'page_bytes': 4096\}, got str"):
+        model.generate(**prompts(1, 8), max_new_tokens=2, cache_implementation="vkv",
+                       cache_config="page_bytes=4096")
+
+
+def test_reorder_cache_refuses_float_indices():
+    model = tiny("llama")
+    cache = VKVCache(model.config)
+    with torch.no_grad():
+        model(**prompts(2, 6), past_key_values=cache, use_cache=True)
+    before = [tuple(t.clone() for t in layer) for layer in ((lay.keys, lay.values) for lay in cache.layers)]
+    for bad in (torch.tensor([1.0, 0.0]), torch.tensor([True, False]), torch.tensor([[1, 0]])):
+        with pytest.raises(TypeError, match="integer tensor"):
+            cache.reorder_cache(bad)
+    for (k, v), layer in zip(before, cache.layers):  # nothing moved
+        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+    cache.reorder_cache(torch.tensor([1, 0], dtype=torch.int32))  # what generate passes
+
+
+def test_wrong_shaped_states_and_another_models_cache_are_layer_mismatches():
+    model = tiny("llama")
+    cache = VKVCache(model.config)
+    with torch.no_grad():
+        model(**prompts(2, 6), past_key_values=cache, use_cache=True)
+    k = cache.layers[0].keys
+    with pytest.raises(LayerMismatchError, match="layer 0"):
+        cache.update(torch.zeros(2, k.shape[1] + 1, 1, k.shape[3]), torch.zeros(2, k.shape[1] + 1, 1, k.shape[3]), 0)
+    with pytest.raises(LayerMismatchError):
+        cache.update(torch.zeros(2, k.shape[1], 1, k.shape[3], dtype=torch.float64),
+                     torch.zeros(2, k.shape[1], 1, k.shape[3], dtype=torch.float64), 0)
+    other = tiny("llama", kv_heads=4)  # 4 key/value heads instead of 2
+    with pytest.raises(LayerMismatchError, match="create a new one for another model"):
+        with torch.no_grad():
+            other(**prompts(2, 1), past_key_values=cache, use_cache=True)
+    cache.check_invariants()
+
+
+def test_copy_on_write_copies_the_written_part_of_a_page():
+    backend = HostBackend(page_bytes=65536, name="hf_vkv-test-cow")
+    copied: list = []
+    real = backend.copy
+    backend.copy = lambda pairs, nbytes=None: (copied.append((list(pairs), nbytes)), real(pairs, nbytes))[1]
+    buf = VirtualBuffer(Arena(backend), rows=2, capacity=1000, item_bytes=100)
+    buf.prepare_write([0], 0, 10)
+    buf.view(range(0, 1), 0, 10)[0] = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    buf.share(0, [1])
+    buf.prepare_write([1], 10, 11)  # row 1 writes after 1000 bytes of a shared 64 KiB page
+    assert [n for _, n in copied] == [[1000]]
+    assert torch.equal(buf.view(range(1, 2), 0, 10), buf.view(range(0, 1), 0, 10))
+    assert buf.table.row(0).pages != buf.table.row(1).pages
+    buf.check_invariants()
+    buf.close()

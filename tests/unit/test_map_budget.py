@@ -1,0 +1,104 @@
+"""The mapping budget (``vm.max_map_count``): vkv's count of its kernel mappings is the kernel's,
+and a change that would not fit is refused before anything changes.
+
+The limit is injected (``PROCESS_MAP_BUDGET.override``): the tests reach it with a few hundred
+mappings, never the machine's 65530 (other processes share the machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_vkv.memory import Arena, HostBackend, SubRowBuffer, VirtualBuffer
+from hf_vkv.memory.map_budget import PROCESS_MAP_BUDGET, MappingLimitError, mapping_change, process_mappings
+
+PAGE = 4096
+
+
+def kernel_mappings(buf: VirtualBuffer) -> int:
+    """Lines of /proc/self/maps inside ``buf``'s reservation (the kernel's count)."""
+    lo, hi = buf.address, buf.address + buf.table.rows * buf.row_stride
+    n = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            n += start < hi and end > lo
+    return n
+
+
+def test_mapping_change_counts_runs_and_merges():
+    # 6 slots: [None, None, 5, 6, None, None] -> one mapping of 2 pages in the middle: 3 mappings
+    old = [None] * 6
+    new = [None, None, 5, 6, None, None]
+    peak, final = mapping_change([(2, 2)], old.__getitem__, new.__getitem__, 6)
+    assert final == 2 and peak == 4
+    # pages that do not continue each other are two mappings
+    new2 = [None, None, 5, 9, None, None]
+    assert mapping_change([(2, 2)], old.__getitem__, new2.__getitem__, 6)[1] == 3
+    # unmapping everything gives the mappings back
+    assert mapping_change([(2, 2)], new.__getitem__, old.__getitem__, 6)[1] == -2
+
+
+OPS = [
+    ("grow", lambda b: b.grow([0, 1, 2], 300)),
+    ("grow more", lambda b: b.grow([0, 3], 500)),
+    ("share", lambda b: b.share(0, [2], length=200)),
+    ("prepare_write (CoW)", lambda b: b.prepare_write([2], 150, 260)),
+    ("reorder", lambda b: b.reorder([1, 0, 0, 3])),
+    ("drop_before", lambda b: b.drop_before([0, 1], 120)),
+    ("truncate", lambda b: b.truncate([2, 3], 90)),
+    ("clear", lambda b: b.clear([1])),
+]
+
+
+@pytest.mark.parametrize("kind", ["rows", "sub-rows", "readable"])
+def test_the_count_is_the_kernels(kind):
+    arena = Arena(HostBackend(page_bytes=PAGE, name="hf_vkv-test-budget"))
+    if kind == "sub-rows":
+        buf = SubRowBuffer(arena, rows=4, blocks=2, heads=3, capacity=600, item_bytes=32)
+    else:
+        buf = VirtualBuffer(arena, rows=4, capacity=600, item_bytes=32, readable=kind == "readable")
+    held = PROCESS_MAP_BUDGET.held
+    assert buf._reservation.mappings == kernel_mappings(buf) == 1
+    for name, op in OPS:
+        op(buf)
+        assert buf._reservation.mappings == kernel_mappings(buf), name
+        buf.check_invariants()
+    assert PROCESS_MAP_BUDGET.held - held == buf._reservation.mappings - 1
+    buf.close()
+    del buf
+    assert PROCESS_MAP_BUDGET.held == held - 1  # the reservation's own mapping went with it
+
+
+def test_a_change_past_the_limit_is_refused_before_anything_changes(buffer_snapshot, mapped_pages):
+    buf = SubRowBuffer(Arena(HostBackend(page_bytes=PAGE, name="hf_vkv-test-budget")), rows=8, blocks=4,
+                       heads=4, capacity=640, item_bytes=64)  # 128 sub-rows of 10 pages: a row growing by one page adds 32
+    buf.grow([0], 10)
+    others = process_mappings() - PROCESS_MAP_BUDGET.held
+    with PROCESS_MAP_BUDGET.override(limit=PROCESS_MAP_BUDGET.held + others + 40, headroom=0):
+        buf.grow([1], 10)  # fits
+        before = buffer_snapshot(buf)
+        with pytest.raises(MappingLimitError) as info:
+            buf.grow([2, 3], 10)
+        message = str(info.value)
+        assert "vm.max_map_count" in message and "token_major" in message and "sysctl" in message
+        assert message.count(".") <= 6 and "\n" not in message and info.value.__cause__ is None
+        assert info.value.needed > 40 - 32 and isinstance(info.value, MemoryError)
+        assert buffer_snapshot(buf) == before
+        buf.check_invariants()
+        mapped_pages(buf)
+        buf.clear([0, 1])  # freeing rows gives mappings back: the same call now fits
+        buf.grow([2, 3], 10)
+        mapped_pages(buf)
+    buf.close()
+
+
+def test_a_new_reservation_past_the_limit_is_refused():
+    arena = Arena(HostBackend(page_bytes=PAGE, name="hf_vkv-test-budget"))
+    first = VirtualBuffer(arena, rows=1, capacity=10, item_bytes=8)
+    with PROCESS_MAP_BUDGET.override(limit=process_mappings(), headroom=0):
+        with pytest.raises(MappingLimitError):
+            VirtualBuffer(arena, rows=1, capacity=10, item_bytes=8)
+    assert not arena.closed
+    first.close()
