@@ -369,7 +369,7 @@ class LayerGroup:
         other._kept_from = self._kept_from
         other.written_from = self.written_from
         if self.buffer is not None and self.geometry is not None:
-            other.layout = make_layout(self.geometry, len(self.members))
+            other.layout = self._make_layout(self.geometry, len(self.members))
             other.buffer = self.buffer.fork()
         return other
 
