@@ -20,14 +20,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import StepClock, write_report  # noqa: E402
+from common import StepClock, write_report
 
-import hf_vkv  # noqa: E402,F401
-from hf_vkv.cache.geometry import GroupGeometry  # noqa: E402
-from hf_vkv.default_model import load_default_model  # noqa: E402
-from hf_vkv.memory.map_budget import MapBudget  # noqa: E402
-from hf_vkv.memory.virtual_buffer import VirtualBuffer  # noqa: E402
+import hf_vkv  # noqa: F401
+from hf_vkv.cache.geometry import GroupGeometry
+from hf_vkv.default_model import load_default_model
+from hf_vkv.memory.map_budget import MapBudget
+from hf_vkv.memory.virtual_buffer import VirtualBuffer
 
 
 @contextmanager

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import StepClock, write_report  # noqa: E402
+from common import StepClock, write_report
 
-import hf_vkv  # noqa: E402,F401
-from hf_vkv.default_model import load_default_model  # noqa: E402
+import hf_vkv  # noqa: F401
+from hf_vkv.default_model import load_default_model
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ the paged layout's block store and the static layout's pages mapped ahead are no
 from __future__ import annotations
 
 from ..memory import KVCacheOutOfMemory, VirtualBuffer
+from ..memory.map_budget import MappingLimitError
 
 __all__ = ["pages_for_step", "step_out_of_memory"]
 
@@ -43,6 +44,8 @@ def step_out_of_memory(group: object, batch: int, start: int, end: int, error: K
                        ) -> KVCacheOutOfMemory:
     """``error`` restated for the whole step of ``group`` (rows ``0..batch-1``, tokens
     ``[start, end)``): its total need, the bytes free, and a budget that fits it."""
+    if isinstance(error, MappingLimitError):
+        return error  # not the page budget: the process's mappings (vm.max_map_count), already stated whole
     buffer = getattr(group, "buffer", None)
     if not isinstance(buffer, VirtualBuffer) or buffer.closed:
         # the paged layout's blocks live in a block store that grows by pages of its own: its
