@@ -64,35 +64,31 @@ def register() -> None:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS = (
             *configuration_utils.ALL_CACHE_IMPLEMENTATIONS, CACHE_IMPLEMENTATION
         )
-    prepare_inputs = GenerationMixin.prepare_inputs_for_generation
-    if not getattr(prepare_inputs, _MARK, False):
+    _wrap("prepare_inputs_for_generation", _prepare_inputs)
+    _wrap("_prepare_cache_for_generation", _prepare_cache)
+    _wrap("_prefill", prefill)
 
-        @functools.wraps(prepare_inputs)
-        def inputs_method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            model_inputs = prepare_inputs(self, *args, **kwargs)
-            _map_ahead(model_inputs)
-            return model_inputs
 
-        setattr(inputs_method, _MARK, True)
-        GenerationMixin.prepare_inputs_for_generation = inputs_method  # type: ignore[method-assign]
-    original = GenerationMixin._prepare_cache_for_generation
-    if not getattr(original, _MARK, False):
+def _wrap(name: str, around: Any) -> None:
+    """Replace ``GenerationMixin.<name>`` by a method calling ``around(original, self, ...)``
+    (once: a wrapped method is marked)."""
+    original = getattr(GenerationMixin, name)
+    if getattr(original, _MARK, False):
+        return
 
-        @functools.wraps(original)
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return _prepare_cache(original, self, *args, **kwargs)
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return around(original, self, *args, **kwargs)
 
-        setattr(method, _MARK, True)
-        GenerationMixin._prepare_cache_for_generation = method  # type: ignore[method-assign]
-    original_prefill = GenerationMixin._prefill
-    if not getattr(original_prefill, _MARK, False):
+    setattr(method, _MARK, True)
+    setattr(GenerationMixin, name, method)
 
-        @functools.wraps(original_prefill)
-        def prefill_method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return prefill(original_prefill, self, *args, **kwargs)
 
-        setattr(prefill_method, _MARK, True)
-        GenerationMixin._prefill = prefill_method  # type: ignore[method-assign]
+def _prepare_inputs(original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+    """``prepare_inputs_for_generation``, then :func:`_map_ahead` on what it prepared."""
+    model_inputs = original(model, *args, **kwargs)
+    _map_ahead(model_inputs)
+    return model_inputs
 
 
 def _map_ahead(model_inputs: Any) -> None:

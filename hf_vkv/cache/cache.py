@@ -262,19 +262,19 @@ class VKVCache(Cache):
 
     @contextlib.contextmanager
     def unique_prompt_prefill(self, *, prompts: int, tokens: int,
-                              repeat_rows: Callable[[int], None] | None = None) -> Iterator[int]:
+                              repeat_rows: Callable[[int], None] | None = None) -> Iterator[None]:
         """Run ``generate``'s prefill on one row per prompt: inside, the cache takes ``prompts``
         distinct rows as they are (no prompt sharing among them); on success each row is then
         repeated :attr:`prompt_repeats` times (``repeat_rows``, default
         :meth:`batch_repeat_interleave`; an encoder-decoder cache passes its own), its pages
-        shared and nothing copied. Yields the repeat factor. Counts ``prompts x tokens`` computed
+        shared and nothing copied. Counts ``prompts x tokens`` computed
         and ``prompts x (k - 1) x tokens`` saved in :meth:`stats`."""
         k = self.prompt_repeats
         saved = [g.prompt_repeats for g in self._groups]
         for group in self._groups:
             group.prompt_repeats = 1
         try:
-            yield k
+            yield
         finally:
             for group, repeats in zip(self._groups, saved):
                 group.prompt_repeats = repeats
