@@ -337,6 +337,12 @@ class LayerGroup:
             self._kept_from = self.window_start(max(self.lengths))
         self.record_past = True
 
+    def stop_recording(self) -> None:
+        """Forget the recorded past at the next step: pages behind the window go back to the pool
+        when the next update prepares its rows (``keys`` shows the window again at once)."""
+        self.record_past = False
+        self._kept_from = None
+
     def clear(self) -> None:
         """Empty every row (the buffer and its reservation stay)."""
         self.lengths = [0] * len(self.members)

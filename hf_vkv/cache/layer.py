@@ -206,7 +206,22 @@ class VKVSlidingLayer(VKVLayer):
 
     @property
     def record_past(self) -> bool:
+        """Whether pages behind the window are kept until :meth:`crop` (``DynamicSlidingWindowLayer``'s flag;
+        transformers sets it back to ``False`` on every layer when it hands a cache back)."""
         return self.group.record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        if value:
+            self.group.start_recording()
+        else:
+            self.group.stop_recording()
+
+    def activate_past_recording(self) -> None:
+        """Keep the tokens behind the window until :meth:`crop`, as ``DynamicSlidingWindowLayer``
+        (assisted decoding and multi-token prediction call it on the cache or on each layer). The
+        group records for all its members: pages make keeping the past cheap."""
+        self.group.start_recording()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         length = self.get_seq_length()
