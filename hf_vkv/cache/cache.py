@@ -101,7 +101,7 @@ class VKVCache(Cache):
             raise ValueError(f"prompt_repeats must be >= 1, got {prompt_repeats}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.options = CacheOptions.from_dict(options)
+        self.options = CacheOptions.from_dict(options, given_to="VKVCache")
         text_config = config.get_text_config(decoder=True)
         self.config = text_config
         self.prompt_repeats = prompt_repeats
@@ -170,6 +170,7 @@ class VKVCache(Cache):
         (:func:`~hf_vkv.cache.workload.layout_for_generate`), else the device's.
         """
         options = config_dict(cache_config)
+        CacheOptions.from_dict(options)  # a wrong key is refused in cache_config's words, before anything is made
         if options.get("layout") is None and getattr(model.config, "_attn_implementation", None) != PAGED_ATTENTION:
             layout = layout_for_generate(device_type=model.device.type, num_beams=num_beams,
                                          prompt_tokens=prompt_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 import warnings
 from dataclasses import dataclass, fields
 from collections.abc import Mapping
@@ -118,15 +120,20 @@ class CacheOptions:
         object.__setattr__(self, "group_policy", None)
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any] | None) -> CacheOptions:
+    def from_dict(cls, config: dict[str, Any] | None, *, given_to: str = "cache_config") -> CacheOptions:
         """Parse a ``cache_config`` dict (:func:`config_dict`); transformers' own cache keys are
-        translated (:func:`from_transformers_keys`); an unknown key is an error naming the known ones."""
+        translated (:func:`from_transformers_keys`); an unknown key is an error naming the known
+        ones and the closest to it, in the words of where it was given (``given_to``: ``"cache_config"``
+        of ``generate``, or ``"VKVCache"``'s keyword arguments)."""
         config = from_transformers_keys(config_dict(config))
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(config) - known)
+        known = sorted(f.name for f in fields(cls))
+        unknown = sorted(set(config) - set(known))
         if unknown:
-            raise ValueError(f"unknown cache_config key(s) {unknown} for cache_implementation='vkv'; "
-                             f"known keys: {sorted(known)}")
+            close = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
+            hints = "".join(f"; did you mean {match[0]!r} for {key!r}?" for key, match in close.items() if match)
+            where = ("unknown keyword argument(s) {} for VKVCache()" if given_to == "VKVCache"
+                     else "unknown cache_config key(s) {} for cache_implementation='vkv'")
+            raise ValueError(f"{where.format(unknown)}; known keys: {known}{hints}")
         return cls(**config)
 
 

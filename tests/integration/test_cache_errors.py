@@ -187,8 +187,8 @@ def test_unknown_cache_config_key() -> None:
     with pytest.raises(ValueError, match=r"unknown cache_config key\(s\) \['page_size'\].*known keys"):
         model.generate(**prompts(1, 4), cache_implementation="vkv", cache_config={"page_size": 4096},
                        max_new_tokens=2)
-    with pytest.raises(ValueError, match="'pages_bytes'"):
-        VKVCache(config=model.config, pages_bytes=4096)
+    with pytest.raises(ValueError, match=r"keyword argument\(s\) \['pages_bytes'\] for VKVCache\(\).*did you mean 'page_bytes'"):
+        VKVCache(config=model.config, pages_bytes=4096)  # the constructor's words, not cache_config's
 
 
 @pytest.mark.parametrize("bad", [{"page_bytes": -1}, {"page_bytes": 1000}, {"budget_bytes": 0},
@@ -213,9 +213,9 @@ def test_constructor_misuse() -> None:
         VKVCache(config=None)
     from hf_vkv import CacheOptions
 
-    with pytest.raises(ValueError, match=r"unknown cache_config key\(s\) \['options'\]"):  # one way in: keywords
+    with pytest.raises(ValueError, match=r"unknown keyword argument\(s\) \['options'\] for VKVCache\(\)"):  # one way in
         VKVCache(config=tiny("llama").config, options=CacheOptions(), page_bytes=SMALL_PAGE)
-    with pytest.raises(ValueError, match=r"unknown cache_config key\(s\) \['max_tokenz'\]"):  # never ignored
+    with pytest.raises(ValueError, match=r"\['max_tokenz'\] for VKVCache\(\).*did you mean 'max_tokens'"):  # never ignored
         VKVCache(config=tiny("llama").config, max_tokenz=5)
     cache = VKVCache(config=tiny("llama").config, max_tokens=5)
     cache.update(*_states(q=5), 0)

@@ -78,14 +78,14 @@ def test_readme_usage_block_runs_as_written(env: dict[str, str], tmp_path: Path)
     assert "CacheStats(" in out and "Paris" in out, out
 
 
-#: A line each example's output must contain.
+#: What each example's output must contain (a regular expression): what it promises, observed.
 PROMISES = {
     "beam_search.py": "pages copied on write",
     "chat_prefix.py": "turn 5: prompt",
     "generate.py": "resident KV",
     "parallel_sampling.py": "rows sharing the prompt: 7",
     "pipeline.py": "The capital of France is",
-    "prompt_reuse.py": "pages shared with the prefix",
+    "prompt_reuse.py": r"pages: [1-9]\d* still shared with the request",
 }
 
 
@@ -96,4 +96,4 @@ def test_every_example_has_a_promise() -> None:
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_runs(name: str, env: dict[str, str], tmp_path: Path) -> None:
     out = _run(["-c", _CAPPED, str(ROOT / "examples" / name)], env, tmp_path)
-    assert PROMISES[name] in out, out
+    assert re.search(PROMISES[name], out), out
