@@ -12,8 +12,11 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
         "$PY" -m pip install -q "torch==2.13.0" --index-url "$HF_VKV_TORCH_INDEX"
     elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         "$PY" -m pip install -q "torch==2.13.0"  # the CUDA build (PyPI's default on Linux)
-    else
-        "$PY" -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+    elif ! "$PY" -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
+            --retries 0 --timeout 15 2>/dev/null; then
+        # PyTorch's CPU index unreachable (a closed network, a mirror): the default index, quietly
+        echo "install.sh: PyTorch's CPU index did not answer; torch==2.13.0 from pip's default index" >&2
+        "$PY" -m pip install -q "torch==2.13.0"
     fi
 fi
 "$PY" -m pip install -q -e ".[test]"

@@ -100,8 +100,20 @@ class LayerGroup:
         if self.buffer is None:
             self.layout = self._make_layout(self.geometry, len(self.members))
             rows = max(self._rows_hint or 0, key_states.shape[0])
-            self.buffer = self.layout.make_buffer(self._arena_for(self.geometry.device, self.layout),
-                                                  rows=rows, capacity=self.capacity)
+            arena = self._arena_for(self.geometry.device, self.layout)
+            self.capacity = self._within_budget(arena.budget_bytes, key_states.shape[2])
+            self.buffer = self.layout.make_buffer(arena, rows=rows, capacity=self.capacity)
+
+    def _within_budget(self, budget_bytes: int | None, tokens: int) -> int:
+        """Tokens to reserve per row: :attr:`capacity`, but never more than one row could hold within
+        the arena's budget (its pages are all distinct), nor fewer than the first ``tokens``. A
+        ``generate(max_new_tokens=10**12, max_time=...)`` asks for an address range no system can
+        reserve; the budget runs out first (:class:`KVCacheOutOfMemory`), as a DynamicCache's memory would."""
+        if budget_bytes is None or self.geometry is None:
+            return self.capacity
+        per_token = len(self.members) * self.geometry.token_elements * self.geometry.dtype.itemsize
+        # one token more than the budget holds: the pool refuses it first, with the typed error
+        return min(self.capacity, max(budget_bytes // per_token + 1, tokens))
 
     def _buf(self) -> RowBuffer:
         if self.buffer is None:

@@ -41,6 +41,12 @@ class Arena(OpenTables):
     def page_bytes(self) -> int:
         return self.backend.page_bytes
 
+    @property
+    def budget_bytes(self) -> int | None:
+        """Most bytes of pages resident at once (``None``: unbounded)."""
+        pages = self.pool.budget_pages
+        return None if pages == sys.maxsize else pages * self.page_bytes
+
     def create(self, pages: Sequence[PageId]) -> None:
         self.backend.ensure_id_space(self.pool.id_space)
         self.backend.create(pages)

@@ -103,3 +103,28 @@ def test_copy_on_write_copies_the_written_part_of_a_page():
     assert buf.table.row(0).pages != buf.table.row(1).pages
     buf.check_invariants()
     buf.close()
+
+
+def test_an_unbounded_max_new_tokens_reserves_what_the_budget_can_hold():
+    """``max_new_tokens=10**12`` with ``max_time`` generates until the time is up, as with
+    DynamicCache (the reservation was 10**12 tokens: a raw mmap error), and a small budget ends
+    in the typed out-of-memory error, with the cache consistent."""
+    model = tiny("llama")
+    inputs = prompts(1, 4)
+    out = model.generate(**inputs, max_new_tokens=10**12, max_time=0.5, cache_implementation="vkv",
+                         do_sample=False, return_dict_in_generate=True)
+    new = out.sequences.shape[1] - 4
+    assert new > 1
+    ref = model.generate(**inputs, max_new_tokens=new, do_sample=False)
+    assert torch.equal(out.sequences, ref)
+    cache = out.past_key_values
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x K/V x kv heads x head dim x fp32
+    assert new < cache.groups[0].capacity <= mem_available() // per_token + 1  # a range this machine can reserve
+    budget = 16 * 4096  # 16 pages: 2 per (layer, K/V, head) sub-row of 64 tokens
+    with pytest.raises(hf_vkv.KVCacheOutOfMemory):
+        model.generate(**inputs, max_new_tokens=10**12, cache_implementation="vkv", do_sample=False,
+                       cache_config={"budget_bytes": budget, "layout": "head_major", "page_bytes": 4096})
+    small = VKVCache(model.config, budget_bytes=budget, layout="head_major", page_bytes=4096)
+    with torch.no_grad():
+        model(**inputs, past_key_values=small)
+    assert small.groups[0].capacity == budget // per_token + 1

@@ -14,13 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
-def _run(tmp_path: Path, *, gpu: bool, torch_installed: bool) -> list[str]:
+def _run(tmp_path: Path, *, gpu: bool, torch_installed: bool, cpu_index_fails: bool = False) -> list[str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls"
     fake = bin_dir / "python"
     fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\n'
-                    f'case "$*" in "-c import torch") exit {0 if torch_installed else 1};; esac\nexit 0\n')
+                    f'case "$*" in "-c import torch") exit {0 if torch_installed else 1};; esac\n'
+                    + (f'case "$*" in *{CPU_INDEX}*) exit 1;; esac\n' if cpu_index_fails else "") + 'exit 0\n')
     fake.chmod(0o755)
     if gpu:
         smi = bin_dir / "nvidia-smi"
@@ -43,3 +44,10 @@ def test_torch_build_follows_the_driver(tmp_path: Path, gpu: bool) -> None:
 
 def test_an_installed_torch_is_left_alone(tmp_path: Path) -> None:
     assert _run(tmp_path, gpu=False, torch_installed=True) == []
+
+
+@pytest.mark.skipif(os.path.exists("/usr/bin/nvidia-smi"), reason="a real nvidia-smi is on /usr/bin")
+def test_an_unreachable_cpu_index_falls_back_to_the_default_index(tmp_path: Path) -> None:
+    first, second = _run(tmp_path, gpu=False, torch_installed=False, cpu_index_fails=True)
+    assert CPU_INDEX in first and "--retries 0" in first  # asked once, without pip's retry loop
+    assert "torch==2.13.0" in second and "--index-url" not in second
