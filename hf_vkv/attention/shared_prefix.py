@@ -38,18 +38,19 @@ class SharedPrefix:
 
     clusters: tuple[Cluster, ...]
     alone: tuple[int, ...]
-    # [mask, whether every cluster's rows have equal mask columns over its prefix]: a forward
-    # passes one mask object to all its layers, so it is checked once per forward, not per layer
+    # [mask, its version, whether every cluster's rows have equal mask columns over its prefix]: a
+    # forward passes one mask object to all its layers, so it is checked once per forward, not per
+    # layer; the tensor's version counter moves on an in-place change, which is checked again
     _checked: list = field(default_factory=list, compare=False, repr=False)
 
     def mask_agrees(self, mask: torch.Tensor) -> bool:
         """Whether ``mask`` (bool ``[B, 1, q, kv]``) is the same over each cluster's prefix in
         each of its rows (rows of one prompt are padded alike; a caller's mask may differ)."""
-        if self._checked and self._checked[0] is mask:
-            return self._checked[1]
+        if self._checked and self._checked[0] is mask and self._checked[1] == mask._version:
+            return self._checked[2]
         verdict = all(
             torch.equal(mask[list(c.index), ..., :c.tokens], mask[c.index[0]:c.index[0] + 1, ..., :c.tokens]
                         .expand(len(c.index), *mask.shape[1:-1], c.tokens))
             for c in self.clusters)
-        self._checked[:] = [mask, verdict]
+        self._checked[:] = [mask, mask._version, verdict]
         return verdict

@@ -87,13 +87,20 @@ def test_cascade_matches_sdpa_closely_in_float32() -> None:
     assert (out - sdpa).abs().max().item() < 1e-5
 
 
-def test_the_mask_is_checked_once_per_mask_object() -> None:
+def test_the_mask_is_checked_once_per_mask_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_vkv.attention.shared_prefix as shared_prefix
+
+    compared = []
+    equal = torch.equal
+    monkeypatch.setattr(shared_prefix.torch, "equal", lambda a, b: compared.append(1) or equal(a, b))
     record = SharedPrefix(clusters=(Cluster(index=(0, 1), tokens=4),), alone=(2,))
     mask = torch.ones(3, 1, 1, 6, dtype=torch.bool)
-    assert record.mask_agrees(mask)
-    mask[1, ..., 5] = False  # after the prefix: still agrees
-    assert SharedPrefix(clusters=record.clusters, alone=(2,)).mask_agrees(mask)
+    assert record.mask_agrees(mask) and len(compared) == 1
+    assert record.mask_agrees(mask) and len(compared) == 1  # the same mask object: not compared again (every layer)
     other = mask.clone()
     other[1, ..., 0] = False  # inside the prefix of one row only
-    assert not record.mask_agrees(other)
-    assert record.mask_agrees(mask)
+    assert not record.mask_agrees(other) and len(compared) == 2  # another object: compared
+    mask[1, ..., 5] = False  # in place, after the prefix: still agrees, compared anew
+    assert record.mask_agrees(mask) and len(compared) == 3
+    mask[1, ..., 0] = False  # in place, inside the prefix: the cached verdict is not reused
+    assert not record.mask_agrees(mask) and len(compared) == 4
