@@ -1,4 +1,4 @@
-"""The ``hf-vkv`` help and the README say the same things: exit statuses, the bench grids, a help
+"""The ``hf-vkv`` help and the docs (``docs/cli.md``, ``docs/usage.md``) say the same things: exit statuses, the bench grids, a help
 text and default for every ``ab`` option, ``map_ahead`` in the options table; ``ab --json -``
 means stdout, as ``demo --json -`` does."""
 
@@ -18,7 +18,9 @@ from hf_vkv.cache import CacheOptions
 
 pytestmark = pytest.mark.integration
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+CLI_PAGE = (DOCS / "cli.md").read_text()
+USAGE_PAGE = (DOCS / "usage.md").read_text()
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -31,7 +33,7 @@ def test_top_level_help_names_every_exit_status() -> None:
     text = cli._parser().format_help()
     for status, meaning in ((0, "identical"), (1, "diverged"), (2, "usage error"), (3, "refused")):
         assert f"{status} " in text and meaning in text, (status, text)
-    assert "3 when vkv refused the run" in README
+    assert "3 when vkv refused the run" in CLI_PAGE
 
 
 def test_every_ab_option_has_help_and_shows_its_default() -> None:
@@ -50,13 +52,24 @@ def _grid_words(grid: object) -> str:
 
 def test_readme_states_the_bench_grids_of_the_help() -> None:
     for grid in (QUICK_GRID, FULL_GRID):
-        assert _grid_words(grid) in README, _grid_words(grid)
+        assert _grid_words(grid) in CLI_PAGE, _grid_words(grid)
         assert f"prompts {' '.join(map(str, grid.prompt_lengths))}" in _subparser("bench").format_help().replace("\n", " ").replace("  ", " ")
 
 
 def test_readme_options_table_lists_every_cache_option() -> None:
     for f in fields(CacheOptions):
-        assert f"| `{f.name}` |" in README, f"cache_config key {f.name!r} missing from the README's options table"
+        assert f"| `{f.name}` |" in USAGE_PAGE, f"cache_config key {f.name!r} missing from docs/usage.md's options table"
+
+
+def test_the_cli_reference_names_every_subcommand_and_option() -> None:
+    """docs/cli.md against the parser: a new subcommand or option fails here until it is documented."""
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        assert f"`{name}" in CLI_PAGE, f"hf-vkv {name} is missing from docs/cli.md"
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    assert option in CLI_PAGE, f"hf-vkv {name} {option} is missing from docs/cli.md"
 
 
 def test_ab_json_dash_is_stdout(model_dir: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path,  # noqa: F811

@@ -1,4 +1,5 @@
-"""The README's Usage block and every ``examples/`` script, run as a new user runs them: a fresh
+"""The README's Usage block, every ``docs/`` block marked runnable and every ``examples/`` script,
+run as a new user runs them: a fresh
 interpreter, gradients on (no ``no_grad`` unless the code says so), the embedded SmolLM2.
 
 The Usage block runs exactly as written. The examples run as written too, with ``generate``'s
@@ -69,6 +70,28 @@ def usage_block() -> str:
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "README's Usage section has no python block"
     return match.group(1)
+
+
+def runnable_blocks() -> list[tuple[str, str]]:
+    """``(page, code)`` of every python block in ``docs/`` that its page marks ``<!-- runnable -->``
+    (the line before the fence)."""
+    found = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for match in re.finditer(r"<!-- runnable -->\n```python\n(.*?)```", page.read_text(), re.S):
+            found.append((str(page.relative_to(ROOT)), match.group(1)))
+    return found
+
+
+def test_the_docs_mark_runnable_blocks() -> None:
+    assert [page for page, _ in runnable_blocks()].count("docs/usage.md") == 1
+
+
+@pytest.mark.parametrize("page, code", runnable_blocks(), ids=lambda v: v if v.startswith("docs/") else "")
+def test_docs_block_runs_as_written(page: str, code: str, env: dict[str, str], tmp_path: Path) -> None:
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    out = _run(["-c", _CAPPED, str(script)], env, tmp_path)
+    assert out.strip(), f"{page}: the block printed nothing"
 
 
 def test_readme_usage_block_runs_as_written(env: dict[str, str], tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``scripts/install.sh`` installs the torch build the README says: the CUDA build where an NVIDIA
+"""``scripts/install.sh`` installs the torch build the docs say: the CUDA build where an NVIDIA
 driver answers, the CPU build everywhere else, nothing over an installed torch. Run with a fake
 ``python`` that records its arguments (and a fake ``nvidia-smi``), so nothing is installed."""
 
@@ -38,8 +38,8 @@ def test_torch_build_follows_the_driver(tmp_path: Path, gpu: bool) -> None:
     calls = _run(tmp_path, gpu=gpu, torch_installed=False)
     assert len(calls) == 1 and "torch==2.13.0" in calls[0]
     assert (CPU_INDEX in calls[0]) is not gpu, calls
-    readme = (ROOT / "README.md").read_text()
-    assert "the CUDA build where an NVIDIA driver answers" in readme and "the CPU build" in readme
+    guide = (ROOT / "docs" / "getting_started.md").read_text()
+    assert "the CUDA build where an NVIDIA driver answers" in guide and "the CPU build" in guide
 
 
 def test_an_installed_torch_is_left_alone(tmp_path: Path) -> None:
