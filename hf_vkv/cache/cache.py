@@ -170,7 +170,6 @@ class VKVCache(Cache):
         (:func:`~hf_vkv.cache.workload.layout_for_generate`), else the device's.
         """
         options = config_dict(cache_config)
-        CacheOptions.from_dict(options)  # a wrong key is refused in cache_config's words, before anything is made
         if options.get("layout") is None and getattr(model.config, "_attn_implementation", None) != PAGED_ATTENTION:
             layout = layout_for_generate(device_type=model.device.type, num_beams=num_beams,
                                          prompt_tokens=prompt_tokens)
@@ -179,8 +178,18 @@ class VKVCache(Cache):
         if options.get("max_tokens") is None:
             context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
             options["max_tokens"] = max(max_length, context)
-        return cls(model.config, batch_size=batch_size * expand, prompt_repeats=expand,
-                   layer_devices=layer_devices_of(model), **options)
+        return cls.from_cache_config(model.config, options, batch_size=batch_size * expand, prompt_repeats=expand,
+                                     layer_devices=layer_devices_of(model))
+
+    @classmethod
+    def from_cache_config(cls, config: PretrainedConfig, cache_config: Mapping[str, Any] | None,
+                          **kwargs: Any) -> VKVCache:
+        """``VKVCache(config, **kwargs, **cache_config)`` for options a user gave as a
+        ``cache_config`` dict (``generate``, :class:`~hf_vkv.PrefixStore`, :func:`~hf_vkv.load_prefix`):
+        a wrong key is refused in ``cache_config``'s words, before anything is made."""
+        options = config_dict(cache_config)
+        CacheOptions.from_dict(options)
+        return cls(config, **kwargs, **options)
 
     # ----------------------------------------------------------------------------- layout and memory
     @property

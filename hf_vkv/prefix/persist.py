@@ -134,7 +134,7 @@ def load_prefix(
     meta, tensors = _read(path)
     _check_model(path, meta, config, model, dtype, check_weights=check_weights)
     n, tokens = meta["length"], meta["token_ids"]
-    cache = VKVCache(config, batch_size=1, **(cache_config or {}))
+    cache = VKVCache.from_cache_config(config, cache_config, batch_size=1)
     if len(meta["layers"]) != len(cache.layers):
         raise PrefixFormatError(f"{path} holds {len(meta['layers'])} layers, the model has {len(cache.layers)}")
     try:

@@ -111,7 +111,7 @@ class PrefixStore:
         self._budget: int | None = None
         self.budget_bytes = budget_bytes
         self.cache_config = dict(cache_config or {})
-        VKVCache(config, **self.cache_config)  # checks cache_config now (no memory until a first update)
+        VKVCache.from_cache_config(config, self.cache_config)  # checks it now (no memory until a first update)
         self._fingerprint = config_fingerprint(config)
         self._tree: RadixTree[int] = RadixTree()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
@@ -157,7 +157,7 @@ class PrefixStore:
                 self._hits += 1
                 self._reused += m
                 return fork
-        return VKVCache(self.config, **self.cache_config)
+        return VKVCache.from_cache_config(self.config, self.cache_config)
 
     def insert(self, token_ids: Any, cache: VKVCache) -> bool:
         """Keep a fork of ``cache``'s first ``len(token_ids)`` tokens, whose ids are ``token_ids``.
