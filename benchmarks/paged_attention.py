@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from common import write_report  # benchmarks/common.py
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.attention.kernels import gather_kv, paged_attention_reference
+from hf_vkv.attention.paged_kv import PagedKV
 
 GRIDS = {
     # device: (batches, contexts, block sizes, (q_heads, kv_heads, head_dim), dtype)
@@ -103,7 +104,7 @@ def bench(device: torch.device, grid, iters: int) -> list[dict]:
             for block_size in blocks:
                 query, keys, values, pool_k, pool_v, tables = make_problem(batch, context, block_size, heads, dtype,
                                                                          device)
-                kw = dict(kv_offset=0, kv_len=context, scale=scale)
+                kv = PagedKV(pool_k, pool_v, tables, 0, context)
 
                 def contiguous():
                     return F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True)
@@ -113,20 +114,19 @@ def bench(device: torch.device, grid, iters: int) -> list[dict]:
                     from hf_vkv.attention.triton_paged import paged_attention_triton
 
                     def paged():
-                        return paged_attention_triton(query, pool_k, pool_v, tables, **kw)
+                        return paged_attention_triton(query, kv, scale=scale)
 
                     row["paged_kernel"] = "triton"
                     row["contiguous_ms"] = round(time_cuda(contiguous, iters), 4)
                     row["paged_ms"] = round(time_cuda(paged, iters), 4)
                 else:
                     def paged():
-                        return paged_attention_reference(query, pool_k, pool_v, tables, **kw)
+                        return paged_attention_reference(query, kv, scale=scale)
 
                     row["paged_kernel"] = "reference (gather_kv + sdpa)"
                     row["contiguous_ms"] = round(time_cpu(contiguous, iters), 4)
                     row["paged_ms"] = round(time_cpu(paged, iters), 4)
-                    row["gather_ms"] = round(time_cpu(lambda: gather_kv(pool_k, pool_v, tables, kv_offset=0,
-                                                                        kv_len=context), iters), 4)
+                    row["gather_ms"] = round(time_cpu(lambda: gather_kv(kv), iters), 4)
                 row["paged_over_contiguous"] = round(row["paged_ms"] / row["contiguous_ms"], 3)
                 row["max_abs_diff"] = float((paged().float() - contiguous().float()).abs().max())
                 results.append(row)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .paged_interface import check_block_ids, check_caches, check_paged_inputs, paged_kernel
+from .paged_kv import PagedKV
 
 __all__ = [
     "PagedBackend",
@@ -71,23 +72,23 @@ def _gather(cache: Tensor, blocks: Tensor, in_block: Tensor) -> Tensor:
     return cache[blocks[:, None, :], in_block[None, None, :], heads[None, :, None]]
 
 
-def gather_kv(
-    key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, *, kv_offset: int, kv_len: int
-) -> tuple[Tensor, Tensor]:
+def gather_kv(kv: PagedKV) -> tuple[Tensor, Tensor]:
     """Copy tokens ``[kv_offset, kv_offset + kv_len)`` of every row out of the paged caches.
 
     Args:
-        key_cache, value_cache: ``[num_blocks, block_size, kv_heads, head_dim]``, ``stride(-1) == 1``.
-        block_tables: int32 ``[batch, max_blocks]``; every row's entries for the blocks covering
-            ``[kv_offset, kv_offset + kv_len)`` must be valid (entries before them are not read).
+        kv: the caches (``[num_blocks, block_size, kv_heads, head_dim]``, ``stride(-1) == 1``) and
+            int32 ``[batch, max_blocks]`` tables, every row's entries for the blocks covering
+            ``[kv_offset, kv_offset + kv_len)`` valid (entries before them are not read);
+            ``kv.kv_lens`` is not read (every row's ``kv_len`` tokens are copied).
 
     Returns:
         ``(keys, values)``, each a new contiguous ``[batch, kv_heads, kv_len, head_dim]`` tensor of
         the caches' dtype: an exact copy, made by one advanced index per tensor.
     """
-    check_caches(key_cache, value_cache, block_tables, kv_offset=kv_offset, kv_len=kv_len)
+    check_caches(kv)
+    key_cache, value_cache, block_tables = kv.caches()
     blocks, in_block = _token_index(block_tables, block_size=key_cache.shape[1], num_blocks=key_cache.shape[0],
-                                 kv_offset=kv_offset, kv_len=kv_len, valid=None)
+                                    kv_offset=kv.kv_offset, kv_len=kv.kv_len, valid=None)
     return _gather(key_cache, blocks, in_block), _gather(value_cache, blocks, in_block)
 
 
@@ -106,24 +107,16 @@ def attend_mask(
 
 
 @paged_kernel
-def paged_attention_reference(
-    query: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    block_tables: Tensor,
-    *,
-    kv_offset: int,
-    kv_len: int,
-    scale: float,
-    mask: Tensor | None = None,
-    kv_lens: Tensor | None = None,
-) -> Tensor:
+def paged_attention_reference(query: Tensor, kv: PagedKV, *, scale: float, mask: Tensor | None = None) -> Tensor:
     """Paged attention by gathering K/V (one copy each) and calling
     ``F.scaled_dot_product_attention``; CPU or GPU, any dtype the interface allows.
 
-    Shapes and semantics: see the module docstring. Returns ``[batch, q_heads, q, head_dim]`` in the
-    query's dtype, zeros for query rows with nothing to attend to.
+    Shapes and semantics: see :mod:`~hf_vkv.attention.paged_interface`. Returns
+    ``[batch, q_heads, q, head_dim]`` in the query's dtype, zeros for query rows with nothing to
+    attend to.
     """
+    key_cache, value_cache, block_tables = kv.caches()
+    kv_offset, kv_len, kv_lens = kv.kv_offset, kv.kv_len, kv.kv_lens
     batch, q_heads, q, _ = query.shape
     if kv_len == 0 or batch == 0 or q == 0:
         return query.new_zeros(query.shape)
@@ -187,49 +180,32 @@ def select_paged_backend(
     return "reference"
 
 
-def _paged_attention_flash(
-    query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, *, kv_len: int, scale: float,
-    kv_lens: Tensor | None,
-) -> Tensor:
+def _paged_attention_flash(query: Tensor, kv: PagedKV, *, scale: float) -> Tensor:
     """flash-attn's paged path. UNVERIFIED: flash-attn cannot be installed where this was written,
     so this branch has never run; it follows flash-attn's documented ``flash_attn_with_kvcache``
     arguments (q ``[batch, q, heads, dim]``, ``cache_seqlens`` int32, ``block_table`` int32)."""
     from flash_attn import flash_attn_with_kvcache
 
-    seqlens = kv_lens if kv_lens is not None else torch.full(
-        (query.shape[0],), kv_len, dtype=torch.int32, device=query.device)
-    out = flash_attn_with_kvcache(query.transpose(1, 2), key_cache, value_cache, cache_seqlens=seqlens,
-                                  block_table=block_tables.contiguous(), softmax_scale=float(scale), causal=True)
+    seqlens = kv.kv_lens if kv.kv_lens is not None else torch.full(
+        (query.shape[0],), kv.kv_len, dtype=torch.int32, device=query.device)
+    out = flash_attn_with_kvcache(query.transpose(1, 2), kv.key_cache, kv.value_cache, cache_seqlens=seqlens,
+                                  block_table=kv.block_tables.contiguous(), softmax_scale=float(scale), causal=True)
     return out.transpose(1, 2)  # [batch, q_heads, q, head_dim]
 
 
 @paged_kernel
-def paged_attention(
-    query: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    block_tables: Tensor,
-    *,
-    kv_offset: int,
-    kv_len: int,
-    scale: float,
-    mask: Tensor | None = None,
-    kv_lens: Tensor | None = None,
-) -> Tensor:
+def paged_attention(query: Tensor, kv: PagedKV, *, scale: float, mask: Tensor | None = None) -> Tensor:
     """Paged attention with the fastest kernel available (see :func:`select_paged_backend`).
 
     Same arguments, shapes and result as :func:`paged_attention_reference`; the arguments are
     checked once (:func:`~hf_vkv.attention.paged_interface.paged_kernel`), and the kernel picked
     runs unchecked.
     """
-    backend = select_paged_backend(query, key_cache, kv_offset=kv_offset, mask=mask)
+    backend = select_paged_backend(query, kv.key_cache, kv_offset=kv.kv_offset, mask=mask)
     if backend == "flash_attn":
-        return _paged_attention_flash(query, key_cache, value_cache, block_tables, kv_len=kv_len, scale=scale,
-                                      kv_lens=kv_lens)
+        return _paged_attention_flash(query, kv, scale=scale)
     if backend == "triton":
         from .triton_paged import paged_attention_triton
 
-        return paged_attention_triton.__wrapped__(query, key_cache, value_cache, block_tables, kv_offset=kv_offset,
-                                                  kv_len=kv_len, scale=scale, mask=mask, kv_lens=kv_lens)
-    return paged_attention_reference.__wrapped__(query, key_cache, value_cache, block_tables, kv_offset=kv_offset,
-                                     kv_len=kv_len, scale=scale, mask=mask, kv_lens=kv_lens)
+        return paged_attention_triton.__wrapped__(query, kv, scale=scale, mask=mask)
+    return paged_attention_reference.__wrapped__(query, kv, scale=scale, mask=mask)

@@ -66,18 +66,16 @@ def vkv_paged_attention(
     if tag is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    key_cache, value_cache, tables = tag.caches()
     exact = (
         query.device.type != "cuda" or dropout > 0 or kwargs.get("output_attentions")
         or kwargs.get("is_causal", getattr(module, "is_causal", True)) is False
         or kwargs.get("position_bias") is not None
     )
     if exact:
-        k, v = gather_kv(key_cache, value_cache, tables, kv_offset=tag.kv_offset, kv_len=tag.kv_len)
+        k, v = gather_kv(tag)
         return sdpa_attention_forward(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_attention(query, key_cache, value_cache, tables, kv_offset=tag.kv_offset, kv_len=tag.kv_len,
-                          scale=scale, mask=attention_mask)  # [B, Hq, q, D]
+    out = paged_attention(query, tag, scale=scale, mask=attention_mask)  # [B, Hq, q, D]
     return out.transpose(1, 2).contiguous(), None
 
 

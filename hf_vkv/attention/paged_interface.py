@@ -6,7 +6,8 @@ table instead of through a contiguous tensor.
 
 The interface (shared by :func:`hf_vkv.attention.kernels.paged_attention_reference`,
 :func:`hf_vkv.attention.kernels.paged_attention` and
-:func:`hf_vkv.attention.triton_paged.paged_attention_triton`):
+:func:`hf_vkv.attention.triton_paged.paged_attention_triton`, all called
+``kernel(query, kv, *, scale, mask=None)`` with ``kv`` a :class:`~hf_vkv.attention.paged_kv.PagedKV`):
 
 * ``key_cache``, ``value_cache``: ``[num_blocks, block_size, kv_heads, head_dim]``, float32,
   float16 or bfloat16, any strides with ``stride(-1) == 1`` (the cache hands strided views of a
@@ -51,6 +52,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from .paged_kv import PagedKV
+
 __all__ = ["check_block_ids", "check_caches", "check_paged_inputs", "paged_kernel"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -65,10 +68,11 @@ def check_block_ids(used: Tensor, num_blocks: int) -> None:
                              f"but the caches hold blocks [0, {num_blocks})")
 
 
-def check_caches(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, *, kv_offset: int,
-                 kv_len: int) -> None:
+def check_caches(kv: PagedKV) -> None:
     """The checks :func:`~hf_vkv.attention.kernels.gather_kv` and the kernels share (caches,
     tables, offsets)."""
+    key_cache, value_cache, block_tables = kv.caches()
+    kv_offset, kv_len = kv.kv_offset, kv.kv_len
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -102,21 +106,14 @@ def check_caches(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, *
                          f"{sorted(str(d) for d in devices)}")
 
 
-def check_paged_inputs(
-    query: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    block_tables: Tensor,
-    *,
-    kv_offset: int,
-    kv_len: int,
-    scale: float,
-    mask: Tensor | None = None,
-    kv_lens: Tensor | None = None,
-) -> None:
+def check_paged_inputs(query: Tensor, kv: PagedKV, *, scale: float, mask: Tensor | None = None) -> None:
     """Raise ``TypeError``/``ValueError`` (naming the argument and the fix) unless the arguments
     follow the interface of this module's docstring. Reads tensor values only for CPU tensors."""
-    check_caches(key_cache, value_cache, block_tables, kv_offset=kv_offset, kv_len=kv_len)
+    if not isinstance(kv, PagedKV):
+        raise TypeError(f"kv must be a PagedKV (the caches, block tables, offset and lengths), got {type(kv).__name__}")
+    check_caches(kv)
+    key_cache, _, block_tables = kv.caches()
+    kv_offset, kv_len, kv_lens = kv.kv_offset, kv.kv_len, kv.kv_lens
     if not isinstance(query, Tensor):
         raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -170,8 +167,8 @@ def paged_kernel(kernel: _K) -> _K:
     ``kernel.__wrapped__`` is the unchecked function."""
 
     @functools.wraps(kernel)
-    def checked(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, **kwargs: object) -> Tensor:
-        check_paged_inputs(query, key_cache, value_cache, block_tables, **kwargs)  # type: ignore[arg-type]
-        return kernel(query, key_cache, value_cache, block_tables, **kwargs)
+    def checked(query: Tensor, kv: PagedKV, *, scale: float, mask: Tensor | None = None) -> Tensor:
+        check_paged_inputs(query, kv, scale=scale, mask=mask)
+        return kernel(query, kv, scale=scale, mask=mask)
 
     return checked  # type: ignore[return-value]

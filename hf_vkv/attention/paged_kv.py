@@ -44,11 +44,14 @@ def record_of(key: torch.Tensor, kind: type[_R]) -> _R | None:
 
 @dataclass(frozen=True, slots=True)
 class PagedKV:
-    """Tokens ``[kv_offset, kv_offset + kv_len)`` of every row of one layer, in blocks.
+    """Tokens ``[kv_offset, kv_offset + kv_len)`` of every row of one layer, in blocks: the K/V
+    argument of every paged kernel (:mod:`hf_vkv.attention.paged_interface` states the rules).
 
     * ``key_cache``: ``[num_blocks, block_tokens, kv_heads, key_dim]`` view of the block store
       (``stride(-1) == 1``); ``value_cache`` likewise with ``value_dim``;
-    * ``block_tables``: int32 ``[batch, max_blocks]``, on the caches' device.
+    * ``block_tables``: int32 ``[batch, max_blocks]``, on the caches' device;
+    * ``kv_lens``: int32 ``[batch]``, row ``b`` holding ``kv_lens[b] <= kv_len`` tokens, or ``None``
+      (every row ``kv_len``).
     """
 
     key_cache: torch.Tensor
@@ -56,6 +59,7 @@ class PagedKV:
     block_tables: torch.Tensor
     kv_offset: int
     kv_len: int
+    kv_lens: torch.Tensor | None = None
 
     def caches(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(key_cache, value_cache, block_tables)``."""

@@ -41,6 +41,7 @@ from triton.runtime.jit import JITFunction
 from torch import Tensor
 
 from .paged_interface import paged_kernel
+from .paged_kv import PagedKV
 
 __all__ = ["paged_attention_triton"]
 
@@ -236,15 +237,10 @@ def _interpreting() -> bool:
 
 def launch_paged_attention(
     query: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    block_tables: Tensor,
+    kv: PagedKV,
     *,
-    kv_offset: int,
-    kv_len: int,
     scale: float,
     mask: Tensor | None,
-    kv_lens: Tensor | None,
     block_m: int | None = None,
     block_n: int = 64,
     num_splits: int | None = None,
@@ -258,6 +254,8 @@ def launch_paged_attention(
     tokens per tile; ``num_splits``: KV splits (default: :func:`_default_splits`). Returns
     ``[batch, q_heads, q, head_dim]`` in the query's dtype.
     """
+    key_cache, value_cache, block_tables = kv.caches()
+    kv_offset, kv_len, kv_lens = kv.kv_offset, kv.kv_len, kv.kv_lens
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     group = q_heads // kv_heads
@@ -310,29 +308,17 @@ def launch_paged_attention(
 
 
 @paged_kernel
-def paged_attention_triton(
-    query: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    block_tables: Tensor,
-    *,
-    kv_offset: int,
-    kv_len: int,
-    scale: float,
-    mask: Tensor | None = None,
-    kv_lens: Tensor | None = None,
-) -> Tensor:
+def paged_attention_triton(query: Tensor, kv: PagedKV, *, scale: float, mask: Tensor | None = None) -> Tensor:
     """Paged attention in one Triton kernel (plus a combine kernel when the KV range is split).
 
     Arguments and result as :func:`hf_vkv.attention.kernels.paged_attention_reference`:
-    query ``[batch, q_heads, q, head_dim]``, caches ``[num_blocks, block_size, kv_heads, head_dim]``,
-    int32 ``block_tables [batch, max_blocks]``, optional bool ``mask [batch, 1, q, kv_len]`` and int32
-    ``kv_lens [batch]``; returns ``[batch, q_heads, q, head_dim]`` in the query's dtype (fp32
+    query ``[batch, q_heads, q, head_dim]``, ``kv`` with caches ``[num_blocks, block_size, kv_heads,
+    head_dim]``, int32 ``block_tables [batch, max_blocks]`` and optional int32 ``kv_lens [batch]``,
+    optional bool ``mask [batch, 1, q, kv_len]``; returns ``[batch, q_heads, q, head_dim]`` in the query's dtype (fp32
     accumulation), zeros for query rows with nothing to attend to.
     """
     if query.device.type != "cuda" and not _interpreting():
         raise ValueError(f"paged_attention_triton needs CUDA tensors (got {query.device}); on the CPU use "
                          f"paged_attention_reference, or set TRITON_INTERPRET=1 before this module is first "
                          f"imported to run the kernel interpreted")
-    return launch_paged_attention(query, key_cache, value_cache, block_tables, kv_offset=kv_offset,
-                                  kv_len=kv_len, scale=scale, mask=mask, kv_lens=kv_lens)
+    return launch_paged_attention(query, kv, scale=scale, mask=mask)

@@ -71,7 +71,7 @@ def with_new_states(keys: torch.Tensor, values: torch.Tensor, key_states: torch.
     ``[B, H, kv_length, D]`` tensors, equal to ``DynamicLayer.update``'s ``torch.cat``."""
     tag = paged_kv_of(keys)
     if tag is not None:  # the cached tokens as plain tensors: "vkv_paged" reads untagged K/V as sdpa does
-        keys, values = gather_kv(*tag.caches(), kv_offset=tag.kv_offset, kv_len=tag.kv_len)
+        keys, values = gather_kv(tag)
     q = key_states.shape[-2]
     past = keys.shape[-2] - q
     return (torch.cat([keys.narrow(-2, 0, past), key_states], dim=-2),

@@ -74,7 +74,7 @@ class TeeCache(VKVCache):
         seen = keys, values
         if self.layout == "paged":  # what the vkv_paged attention reads
             tag = getattr(keys, KV_TAG)
-            seen = gather_kv(*tag.caches(), kv_offset=tag.kv_offset, kv_len=tag.kv_len)
+            seen = gather_kv(tag)
         step = f"update #{self.calls['update']} of layer {layer_idx} (q={key_states.shape[2]})"
         for name, got, exp in (("keys", seen[0], exp_k), ("values", seen[1], exp_v)):
             assert got.shape == exp.shape, f"{step}: {name} {tuple(got.shape)} vs {tuple(exp.shape)}"

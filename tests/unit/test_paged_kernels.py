@@ -28,6 +28,7 @@ from hf_vkv.attention.kernels import (
     paged_attention_reference,
     select_paged_backend,
 )
+from hf_vkv.attention.paged_kv import PagedKV
 
 #: Where the Triton tests run: compiled on a GPU when there is one, else interpreted on the CPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,11 +102,13 @@ class Case:
     scale: float
 
     def kwargs(self) -> dict:
-        return dict(kv_offset=self.kv_offset, kv_len=self.kv_len, scale=self.scale, mask=self.mask,
-                    kv_lens=self.kv_lens)
+        return dict(scale=self.scale, mask=self.mask)
+
+    def kv(self) -> PagedKV:
+        return PagedKV(self.key_cache, self.value_cache, self.block_tables, self.kv_offset, self.kv_len, self.kv_lens)
 
     def args(self) -> tuple:
-        return self.query, self.key_cache, self.value_cache, self.block_tables
+        return self.query, self.kv()
 
     def to(self, device: torch.device) -> "Case":
         """The kernel inputs on ``device``; the caches stay views of one store (strides kept)."""
@@ -220,10 +223,10 @@ def test_reference_matches_naive_per_row_sdpa(block_size, padded, kv_offset, rag
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_kv_is_an_exact_copy(block_size, dtype):
     case = make_case(block_size=block_size, kv_offset=11, dtype=dtype)
-    keys, values = gather_kv(case.key_cache, case.value_cache, case.block_tables, kv_offset=11, kv_len=37)
+    keys, values = gather_kv(PagedKV(case.key_cache, case.value_cache, case.block_tables, 11, 37))
     assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == dtype
     assert torch.equal(keys, case.keys[:, :, 11:]) and torch.equal(values, case.values[:, :, 11:])
-    empty, _ = gather_kv(case.key_cache, case.value_cache, case.block_tables, kv_offset=48, kv_len=0)
+    empty, _ = gather_kv(PagedKV(case.key_cache, case.value_cache, case.block_tables, 48, 0))
     assert empty.shape == (3, 2, 0, 16)
 
 
@@ -236,7 +239,7 @@ def test_gather_and_reference_on_caches_whose_blocks_do_not_flatten():
         roomy[:, :7] = cache
         caches.append(roomy[:, :7])
     assert caches[0].stride(0) != 7 * caches[0].stride(1)
-    keys, values = gather_kv(*caches, case.block_tables, kv_offset=9, kv_len=37)
+    keys, values = gather_kv(PagedKV(*caches, case.block_tables, 9, 37))
     assert torch.equal(keys, case.keys[:, :, 9:]) and torch.equal(values, case.values[:, :, 9:])
     roomy_case = dataclasses.replace(case, key_cache=caches[0], value_cache=caches[1])
     out = paged_attention_reference(*roomy_case.args(), **roomy_case.kwargs())
@@ -383,11 +386,15 @@ def test_flash_attn_block_size_constraint():
 
 
 def _bad(case: Case, **changes):
-    """The case's arguments with some replaced (``query``/``key_cache``/... or keyword ones)."""
-    args = dict(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache,
-                block_tables=case.block_tables, **case.kwargs())
-    args.update(changes)
-    return args
+    """The case's arguments with some replaced (``query``, a field of its ``PagedKV``, ``scale`` or
+    ``mask``): ``(query, kv, keywords)``."""
+    fields = dict(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache,
+                  block_tables=case.block_tables, kv_offset=case.kv_offset, kv_len=case.kv_len,
+                  kv_lens=case.kv_lens, **case.kwargs())
+    fields.update(changes)
+    kv = PagedKV(*(fields.pop(k) for k in ("key_cache", "value_cache", "block_tables", "kv_offset", "kv_len",
+                                           "kv_lens")))
+    return fields.pop("query"), kv, fields
 
 
 BAD_INPUTS = [
@@ -414,15 +421,13 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("make_args,error,match", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
 def test_bad_inputs_raise_typed_errors(make_args, error, match):
     case = make_case(block_size=16)
-    args = make_args(case)
-    query, key_cache, value_cache, tables = (args.pop(k) for k in ("query", "key_cache", "value_cache",
-                                                                   "block_tables"))
+    query, kv, keywords = make_args(case)
     kernels = [paged_attention_reference, paged_attention]
     if TRITON_SKIP is None:
         kernels.append(triton_paged.paged_attention_triton)
     for kernel in kernels:
         with pytest.raises(error, match=re.escape(match)):
-            kernel(query, key_cache, value_cache, tables, **args)
+            kernel(query, kv, **keywords)
     # the caches were not touched: the same call with good arguments still gives the naive result
     torch.testing.assert_close(paged_attention_reference(*case.args(), **case.kwargs()).double(),
                                naive_attention(case), atol=1e-5, rtol=1e-5)

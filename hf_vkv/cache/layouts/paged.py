@@ -118,8 +118,7 @@ class PagedLayout(Layout):
     def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies gathered through the block tables."""
-        keys, values = self._member(buffer, member)
-        return gather_kv(keys, values, self.block_tables(buffer, batch), kv_offset=start, kv_len=end - start)
+        return gather_kv(self.paged_kv(buffer, batch=batch, member=member, start=start, end=end))
 
     def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
