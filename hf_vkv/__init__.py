@@ -1,24 +1,28 @@
 """hf_vkv: a virtual-memory KV cache for HuggingFace Transformers.
 
-``import hf_vkv`` registers the ``"vkv"`` cache implementation and the ``"vkv_paged"`` attention
-(with its mask function) with transformers and does nothing else (no device work).
+``import hf_vkv`` registers the ``"vkv"`` cache implementation and the ``"vkv_paged"`` and
+``"vkv_cascade"`` attentions (with their mask function) with transformers and does nothing else
+(no device work).
+
+The public surface is what a user needs: the cache, its options and stats, the prefix store and
+prefix files, the A/B harness's :func:`run_ab` (imported when first used), and the errors. The
+machinery stays importable from its modules (``hf_vkv.memory``, ``hf_vkv.cache``, ...).
 """
 
-from .cache import CacheOptions, CacheStats, LayerCallError, LayerMismatchError, VKVCache, VKVGradientError
+from typing import Any
+
 from .attention import UnsupportedModelError
+from .cache import CacheOptions, CacheStats, LayerCallError, LayerMismatchError, VKVCache, VKVGradientError
 from .cache.export import VKVExportError
 from .devices import UnsupportedDeviceError
 from .memory import (
-    Arena,
     BackendError,
     CacheClosedError,
     CapacityError,
-    HostBackend,
     InvariantError,
     KVCacheOutOfMemory,
     MappingLimitError,
     PageSizeError,
-    VirtualBuffer,
     VKVError,
 )
 from .prefix import (
@@ -31,7 +35,6 @@ from .prefix import (
     load_prefix,
     save_prefix,
 )
-
 from .registration import register
 
 __version__ = "0.1.0"
@@ -39,9 +42,26 @@ __version__ = "0.1.0"
 register()
 
 __all__ = [
-    "CacheOptions", "CacheStats", "LayerCallError", "LayerMismatchError", "UnsupportedDeviceError", "UnsupportedModelError", "VKVCache", "VKVExportError", "VKVGradientError", "register",
-    "Arena", "BackendError", "CacheClosedError", "CapacityError", "HostBackend", "InvariantError",
-    "KVCacheOutOfMemory", "MappingLimitError", "PageSizeError", "VKVError", "VirtualBuffer", "__version__",
-    "PrefixFileCorruptError", "PrefixFileError", "PrefixFormatError", "PrefixMismatchError", "PrefixStats",
-    "PrefixStore", "load_prefix", "save_prefix",
+    # the cache
+    "VKVCache", "CacheOptions", "CacheStats",
+    # prefixes across calls
+    "PrefixStore", "PrefixStats", "save_prefix", "load_prefix",
+    # checking it against DynamicCache
+    "run_ab",
+    # errors
+    "VKVError", "KVCacheOutOfMemory", "MappingLimitError", "CapacityError", "PageSizeError", "CacheClosedError",
+    "BackendError", "InvariantError", "LayerMismatchError", "LayerCallError", "VKVGradientError", "VKVExportError",
+    "UnsupportedModelError", "UnsupportedDeviceError", "PrefixFileError", "PrefixFileCorruptError",
+    "PrefixFormatError", "PrefixMismatchError",
+    # registration (done on import; idempotent)
+    "register", "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``hf_vkv.run_ab``: the A/B harness is imported when first asked for, not by ``import hf_vkv``."""
+    if name == "run_ab":
+        from .ab import run_ab
+
+        return run_ab
+    raise AttributeError(f"module 'hf_vkv' has no attribute {name!r}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 
-import warnings
 from dataclasses import dataclass, fields
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -18,7 +17,11 @@ Groups = Literal["kind", "layer"]
 #: Names ``layout`` accepts: the layouts, ``"static"`` (the compileable layout over the device's
 #: contiguous one) and ``"contiguous"`` (the device's default contiguous layout).
 LAYOUT_NAMES = (*LAYOUTS, "static", "contiguous")
-_GROUP_POLICY = {"model": ("token_major", "kind"), "layer": ("token_major", "layer"), "head": ("head_major", "kind")}
+#: Options that were removed, and what to write instead.
+REMOVED_KEYS = {
+    "group_policy": "it was replaced by 'layout' and 'groups': write {'layout': 'token_major'} for 'model', "
+                    "{'layout': 'head_major'} for 'head', {'layout': 'token_major', 'groups': 'layer'} for 'layer'",
+}
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -57,8 +60,6 @@ class CacheOptions:
       (except in the static layout, whose attention reads the whole capacity).
     * ``map_ahead``: static layout only: tokens mapped ahead of the next write, outside the
       compiled step (default 32).
-    * ``group_policy``: deprecated spelling of ``layout`` / ``groups`` (``"model"`` =
-      token-major, ``"head"`` = head-major, ``"layer"`` = token-major per layer).
     """
 
     layout: str | None = None
@@ -70,7 +71,6 @@ class CacheOptions:
     block_tokens: int | None = None
     max_tokens: int | None = None
     map_ahead: int | None = None
-    group_policy: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_bytes", "budget_bytes", "block_tokens", "max_tokens"):
@@ -98,26 +98,6 @@ class CacheOptions:
             raise ValueError(f"cache_config['block_tokens'] applies to the paged layout only, not {self.layout!r}")
         if self.map_ahead is not None and self.layout != "static":
             raise ValueError("cache_config['map_ahead'] applies to the static layout only")
-        if self.group_policy is not None:
-            self._apply_group_policy()
-
-    def _apply_group_policy(self) -> None:
-        """Translate the deprecated ``group_policy`` (conflicts with ``layout`` / ``groups`` are errors)."""
-        mapped = _GROUP_POLICY.get(self.group_policy)  # type: ignore[arg-type]
-        if mapped is None:
-            raise ValueError(f"cache_config['group_policy'] must be 'model', 'layer' or 'head', got "
-                             f"{self.group_policy!r} (deprecated: use 'layout' and 'groups')")
-        layout, groups = mapped
-        if self.layout not in (None, layout) or (self.groups != "kind" and self.groups != groups):
-            raise ValueError(f"cache_config['group_policy']={self.group_policy!r} means layout={layout!r}, "
-                             f"groups={groups!r}, which conflicts with layout={self.layout!r}, groups={self.groups!r}; "
-                             f"give layout/groups only")
-        warnings.warn(f"cache_config['group_policy'] is deprecated: write {{'layout': {layout!r}"
-                      + (", 'groups': 'layer'" if groups == "layer" else "") + "} instead", FutureWarning,
-                      stacklevel=4)
-        object.__setattr__(self, "layout", layout)
-        object.__setattr__(self, "groups", groups)
-        object.__setattr__(self, "group_policy", None)
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | None, *, given_to: str = "cache_config") -> CacheOptions:
@@ -126,6 +106,9 @@ class CacheOptions:
         ones and the closest to it, in the words of where it was given (``given_to``: ``"cache_config"``
         of ``generate``, or ``"VKVCache"``'s keyword arguments)."""
         config = from_transformers_keys(config_dict(config))
+        removed = sorted(set(config) & set(REMOVED_KEYS))
+        if removed:
+            raise ValueError(f"cache_config[{removed[0]!r}] is no longer an option: {REMOVED_KEYS[removed[0]]}")
         known = sorted(f.name for f in fields(cls))
         unknown = sorted(set(config) - set(known))
         if unknown:

@@ -249,15 +249,14 @@ def test_page_size_and_groups(layout: LayoutRun, page_bytes: int | None, groups:
     _check(cache)
 
 
-def test_group_policy_is_a_deprecated_spelling() -> None:
-    """``group_policy`` still works, with a FutureWarning naming the new keys."""
+def test_the_removed_group_policy_names_layout_and_groups() -> None:
+    """``group_policy`` is gone: ``generate`` and the constructor refuse it naming what replaced it."""
     model = tiny("gemma3")
-    for policy, layout, groups in (("model", "token_major", 2), ("head", "head_major", 2), ("layer", "token_major", 3)):
-        with pytest.warns(FutureWarning, match="'layout'"):
-            cache = VKVCache(model.config, group_policy=policy)
-        assert cache.layout == layout and len(cache.groups) == groups
-    with pytest.raises(ValueError, match="conflicts with layout='paged'"):
-        VKVCache(model.config, group_policy="head", layout="paged")
+    with pytest.raises(ValueError, match=r"'group_policy'\] is no longer an option.*'layout': 'head_major'"):
+        model.generate(**prompts(1, 4), cache_implementation="vkv", cache_config={"group_policy": "head"},
+                       max_new_tokens=2)
+    with pytest.raises(ValueError, match="'groups': 'layer'"):
+        VKVCache(model.config, group_policy="layer")
 
 
 def test_sliding_window_pages_are_dropped(layout: LayoutRun) -> None:

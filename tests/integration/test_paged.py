@@ -49,8 +49,7 @@ def test_paged_layout_needs_the_paged_attention() -> None:
     model = tiny("llama")
     model.set_attn_implementation("vkv_paged")
     try:
-        with pytest.warns(FutureWarning):  # an explicit contiguous layout: the attention gets plain K/V
-            assert VKVCache(model.config, group_policy="head").layout == "head_major"
+        assert VKVCache(model.config, layout="head_major").layout == "head_major"  # an explicit contiguous layout
     finally:
         model.set_attn_implementation("sdpa")
 

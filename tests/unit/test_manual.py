@@ -17,7 +17,7 @@ _FENCE = re.compile(r"```.*?```", re.S)
 
 def _slug(heading: str) -> str:
     """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to dashes."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[`*]", "", heading.strip().lower())
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
 
@@ -48,6 +48,7 @@ def test_every_relative_link_reaches_its_target(page: Path) -> None:
 def test_the_slug_is_githubs() -> None:
     assert _slug("The layout for beams on short prompts") == "the-layout-for-beams-on-short-prompts"
     assert _slug("The `hf-vkv` command") == "the-hf-vkv-command"
+    assert _slug("Options: `cache_config`") == "options-cache_config"
     assert _slug("Decode step against the ideal cache (the CPU default, head-major)") == \
         "decode-step-against-the-ideal-cache-the-cpu-default-head-major"
 

@@ -1,10 +1,9 @@
 """Executable specs of :class:`hf_vkv.cache.CacheOptions`: defaults, every validation message,
-and the deprecated ``group_policy`` spelling (its mapping, its warning and its conflicts)."""
+and the removed ``group_policy`` refused naming its replacement."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 
@@ -14,8 +13,7 @@ from hf_vkv.cache.options import LAYOUT_NAMES
 
 def test_defaults_and_known_layout_names() -> None:
     assert CacheOptions() == CacheOptions(layout=None, groups="kind", page_bytes=None, budget_bytes=None,
-                                          share_prompts=True, block_tokens=None, max_tokens=None, map_ahead=None,
-                                          group_policy=None)
+                                          share_prompts=True, block_tokens=None, max_tokens=None, map_ahead=None)
     assert LAYOUT_NAMES == ("token_major", "head_major", "paged", "static", "contiguous")
     with pytest.raises(dataclasses.FrozenInstanceError):
         CacheOptions().layout = "paged"  # type: ignore[misc]
@@ -65,36 +63,10 @@ def test_from_dict_names_unknown_keys_and_the_known_ones() -> None:
         CacheOptions.from_dict({"ring": 1, "pages": 2, "layout": "paged"})
 
 
-@pytest.mark.parametrize("policy, layout, groups, spelled", [
-    ("model", "token_major", "kind", "{'layout': 'token_major'}"),
-    ("layer", "token_major", "layer", "{'layout': 'token_major', 'groups': 'layer'}"),
-    ("head", "head_major", "kind", "{'layout': 'head_major'}"),
-])
-def test_group_policy_maps_to_layout_and_groups_with_a_warning(policy: str, layout: str, groups: str,
-                                                               spelled: str) -> None:
-    with pytest.warns(FutureWarning) as caught:
-        options = CacheOptions(group_policy=policy)
-    assert str(caught[0].message) == f"cache_config['group_policy'] is deprecated: write {spelled} instead"
-    assert (options.layout, options.groups, options.group_policy) == (layout, groups, None)
-    with pytest.warns(FutureWarning):  # the same layout / groups given again agree: no conflict
-        assert CacheOptions(group_policy=policy, layout=layout, groups=groups) == options
-
-
-@pytest.mark.parametrize("kwargs, means", [
-    ({"group_policy": "head", "layout": "paged"}, "layout='head_major', groups='kind'"),
-    ({"group_policy": "model", "layout": "head_major"}, "layout='token_major', groups='kind'"),
-    ({"group_policy": "model", "groups": "layer"}, "layout='token_major', groups='kind'"),
-])
-def test_group_policy_conflicts_are_errors(kwargs: dict, means: str) -> None:
-    given = f"layout={kwargs.get('layout')!r}, groups={kwargs.get('groups', 'kind')!r}"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a conflict raises before any warning
-        with pytest.raises(ValueError, match=rf"^cache_config\['group_policy'\]={kwargs['group_policy']!r} means "
-                                             rf"{means}, which conflicts with {given}; give layout/groups only$"):
-            CacheOptions(**kwargs)
-
-
-def test_an_unknown_group_policy_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"^cache_config\['group_policy'\] must be 'model', 'layer' or 'head', "
-                                         r"got 'rows' \(deprecated: use 'layout' and 'groups'\)$"):
-        CacheOptions(group_policy="rows")
+@pytest.mark.parametrize("policy", ["model", "head", "layer", "rows"])
+def test_the_removed_group_policy_is_refused_naming_its_replacement(policy: str) -> None:
+    with pytest.raises(ValueError, match=r"^cache_config\['group_policy'\] is no longer an option: it was replaced "
+                                         r"by 'layout' and 'groups': write \{'layout': 'token_major'\} for 'model'"):
+        CacheOptions.from_dict({"group_policy": policy})
+    with pytest.raises(TypeError):  # not a field any more
+        CacheOptions(group_policy=policy)  # type: ignore[call-arg]
