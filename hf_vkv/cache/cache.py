@@ -260,6 +260,11 @@ class VKVCache(Cache):
         self._prompt_tokens[0] += rows * tokens
         self._prefill_once = reason
 
+    def note_prefill_once(self, detail: str) -> None:
+        """What :meth:`stats` says of the last prefill once, where more than ``"on"`` (calls of its
+        forward that had to run on every expanded row, :mod:`hf_vkv.row_exactness`)."""
+        self._prefill_once = detail
+
     @contextlib.contextmanager
     def unique_prompt_prefill(self, *, prompts: int, tokens: int,
                               repeat_rows: Callable[[int], None] | None = None) -> Iterator[None]:
