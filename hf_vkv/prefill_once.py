@@ -157,16 +157,17 @@ def _map_rows(value: Any, rows: int, fn: Any, keep: Any) -> Any:
 def first_of_repeats(model_kwargs: dict, rows: int, k: int, *, keep: Any = None) -> dict:
     """``model_kwargs`` with every row-indexed tensor cut to the first row of each ``k`` along its
     row dimension (:func:`row_dim`; nested in containers for row-first keys), the rest as it is.
-    Call after :func:`repeats_refusal` said ``None``."""
+    Cut tensors are contiguous, as DynamicCache's expanded ones (a kernel may take another path for
+    a strided operand). Call after :func:`repeats_refusal` said ``None``."""
     out = copy_mapping(model_kwargs)
     for key, value in model_kwargs.items():
         if value is keep or key in _NOT_ROWS:
             continue
         if isinstance(value, torch.Tensor) and key in _ROWS_BEFORE_TOKENS:
             dim = row_dim(key, value, rows)
-            out[key] = value if dim is None else value.unflatten(dim, (rows // k, k)).select(dim + 1, 0)
+            out[key] = value if dim is None else value.unflatten(dim, (rows // k, k)).select(dim + 1, 0).contiguous()
         elif key in _ROWS_FIRST:
-            out[key] = _map_rows(value, rows, lambda t: t[::k], keep)
+            out[key] = _map_rows(value, rows, lambda t: t[::k].contiguous(), keep)
     return out
 
 

@@ -58,23 +58,37 @@ def clear_verdicts() -> None:
     _VERDICTS.clear()
 
 
+#: Elementwise functions whose vectorized body and scalar tail may round differently (so an
+#: element's bits depend on where the tensor's size puts it): transcendental math and activations.
+_TRANSCENDENTAL = ("exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "sin", "cos", "tan", "tanh", "sigmoid",
+                   "erf", "erfc", "erfinv", "atan", "asin", "acos", "sinh", "cosh", "pow", "rsqrt", "float_power")
+_ACTIVATIONS = ("gelu", "silu", "mish", "softplus", "elu", "selu", "celu", "logsigmoid", "tanh", "sigmoid", "glu",
+                "normalize")
+
+
 def probed_functions() -> frozenset:
     """The torch functions whose result for a row may depend on how many rows the call has:
-    matmuls (BLAS / oneDNN split them by shape and threads), attention, and reductions (norms,
-    softmax)."""
+    matmuls (BLAS / oneDNN split them by shape and threads), attention, reductions (norms,
+    softmax), and elementwise transcendental math and activations (a vectorized body and a scalar
+    tail round differently, and the tensor's size decides which computes an element: BART's GELU
+    on 5 rows differed from the same rows among 15)."""
     global _PROBED
     if _PROBED is None:
         F = torch.nn.functional
         T = torch.Tensor
-        _PROBED = frozenset({
+        named = {getattr(owner, f"{name}{suffix}", None) for owner in (torch, T) for name in _TRANSCENDENTAL
+                 for suffix in ("", "_")}
+        named |= {getattr(F, name, None) for name in _ACTIVATIONS} | {T.__pow__, T.__rpow__}
+        named |= {
             F.linear, F.bilinear, F.scaled_dot_product_attention, F.conv1d, F.conv2d, F.conv3d,
             torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__, torch.mm, T.mm, torch.bmm, T.bmm,
             torch.addmm, T.addmm, torch.baddbmm, T.baddbmm, torch.einsum, torch.tensordot,
             F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax, T.softmax,
             torch.log_softmax, T.log_softmax, torch.mean, T.mean, torch.sum, T.sum, torch.var, T.var,
             torch.std, T.std, torch.norm, T.norm, torch.logsumexp, T.logsumexp, torch.cumsum, T.cumsum,
-            *([F.rms_norm] if hasattr(F, "rms_norm") else []),
-        })
+            getattr(F, "rms_norm", None),
+        }
+        _PROBED = frozenset(named - {None})
     return _PROBED
 
 
@@ -163,16 +177,19 @@ class RowExactness(TorchFunctionMode):
             return func(*args, **kwargs)
         key = (func, _describe(args), _describe(kwargs), self.prompts, self.repeats, torch.get_num_threads())
         verdict = _VERDICTS.get(key)
+        if verdict == "exact":
+            return func(*args, **kwargs)
+        # the expansion first: an in-place function (``exp_``) changes its operand
+        big = self._expanded_call(func, args, kwargs)
         if verdict == "expanded":
             self.counts.expanded += 1
-            return self._first_repeats(self._expanded_call(func, args, kwargs))
+            out = func(*args, **kwargs)  # for its layout (and an in-place call's operand)
+            return out.copy_(self._first_repeats(big))
         out = func(*args, **kwargs)
-        if verdict == "exact" or not self._rows(out):  # a result not indexed by row: no row to compare
+        if not self._rows(out):  # a result not indexed by row: no row to compare
             return out
-        big = None
         if verdict is None:
             self.counts.probed += 1
-            big = self._expanded_call(func, args, kwargs)
             verdict = self._judge(out, big)
             _remember(key, verdict)
             if verdict == "exact":
@@ -181,7 +198,6 @@ class RowExactness(TorchFunctionMode):
             raise InexactRows(f"{_name(func)} computes a prompt's repeats differently from each other at "
                               f"{torch.get_num_threads()} thread(s)")
         self.counts.expanded += 1
-        big = self._expanded_call(func, args, kwargs) if big is None else big
         return out.copy_(self._first_repeats(big))  # DynamicCache's bits, in the unique call's layout
 
     def _expanded_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
