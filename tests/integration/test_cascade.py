@@ -68,6 +68,7 @@ MODES = {
 }
 
 
+@pytest.mark.threads(1, 2)
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 @pytest.mark.parametrize("arch, kv_heads, attn", [("llama", None, "sdpa"), ("llama", 4, "eager"),
