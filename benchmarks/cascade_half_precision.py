@@ -24,7 +24,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 import hf_vkv  # noqa: F401  (registers "vkv" and "vkv_cascade")
 import hf_vkv.attention.cascade as cascade_module
 import hf_vkv.cache.group as group_module
-from benchmarks.common import write_report
+from common import write_report
 from hf_vkv.ab.harness import describe_environment
 
 VOCAB = 512
@@ -68,13 +68,15 @@ def one_case(model, dtype: torch.dtype, mode: str, seed: int, *, new: int) -> di
         cascade_module.cascade_decode = real
     same_tokens = ref.sequences.shape == got.sequences.shape and torch.equal(ref.sequences, got.sequences)
     steps = min(len(ref.logits), len(got.logits))
-    first_bad = next((s for s in range(steps) if not torch.equal(ref.logits[s].argmax(-1), got.logits[s].argmax(-1))),
-                     None)
-    upto = steps if first_bad is None else first_bad + 1  # logits compared while the rows still agree
+    prompt = ids.shape[1]
+    # the first step whose generated tokens differ; logits are compared up to it (after it the rows differ)
+    first_bad = next((s for s in range(steps) if not torch.equal(ref.sequences[:, prompt + s], got.sequences[:, prompt + s])),
+                     None) if ref.sequences.shape == got.sequences.shape else 0
+    upto = steps if first_bad is None else first_bad + 1
     diff = max((ref.logits[s].float() - got.logits[s].float()).abs().max().item() for s in range(upto))
     return {"mode": mode, "dtype": str(dtype).removeprefix("torch."), "seed": seed, "prompt_tokens": length,
             "tokens_identical": bool(same_tokens), "max_abs_logit_diff": diff,
-            "first_step_argmax_differs": first_bad, "cascade": got.past_key_values.stats().cascade,
+            "first_step_tokens_differ": first_bad, "cascade": got.past_key_values.stats().cascade,
             "cascade_decodes": len(calls)}
 
 
