@@ -183,7 +183,9 @@ class RowExactness(TorchFunctionMode):
         big = self._expanded_call(func, args, kwargs)
         if verdict == "expanded":
             self.counts.expanded += 1
-            out = func(*args, **kwargs)  # for its layout (and an in-place call's operand)
+            # the unique call still runs, for its output's layout (DynamicCache's call lays its output out
+            # the same way, and later calls may take another path for another layout) and an in-place operand
+            out = func(*args, **kwargs)
             return out.copy_(self._first_repeats(big))
         out = func(*args, **kwargs)
         if not self._rows(out):  # a result not indexed by row: no row to compare
