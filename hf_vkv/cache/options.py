@@ -46,8 +46,9 @@ class CacheOptions:
       (beams, ``num_return_sequences``), after checking the rows really are equal.
     * ``prefill_once``: with ``share_prompts``, ``generate``'s prefill runs each expanded prompt
       through the model once (one row per prompt, not ``max(num_beams, num_return_sequences)``)
-      and the other rows take its pages (:mod:`hf_vkv.prefill_once`). Default (``None``): on
-      where it is measured exact (the CPU), off on CUDA until a GPU measurement says so.
+      and the other rows take its pages (:mod:`hf_vkv.prefill_once`; each forward's calls are
+      proven exact for their shapes and threads, else the prefill runs on every row). Default
+      (``None``): on on the CPU, off on CUDA until a GPU measurement says so.
     * ``cascade_half_precision``: let the ``"vkv_cascade"`` attention read shared prefixes once in
       bfloat16 / float16 too (default ``False``: there it can change tokens against DynamicCache,
       ``docs/shared_prompts.md`` has the measurement, so half-precision caches take sdpa's path and
