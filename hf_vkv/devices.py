@@ -48,9 +48,10 @@ class DevicePolicy:
       :func:`~hf_vkv.memory.limits.default_host_budget`) or ``"free-memory"``
       (:func:`default_cuda_budget`);
     * ``prefill_once``: whether ``generate``'s prefill runs each repeated prompt once by default
-      (:mod:`hf_vkv.prefill_once`): on where a row of a batch-B forward was measured to equal the
-      same row of a batch-N forward (the CPU, ``tests/unit/test_prefill_rows.py``), off on CUDA
-      until a GPU run measures it.
+      (:mod:`hf_vkv.prefill_once`): on the CPU, where every prefill proves its calls exact for its
+      shapes, dtype and thread count (:mod:`hf_vkv.row_exactness`, a cached probe) and steps aside
+      where DynamicCache's own repeats differ; off on CUDA until a GPU run measures the probe's
+      cost and verdicts there (the probe itself is device-neutral).
 
     Page sizes are the layouts' (each states its preferred page size per backend).
     """

@@ -20,38 +20,59 @@ step output ``generate`` reads. Wrapping ``_expand_inputs_for_generation`` inste
 ``generate`` unexpanded inputs for the decode loop, and wrapping the model's ``forward`` would
 catch calls that are not generate's prefill.
 
-Exact: a row of a batch-``B`` forward equals the same row of a batch-``B*k`` forward on the
-kernels we test (``torch.equal``; see ``tests/integration/test_prefill_once.py``), so tokens and
-logits are DynamicCache's; it is on by default (``cache_config={"prefill_once": False}`` turns it
-off). Where it cannot apply — rows that differ, a model in training mode (dropout differs per row),
-mixture-of-experts models (an expert's matmul size depends on the batch) — the prefill runs on every row as before and
-:meth:`VKVCache.stats` says why (``prefill_once``).
+Exact on this machine, not on one: a row of a batch-``B`` forward equals the same row of a
+batch-``B*k`` forward only where every kernel splits its work the same way for both, which depends
+on the shapes, the dtype and the thread count. :class:`~hf_vkv.row_exactness.RowExactness` checks
+each matmul, attention and reduction of the prompt's forward against its expansion the first time
+its signature (shapes, strides, dtype, threads, ``B``, ``k``) is seen in the process: an exact one
+costs nothing afterwards; one whose unique result differs runs on the expanded rows and hands back
+DynamicCache's bits; one whose repeats differ among themselves makes the whole prefill run on every
+row. Everything after the base model (the head: transforms, norms, the decoder, soft-capping, a
+tied head) runs on all expanded rows: the base model's output rows are repeated before the head
+reads them, so the head computes exactly what DynamicCache's does. Tokens and logits are
+DynamicCache's (``torch.equal``); it is on by default (``cache_config={"prefill_once": False}``
+turns it off). Where it cannot apply — rows that differ, a model in training mode (dropout differs
+per row), mixture-of-experts models (an expert's matmul size depends on the batch), an input whose
+row dimension this module cannot place (pixel values, image grids) — the prefill runs on every row
+as before and :meth:`VKVCache.stats` says why (``prefill_once``); calls that had to run on the
+expanded rows are counted there too.
+
+Thread count: verdicts are keyed by ``torch.get_num_threads()`` at the call, so a
+``torch.set_num_threads`` between calls makes the next prefill probe its calls afresh.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
+from .row_exactness import InexactRows, RowExactness
 
-__all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal"]
+__all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim"]
 
-#: Keys of ``model_kwargs`` that are not indexed by row although they are tensors.
-_NOT_ROWS = frozenset({"cache_position", "logits_to_keep"})
-#: Fewest rows a matmul may have for a row of it to equal the same row in a matmul of more rows.
-#: Measured on the CPU (MKL / oneDNN, fp32 and bf16): 1-3 rows take another kernel and round
-#: differently, from 4 rows on every row is bit-identical (``tests/unit/test_prefill_rows.py``
-#: checks this premise). The prompt's forward has ``prompts x tokens`` rows per matmul; the output
-#: head, which sees one token per row, runs on every expanded row (see :func:`prefill`).
-MIN_EXACT_ROWS = 4
+#: Keys of ``model_kwargs`` whose tensors are not indexed by row.
+_NOT_ROWS = frozenset({"cache_position", "logits_to_keep", "head_mask", "decoder_head_mask", "cross_attn_head_mask"})
+#: Keys of ``model_kwargs`` whose tensors (nested in a ModelOutput too) have the rows first.
+_ROWS_FIRST = frozenset({
+    "input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "mm_token_type_ids", "decoder_input_ids",
+    "decoder_attention_mask", "decoder_inputs_embeds", "encoder_outputs", "encoder_hidden_states",
+    "encoder_attention_mask", "labels",
+})
+#: Keys whose rows are the dim before the tokens: ``[B, T]``, multimodal rotary ``[3, B, T]``.
+_ROWS_BEFORE_TOKENS = frozenset({"position_ids", "decoder_position_ids"})
 #: Config attributes of mixture-of-experts models: each expert multiplies the tokens routed to it,
-#: so its matmul has fewer rows when the forward has fewer (and rounds differently below
-#: MIN_EXACT_ROWS: DeepSeek-V3 and GPT-OSS gave logits 4.8e-7 apart), and with an expert capacity
-#: rows compete for it.
+#: so its matmul has fewer rows when the forward has fewer, and with an expert capacity rows
+#: compete for it.
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "expert_capacity", "moe_num_experts")
+
+
+class _Unplaced(Exception):
+    """An input whose row dimension this module does not know."""
 
 
 def _vkv_cache(model_kwargs: dict) -> tuple[Any, VKVCache] | None:
@@ -75,19 +96,43 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def row_dim(key: str, t: torch.Tensor, rows: int) -> int | None:
+    """The dimension of ``model_kwargs[key]``'s tensor ``t`` that indexes the ``rows`` rows
+    (``None``: not indexed by row). Raises ``_Unplaced`` for a tensor of an unknown key, or one
+    whose shape does not have ``rows`` where its key says."""
+    if key in _NOT_ROWS or t.dim() == 0:
+        return None
+    if key in _ROWS_FIRST:
+        dim = 0
+    elif key in _ROWS_BEFORE_TOKENS and t.dim() >= 2:
+        dim = t.dim() - 2
+    else:
+        raise _Unplaced(f"prefill once cannot place the rows of {key!r} (shape {list(t.shape)})")
+    if t.shape[dim] != rows:
+        raise _Unplaced(f"{key!r} of shape {list(t.shape)} has no dimension of {rows} rows where expected")
+    return dim
+
+
+def _grouped_equal(t: torch.Tensor, dim: int, k: int) -> bool:
+    """Whether each group of ``k`` consecutive rows (along ``dim``) of ``t`` repeats one row."""
+    grouped = t.unflatten(dim, (t.shape[dim] // k, k))
+    return torch.equal(grouped, grouped.narrow(dim + 1, 0, 1).expand_as(grouped))
+
+
 def repeats_refusal(input_ids: torch.Tensor, model_kwargs: dict, k: int) -> str | None:
     """Why the rows of ``input_ids`` ``[B*k, T]`` and of the row-indexed ``model_kwargs`` are not
-    ``B`` prompts each repeated ``k`` times in a row (``None``: they are)."""
+    ``B`` prompts each repeated ``k`` times in a row (``None``: they are), or why an input's rows
+    cannot be placed (:func:`row_dim`)."""
     rows = input_ids.shape[0]
     if rows % k:
         return f"{rows} rows are not a multiple of {k}"
-    named = [("input_ids", input_ids)] + [(key, t) for key, v in model_kwargs.items() if key not in _NOT_ROWS
-                                          for t in _tensors(v)]
+    named = [("input_ids", input_ids)] + [(key, t) for key, v in model_kwargs.items() for t in _tensors(v)]
     for key, t in named:
-        if t.dim() == 0 or t.shape[0] != rows:
-            continue
-        grouped = t.reshape(rows // k, k, *t.shape[1:])
-        if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
+        try:
+            dim = row_dim(key, t, rows)
+        except _Unplaced as exc:
+            return str(exc)
+        if dim is not None and not _grouped_equal(t, dim, k):
             return f"the rows of {key!r} differ within a repeated prompt"
     return None
 
@@ -109,15 +154,26 @@ def _map_rows(value: Any, rows: int, fn: Any, keep: Any) -> Any:
     return value
 
 
-def first_of_repeats(value: Any, rows: int, k: int, *, keep: Any = None) -> Any:
-    """``value`` with every row-indexed tensor (first dim ``rows``) cut to the first row of each
-    ``k`` (``[::k]``), containers rebuilt (:func:`_map_rows`)."""
-    return _map_rows(value, rows, lambda t: t[::k], keep)
+def first_of_repeats(model_kwargs: dict, rows: int, k: int, *, keep: Any = None) -> dict:
+    """``model_kwargs`` with every row-indexed tensor cut to the first row of each ``k`` along its
+    row dimension (:func:`row_dim`; nested in containers for row-first keys), the rest as it is.
+    Cut tensors are contiguous, as DynamicCache's expanded ones (a kernel may take another path for
+    a strided operand). Call after :func:`repeats_refusal` said ``None``."""
+    out = copy_mapping(model_kwargs)
+    for key, value in model_kwargs.items():
+        if value is keep or key in _NOT_ROWS:
+            continue
+        if isinstance(value, torch.Tensor) and key in _ROWS_BEFORE_TOKENS:
+            dim = row_dim(key, value, rows)
+            out[key] = value if dim is None else value.unflatten(dim, (rows // k, k)).select(dim + 1, 0).contiguous()
+        elif key in _ROWS_FIRST:
+            out[key] = _map_rows(value, rows, lambda t: t[::k].contiguous(), keep)
+    return out
 
 
 def expand_rows(value: Any, rows: int, k: int, *, keep: Any = None) -> Any:
-    """The inverse for outputs: every tensor with first dim ``rows`` repeated ``k`` times per row
-    (``repeat_interleave``), containers rebuilt (:func:`_map_rows`)."""
+    """The inverse for outputs (row-first): every tensor with first dim ``rows`` repeated ``k``
+    times per row (``repeat_interleave``), containers rebuilt (:func:`_map_rows`)."""
     return _map_rows(value, rows, lambda t: t.repeat_interleave(k, dim=0), keep)
 
 
@@ -131,34 +187,68 @@ def copy_mapping(value: dict) -> dict:
     return out
 
 
-def _fewest_tokens(tokens: int, generation_config: Any) -> int:
-    """The fewest tokens one forward of the prefill runs (the last chunk of a chunked prefill)."""
-    chunk = getattr(generation_config, "prefill_chunk_size", None)
-    if not chunk or chunk >= tokens:
-        return tokens
-    return min(chunk, tokens % chunk or chunk)
+def base_of(model: Any) -> torch.nn.Module | None:
+    """The module whose output rows the head reads: an encoder-decoder's decoder, else the base
+    model (``None``: the model is its own base, so there is no head to separate)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) and hasattr(model, "get_decoder"):
+        base = model.get_decoder()
+    else:
+        base = getattr(model, "base_model", None)
+    return base if isinstance(base, torch.nn.Module) and base is not model else None
 
 
-def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, tokens: int, generation_config: Any,
-             model_kwargs: dict) -> str | None:
+def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, model_kwargs: dict) -> str | None:
     reason = cache.prefill_once_refusal(input_ids.device)
     if reason is not None:
         return reason
     if model.training:
         return "the model is in training mode (dropout differs per row)"
-    if model.get_output_embeddings() is None:
-        return "the model has no output embedding layer to run on every row"
-    prompts = input_ids.shape[0] // cache.prompt_repeats
-    smallest = prompts * _fewest_tokens(tokens, generation_config)
-    if smallest < MIN_EXACT_ROWS:
-        return (f"a forward of {smallest} token row(s) (prompts x tokens) rounds differently from the same rows in "
-                f"a larger batch; prefill once needs at least {MIN_EXACT_ROWS}")
+    if base_of(model) is None:
+        return f"{type(model).__name__} has no base model whose output rows the head reads"
     config = model.config.get_text_config(decoder=True)
     experts = [name for name in _EXPERTS if getattr(config, name, None)]
     if experts:
         return (f"a mixture-of-experts model ({experts[0]}={getattr(config, experts[0])}): an expert's matmul size "
                 f"depends on how many rows the forward has")
     return repeats_refusal(input_ids, model_kwargs, cache.prompt_repeats)
+
+
+def _expand_hidden(output: Any, prompts: int, k: int) -> Any:
+    """The base model's ``output`` with its last hidden state ``[prompts, T, H]`` repeated to
+    ``[prompts*k, T, H]`` (contiguous, as DynamicCache's), so that the head runs on every row."""
+    if isinstance(output, tuple):
+        first = output[0]
+        return (first.repeat_interleave(k, dim=0), *output[1:]) if first.shape[0] == prompts else output
+    hidden = output.get("last_hidden_state") if isinstance(output, dict) else None
+    if not isinstance(hidden, torch.Tensor) or hidden.shape[0] != prompts:
+        return output
+    out = copy_mapping(output)
+    out["last_hidden_state"] = hidden.repeat_interleave(k, dim=0)
+    return out
+
+
+@contextlib.contextmanager
+def _rows_checked(model: Any, prompts: int, k: int) -> Iterator[RowExactness]:
+    """Inside: the base model's forwards are checked call by call (:class:`RowExactness`) and its
+    output rows expanded before the head reads them."""
+    base = base_of(model)
+    mode = RowExactness(prompts=prompts, repeats=k)
+
+    def start(module: Any, args: Any) -> None:
+        mode.watching = True
+
+    def stop(module: Any, args: Any, output: Any) -> Any:
+        mode.watching = False
+        return _expand_hidden(output, prompts, k)
+
+    handles = [base.register_forward_pre_hook(start), base.register_forward_hook(stop, always_call=True)]
+    try:
+        with mode:
+            yield mode
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_config: Any, model_kwargs: dict,
@@ -172,26 +262,24 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
     embeds = model_kwargs.get("inputs_embeds")
     rows = input_ids.shape[0]
     tokens = input_ids.shape[-1] or (embeds.shape[1] if isinstance(embeds, torch.Tensor) else 0)  # [B, 0] ids
-    reason = _refusal(model, cache, input_ids, tokens, generation_config, model_kwargs)
-    if reason is not None:
-        if cache.prompt_repeats > 1:
-            cache.record_full_prefill(reason, rows=rows, tokens=tokens)
-        return original(model, input_ids, generation_config, model_kwargs, *args, **kwargs)
-    k = cache.prompt_repeats
-    prompts = rows // k
-    unique_kwargs = first_of_repeats(model_kwargs, rows, k, keep=outer)
-    repeat = outer.batch_repeat_interleave if outer is not cache else None
-
-    def every_row(module: Any, args: tuple) -> tuple | None:
-        # the output head reads one token per row: on `prompts` rows a matmul of 1-3 rows would round
-        # differently from DynamicCache's (MIN_EXACT_ROWS), so it runs on all `rows`, as DynamicCache's does
-        hidden = args[0]
-        return (hidden.repeat_interleave(k, dim=0), *args[1:]) if hidden.shape[0] == prompts else None
-
-    head = model.get_output_embeddings().register_forward_pre_hook(every_row)
-    try:
-        with cache.unique_prompt_prefill(prompts=prompts, tokens=tokens, repeat_rows=repeat):
-            outputs = original(model, input_ids[::k], generation_config, unique_kwargs, *args, **kwargs)
-    finally:
-        head.remove()
-    return expand_rows(outputs, prompts, k, keep=outer)  # the logits have `rows` rows already
+    reason = _refusal(model, cache, input_ids, model_kwargs)
+    if reason is None:
+        k = cache.prompt_repeats
+        prompts = rows // k
+        unique_kwargs = first_of_repeats(model_kwargs, rows, k, keep=outer)
+        repeat = outer.batch_repeat_interleave if outer is not cache else None
+        try:
+            with _rows_checked(model, prompts, k) as mode, \
+                    cache.unique_prompt_prefill(prompts=prompts, tokens=tokens, repeat_rows=repeat):
+                outputs = original(model, input_ids[::k], generation_config, unique_kwargs, *args, **kwargs)
+        except InexactRows as exc:
+            outer.reset()  # the rows written so far are one per prompt: start again on every row
+            reason = str(exc)
+        else:
+            if mode.expanded:
+                cache.note_prefill_once(f"on; {mode.expanded} call(s) ran on every row (their one-row-per-prompt "
+                                        f"result differed at {torch.get_num_threads()} thread(s))")
+            return expand_rows(outputs, prompts, k, keep=outer)  # the logits have `rows` rows already
+    if cache.prompt_repeats > 1:
+        cache.record_full_prefill(reason, rows=rows, tokens=tokens)
+    return original(model, input_ids, generation_config, model_kwargs, *args, **kwargs)

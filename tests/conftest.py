@@ -1,7 +1,8 @@
 """Fixtures shared by every tier of the suite (``unit/``, ``stateful/``, ``integration/``,
 ``system/``, ``gpu/``).
 
-* ``one_intra_op_thread`` (autouse): one torch intra-op thread during each test;
+* ``intra_op_threads`` (autouse): one torch intra-op thread during each test, or each count of
+  ``@pytest.mark.threads(...)`` in turn;
 * ``layout``: a :class:`models.LayoutRun` per VKV layout (a test, or a module through
   ``pytest.mark.usefixtures("layout")``, runs once in each);
 * ``faulty_backend``: a :class:`FaultyBackend` factory, a host backend that fails a chosen call;
@@ -30,16 +31,27 @@ if _TESTS not in sys.path:  # the shared helpers (models.py) for the tiers in su
     sys.path.append(_TESTS)
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.threads(1, 2)`` runs a test once per intra-op thread count (ids ``1thr``, ``2thr``)."""
+    marker = metafunc.definition.get_closest_marker("threads")
+    if marker is not None:
+        metafunc.parametrize("intra_op_threads", marker.args, ids=[f"{n}thr" for n in marker.args], indirect=True)
+
+
 @pytest.fixture(autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    """One intra-op thread during each test: the tiny models and pools gain nothing from more, and
-    on a busy 2-core machine a second OpenMP thread waiting for a descheduled peer made runs 10-50x
-    slower (SmolLM2's 8 x 1024-token prefill: 200 s with 2 threads, 70 s with 1, while another
-    process kept one core busy)."""
+def intra_op_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The torch intra-op threads during each test: 1 unless the test is marked
+    ``threads(...)`` (then each count in turn). One by default because the tiny models and pools
+    gain nothing from more, and on a busy 2-core machine a second OpenMP thread waiting for a
+    descheduled peer made runs 10-50x slower (SmolLM2's 8 x 1024-token prefill: 200 s with 2
+    threads, 70 s with 1, while another process kept one core busy). Exactness must not rest on
+    it: every test of prefill once, beams, sampling and the cascade is marked ``threads(1, 2)``
+    (users run torch with all their cores)."""
+    threads = getattr(request, "param", 1)
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
-        yield
+        yield threads
     finally:
         torch.set_num_threads(before)
 

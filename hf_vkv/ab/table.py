@@ -96,7 +96,10 @@ def format_report(report: ABReport, *, max_steps: int = 24) -> str:
         lines.append(
             f"{'PASSED' if report.passed else 'FAILED'} (cascade attention reorders float sums): tokens "
             f"{'identical' if report.tokens_identical else 'differ'}, max |dlogit| "
-            f"{_diff(report.max_abs_logit_diff)} over {len(report.steps)} steps")
+            f"{_diff(report.max_abs_logit_diff)} over {len(report.steps)} steps, "
+            + ("no bound for this dtype" if report.logit_bound is None else
+               f"{'within' if report.within_bound else 'OVER'} its {report.environment.get('dtype')} bound "
+               f"{report.logit_bound:g}"))
     elif report.identical:
         what = "tokens, logits and K/V" if report.tee else "tokens and logits"
         lines.append(f"IDENTICAL: {what} equal at all {len(report.steps)} steps")

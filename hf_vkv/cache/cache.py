@@ -107,6 +107,7 @@ class VKVCache(Cache):
         self.prompt_repeats = prompt_repeats
         self._prompt_tokens = [0, 0]  # prompt tokens computed / saved by generate's prefills
         self._prefill_once = "no expanded prefill yet"
+        self._cascade = "not asked"
         self._layout_name = _resolve_layout(self.options, getattr(text_config, "_attn_implementation", None))
         capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
         self._arena_for = ArenaSource(page_bytes=self.options.page_bytes, budget_bytes=self.options.budget_bytes)
@@ -126,7 +127,10 @@ class VKVCache(Cache):
         self._groups: list[LayerGroup] = []
 
         def cascade() -> bool:  # asked per step: under "vkv_cascade" contiguous full-attention groups tag prefixes
-            return getattr(text_config, "_attn_implementation", None) == CASCADE_ATTENTION
+            if getattr(text_config, "_attn_implementation", None) != CASCADE_ATTENTION:
+                return False
+            self._cascade = self._cascade_refusal() or "on"
+            return self._cascade == "on"
 
         tags = None if self._layout_name in ("static", "paged") else cascade
         make_layout = LayoutMaker(self._layout_name, self.options.block_tokens, text_config)
@@ -235,7 +239,8 @@ class VKVCache(Cache):
         others = len(self._other_layers())
         return CacheStats(groups=tuple(out), pool_resident_bytes=pool, vkv_layers=self._vkv_layers(),
                           transformers_layers=others, prompt_tokens_computed=self._prompt_tokens[0],
-                          prompt_tokens_saved=self._prompt_tokens[1], prefill_once=self._prefill_once)
+                          prompt_tokens_saved=self._prompt_tokens[1], prefill_once=self._prefill_once,
+                          cascade=self._cascade)
 
     def __repr__(self) -> str:
         others = len(self._other_layers())
@@ -246,6 +251,16 @@ class VKVCache(Cache):
         """Check every group's rows, page tables and pools (see ``hf_vkv.memory``)."""
         for group in self._groups:
             group.check_invariants()
+
+    def _cascade_refusal(self) -> str | None:
+        """Why the ``"vkv_cascade"`` attention must take sdpa's path (``None``: it may read shared
+        prefixes once): half-precision states, unless ``cache_config['cascade_half_precision']``."""
+        half = next((g.geometry.dtype for g in self._groups if g.geometry is not None
+                     and g.geometry.dtype in (torch.bfloat16, torch.float16)), None)
+        if half is None or self.options.cascade_half_precision:
+            return None
+        return (f"sdpa: the cascade can change tokens in {str(half).removeprefix('torch.')} (float32 sums rounded "
+                f"once still differ from sdpa's); cache_config={{'cascade_half_precision': True}} asks for it")
 
     # ----------------------------------------------------------------------------- prefill once
     def prefill_once_refusal(self, device: torch.device) -> str | None:
@@ -269,6 +284,11 @@ class VKVCache(Cache):
         """``generate`` ran a prefill of ``rows`` rows x ``tokens`` tokens on every row, because of ``reason``."""
         self._prompt_tokens[0] += rows * tokens
         self._prefill_once = reason
+
+    def note_prefill_once(self, detail: str) -> None:
+        """What :meth:`stats` says of the last prefill once, where more than ``"on"`` (calls of its
+        forward that had to run on every expanded row, :mod:`hf_vkv.row_exactness`)."""
+        self._prefill_once = detail
 
     @contextlib.contextmanager
     def unique_prompt_prefill(self, *, prompts: int, tokens: int,

@@ -51,8 +51,13 @@ class CacheOptions:
       (beams, ``num_return_sequences``), after checking the rows really are equal.
     * ``prefill_once``: with ``share_prompts``, ``generate``'s prefill runs each expanded prompt
       through the model once (one row per prompt, not ``max(num_beams, num_return_sequences)``)
-      and the other rows take its pages (:mod:`hf_vkv.prefill_once`). Default (``None``): on
-      where it is measured exact (the CPU), off on CUDA until a GPU measurement says so.
+      and the other rows take its pages (:mod:`hf_vkv.prefill_once`; each forward's calls are
+      proven exact for their shapes and threads, else the prefill runs on every row). Default
+      (``None``): on on the CPU, off on CUDA until a GPU measurement says so.
+    * ``cascade_half_precision``: let the ``"vkv_cascade"`` attention read shared prefixes once in
+      bfloat16 / float16 too (default ``False``: there it can change tokens against DynamicCache,
+      ``docs/shared_prompts.md`` has the measurement, so half-precision caches take sdpa's path and
+      :meth:`~hf_vkv.VKVCache.stats` says so in ``cascade``). Float32 is not affected.
     * ``block_tokens``: tokens per block in the paged layout (default
       :data:`~hf_vkv.cache.layouts.DEFAULT_BLOCK_TOKENS`).
     * ``max_tokens``: tokens each row can hold (default: the model's ``max_position_embeddings``,
@@ -68,6 +73,7 @@ class CacheOptions:
     budget_bytes: int | None = None
     share_prompts: bool = True
     prefill_once: bool | None = None
+    cascade_half_precision: bool = False
     block_tokens: int | None = None
     max_tokens: int | None = None
     map_ahead: int | None = None
@@ -94,6 +100,8 @@ class CacheOptions:
             raise TypeError(f"cache_config['share_prompts'] must be a bool, got {self.share_prompts!r}")
         if self.prefill_once is not None and not isinstance(self.prefill_once, bool):
             raise TypeError(f"cache_config['prefill_once'] must be a bool or None, got {self.prefill_once!r}")
+        if not isinstance(self.cascade_half_precision, bool):
+            raise TypeError(f"cache_config['cascade_half_precision'] must be a bool, got {self.cascade_half_precision!r}")
         if self.block_tokens is not None and self.layout not in (None, "paged"):
             raise ValueError(f"cache_config['block_tokens'] applies to the paged layout only, not {self.layout!r}")
         if self.map_ahead is not None and self.layout != "static":

@@ -1,7 +1,8 @@
 """The ``"vkv_cascade"`` attention in ``generate``: a shared prefix read once per decode step.
 
 It reorders float sums, so the oracle is: tokens identical to DynamicCache's and float32 logits
-within 1e-4 (the measured maximum is reported by the A/B harness). Tiny models hold at most 256
+within 1e-4 (the measured maximum is reported by the A/B harness; half precision takes sdpa's
+path unless ``cache_config={"cascade_half_precision": True}``). Tiny models hold at most 256
 positions, so the crossover (``CASCADE_MIN_SAVED_TOKENS``) is lowered here to make every shared
 prefix count; a test keeps the real one and checks that the plain path then runs.
 """
@@ -9,6 +10,8 @@ prefix count; a test keeps the real one and checks that the plain path then runs
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +20,7 @@ import torch
 import hf_vkv.attention.cascade as cascade_module
 import hf_vkv.cache.group as group_module
 from hf_vkv.ab import run_ab
+from hf_vkv.ab.table import format_report
 from models import SMALL_PAGE, assert_same_tokens, prompts, tiny
 
 pytestmark = pytest.mark.integration
@@ -68,6 +72,7 @@ MODES = {
 }
 
 
+@pytest.mark.threads(1, 2)
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 @pytest.mark.parametrize("arch, kv_heads, attn", [("llama", None, "sdpa"), ("llama", 4, "eager"),
@@ -110,6 +115,14 @@ def test_ab_harness_reports_the_cascade(monkeypatch: pytest.MonkeyPatch) -> None
     assert 0.0 < report.max_abs_logit_diff <= BOUND  # the sums were reordered, within the bound
     assert not report.identical
     assert report.to_dict()["layout"] == "cascade"
+    assert report.logit_bound == BOUND and report.within_bound  # float32's bound, checked per dtype
+    # the same run over its dtype's bound, or in a dtype with no bound, is reported as such: never passed
+    over = dataclasses.replace(report, steps=tuple(dataclasses.replace(s, max_abs_logit_diff=2 * BOUND)
+                                                   if s.max_abs_logit_diff else s for s in report.steps))
+    assert not over.within_bound and not over.passed and "OVER its float32 bound" in format_report(over)
+    for dtype, bound in (("bfloat16", 2 ** -4), ("float16", 2 ** -7), ("float64", None)):
+        other = dataclasses.replace(report, environment={**report.environment, "dtype": dtype})
+        assert other.logit_bound == bound and other.passed == (bound is not None)
 
 
 def test_a_cache_made_before_the_switch_follows_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,3 +140,20 @@ def test_a_cache_made_before_the_switch_follows_the_model(monkeypatch: pytest.Mo
                              **{hf_vkv.registration.cache_kwarg(): cache})
     assert_same_tokens(ref, got)
     assert len(calls) == 3 * 2
+
+
+@pytest.mark.threads(1, 2)
+def test_half_precision_takes_sdpa_unless_asked_by_name() -> None:
+    """bfloat16 / float16 caches do not tag shared prefixes (sdpa runs: DynamicCache's logits
+    exactly), with the reason in ``stats().cascade``; ``cascade_half_precision`` asks for the cascade."""
+    model = copy.deepcopy(tiny("llama")).to(torch.bfloat16)  # the shared tiny model stays float32
+    inputs = prompts(1, 150, seed=7)
+    diff, calls, got = _run(model, inputs, "head_major", **MODES["sample"])
+    assert (calls, diff) == (0, 0.0)
+    assert got.past_key_values.stats().cascade.startswith("sdpa: the cascade can change tokens in bfloat16")
+    with cascade(model) as asked:
+        torch.manual_seed(0)
+        out = model.generate(**inputs, max_new_tokens=NEW, do_sample=True, num_return_sequences=4,
+                             return_dict_in_generate=True, cache_implementation="vkv",
+                             cache_config={"page_bytes": SMALL_PAGE, "cascade_half_precision": True})
+    assert len(asked) > 0 and out.past_key_values.stats().cascade == "on"

@@ -72,6 +72,7 @@ def test_batched_left_padded(layout: LayoutRun, arch: str) -> None:
     _check(got.past_key_values)
 
 
+@pytest.mark.threads(1, 2)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sampling_num_return_sequences(layout: LayoutRun, arch: str) -> None:
     model = tiny(arch)
@@ -87,6 +88,7 @@ def test_sampling_num_return_sequences(layout: LayoutRun, arch: str) -> None:
     _check(got.past_key_values)
 
 
+@pytest.mark.threads(1, 2)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_beam_search(layout: LayoutRun, arch: str) -> None:
     model = tiny(arch)
@@ -99,6 +101,7 @@ def test_beam_search(layout: LayoutRun, arch: str) -> None:
     _check(got.past_key_values)
 
 
+@pytest.mark.threads(1, 2)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_beam_sampling(layout: LayoutRun, arch: str) -> None:
     model = tiny(arch)

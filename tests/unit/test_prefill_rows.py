@@ -1,5 +1,6 @@
-"""Prefill once, unit specs: which rows repeat, cutting inputs to one row per prompt and
-expanding outputs back, and the matmul premise its exactness rests on."""
+"""Prefill once, unit specs: which rows repeat, where each input's rows are, cutting inputs to one
+row per prompt and expanding outputs back, and the row-exactness probe its exactness rests on
+(``hf_vkv.row_exactness``), at user thread counts (1, 2, and oversubscribed 8 and 16)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from hf_vkv.prefill_once import MIN_EXACT_ROWS, expand_rows, first_of_repeats, repeats_refusal
+import hf_vkv.row_exactness as rx
+from hf_vkv.prefill_once import expand_rows, first_of_repeats, repeats_refusal
 
 
 def _repeated(prompts: int, k: int, tokens: int = 5) -> torch.Tensor:
@@ -49,17 +51,96 @@ def test_first_of_repeats_and_expand_rows_are_inverse() -> None:
     assert full["hidden_states"] is full.hidden_states
 
 
+def test_rows_of_every_layout_are_placed_or_refused() -> None:
+    ids = _repeated(2, 3)
+    mrope = ids[None].expand(3, 6, 5).clone()  # multimodal rotary position ids [3, B, T]
+    kwargs = {"position_ids": mrope, "token_type_ids": torch.zeros_like(ids), "cache_position": torch.arange(5)}
+    assert repeats_refusal(ids, kwargs, 3) is None
+    unique = first_of_repeats(kwargs, 6, 3)
+    assert unique["position_ids"].shape == (3, 2, 5) and torch.equal(unique["position_ids"], mrope[:, ::3])
+    assert unique["position_ids"].is_contiguous() and unique["cache_position"] is kwargs["cache_position"]
+    mrope[1, 4, 0] += 1  # prompt 1's second repeat, in the second rotary section
+    assert repeats_refusal(ids, kwargs, 3) == "the rows of 'position_ids' differ within a repeated prompt"
+    # inputs whose rows this module cannot place: prefill once steps aside, naming them
+    pixels = {"pixel_values": torch.zeros(16, 24), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    assert repeats_refusal(ids, pixels, 3) == "prefill once cannot place the rows of 'pixel_values' (shape [16, 24])"
+    assert repeats_refusal(ids, {"attention_mask": torch.ones(5, 5)}, 3).startswith("'attention_mask' of shape [5, 5]")
+
+
+def _linear_through_probe(x: torch.Tensor, weight: torch.Tensor, prompts: int, k: int) -> tuple[torch.Tensor, int]:
+    mode = rx.RowExactness(prompts=prompts, repeats=k)
+    mode.watching = True
+    with mode:
+        y = torch.nn.functional.linear(x, weight)
+    return y, mode.expanded
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("features", [(64, 128), (576, 1536)])
-def test_a_row_of_a_matmul_of_min_exact_rows_equals_it_in_a_larger_one(dtype: torch.dtype, features: tuple) -> None:
-    """The premise of prefill once on this CPU: from MIN_EXACT_ROWS rows on, a linear layer
-    computes each row as it does inside a matmul of more rows (the same rows repeated). If this
-    fails on another BLAS, prefill once must not be on by default there."""
+def test_the_probe_gives_dynamic_cache_bits_at_any_thread_count(threads: int, dtype: torch.dtype) -> None:
+    """Whatever rows a matmul rounds differently at this thread count (with 2 threads, fp32 on 5-11
+    rows; oversubscribed, 17-19 and 25-27 too), the probed call returns exactly the rows the
+    expanded matmul computes: DynamicCache's."""
+    torch.set_num_threads(threads)
+    rx.clear_verdicts()
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(features[1], features[0], generator=g).to(dtype)
-    for rows in (MIN_EXACT_ROWS, 7, 64, 512):
-        x = torch.randn(rows, features[0], generator=g).to(dtype)
-        alone = torch.nn.functional.linear(x, weight)
-        for k in (2, 8):
-            inside = torch.nn.functional.linear(x.repeat_interleave(k, dim=0), weight)[::k]
-            assert torch.equal(alone, inside), (rows, k)
+    weight = torch.nn.Parameter(torch.randn(1536, 576, generator=g).to(dtype), requires_grad=False)  # not a row input
+    expanded = 0
+    for prompts, tokens in [(1, 1), (1, 3), (1, 5), (1, 7), (2, 3), (1, 9), (1, 11), (3, 6), (1, 19), (1, 26), (2, 64)]:
+        x = torch.randn(prompts * tokens, 576, generator=g).to(dtype)
+        for k in (3, 8):
+            big = torch.nn.functional.linear(rx.expand_operand(x, prompts, k), weight)  # DynamicCache's rows
+            grouped = big.reshape(prompts, k, tokens, -1)
+            if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
+                with pytest.raises(rx.InexactRows):  # its own repeats differ: only every row is exact
+                    _linear_through_probe(x, weight, prompts, k)
+                continue
+            y, n = _linear_through_probe(x, weight, prompts, k)
+            expanded += n
+            assert torch.equal(y.reshape(prompts, 1, tokens, -1).expand_as(grouped), grouped), (prompts, tokens, k)
+            y_again, _ = _linear_through_probe(x, weight, prompts, k)  # the cached verdict
+            assert torch.equal(y_again, y)
+    rx.clear_verdicts()
+
+
+def test_verdicts_are_keyed_by_thread_count() -> None:
+    rx.clear_verdicts()
+    x, weight = torch.randn(5, 64), torch.nn.Parameter(torch.randn(128, 64), requires_grad=False)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        _linear_through_probe(x, weight, 1, 4)
+    keys = [key for key in rx._VERDICTS if key[0] is torch.nn.functional.linear]
+    assert sorted(key[-1] for key in keys) == [1, 2]
+    rx.clear_verdicts()
+
+
+def test_expand_operand_keeps_the_layout() -> None:
+    fused = torch.randn(2, 5, 3 * 8)[..., 8:16]  # a view into a fused projection: row stride 24
+    big = rx.expand_operand(fused, 2, 3)
+    assert big.shape == (6, 5, 8) and big.stride() == fused.stride()
+    assert big.storage_offset() == fused.storage_offset()
+    assert torch.equal(big, fused.repeat_interleave(3, dim=0))
+    flat = torch.randn(2 * 5, 4)  # [B*T, K] rows: each prompt's 5 rows repeated as a block
+    assert torch.equal(rx.expand_operand(flat, 2, 3), flat.reshape(2, 5, 4).repeat_interleave(3, 0).reshape(30, 4))
+    broadcast = torch.randn(1, 4, 1).expand(2, 4, 1)
+    assert rx.expand_operand(broadcast, 2, 3).stride(0) == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8, 16])
+def test_norms_softmax_and_activations_are_probed(threads: int) -> None:
+    """Reductions and transcendental elementwise functions are probed too: their results equal
+    the expanded call's first repeat."""
+    torch.set_num_threads(threads)
+    rx.clear_verdicts()
+    x = torch.randn(5, 1, 64)
+    mode = rx.RowExactness(prompts=5, repeats=3)
+    mode.watching = True
+    calls = [lambda t: torch.nn.functional.gelu(t), lambda t: t.pow(2).mean(-1, keepdim=True),
+             lambda t: torch.nn.functional.layer_norm(t, (64,)), lambda t: t.softmax(-1), lambda t: torch.tanh(t)]
+    for call in calls:
+        ref = call(x.repeat_interleave(3, 0)).reshape(5, 3, 1, -1)[:, 0]
+        with mode:
+            got = call(x)
+        assert torch.equal(got, ref)
+    assert mode.counts.probed == 6  # pow and mean are two calls
+    rx.clear_verdicts()
