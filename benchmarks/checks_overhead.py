@@ -1,4 +1,4 @@
-"""Decode speed with and without issue 22's checks on the decode path (CPU, embedded SmolLM2).
+"""Decode speed with and without the safety checks on the decode path (a shape check per update, the mapping budget per page crossing) (CPU, embedded SmolLM2).
 
 The checks a decode step can meet: the shape check of every ``update`` (``GroupGeometry.check``)
 and, at each page crossing, the mapping budget (``VirtualBuffer._mapping_change`` +

@@ -1,4 +1,4 @@
-"""Issue 22's reproduction: a model with 32 layers x 64 K/V heads (head_dim 8), 64-token prompts,
+"""The mapping limit reproduced: a model with 32 layers x 64 K/V heads (head_dim 8), 64-token prompts,
 head-major. Batch 2 fits (vkv's count of its mappings against /proc/self/maps); batch 8 reaches
 vm.max_map_count: a typed refusal before anything changes, then the next generate runs.
 

@@ -1,4 +1,4 @@
-"""Shared prompts in time (issue 20): TTFT and decode step of generate() for n=8 sampling, 4 beams
+"""Shared prompts in time: TTFT and decode step of generate() for n=8 sampling, 4 beams
 and greedy, DynamicCache against vkv, vkv with the "vkv_cascade" attention, and an ideal (CPU).
 
 On the embedded SmolLM2-135M (fp32). A thin script over :mod:`hf_vkv.ab.shared_prompt` (the same
@@ -12,7 +12,7 @@ IdealCache (hf_vkv/ab/ideal.py) preloaded with that prefill. The vkv_cascade col
 reason in the JSON otherwise. vkv's tokens and logits are compared with DynamicCache's (exit
 status 1 when its tokens differ); vkv_cascade's max |dlogit| and token agreement are reported.
 
-The grid of issue 20 (8192 x DynamicCache takes many minutes per run on one thread: skip it past
+The grid (8192 x DynamicCache takes many minutes per run on one thread: skip it past
 a limit with --dynamic-limit-s, the skip recorded)::
 
     HF_HUB_OFFLINE=1 python benchmarks/shared_prompt.py --prompts 512 2048 --rounds 3 \\

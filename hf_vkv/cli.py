@@ -255,7 +255,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     stdout, JSON to ``--json``."""
     from .ab.bench_args import grid_from_args, run_from_args, run_shared_from_args, shared_grid_from_args
 
-    # --shared-prompt: the shared-prompt grid of issue 20 (hf_vkv.ab.shared_prompt) instead
+    # --shared-prompt: the shared-prompt grid (hf_vkv.ab.shared_prompt) instead
     make_grid, run = (shared_grid_from_args, run_shared_from_args) if args.shared_prompt else (grid_from_args,
                                                                                                run_from_args)
     try:

@@ -1,7 +1,7 @@
 """Registration with transformers: ``cache_implementation="vkv"`` and ``attn_implementation="vkv_paged"``.
 
 ``import hf_vkv`` calls :func:`register`, which does this and nothing else (idempotent, no
-device work; ``notes/transformers.md`` §0, §2):
+device work; ``docs/notes/transformers.md`` §0, §2):
 
 0. the ``"vkv_paged"`` attention and its mask function (:func:`hf_vkv.attention.register_attention`);
 

@@ -156,7 +156,7 @@ class Grid:
 
 #: ``--quick``: the default of ``hf-vkv bench``.
 QUICK_GRID = Grid(prompt_lengths=(64, 512), batches=(1, 4), new_tokens=16)
-#: ``--full``: the grid of issue 11 (the default of ``benchmarks/generate_cpu.py``).
+#: ``--full``: the whole grid (the default of ``benchmarks/generate_cpu.py``).
 FULL_GRID = Grid(prompt_lengths=(64, 512, 2048, 8192), batches=(1, 4, 8), new_tokens=24)
 
 
@@ -215,7 +215,7 @@ def _paired_ratio(a: CacheTiming, b: CacheTiming | None) -> float | None:
 def _cell_result(prompt: int, batch: int, distinct: int, grid: Grid,
                  timings: dict[str, CacheTiming]) -> dict[str, Any]:
     """A cell as JSON: per cache its timing and bytes; per vkv layout its ratios to ideal/dynamic
-    (:func:`_paired_ratio`); whether the default layout meets issue 11's target at this cell."""
+    (:func:`_paired_ratio`); whether the default layout is within the target of the ideal cache at this cell."""
     caches = {name: dict(step_ms=1e3 * t.step_s, round_step_ms=[1e3 * s for s in t.round_step_s],
                          kv_peak_bytes=t.kv_peak_bytes, kv_end_bytes=t.kv_end_bytes, tokens_equal=t.tokens_equal,
                          first_mismatch=t.first_mismatch, max_abs_logit_diff=t.max_abs_logit_diff, **t.extra)

@@ -116,7 +116,7 @@ def add_shared_prompt_arguments(parser: argparse.ArgumentParser, *, standalone: 
         parser.add_argument("--threads", type=int, default=None, help="torch threads of the timed runs (default 1)")
     else:
         parser.add_argument("--shared-prompt", action="store_true",
-                            help="the shared-prompt grid instead (issue 20): TTFT and decode step of generate() for "
+                            help="the shared-prompt grid instead: TTFT and decode step of generate() for "
                                  "n=8 sampling, 4 beams and greedy with DynamicCache, vkv, vkv_cascade and an ideal; "
                                  f"--quick: prompt 512, --full: {' '.join(map(str, DEFAULT_PROMPTS))}")
     parser.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,

@@ -171,7 +171,7 @@ def demo_to_dict(rows: Sequence[DemoRow], *, wall_s: float, environment: Mapping
             "kv_ratio_vs_dynamic": v.kv_peak_bytes / d.kv_peak_bytes if d.kv_peak_bytes else None,
             "decode_step_s": {"dynamic": d.decode_step_s, "vkv": v.decode_step_s},
             "prefill_s": {"dynamic": d.prefill_s, "vkv": v.prefill_s},
-            # time to first token = step 0 (set-up, prefill, first logits), beside KV memory (issue 20)
+            # time to first token = step 0 (set-up, prefill, first logits), beside KV memory
             "ttft_s": {"dynamic": d.prefill_s, "vkv": v.prefill_s},
             "ttft_ratio_vs_dynamic": v.prefill_s / d.prefill_s if d.prefill_s else None,
             "decode_ratio_vs_dynamic": (v.decode_step_s / d.decode_step_s

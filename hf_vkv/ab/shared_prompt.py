@@ -1,4 +1,4 @@
-"""The shared-prompt benchmark (issue 20): time to first token and decode step of ``generate()``
+"""The shared-prompt benchmark: time to first token and decode step of ``generate()``
 when its rows share one prompt (n=8 sampling, 4 beams), greedy beside them.
 
 A cell is a prompt length x a workload (:data:`WORKLOADS`, the generation arguments of
@@ -17,7 +17,7 @@ row stops early) by each cache of :data:`CACHES`:
   :class:`~hf_vkv.ab.ideal.IdealCache` (K/V preallocated, narrow views) holding that prefill's
   first ``P - 1`` tokens in all N rows, generating the workload (its first forward is the prompt's
   last token; beams reorder it by copying, as DynamicCache is reordered). It is the contiguous
-  ideal of issue 11: each row reads its own copy of the prompt.
+  ideal cache: each row reads its own copy of the prompt.
 
 **Timing** (:data:`METHOD`): a :class:`~hf_vkv.ab.probes.StepProbe` in ``logits_processor``
 marks each step; TTFT is step 0 (from the ``generate()`` call to the first logits: set-up,
@@ -61,13 +61,13 @@ __all__ = [
 ]
 
 SHARED_PROMPT_SCHEMA_VERSION = "hf_vkv.shared_prompt/1"
-#: The shared-prefix decode attention (issue 20, item 2).
+#: The shared-prefix decode attention (read a shared prefix once).
 CASCADE_ATTENTION = "vkv_cascade"
 #: Every cache a cell can time, in report order.
 CACHES = ("dynamic", "vkv", "vkv_cascade", "ideal")
 #: The workloads: n=8 sampling, 4 beams, greedy (one row).
 WORKLOADS = ("sample8", "beam4", "greedy")
-#: The prompt lengths of issue 20.
+#: The prompt lengths of the shared-prompt grid.
 DEFAULT_PROMPTS = (512, 2048, 8192)
 #: How the numbers are taken (written into the JSON).
 METHOD = (
@@ -342,7 +342,7 @@ def run_shared_prompt(model: PreTrainedModel, grid: SharedPromptGrid, *,
     """Every cell of ``grid``; one JSON-able dict each."""
     skipped = {} if cascade_attention_available() else {
         "vkv_cascade": f"the {CASCADE_ATTENTION!r} attention is not registered with transformers' AttentionInterface "
-                       "(issue 20 item 2 not merged in this build)"}
+                       "(this build has no cascade attention)"}
     cells = []
     for prompt, workload in grid.cells():
         if progress:

@@ -12,7 +12,7 @@ context. The policy (what to map where, when to synchronize) stays in
 
 The bindings module is injectable (``Driver(module=...)``): the CPU tests pass a recording fake
 with the same names, and nothing here imports ``cuda.bindings`` until :func:`load_bindings` runs.
-CuPy has no VMM entry points, so nothing goes through it (``notes/vmm.md`` §1.1).
+CuPy has no VMM entry points, so nothing goes through it (``docs/notes/vmm.md`` §1.1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The three tiers of errors (STYLE.md §5).
+"""The three tiers of errors.
 
 * bad input: ``ValueError`` / ``TypeError`` subclasses naming the argument and the fix;
 * exhaustion: :class:`KVCacheOutOfMemory`, raised *before* any bookkeeping changes;

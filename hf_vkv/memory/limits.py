@@ -6,7 +6,7 @@
   flat across the range (``benchmarks/page_size_cpu.py``: SmolLM2 fp32, 512 x 4, head-major,
   one thread: 72.2 / 71.5 / 70.0 ms per step at 4 KiB / 64 KiB / 2 MiB, the same 95.6 MiB of
   memfd), so a page larger than the huge-page size buys nothing, while every page counts whole
-  against the budget and a sub-row strands up to one (issue 22: 16 MiB pages held 512 MiB of
+  against the budget and a sub-row strands up to one (16 MiB pages were seen to hold 512 MiB of
   memfd for 34 KiB of tokens; a 1 TiB page filled the machine's shared memory). On
   CUDA a page is a multiple of the driver's allocation granularity (2 MiB on H100/H200) and at
   most :data:`MAX_CUDA_PAGE_BYTES`. ``CacheOptions`` refuses a size outside the union of both

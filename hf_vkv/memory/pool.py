@@ -6,7 +6,7 @@ does. Each page is in exactly one of three states:
 
 * **in use**: referenced by one or more page-table entries (``refcount >= 1``);
 * **resident free**: unreferenced but still backed by memory, recycled before new memory is touched
-  (first-touching memory costs far more than mapping it, see ``notes/vmm.md`` §6);
+  (first-touching memory costs far more than mapping it, see ``docs/notes/vmm.md`` §6);
 * **not resident**: never created, or released (hole punched / handle released).
 
 Ids live in an id space that grows by *segments*. A page table asks for pages with *hints* (the id

@@ -342,7 +342,7 @@ def _give_back(store: PageStore, pages: list[PageId]) -> None:
     """A rollback's release of the pages it created: one at a time, and a page that cannot be
     released stays resident free in the pool (so it is recycled, not created twice). Never
     raises: the error being rolled back is the one to report, and the rollback must not stop
-    half way (issue 22)."""
+    half way."""
     kept = []
     for page in pages:
         try:

@@ -3,7 +3,7 @@ graphs) over ``cache_config={"layout": "static"}``, token-identical to StaticCac
 same way, greedy and beam-4; and its readable reservation (the scratch page at every unbacked
 slot) read whole by captured kernels.
 
-Written ahead of the static layout (DESIGN.md §4): where this build has no ``"static"`` layout
+Written ahead of the static layout (docs/architecture.md): where this build has no ``"static"`` layout
 the generate tests skip, saying so. The scratch mapping itself is checked under memcheck by
 ``test_gpu_sanitizer.py`` (``sanitizer_generate.py`` reads a readable reservation whole).
 """

@@ -1,4 +1,4 @@
-"""Bounds and bad input (issue 22): page sizes in a documented range, a CPU budget by default, a
+"""Bounds and bad input: page sizes in a documented range, a CPU budget by default, a
 budget smaller than a page refused when the cache is built, and typed errors naming the argument
 for a string ``cache_config``, float beam indices, wrong-shaped states and a cache reused with
 another model. Copy-on-write of a partly written page copies the written part only."""

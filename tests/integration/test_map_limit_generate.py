@@ -1,4 +1,4 @@
-"""The mapping limit in ``generate`` (issue 22): a model with many head-major sub-rows reaches an
+"""The mapping limit in ``generate``: a model with many head-major sub-rows reaches an
 injected ``vm.max_map_count`` and gets a typed :class:`KVCacheOutOfMemory` naming the limit, with
 the process and the next calls unharmed; after the fix the error names (token-major) the same
 call runs and gives DynamicCache's tokens. The limit is injected (a few hundred mappings above

@@ -1,4 +1,4 @@
-"""The shared-prompt benchmark (issue 20) on a tiny random Llama, end to end: every column and
+"""The shared-prompt benchmark on a tiny random Llama, end to end: every column and
 ratio in valid JSON, tokens checked against DynamicCache, the cascade column present or skipped
 with a reason, DynamicCache skipped past a limit; and the demo's rows carry TTFT and decode step.
 No timing is asserted."""

@@ -272,7 +272,7 @@ class BufferMachine(RuleBasedStateMachine):
     @rule(data=st.data(), method=st.sampled_from(("map", "unmap")), at=st.integers(1, 3),
           then=st.sampled_from(("map", "unmap")), later=st.integers(1, 4), op=st.sampled_from(OPS))
     def fail_an_operation_and_its_rollback(self, data, method, at, then, later, op):
-        """Two failures: the second hits the rollback of the first (issue 22). The operation
+        """Two failures: the second hits the rollback of the first. The operation
         succeeds, or everything is as it was, or the buffer it ran on was closed (its reservation
         reset: no hole, nothing of its memfd mapped there) and the machine goes on without it."""
         type(self).steps += 1

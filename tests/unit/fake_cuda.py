@@ -1,7 +1,7 @@
 """A strict, recording fake of ``cuda.bindings.driver`` for the CUDA backend's CPU tests.
 
 It keeps what a driver keeps and refuses what the CUDA 13 driver API documents as invalid
-(cuda.h doc comments; ``notes/vmm.md`` §1.5), with the result a real driver returns:
+(cuda.h doc comments; ``docs/notes/vmm.md`` §1.5), with the result a real driver returns:
 
 * ``cuInit`` first (``CUDA_ERROR_NOT_INITIALIZED``); memory calls need a current context on the
   calling thread (``CUDA_ERROR_INVALID_CONTEXT``): contexts are current *per thread*, and a

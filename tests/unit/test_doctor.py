@@ -130,7 +130,7 @@ def test_cuda_without_vmm_or_bindings_fails_with_a_fix(monkeypatch: pytest.Monke
 
 
 def test_doctor_states_the_cpu_budget_and_the_mapping_budget():
-    """Issue 22: the CPU default budget (a share of MemAvailable) and the mapping budget."""
+    """The CPU default budget (a share of MemAvailable) and the mapping budget."""
     from hf_vkv.memory.limits import default_host_budget
 
     check = doctor.check_host_budget()

@@ -80,3 +80,17 @@ def test_every_docs_page_is_in_the_index() -> None:
         name = str(page.relative_to(ROOT / "docs"))
         if name != "index.md":
             assert f"]({name})" in index, f"docs/{name} is not linked from docs/index.md"
+
+
+_SOURCES = sorted(p for folder in ("hf_vkv", "benchmarks", "tests", "examples", "scripts")
+                  for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".sh", ".md"))
+
+
+@pytest.mark.parametrize("path", _SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_code_cites_no_issue_number_and_no_file_outside_the_repository(path: Path) -> None:
+    text = path.read_text()
+    found = re.findall(r"\bissues? \d+", text, re.I)
+    assert not found, f"{path.relative_to(ROOT)} cites {found}: say the fact instead"
+    outside = [m for m in re.findall(r"(?:[\w/.]*/)?(?:notes/\w+\.md|DESIGN\.md|STYLE\.md)", text)
+               if not m.startswith("docs/notes/")]
+    assert not outside, f"{path.relative_to(ROOT)} points at {outside}, which the repository does not hold"
