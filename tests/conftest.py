@@ -183,7 +183,7 @@ def snapshot(*bufs: VirtualBuffer, id_space: bool = True,
         mapped = lambda b: read_mapped_pages(b, lines)  # noqa: E731
     return {
         "rows": [tuple(b.table) for b in bufs],
-        "counters": [(b.table.cow_copies, b.table.remapped_rows) for b in bufs],
+        "counters": [(b.table.cow_copies, b.table.remapped_rows, b.table.tail_copies) for b in bufs],
         "stats": stats,
         "in_use": pool.in_use_pages(),
         "resident_free": pool.resident_free_pages(),

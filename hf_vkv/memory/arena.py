@@ -41,6 +41,11 @@ class Arena(OpenTables):
     def page_bytes(self) -> int:
         return self.backend.page_bytes
 
+    @property
+    def gathered_copies(self) -> bool:
+        """Whether :meth:`copy` reads every source before it writes any destination (the backend's)."""
+        return getattr(self.backend, "gathered_copies", False)
+
     def create(self, pages: Sequence[PageId]) -> None:
         self.backend.ensure_id_space(self.pool.id_space)
         self.backend.create(pages)

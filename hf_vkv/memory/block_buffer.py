@@ -41,6 +41,8 @@ class BlockStore(OpenTables):
     """
 
     _name = "block store"
+    #: :meth:`copy` gathers every source block before it writes any (one index_select).
+    gathered_copies = True
 
     def __init__(self, arena: Arena, *, block_bytes: int, max_blocks: int) -> None:
         if block_bytes <= 0 or max_blocks <= 0:
