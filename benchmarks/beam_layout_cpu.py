@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 import hf_vkv  # noqa: F401  (registers "vkv")
-from common import write_report  # benchmarks/common.py
+from common import StepMarks, write_report  # benchmarks/common.py
 from hf_vkv.ab.demo import encode_prompt
 from hf_vkv.ab.demo_text import SHORT_PROMPT
 from hf_vkv.ab.harness import describe_environment
@@ -34,26 +34,11 @@ from hf_vkv.registration import cache_kwarg
 CACHES = {"dynamic": {}, "head_major": {"layout": "head_major"}, "token_major": {"layout": "token_major"}}
 
 
-class _Marks(LogitsProcessor):
-    """Records when generate asks for each step's logits processing (once per step)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.times.append(time.perf_counter())
-        return scores
-
-    def median_step(self) -> float:
-        """Median seconds between two calls: a decode step (token choice, reorder, one forward)."""
-        return statistics.median(b - a for a, b in zip(self.times, self.times[1:]))
-
-
 def run(model: torch.nn.Module, inputs: dict, name: str, *, beams: int, new_tokens: int
         ) -> tuple[float, float, int, torch.Tensor]:
     """One generate(): seconds, median decode step seconds, KV bytes held at the end, the sequences."""
     extra = {} if name == "dynamic" else {"cache_implementation": "vkv", "cache_config": CACHES[name]}
-    marks = _Marks()
+    marks = StepMarks()
     start = time.perf_counter()
     out = model.generate(**inputs, num_beams=beams, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          do_sample=False, return_dict_in_generate=True,

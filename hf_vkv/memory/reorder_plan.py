@@ -100,14 +100,18 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
     copies: list[CowCopy] = []
     pending: dict[tuple[int, int], tuple[PageId, PageId, int]] = {}  # (change, index) -> (mine, theirs, bytes)
     for n, (i, after, k) in enumerate(changes):  # type: ignore[misc]
-        before = entries[i]
-        w = after.length if written is None else min(written, after.length)
-        tail = max(w // ps, after.start)  # the first tail index
-        if tail >= after.end or not (w % ps or w < after.length):
+        # (Row.end spelled out, and no min/max calls: this runs for every sub-row of every beam)
+        before, a0, ap = entries[i], after.start, after.pages
+        b0, bp, length = before.start, before.pages, after.length
+        w = length if written is None or written > length else written
+        tail = w // ps if w // ps > a0 else a0  # the first tail index
+        a_end, b_end = a0 + len(ap), b0 + len(bp)
+        if tail >= a_end or not (w % ps or w < length):
             continue  # every page full of written bytes: the next write takes a new one
-        only_tail = k >= tail - after.start  # every page before the tail is the same
-        for j in range(max(tail, before.start, after.start + k), min(after.end, before.end)):
-            mine, theirs = before.pages[j - before.start], after.pages[j - after.start]
+        only_tail = k >= tail - a0  # every page before the tail is the same
+        lo = tail if tail > b0 else b0
+        for j in range(lo if lo > a0 + k else a0 + k, a_end if a_end < b_end else b_end):
+            mine, theirs = bp[j - b0], ap[j - a0]
             if mine != theirs and (refs[theirs] + delta[theirs] > 1 or (remaps_cost and only_tail)):
                 pending[n, j] = (mine, theirs, min(ps, max(0, w - j * ps)))
     kept: dict[int, dict[int, PageId]] = {}  # change -> {index: the row's own page it keeps}
@@ -148,8 +152,12 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
             keep(key)
     for n, pages in kept.items():
         i, after, k = changes[n]  # type: ignore[misc]
-        new = tuple(pages.get(j, p) for j, p in enumerate(after.pages, after.start))
-        before = entries[i]
-        changes[n] = None if (new, after.start, after.length) == (before.pages, before.start, before.length) \
-            else (i, Row(after.length, after.start, new), k)
+        before, lo = entries[i], min(pages)
+        rel = lo - after.start
+        if k >= rel and len(pages) == after.end - lo and after.start == before.start \
+                and after.length == before.length and len(after.pages) == len(before.pages):
+            changes[n] = None  # the pages before the tail were the same, the tail's are its own again
+        else:
+            new = after.pages[:rel] + tuple(pages.get(j, p) for j, p in enumerate(after.pages[rel:], lo))
+            changes[n] = (i, Row(after.length, after.start, new), k)
     return copies
