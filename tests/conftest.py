@@ -70,6 +70,7 @@ class FaultyBackend:
         self.name = name  # the memfd shows in /proc/self/maps as /memfd:<name>
         self.page_bytes = self.inner.page_bytes
         self.device = self.inner.device
+        self.gathered_copies = getattr(self.inner, "gathered_copies", False)  # copy() is the inner one's
         self.calls = dict.fromkeys(self.FAULTABLE, 0)
         self.failures = 0
         self.resident_bytes_at_close: int | None = None

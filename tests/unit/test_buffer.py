@@ -247,6 +247,19 @@ def test_a_beam_reorder_with_private_tails_copies_tails_in_place_and_remaps_noth
     assert buf.table.cow_copies == 3 and torch.equal(read(buf, 1), torch.cat([prompt, tails[0], more]))
 
 
+def test_beams_that_swap_histories_swap_tail_bytes_and_keep_their_pages(new):
+    buf = new(rows=2)
+    prompt = fill(buf, 0, 0, 200, seed=1)
+    buf.share(0, [1])
+    tails = [fill(buf, r, 200, 210, seed=2 + r) for r in range(2)]
+    own = [buf.table.row(r) for r in range(2)]
+    buf.reorder([1, 0], private_tails=True)  # a cycle: the host copies every source before any destination
+    assert [buf.table.row(r) for r in range(2)] == own and buf.table.tail_copies == 2
+    new.ok(buf)
+    for r, src in enumerate([1, 0]):
+        assert torch.equal(read(buf, r), torch.cat([prompt, tails[src]]))
+
+
 def test_a_reorder_keeps_the_rows_own_pages_mapped_ahead_of_the_written_items(new):
     buf = new()
     prompt = fill(buf, 0, 0, 200, seed=1)
