@@ -99,6 +99,7 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
     ps = page_size
     copies: list[CowCopy] = []
     pending: dict[tuple[int, int], tuple[PageId, PageId, int]] = {}  # (change, index) -> (mine, theirs, bytes)
+    kept: dict[int, dict[int, PageId]] = {}  # change -> {index: the row's own page it keeps}
     for n, (i, after, k) in enumerate(changes):  # type: ignore[misc]
         # (Row.end spelled out, and no min/max calls: this runs for every sub-row of every beam)
         before, a0, ap = entries[i], after.start, after.pages
@@ -112,9 +113,20 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
         lo = tail if tail > b0 else b0
         for j in range(lo if lo > a0 + k else a0 + k, a_end if a_end < b_end else b_end):
             mine, theirs = bp[j - b0], ap[j - a0]
-            if mine != theirs and (refs[theirs] + delta[theirs] > 1 or (remaps_cost and only_tail)):
-                pending[n, j] = (mine, theirs, min(ps, max(0, w - j * ps)))
-    kept: dict[int, dict[int, PageId]] = {}  # change -> {index: the row's own page it keeps}
+            if mine == theirs or not (refs[theirs] + delta[theirs] > 1 or (remaps_cost and only_tail)):
+                continue
+            nbytes = w - j * ps if w - j * ps < ps else ps
+            if refs[mine] + delta[mine]:
+                pending[n, j] = (mine, theirs, nbytes if nbytes > 0 else 0)  # held: maybe not after others' turns
+                continue
+            delta[mine] += 1  # nobody holds it: kept at once (the beams' common case, inline)
+            delta[theirs] -= 1
+            if n in kept:
+                kept[n][j] = mine
+            else:
+                kept[n] = {j: mine}
+            if nbytes > 0:
+                copies.append(CowCopy(i, j, theirs, mine))
 
     def keep(key: tuple[int, int]) -> None:
         mine, theirs, nbytes = pending.pop(key)
