@@ -374,10 +374,10 @@ class RowBuffer(ABC):
         """Run ``_late_copies`` (their written bytes, in one call); if that fails, roll the table
         and pool back and re-sync the translation of the ``changed`` rows before raising."""
         copies, page, entries, written = self._late_copies, self.store.page_bytes, table.entries, self._late_written
+        ends = [entries[c.row].length if written is None else min(written, entries[c.row].length) for c in copies]
         try:
-            self.store.copy([(c.src, c.dst) for c in copies],
-                            [min(page, (entries[c.row].length if written is None else written) - c.index * page)
-                             for c in copies])
+            self.store.copy([(c.src, c.dst) for c in copies], [min(page, end - c.index * page)
+                                                               for c, end in zip(copies, ends)])
         except BaseException:
             now = {r: entries[r] for r in changed}
             table.rollback()
