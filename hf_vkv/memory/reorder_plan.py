@@ -24,6 +24,11 @@ Change = tuple[int, Row, int]
 _EMPTY = Row()
 
 
+def _copy(fields: tuple[int, int, PageId, PageId]) -> CowCopy:
+    """``CowCopy(*fields)`` without the named tuple's Python-level ``__new__`` (one per sub-row of a beam)."""
+    return tuple.__new__(CowCopy, fields)
+
+
 def common_prefix(a: Sequence[object], b: Sequence[object], guess: int | None = None) -> int:
     """How many leading entries ``a`` and ``b`` have in common. ``guess`` is where the answer
     probably lies (beams differ in their last page: ``min(len(a), len(b)) - 1``): one slice
@@ -111,7 +116,11 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
             continue  # every page full of written bytes: the next write takes a new one
         only_tail = k >= tail - a0  # every page before the tail is the same
         lo = tail if tail > b0 else b0
-        for j in range(lo if lo > a0 + k else a0 + k, a_end if a_end < b_end else b_end):
+        lo = lo if lo > a0 + k else a0 + k
+        hi = a_end if a_end < b_end else b_end
+        # the beams' case: one tail page, all else the same: keeping it leaves the table as it was
+        whole = only_tail and hi - lo == 1 == a_end - tail and a0 == b0 and a_end == b_end and length == before.length
+        for j in range(lo, hi):
             mine, theirs = bp[j - b0], ap[j - a0]
             if mine == theirs or not (refs[theirs] + delta[theirs] > 1 or (remaps_cost and only_tail)):
                 continue
@@ -119,14 +128,16 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
             if refs[mine] + delta[mine]:
                 pending[n, j] = (mine, theirs, nbytes if nbytes > 0 else 0)  # held: maybe not after others' turns
                 continue
-            delta[mine] += 1  # nobody holds it: kept at once (the beams' common case, inline)
+            delta[mine] += 1  # nobody holds it: kept at once (inline: this runs for every sub-row of a beam)
             delta[theirs] -= 1
-            if n in kept:
+            if whole:
+                changes[n] = None
+            elif n in kept:
                 kept[n][j] = mine
             else:
                 kept[n] = {j: mine}
             if nbytes > 0:
-                copies.append(CowCopy(i, j, theirs, mine))
+                copies.append(_copy((i, j, theirs, mine)))
 
     def keep(key: tuple[int, int]) -> None:
         mine, theirs, nbytes = pending.pop(key)
@@ -134,7 +145,7 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
         delta[theirs] -= 1
         kept.setdefault(key[0], {})[key[1]] = mine
         if nbytes:
-            copies.append(CowCopy(changes[key[0]][0], key[1], theirs, mine))  # type: ignore[index]
+            copies.append(_copy((changes[key[0]][0], key[1], theirs, mine)))  # type: ignore[index]
 
     again = True
     while again:  # pages nobody holds (any more), one at a time: keeping one may free another
