@@ -78,6 +78,7 @@ class LayerGroup:
         # tag the keys with the rows sharing a prefix, for the "vkv_cascade" attention
         self.read_shared_prefix = read_shared_prefix if sliding_window is None else None
         self._shared: SharedPrefix | None | bool = False  # this step's shared_prefix() (False: not derived yet)
+        self._tag_prefix = False  # this step's read_shared_prefix(), asked once per step (prepare), not per layer
 
     # ----------------------------------------------------------------------------- set-up
     def init_layer(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -142,7 +143,7 @@ class LayerGroup:
         self.lengths[member] = end
         keys, values = layout.attention_inputs(buffer, batch=self.batch, member=member, start=self.window_start(start),
                                                end=end, key=key_states, value=value_states)
-        if end - start == 1 and self.read_shared_prefix is not None and self.read_shared_prefix() and not layout.static:
+        if end - start == 1 and self._tag_prefix and not layout.static:
             prefix = self.shared_prefix()
             if prefix is not None:
                 keys = tag_key(keys, prefix)
@@ -249,6 +250,7 @@ class LayerGroup:
         self._lay().invalidate()
         self._prepared = (batch, start, end)
         self._shared = False
+        self._tag_prefix = self.read_shared_prefix is not None and self.read_shared_prefix()
 
     def map_ahead(self, length: int, tokens: int) -> None:
         """Static layout, outside a compiled step: the rows hold ``length`` tokens (every member);
