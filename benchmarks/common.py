@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
-__all__ = ["StepClock", "write_report"]
+__all__ = ["StepClock", "StepMarks", "write_report"]
 
 
 class StepClock(BaseStreamer):
@@ -31,6 +32,25 @@ class StepClock(BaseStreamer):
         """Mean seconds per decode step, prefill excluded (None with fewer than two steps)."""
         gen = self.times[1:]
         return (gen[-1] - gen[0]) / (len(gen) - 1) if len(gen) > 1 else None
+
+
+class StepMarks(LogitsProcessor):
+    """A logits processor that records when ``generate`` calls it (once per step, beam search
+    included, where a streamer cannot be used): a decode step is the gap between two calls (the
+    token choice, the cache reorder and one forward)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+    def median_step(self) -> float:
+        """Median seconds between two calls."""
+        gaps = sorted(b - a for a, b in zip(self.times, self.times[1:]))
+        mid = len(gaps) // 2
+        return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:

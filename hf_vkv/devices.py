@@ -23,8 +23,18 @@ from .memory import Arena, HostBackend
 from .memory.errors import KVCacheOutOfMemory, VKVError
 from .memory.limits import default_host_budget
 
-__all__ = ["CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES", "DevicePolicy", "UnsupportedDeviceError",
+__all__ = ["CASCADE_MIN_SAVED_TOKENS", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES", "DevicePolicy", "UnsupportedDeviceError",
            "arena_for_device", "default_cuda_budget", "layer_devices_of", "policy_for"]
+
+#: Fewest prefix tokens a cluster of rows must spare the ``"vkv_cascade"`` attention from re-reading
+#: (``shared tokens x (rows - 1)``) to be tagged: below it the plain path is as fast or faster.
+#: Measured on the CPU (``benchmarks/results/cascade_crossover.json``: SmolLM2's attention
+#: geometry, one thread): the cascade takes 0.93x sdpa's time at 2048 tokens x 2 rows (2,048
+#: spared), 0.74x at 512 x 8 (3,584), 0.83x at 1024 x 4 (3,072), but 1.10x at 256 x 8 (1,792),
+#: 1.15x at 512 x 4 (1,536) and 1.28x at 1024 x 2 (1,024). Beams are clusters of the same shape
+#: (4 beams: 4 rows, each with a private suffix of generated tokens besides the shared history).
+#: Not yet measured on CUDA.
+CASCADE_MIN_SAVED_TOKENS = 2048
 
 #: The default CUDA budget leaves this share of the device's memory free for torch (activations,
 #: logits, its caching allocator) ...

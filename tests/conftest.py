@@ -82,6 +82,7 @@ class FaultyBackend:
         self.name = name  # the memfd shows in /proc/self/maps as /memfd:<name>
         self.page_bytes = self.inner.page_bytes
         self.device = self.inner.device
+        self.gathered_copies = getattr(self.inner, "gathered_copies", False)  # copy() is the inner one's
         self.calls = dict.fromkeys(self.FAULTABLE, 0)
         self.failures = 0
         self.resident_bytes_at_close: int | None = None
@@ -195,7 +196,7 @@ def snapshot(*bufs: VirtualBuffer, id_space: bool = True,
         mapped = lambda b: read_mapped_pages(b, lines)  # noqa: E731
     return {
         "rows": [tuple(b.table) for b in bufs],
-        "counters": [(b.table.cow_copies, b.table.remapped_rows) for b in bufs],
+        "counters": [(b.table.cow_copies, b.table.remapped_rows, b.table.tail_copies) for b in bufs],
         "stats": stats,
         "in_use": pool.in_use_pages(),
         "resident_free": pool.resident_free_pages(),

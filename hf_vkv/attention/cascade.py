@@ -19,7 +19,7 @@ This reorders the float sums of attention, so it is opt-in: ``attn_implementatio
 ``cache_implementation="vkv"`` then tags the shared prefix). The A/B harness reports its max
 |Δlogit| against DynamicCache; tokens must stay identical. Sums run in float32 for half-precision
 inputs. The cache tags a cluster only where it spares at least
-:data:`~hf_vkv.cache.group.CASCADE_MIN_SAVED_TOKENS` re-read tokens (the measured crossover, below
+:data:`~hf_vkv.devices.CASCADE_MIN_SAVED_TOKENS` re-read tokens (the measured crossover, below
 which the plain path is as fast).
 """
 

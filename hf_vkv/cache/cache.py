@@ -233,7 +233,7 @@ class VKVCache(Cache):
                 layers=len(group.members), rows=group.batch,
                 resident_bytes=s.resident_bytes if s else 0, token_bytes=s.live_bytes if s else 0,
                 shared_pages=s.shared_pages if s else 0, cow_copies=s.cow_copies if s else 0,
-                shared_prompt_rows=group.prompt_sharing_rows,
+                shared_prompt_rows=group.prompt_sharing_rows, tail_copies=s.tail_copies if s else 0,
             ))
         pool = sum(a.pool.stats().resident_bytes for a in self._arenas.values() if not a.closed)
         others = len(self._other_layers())

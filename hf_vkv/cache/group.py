@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import devices
 from ..attention.paged_kv import tag_key
 from ..attention.shared_prefix import Cluster, SharedPrefix
 from ..memory import Arena, BufferStats, RowBuffer
@@ -25,15 +26,7 @@ from ..memory.errors import InvariantError
 from .geometry import GroupGeometry, LayerMismatchError
 from .layouts import Layout
 
-__all__ = ["CASCADE_MIN_SAVED_TOKENS", "LayerGroup", "LayoutFactory"]
-
-#: Fewest prefix tokens a cluster must spare the cascade attention from re-reading
-#: (``shared tokens x (rows - 1)``) to be tagged: below it the plain path is as fast or faster.
-#: Measured on the CPU (``benchmarks/results/cascade_crossover.json``: SmolLM2's attention
-#: geometry, one thread): the cascade takes 0.93x sdpa's time at 2048 tokens x 2 rows (2,048
-#: spared), 0.74x at 512 x 8 (3,584), 0.83x at 1024 x 4 (3,072), but 1.10x at 256 x 8 (1,792),
-#: 1.15x at 512 x 4 (1,536) and 1.28x at 1024 x 2 (1,024). Not yet measured on CUDA.
-CASCADE_MIN_SAVED_TOKENS = 2048
+__all__ = ["LayerGroup", "LayoutFactory"]
 
 #: Makes a group's layout from its geometry and member count (``None``: the device's default).
 LayoutFactory = Callable[[GroupGeometry, int], Layout]
@@ -85,6 +78,7 @@ class LayerGroup:
         # tag the keys with the rows sharing a prefix, for the "vkv_cascade" attention
         self.read_shared_prefix = read_shared_prefix if sliding_window is None else None
         self._shared: SharedPrefix | None | bool = False  # this step's shared_prefix() (False: not derived yet)
+        self._tag_prefix = False  # this step's read_shared_prefix(), asked once per step (prepare), not per layer
 
     # ----------------------------------------------------------------------------- set-up
     def init_layer(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -161,7 +155,7 @@ class LayerGroup:
         self.lengths[member] = end
         keys, values = layout.attention_inputs(buffer, batch=self.batch, member=member, start=self.window_start(start),
                                                end=end, key=key_states, value=value_states)
-        if end - start == 1 and self.read_shared_prefix is not None and self.read_shared_prefix() and not layout.static:
+        if end - start == 1 and self._tag_prefix and not layout.static:
             prefix = self.shared_prefix()
             if prefix is not None:
                 keys = tag_key(keys, prefix)
@@ -169,8 +163,9 @@ class LayerGroup:
 
     def shared_prefix(self) -> SharedPrefix | None:
         """The clusters of rows that hold their first tokens on the same pages (each sparing at
-        least :data:`CASCADE_MIN_SAVED_TOKENS` re-read tokens), derived from the page tables
-        once per step; ``None`` when no cluster is worth reading once."""
+        least :data:`hf_vkv.devices.CASCADE_MIN_SAVED_TOKENS` re-read tokens), derived from the
+        page tables once per step (after every reorder: beams share the prompt and whatever full
+        pages of history they still have in common); ``None`` when no cluster is worth reading once."""
         if self._shared is not False:
             return self._shared  # type: ignore[return-value]
         buffer = self._buf()
@@ -185,8 +180,9 @@ class LayerGroup:
                     break
             else:
                 rows_of[row], tokens_of[row] = [row], buffer.length(row)
+        least = devices.CASCADE_MIN_SAVED_TOKENS
         kept = tuple(Cluster(index=tuple(rows), tokens=tokens_of[first]) for first, rows in rows_of.items()
-                     if len(rows) > 1 and tokens_of[first] * (len(rows) - 1) >= CASCADE_MIN_SAVED_TOKENS)
+                     if len(rows) > 1 and tokens_of[first] * (len(rows) - 1) >= least)
         taken = {r for c in kept for r in c.index}
         self._shared = SharedPrefix(clusters=kept, alone=tuple(r for r in range(self.batch) if r not in taken)) \
             if kept else None
@@ -266,6 +262,7 @@ class LayerGroup:
         self._lay().invalidate()
         self._prepared = (batch, start, end)
         self._shared = False
+        self._tag_prefix = self.read_shared_prefix is not None and self.read_shared_prefix()
 
     def map_ahead(self, length: int, tokens: int) -> None:
         """Static layout, outside a compiled step: the rows hold ``length`` tokens (every member);
@@ -302,13 +299,16 @@ class LayerGroup:
 
     # ----------------------------------------------------------------------------- row operations
     def reorder(self, index: Sequence[int]) -> None:
-        """Row ``i`` takes row ``index[i]``'s pages (beam search, batch selection): no copy."""
+        """Row ``i`` takes row ``index[i]``'s pages (beam search, batch selection): only the pages
+        where a row's table differs from its source's move, and a row that takes a partly written
+        last page another row keeps gets its own copy now, in its own page where it can (the next
+        step writes there: :meth:`RowBuffer.reorder`)."""
         if self.buffer is None:
             return
         bad = [i for i in index if not 0 <= i < self.batch]
         if bad:
             raise IndexError(f"row indices {bad[:4]} are out of range for a batch of {self.batch}")
-        self.buffer.reorder(index)
+        self.buffer.reorder(index, private_tails=True, written=max(self.lengths))  # static: pages mapped ahead
         self.batch = len(index)
         self._changed()
 

@@ -20,6 +20,7 @@ class GroupStats:
     shared_pages: int  # pages held by more than one row (or fork)
     cow_copies: int  # pages copied on write so far
     shared_prompt_rows: int  # rows that took their prompt from another row's pages
+    tail_copies: int = 0  # partly written pages beam reorders copied into a row's own page (no later CoW)
 
     @property
     def utilization(self) -> float:
@@ -59,3 +60,7 @@ class CacheStats:
     @property
     def cow_copies(self) -> int:
         return sum(g.cow_copies for g in self.groups)
+
+    @property
+    def tail_copies(self) -> int:
+        return sum(g.tail_copies for g in self.groups)

@@ -15,7 +15,13 @@ prompt         DynamicCache head-major  token-major
 =============  ==========  ==========  ===========
 
 so CPU beam search with prompts up to :data:`BEAM_TOKEN_MAJOR_MAX_PROMPT` tokens gets
-token-major. Longer prompts keep head-major: its decode steps read per-head rows, and at ~1k
+token-major. Since beam reorders copy a taken tail into the row's own page instead of remapping
+and copying it on write (:meth:`hf_vkv.memory.RowBuffer.reorder`), head-major no longer pays per
+sub-row at short prompts, and the two layouts' decode steps are within the run-to-run spread
+(``python benchmarks/beam_layout_cpu.py --prompt-tokens P --new-tokens 12 --rounds 3``, median
+decode step against DynamicCache's in the same runs: 64 tokens head-major 1.060x, token-major
+1.065x; 512 tokens 0.970x and 0.968x; ``benchmarks/results/beam_layout_cpu_step_{64,512}.json``),
+so the rule stands on the wall times above. Longer prompts keep head-major: its decode steps read per-head rows, and at ~1k
 tokens the demo's 4-beam run is faster than DynamicCache with it (README); where exactly the
 two cross between 512 and ~1k tokens is not measured.
 """

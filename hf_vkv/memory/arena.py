@@ -47,6 +47,11 @@ class Arena(OpenTables):
         pages = self.pool.budget_pages
         return None if pages == sys.maxsize else pages * self.page_bytes
 
+    @property
+    def gathered_copies(self) -> bool:
+        """Whether :meth:`copy` reads every source before it writes any destination (the backend's)."""
+        return getattr(self.backend, "gathered_copies", False)
+
     def create(self, pages: Sequence[PageId]) -> None:
         self.backend.ensure_id_space(self.pool.id_space)
         self.backend.create(pages)

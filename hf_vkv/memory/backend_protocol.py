@@ -63,7 +63,11 @@ class Backend(Protocol):
 
     def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
         """Copy the bytes of page ``src`` to page ``dst`` for each ``(src, dst)``: the first
-        ``nbytes[k]`` of them (a copy-on-write of a partly written page), or all of them."""
+        ``nbytes[k]`` of them (a copy-on-write of a partly written page), or all of them. A page may
+        be the ``src`` of one pair and the ``dst`` of a later one, never the reverse: run the copies
+        in order, or read every source before writing any destination (one batched copy). A
+        backend that always does the latter says so with a ``gathered_copies = True`` attribute;
+        then a page may also be written before it is read (a reorder's swap of two rows' tails)."""
 
     def tensor(self, address: int, nbytes: int, owner: object) -> torch.Tensor:
         """A zero-copy ``uint8`` tensor ``[nbytes]`` over ``[address, address + nbytes)`` that keeps

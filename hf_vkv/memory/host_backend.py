@@ -48,6 +48,9 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _libc: ctypes.CDLL | None = None
 
 
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # bytes -> a dtype that wide
+
+
 def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
@@ -240,13 +243,25 @@ class HostBackend:
             self._pool_view = (mapping, self.tensor(address, nbytes, mapping).view(self._id_space, self.page_bytes))
         return self._pool_view[1]
 
+    #: :meth:`copy` reads every source page before it writes any destination.
+    gathered_copies = True
+
     def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
-        if pairs:
-            view = self.pool_tensor()
-            for k, (src, dst) in enumerate(pairs):
-                n = self.page_bytes if nbytes is None else nbytes[k]
-                if n:  # only the written part: the rest of a fresh page is never read before written
-                    view[dst, :n].copy_(view[src, :n])
+        if not pairs:
+            return
+        view = self.pool_tensor()
+        sizes = [self.page_bytes] * len(pairs) if nbytes is None else list(nbytes)
+        if len(pairs) > 1 and len(set(sizes)) == 1:  # one gathered copy (a reorder's tails)
+            n = sizes[0]
+            word = next(w for w in (8, 4, 2, 1) if not n % w and not self.page_bytes % w)  # ~6x faster than bytes
+            part = view.view(_WORDS[word])[:, :n // word]
+            part.index_copy_(0, torch.tensor([d for _, d in pairs]),
+                             part.index_select(0, torch.tensor([s for s, _ in pairs])))
+            return
+        # only the written part: the rest of a fresh page is never read before written
+        read = [view[src, :n].clone() for (src, _), n in zip(pairs, sizes)]
+        for (_, dst), n, data in zip(pairs, sizes, read):
+            view[dst, :n].copy_(data)
 
     def close(self) -> None:
         """Close the memfd: its memory goes once no mapping refers to it. Reservations are given

@@ -30,6 +30,7 @@ class PageStore(Protocol):
 
     pool: PagePool  # numbers, counts and budgets the pages
     closed: bool
+    gathered_copies: bool  # copy() reads every source before it writes any destination
 
     @property
     def page_bytes(self) -> int:
@@ -40,7 +41,10 @@ class PageStore(Protocol):
 
     def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
         """Copy page ``src`` to page ``dst`` for each ``(src, dst)``: its first ``nbytes[k]``
-        bytes (the part written so far), or the whole page when ``nbytes`` is None."""
+        bytes (the part written so far), or the whole page when ``nbytes`` is None. A page may
+        be the ``src`` of one pair and the ``dst`` of a later one, never the reverse: run the copies
+        in order, or read every source before writing any destination (one batched copy); with
+        ``gathered_copies`` it does the latter, and pairs may then form cycles."""
 
     def release(self, pages: Sequence[PageId]) -> None:
         """Give back pages created by a transaction that is being rolled back."""

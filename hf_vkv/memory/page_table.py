@@ -13,9 +13,7 @@ and the caller (a :class:`~hf_vkv.memory.row_buffer.RowBuffer`) does it.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from .errors import CapacityError, InvariantError
@@ -46,9 +44,9 @@ class Row(NamedTuple):
         return self.pages[index - self.start]
 
 
-@dataclass(frozen=True, slots=True)
-class CowCopy:
-    """A copy-on-write the caller must perform: copy ``src`` to ``dst``, now at ``row``'s ``index``."""
+class CowCopy(NamedTuple):
+    """A copy the caller must perform: copy ``src`` to ``dst``, now at ``row``'s ``index``
+    (a named tuple: a reorder makes one per sub-row of a beam)."""
 
     row: int
     index: int
@@ -91,9 +89,10 @@ class PageTable:
         #: call per row); change it only through this table's operations.
         self.entries: list[Row] = [Row()] * rows
         self._undo: dict[int, Row] | None = None
-        self._undo_counters: tuple[int, int] = (0, 0)
+        self._undo_counters: tuple[int, int, int] = (0, 0, 0)
         self.cow_copies = 0  # pages copied by copy-on-write, over the table's life
         self.remapped_rows = 0  # rows that took another row's table in reorders
+        self.tail_copies = 0  # partly written pages a reorder had copied into a row's own page
 
     # ----------------------------------------------------------------------------- transactions
     def begin(self) -> None:
@@ -101,7 +100,7 @@ class PageTable:
         if self._undo is not None:
             raise InvariantError("PageTable.begin() inside an open transaction")
         self._undo = {}
-        self._undo_counters = (self.cow_copies, self.remapped_rows)
+        self._undo_counters = (self.cow_copies, self.remapped_rows, self.tail_copies)
 
     def commit(self) -> None:
         self._undo = None
@@ -111,7 +110,7 @@ class PageTable:
         undo, self._undo = self._undo or {}, None
         for index, row in undo.items():
             self.entries[index] = row
-        self.cow_copies, self.remapped_rows = self._undo_counters
+        self.cow_copies, self.remapped_rows, self.tail_copies = self._undo_counters
 
     def changed_rows(self) -> dict[int, Row]:
         """Rows replaced in the open transaction, with their state at :meth:`begin`."""
@@ -236,25 +235,46 @@ class PageTable:
         self.pool.decref(old.pages)
         self._set(row, table)
 
-    def reorder(self, index: Sequence[int | None]) -> None:
+    def reorder(self, index: Sequence[int | None], *, private_tails: bool = False, remaps_cost: bool = False,
+                gathered: bool = False, written: int | None = None) -> list[CowCopy]:
         """Row ``i`` takes row ``index[i]``'s table (duplicates allowed, as in beam search); a
-        ``None`` entry, and every row from ``len(index)`` on, becomes empty. Only references move."""
-        index = [None if i is None else self._check_row(int(i)) for i in index]
-        if len(index) > self.rows:
-            raise ValueError(f"index has {len(index)} entries but the table has {self.rows} rows")
-        old = list(self.entries)
-        new = [Row() if i is None else old[i] for i in index] + [Row()] * (self.rows - len(index))
-        delta: Counter[PageId] = Counter()
-        for i, (before, after) in enumerate(zip(old, new)):
-            if before is not after:
-                delta.update(after.pages)
-                delta.subtract(before.pages)
-        self.pool.incref(p for p, d in delta.items() for _ in range(d) if d > 0)
-        self.pool.decref(p for p, d in delta.items() for _ in range(-d) if d < 0)
-        for i, (before, after) in enumerate(zip(old, new)):
-            if before is not after:
+        ``None`` entry, and every row from ``len(index)`` on, becomes empty. Only references move.
+
+        A row's new table is compared with its old one: a row whose table does not change (a beam
+        that keeps its own history) is not touched, and references move only for the pages past
+        the two tables' common prefix, so the work follows what changed, not the rows' lengths.
+
+        ``private_tails``: a row that takes another row's table keeps its own pages at the
+        indices of the taken table's tail (from the page holding the first unwritten byte on:
+        ``written`` bytes, default the row's length; a static layout maps pages ahead of its
+        writes) where no row holds them afterwards and either the taken page would be shared
+        (the next write would copy it on write anyway) or, with ``remaps_cost`` (a translator
+        that remaps a changed page), only the tail differs. The returned :class:`CowCopy` list
+        says what the caller must copy (``src``, the taken page, into ``dst``, the row's own page,
+        its written bytes; after it the row reads as if it had taken ``src``), in the order they
+        must run: a page may be copied from and later into, never the reverse, so running them in
+        order or all reads before any write is right.
+        ``gathered`` (the caller reads every source before writing any destination): rows that
+        take each other's tails (a swap, a cycle) copy in place too. Without ``private_tails``
+        nothing is returned."""
+        rows = self.rows
+        index = [i if i is None or (type(i) is int and 0 <= i < rows) else self._check_row(int(i)) for i in index]
+        if len(index) > rows:
+            raise ValueError(f"index has {len(index)} entries but the table has {rows} rows")
+        from .reorder_plan import private_tails_plan, table_changes  # it builds this module's records
+
+        changes, delta = table_changes(self.entries, index)
+        copies = private_tails_plan(changes, delta, self.entries, self.pool.refs, self.page_size,
+                                    remaps_cost=remaps_cost, gathered=gathered, written=written) \
+            if private_tails and changes else []
+        self.pool.adjust(delta)
+        for change in changes:
+            if change is not None:
+                i, after, _ = change
                 self._set(i, after)
                 self.remapped_rows += i < len(index) and index[i] is not None and index[i] != i
+        self.tail_copies += len(copies)
+        return copies
 
     def cow(self, row: int, start: int, end: int) -> tuple[list[CowCopy], list[PageId]]:
         """Give ``row`` private copies of the shared pages that bytes ``[start, end)`` touch.

@@ -246,6 +246,20 @@ class PagePool:
                 freed.append(page)
         return freed
 
+    def adjust(self, delta: Mapping[PageId, int]) -> None:
+        """Add ``delta[p]`` references to each page ``p`` (negative: drop them), in one pass: what
+        a reorder moves, netted per page. Every page must be in use and keep a count >= 0; a page
+        whose count reaches 0 becomes free (kept resident)."""
+        for page, d in delta.items():
+            if not d:
+                continue
+            count = self._refs.get(page, 0)
+            if count == 0 or count + d < 0:
+                raise InvariantError(f"page {page} with {count} references cannot take {d:+d}")
+            self._set_ref(page, count + d)
+            if count + d == 0:
+                self._set_resident_free(page, True)
+
     def refcount(self, page: PageId) -> int:
         """References to ``page`` (0 when free)."""
         return self._refs.get(page, 0)

@@ -26,7 +26,8 @@ from typing import TypeVar
 from .errors import CacheClosedError, CapacityError, InvariantError
 from .invariants import check_pages
 from .page_store import PageStore
-from .page_table import PageTable, Row
+from .page_table import CowCopy, PageTable, Row
+from .reorder_plan import common_prefix
 from .pool import PageId
 
 __all__ = ["RowBuffer", "BufferStats", "return_pages"]
@@ -47,6 +48,7 @@ class BufferStats:
     resident_bytes: int  # distinct_pages * page_bytes
     live_bytes: int  # bytes of live items in those pages, each shared page counted once
     cow_copies: int  # pages copied on write over the buffer's life
+    tail_copies: int = 0  # partly written pages reorders copied into a row's own page (instead of a later CoW)
 
     @property
     def utilization(self) -> float:
@@ -73,6 +75,10 @@ class RowBuffer(ABC):
     :func:`return_pages`).
     """
 
+    #: Whether a page that changes in a row costs a translation change (a remap), so that copying
+    #: a partly written page in place can be cheaper than pointing the row at another page.
+    remaps_cost: bool = False
+
     def __init__(self, store: PageStore, *, rows: int, capacity: int, item_bytes: int, hinted: bool,
                  parts: int = 1) -> None:
         if rows <= 0 or capacity <= 0 or item_bytes <= 0 or parts <= 0:
@@ -91,6 +97,8 @@ class RowBuffer(ABC):
         self._parts: list[tuple[int, ...]] = [tuple(self._part_rows(r)) for r in range(rows)]
         store.buffer_opened(self._table)  # a subclass whose own set-up fails calls store.buffer_closed()
         self._created: list[PageId] = []
+        self._late_copies: list[CowCopy] = []  # a transaction's last step (see _transaction) ...
+        self._late_written: int | None = None  # ... of the rows' first bytes that many (None: their lengths)
         self._closed = False
         self._finalizer: Callable[[], object]
 
@@ -133,11 +141,7 @@ class RowBuffer(ABC):
         a, b = self._first(row), self._first(other)
         if a.start or b.start:
             return 0
-        pages = 0
-        for p, q in zip(a.pages, b.pages):
-            if p != q:
-                break
-            pages += 1
+        pages = common_prefix(a.pages, b.pages, min(len(a.pages), len(b.pages)) - 1)  # beams: all but the tail
         return min(pages * self.store.page_bytes, a.length, b.length) // self.item_bytes
 
     def check_shared_parts(self, rows: Sequence[int]) -> None:
@@ -174,6 +178,7 @@ class RowBuffer(ABC):
             resident_bytes=len(used) * page,
             live_bytes=sum(used.values()),
             cow_copies=table.cow_copies,
+            tail_copies=table.tail_copies,
         )
 
     def check_invariants(self) -> None:
@@ -223,16 +228,32 @@ class RowBuffer(ABC):
                     for a, b in zip(self.table_rows(src), self.table_rows(d)):
                         table.share(a, b, length=units)
 
-    def reorder(self, index: Sequence[int]) -> None:
-        """Row ``i`` takes row ``index[i]``'s pages (duplicates allowed); later rows are emptied."""
+    def reorder(self, index: Sequence[int], *, private_tails: bool = False, written: int | None = None) -> None:
+        """Row ``i`` takes row ``index[i]``'s pages (duplicates allowed); later rows are emptied.
+
+        Only the rows whose table changes are touched, and only past the common prefix of their
+        old and new tables (:meth:`PageTable.reorder`). ``private_tails`` (beam search, where
+        every row writes next): a row that takes another's partly written last page gets its
+        own copy of it now, in the page it held there when nobody else holds that page, so the
+        row's mapping stays and the next write needs no copy-on-write; pages past the written
+        items (``written``, default each row's length: a static layout maps pages ahead of its
+        writes) stay the row's own with nothing copied. Those copies are the transaction's last
+        step, in one call (see :meth:`_transaction`)."""
         if len(index) > self.rows:
             raise ValueError(f"index has {len(index)} entries but the buffer has {self.rows} rows")
-        moves: list[int | None] = [None] * (self.rows * self.parts)
+        parts, n = self._parts, self.rows
+        moves: list[int | None] = [None] * (n * self.parts)
         for i, src in enumerate(index):
-            for a, b in zip(self.table_rows(i), self.table_rows(int(src))):
+            src = int(src)
+            if not 0 <= src < n:
+                raise IndexError(f"row {src} is out of range for {n} rows")
+            for a, b in zip(parts[i], parts[src]):
                 moves[a] = b
+        units = None if written is None else written * self.item_bytes
         with self._transaction() as table:
-            table.reorder(moves)
+            self._late_copies = table.reorder(moves, private_tails=private_tails, remaps_cost=self.remaps_cost,
+                                              gathered=getattr(self.store, "gathered_copies", False), written=units)
+            self._late_written = units
 
     def truncate(self, rows: Iterable[int], length: int) -> None:
         """Shrink each row to ``length`` items (rows already shorter are left alone)."""
@@ -317,14 +338,25 @@ class RowBuffer(ABC):
 
     @contextmanager
     def _transaction(self) -> Iterator[PageTable]:
+        """Run the body's page-table changes, then create, map and copy: all of it or nothing.
+
+        Copies the body leaves in ``_late_copies`` (a reorder's tails, written into pages the
+        rows held before and keep) run last, after the translation followed the table: they
+        overwrite bytes a rollback could not restore, so nothing may fail after them. A store's
+        copy writes all of its pages or none (the host reads every source first), so if it fails
+        the table and pool roll back and the translation is made to follow them again."""
         table = self._open()
         pool = self.store.pool
         pool.begin()
         table.begin()
         self._created = []
+        self._late_copies, self._late_written = [], None
         try:
             yield table
-            self._sync(table.changed_rows())
+            changed = table.changed_rows()
+            self._sync(changed)
+            if self._late_copies:
+                self._copy_late(table, changed)
         except BaseException:
             table.rollback()
             pool.rollback()
@@ -336,6 +368,22 @@ class RowBuffer(ABC):
             pool.commit()
         finally:
             self._created = []
+            self._late_copies = []
+
+    def _copy_late(self, table: PageTable, changed: dict[int, Row]) -> None:
+        """Run ``_late_copies`` (their written bytes, in one call); if that fails, roll the table
+        and pool back and re-sync the translation of the ``changed`` rows before raising."""
+        copies, page, entries, written = self._late_copies, self.store.page_bytes, table.entries, self._late_written
+        ends = [entries[c.row].length if written is None else min(written, entries[c.row].length) for c in copies]
+        try:
+            self.store.copy([(c.src, c.dst) for c in copies], [min(page, end - c.index * page)
+                                                               for c, end in zip(copies, ends)])
+        except BaseException:
+            now = {r: entries[r] for r in changed}
+            table.rollback()
+            self.store.pool.rollback()
+            self._sync(now)  # the mappings follow the restored table again
+            raise
 
 
 def _give_back(store: PageStore, pages: list[PageId]) -> None:

@@ -25,6 +25,7 @@ from .backend_protocol import Backend
 from .errors import BackendError, CacheClosedError
 from .map_budget import MapBudget, mapping_change
 from .page_table import PageTable, Row
+from .reorder_plan import common_prefix
 from .pool import PageId
 from .row_buffer import _CLOSED, BufferStats, RowBuffer, return_pages
 
@@ -90,6 +91,7 @@ class VirtualBuffer(RowBuffer):
     """
 
     store: Arena
+    remaps_cost = True
     #: Rows in parts are ``blocks x heads`` sub-rows (set by :class:`~hf_vkv.memory.subrow_buffer.SubRowBuffer`).
     blocks: int = 1
     heads: int = 1
@@ -272,11 +274,16 @@ def _root(exc: BaseException) -> str:
 
 def _slot_changes(old: Row, new: Row) -> list[tuple[int, list[PageId | None], list[PageId | None]]]:
     """Runs of consecutive page slots whose page differs: ``(first slot, old pages, new pages)``."""
+    if old.start == new.start and old.pages == new.pages:
+        return []  # a reorder's row that kept its pages (or copied its tail in place)
     lo = min(old.start if old.pages else new.start, new.start if new.pages else old.start)
     hi = max(old.end, new.end)
     a, b = max(old.start, new.start), min(old.end, new.end)
-    if a < b and old.pages[a - old.start: b - old.start] == new.pages[a - new.start: b - new.start]:
-        slots = [*range(lo, a), *range(b, hi)]
+    if a < b:  # only the slots between the common prefix and suffix of the overlap can differ
+        x, y = old.pages[a - old.start: b - old.start], new.pages[a - new.start: b - new.start]
+        first = common_prefix(x, y)
+        last = common_prefix(x[::-1], y[::-1]) if first < len(x) else 0
+        slots = [*range(lo, a), *range(a + first, b - last), *range(b, hi)]
     else:
         slots = list(range(lo, hi))
     runs: list[tuple[int, list[PageId | None], list[PageId | None]]] = []

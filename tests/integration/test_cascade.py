@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hf_vkv.attention.cascade as cascade_module
-import hf_vkv.cache.group as group_module
+import hf_vkv.devices as devices_module
 from hf_vkv.ab import run_ab
 from hf_vkv.ab.table import format_report
 from models import SMALL_PAGE, assert_same_tokens, prompts, tiny
@@ -39,17 +39,17 @@ def cascade(model, *, min_saved: int | None = 1) -> Iterator[list[int]]:
         calls.append(1)
         return real(*args, **kwargs)
 
-    before, threshold = model.config._attn_implementation, group_module.CASCADE_MIN_SAVED_TOKENS
+    before, threshold = model.config._attn_implementation, devices_module.CASCADE_MIN_SAVED_TOKENS
     cascade_module.cascade_decode = counted
     if min_saved is not None:
-        group_module.CASCADE_MIN_SAVED_TOKENS = min_saved
+        devices_module.CASCADE_MIN_SAVED_TOKENS = min_saved
     model.set_attn_implementation("vkv_cascade")
     try:
         yield calls
     finally:
         model.set_attn_implementation(before)
         cascade_module.cascade_decode = real
-        group_module.CASCADE_MIN_SAVED_TOKENS = threshold
+        devices_module.CASCADE_MIN_SAVED_TOKENS = threshold
 
 
 def _run(model, inputs, layout: str, *, min_saved: int | None = 1, **kwargs):
@@ -96,7 +96,7 @@ def test_sliding_layers_stay_on_the_plain_path() -> None:
 
 def test_below_the_crossover_the_plain_path_runs_exactly() -> None:
     diff, calls, got = _run(tiny("llama"), prompts(1, 150, seed=4), "head_major", min_saved=None, **MODES["beam"])
-    assert group_module.CASCADE_MIN_SAVED_TOKENS > 150 * 3  # 150 shared tokens x 3 other beams is below it
+    assert devices_module.CASCADE_MIN_SAVED_TOKENS > 150 * 3  # 150 shared tokens x 3 other beams is below it
     assert (calls, diff) == (0, 0.0)
 
 
@@ -106,7 +106,7 @@ def test_greedy_rows_share_nothing() -> None:
 
 
 def test_ab_harness_reports_the_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(group_module, "CASCADE_MIN_SAVED_TOKENS", 1)
+    monkeypatch.setattr(devices_module, "CASCADE_MIN_SAVED_TOKENS", 1)
     model = tiny("llama")
     report = run_ab(model, prompts(1, 150, seed=6), max_new_tokens=NEW, layout="cascade", tee=False,
                     cache_config={"page_bytes": SMALL_PAGE}, num_beams=3, do_sample=False)
@@ -129,7 +129,7 @@ def test_a_cache_made_before_the_switch_follows_the_model(monkeypatch: pytest.Mo
     """The cache asks at each step which attention the model runs (made first, switched after)."""
     import hf_vkv
 
-    monkeypatch.setattr(group_module, "CASCADE_MIN_SAVED_TOKENS", 1)
+    monkeypatch.setattr(devices_module, "CASCADE_MIN_SAVED_TOKENS", 1)
     model = tiny("llama")
     inputs = prompts(1, 150, seed=7)
     cache = hf_vkv.VKVCache.for_generate(model, batch_size=1, expand=3, max_length=160,

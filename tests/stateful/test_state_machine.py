@@ -151,11 +151,12 @@ class BufferMachine(RuleBasedStateMachine):
         b = data.draw(st.integers(0, len(self.bufs) - 1), label="buffer")
         rows = self.bufs[b].rows
         index = data.draw(st.lists(st.integers(0, rows - 1), max_size=rows), label="index")  # duplicates, shorter
+        private = data.draw(st.booleans(), label="private_tails")  # beams copy shared tails into their own pages
 
         def update(_):
             self.models[b] = [self.models[b][i].copy() for i in index] + [self._empty()
                                                                           for _ in range(rows - len(index))]
-        return lambda: self.bufs[b].reorder(index), None, update
+        return lambda: self.bufs[b].reorder(index, private_tails=private), None, update
 
     def op_truncate(self, data):
         b, rows = self._pick(data)

@@ -227,6 +227,54 @@ def test_reorder_with_duplicates_remaps_rows_without_copying(new):
     new.ok(buf)
 
 
+def test_a_beam_reorder_with_private_tails_copies_tails_in_place_and_remaps_nothing(new, monkeypatch):
+    buf = new()
+    prompt = fill(buf, 0, 0, 200, seed=1)  # 4800 bytes: page 0 full, page 1 partly written
+    buf.share(0, [1, 2, 3])
+    tails = [fill(buf, r, 200, 210, seed=2 + r) for r in range(4)]  # each row copies page 1 on write
+    own = [buf.table.row(r) for r in range(4)]
+    assert [row.pages for row in own] == [(P(0), P(2)), (P(0), P(6)), (P(0), P(11)), (P(0), P(1))]  # row 3 wrote last
+    calls = []
+    monkeypatch.setattr(buf.store.backend, "map", lambda *a: calls.append(a))
+    buf.reorder([0, 0, 1, 0], private_tails=True)
+    assert calls == [] and [buf.table.row(r) for r in range(4)] == own  # same pages, same mappings
+    assert buf.table.tail_copies == 3 and buf.table.remapped_rows == 0 and buf.stats().tail_copies == 3
+    new.ok(buf)
+    for r, src in enumerate([0, 0, 1, 0]):
+        assert torch.equal(read(buf, r), torch.cat([prompt, tails[src]]))
+    monkeypatch.undo()
+    more = fill(buf, 1, 210, 211, seed=9)  # each tail is the row's own: the write needs no copy-on-write
+    assert buf.table.cow_copies == 3 and torch.equal(read(buf, 1), torch.cat([prompt, tails[0], more]))
+
+
+def test_beams_that_swap_histories_swap_tail_bytes_and_keep_their_pages(new):
+    buf = new(rows=2)
+    prompt = fill(buf, 0, 0, 200, seed=1)
+    buf.share(0, [1])
+    tails = [fill(buf, r, 200, 210, seed=2 + r) for r in range(2)]
+    own = [buf.table.row(r) for r in range(2)]
+    buf.reorder([1, 0], private_tails=True)  # a cycle: the host copies every source before any destination
+    assert [buf.table.row(r) for r in range(2)] == own and buf.table.tail_copies == 2
+    new.ok(buf)
+    for r, src in enumerate([1, 0]):
+        assert torch.equal(read(buf, r), torch.cat([prompt, tails[src]]))
+
+
+def test_a_reorder_keeps_the_rows_own_pages_mapped_ahead_of_the_written_items(new):
+    buf = new()
+    prompt = fill(buf, 0, 0, 200, seed=1)
+    buf.share(0, [1, 2, 3])
+    tails = [fill(buf, r, 200, 210, seed=2 + r) for r in range(4)]
+    buf.grow(range(4), 400)  # pages mapped ahead (the static layout's): page 2 of each row, unwritten
+    own = [buf.table.row(r) for r in range(4)]
+    buf.reorder([1, 1, 0, 0], private_tails=True, written=210)
+    # page 1 of each row gets its source's 10 written items, page 2 stays as it is: nothing moved
+    assert [buf.table.row(r) for r in range(4)] == own and buf.table.tail_copies == 3
+    new.ok(buf)
+    for r, src in enumerate([1, 1, 0, 0]):
+        assert torch.equal(read(buf, r, 0, 210), torch.cat([prompt, tails[src]]))
+
+
 def test_truncate_and_drop_before_unmap_the_pages_they_drop(new):
     buf = new()
     a = fill(buf, 0, 0, 600, seed=21)  # 14400 bytes: pages 0..3

@@ -20,6 +20,7 @@ from hf_vkv.memory import (
     Row,
     check_pages,
 )
+from hf_vkv.memory.reorder_plan import common_prefix
 
 P = PageId
 
@@ -282,6 +283,83 @@ def test_reorder_rejects_bad_indices_with_nothing_changed():
     with pytest.raises(ValueError, match="5 entries"):
         t.reorder([0, 0, 0, 0, 0])
     assert state(ok(t)) == before
+
+
+def beams() -> PageTable:
+    """Four beams of 6 bytes: a shared full page 0, then each row's own partly written tail
+    (row 0: page 1; rows 1, 2, 3: their home ids 5, 9, 13)."""
+    t = make()
+    t.grow(0, 6)
+    for r in (1, 2, 3):
+        t.share(0, r, length=4)
+        t.grow(r, 6)
+    assert [t.row(r).pages for r in range(4)] == [(0, 1), (0, 5), (0, 9), (0, 13)] and refs(t, 0) == [4]
+    return t
+
+
+def test_a_reorder_moves_only_the_pages_past_the_common_prefix():
+    t = beams()
+    before = [t.row(r) for r in range(4)]
+    t.pool.begin()
+    t.begin()
+    t.reorder([0, 0, 1, 0])
+    changed = t.changed_rows()
+    t.commit()
+    t.pool.commit()
+    assert sorted(changed) == [1, 2, 3]  # row 0 kept its own table: not touched
+    assert [ok(t).row(r) for r in range(4)] == [Row(6, 0, (0, 1)), Row(6, 0, (0, 1)), Row(6, 0, (0, 5)),
+                                                 Row(6, 0, (0, 1))]
+    assert refs(t, 0, 1, 5) == [4, 3, 1] and t.pool.resident_free_pages() == {9, 13}
+    assert t.row(0) is before[0] and t.tail_copies == 0
+
+
+def test_private_tails_copy_a_shared_tail_into_the_rows_own_page():
+    t = beams()
+    copies = t.reorder([0, 0, 1, 0], private_tails=True)
+    # row 3's own page 13 is held by nobody after the reorder: it keeps it and gets page 1's bytes;
+    # row 1's page 5 goes to row 2, so row 1 shares page 1 (copied on its next write)
+    assert copies == [CowCopy(row=3, index=1, src=P(1), dst=P(13))]
+    assert [ok(t).row(r).pages for r in range(4)] == [(0, 1), (0, 1), (0, 5), (0, 13)]
+    assert refs(t, 0, 1, 5, 13) == [4, 2, 1, 1] and t.pool.resident_free_pages() == {9}
+    assert t.tail_copies == 1 and t.remapped_rows == 2  # rows 1 and 2 took other tables; row 3 kept its own
+
+
+def test_private_tails_where_remaps_cost_keep_every_rows_pages_in_order():
+    t = beams()
+    copies = t.reorder([0, 0, 1, 0], private_tails=True, remaps_cost=True)
+    # row 2 keeps page 9 (page 5's bytes), which frees page 5 for row 1 (page 1's bytes): page 5 is
+    # read before it is written, so the copies run in this order
+    assert copies == [CowCopy(2, 1, P(5), P(9)), CowCopy(3, 1, P(1), P(13)), CowCopy(1, 1, P(1), P(5))]
+    assert [ok(t).row(r).pages for r in range(4)] == [(0, 1), (0, 5), (0, 9), (0, 13)]  # no table changed
+    assert refs(t, 0, 1, 5, 9, 13) == [4, 1, 1, 1, 1] and t.pool.resident_free_pages() == set()
+    assert t.remapped_rows == 0 and t.tail_copies == 3
+
+
+def test_a_swap_of_tails_copies_in_place_only_when_the_copies_are_gathered():
+    t = beams()
+    assert t.reorder([1, 0, 2, 3], private_tails=True, remaps_cost=True) == []  # a cycle: in order it cannot
+    assert [ok(t).row(r).pages for r in range(2)] == [(0, 5), (0, 1)]  # the rows swapped tables
+    copies = t.reorder([1, 0, 2, 3], private_tails=True, remaps_cost=True, gathered=True)
+    assert copies == [CowCopy(0, 1, P(1), P(5)), CowCopy(1, 1, P(5), P(1))]  # every read before any write
+    assert [ok(t).row(r).pages for r in range(2)] == [(0, 5), (0, 1)]  # tables kept, bytes swapped
+    assert t.remapped_rows == 2 and t.tail_copies == 2
+
+
+def test_private_tails_leave_full_pages_shared():
+    t = make()
+    t.grow(0, 8)  # two full pages: the next write takes a fresh page, nothing to copy
+    t.grow(1, 8)
+    assert t.reorder([0, 0], private_tails=True, remaps_cost=True) == []
+    assert [ok(t).row(r).pages for r in range(2)] == [(0, 1), (0, 1)] and refs(t, 0, 1) == [2, 2]
+    assert t.pool.resident_free_pages() == {4, 5}
+
+
+def test_common_prefix_finds_the_first_difference_with_or_without_a_good_guess():
+    a = (1, 2, 3, 4, 5, 6, 7)
+    for b, want in (((1, 2, 3, 4, 5, 6, 9), 6), ((9,) + a[1:], 0), ((1, 2, 3, 9, 5, 6, 7), 3), (a, 7),
+                    (a[:4], 4), ((), 0), ((1, 2, 3, 4, 5, 6, 7, 8), 7)):
+        for guess in (None, 0, 1, 3, 4, 6, 7, 9):
+            assert common_prefix(a, b, guess) == want == common_prefix(b, a, guess), (b, guess)
 
 
 # ------------------------------------------------------------------------------------ truncate / window

@@ -59,6 +59,7 @@ OPS = {
     "grow": lambda b: b.grow(range(b.rows), 199),
     "prepare_write": lambda b: b.prepare_write([2, 0], 50, 150),
     "reorder": lambda b: b.reorder([1, 0, 0][: b.rows]),
+    "reorder_private_tails": lambda b: b.reorder([1, 0, 0][: b.rows], private_tails=True),
     "share": lambda b: b.share(1, [0, 2]),
     "truncate": lambda b: b.truncate([0, 1], 30),
     "drop_before": lambda b: b.drop_before([0, 2], 180),

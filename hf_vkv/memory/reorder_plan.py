@@ -1,0 +1,186 @@
+"""The plan of a beam reorder over page tables: which rows change, how references move, and which
+partly written pages are copied into a row's own page. Pure bookkeeping over :class:`Row` records
+and a pool's refcounts (no tensor, no backend); :meth:`PageTable.reorder` applies it.
+
+A reorder follows what changed, not the rows' lengths: beams share their prompt's pages and
+differ in their last page or few, so each row's new table is compared with its old one from the
+front (:func:`common_prefix`, slice comparisons, no Python loop over the shared pages), and only
+the pages past the common prefix move references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from .page_table import CowCopy, Row
+from .pool import PageId
+
+__all__ = ["Change", "common_prefix", "private_tails_plan", "table_changes"]
+
+#: A row whose table changes: ``(row, its new table, pages its old and new tables have in common
+#: from the front)``.
+Change = tuple[int, Row, int]
+
+_EMPTY = Row()
+
+
+def _copy(fields: tuple[int, int, PageId, PageId]) -> CowCopy:
+    """``CowCopy(*fields)`` without the named tuple's Python-level ``__new__`` (one per sub-row of a beam)."""
+    return tuple.__new__(CowCopy, fields)
+
+
+def common_prefix(a: Sequence[object], b: Sequence[object], guess: int | None = None) -> int:
+    """How many leading entries ``a`` and ``b`` have in common. ``guess`` is where the answer
+    probably lies (beams differ in their last page: ``min(len(a), len(b)) - 1``): one slice
+    comparison confirms it, and a bisection of slice comparisons finds the answer otherwise, so
+    no Python loop walks the common pages."""
+    n = min(len(a), len(b))
+    lo, hi = 0, n  # a[:lo] == b[:lo], and the answer is in [lo, hi]
+    if guess is not None and 0 < guess <= n:
+        if a[:guess] == b[:guess]:
+            lo = guess
+        else:
+            hi = guess - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def table_changes(entries: Sequence[Row], index: Sequence[int | None]) -> tuple[list[Change | None], dict[PageId, int]]:
+    """Row ``i`` takes ``entries[index[i]]`` (``None``, and rows past ``index``: empty; the
+    indices are valid): the rows whose table changes, and the net reference change per page
+    (``+1`` for each page a row takes past the common prefix, ``-1`` for each it drops)."""
+    changes: list[Change | None] = []
+    delta: dict[PageId, int] = {}
+    get = delta.get
+    for i in range(len(entries)):
+        src = index[i] if i < len(index) else None
+        before = entries[i]
+        after = _EMPTY if src is None else entries[src]
+        if after is before:
+            continue
+        bp, ap = before.pages, after.pages
+        if before.start == after.start:
+            m = len(bp) if len(bp) < len(ap) else len(ap)
+            if m and bp[:m - 1] == ap[:m - 1]:  # inline: the beams' case, all in common but the last page
+                k = m if bp[m - 1] == ap[m - 1] else m - 1
+            else:
+                k = common_prefix(bp, ap)
+            if k == len(bp) == len(ap) and before.length == after.length:
+                continue  # the same table
+        else:
+            k = 0
+        for p in ap[k:]:
+            delta[p] = get(p, 0) + 1
+        for p in bp[k:]:
+            delta[p] = get(p, 0) - 1
+        changes.append((i, after, k))
+    return changes, delta
+
+
+def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], entries: Sequence[Row],
+                   refs: Mapping[PageId, int], page_size: int, *, remaps_cost: bool, gathered: bool,
+                   written: int | None) -> list[CowCopy]:
+    """The tail copies of a reorder with ``private_tails`` (:meth:`PageTable.reorder`): update
+    ``changes`` and
+    ``delta`` in place (a change becomes ``None`` where the row's table ends as it was: only
+    bytes move), return the copies in the order they must run.
+
+    A row's tail is its pages from the one holding its first unwritten byte on (``written``
+    bytes, or its length). At each tail index a row keeps its own page ``mine`` when no row
+    holds ``mine`` afterwards; the taken page's written bytes are copied into it (none for
+    a page past the written bytes). Passes repeat until none applies, since a row that keeps
+    its page may free the page another row needs: then ``mine`` is also the source of an
+    earlier copy, which is why the copies run in order. Never the reverse: a page copied
+    into was held by nobody when it was chosen, so no later copy reads it (a later source is
+    a page its row holds).
+
+    With ``gathered``, the rows left over (each one's page held by another of them: rows
+    that take each other's tails) all keep their pages at once, when nobody else holds them."""
+    ps = page_size
+    copies: list[CowCopy] = []
+    pending: dict[tuple[int, int], tuple[PageId, PageId, int]] = {}  # (change, index) -> (mine, theirs, bytes)
+    kept: dict[int, dict[int, PageId]] = {}  # change -> {index: the row's own page it keeps}
+    for n, (i, after, k) in enumerate(changes):  # type: ignore[misc]
+        # (Row.end spelled out, and no min/max calls: this runs for every sub-row of every beam)
+        before, a0, ap = entries[i], after.start, after.pages
+        b0, bp, length = before.start, before.pages, after.length
+        w = length if written is None or written > length else written
+        tail = w // ps if w // ps > a0 else a0  # the first tail index
+        a_end, b_end = a0 + len(ap), b0 + len(bp)
+        if tail >= a_end or not (w % ps or w < length):
+            continue  # every page full of written bytes: the next write takes a new one
+        only_tail = k >= tail - a0  # every page before the tail is the same
+        lo = tail if tail > b0 else b0
+        lo = lo if lo > a0 + k else a0 + k
+        hi = a_end if a_end < b_end else b_end
+        # the beams' case: one tail page, all else the same: keeping it leaves the table as it was
+        whole = only_tail and hi - lo == 1 == a_end - tail and a0 == b0 and a_end == b_end and length == before.length
+        for j in range(lo, hi):
+            mine, theirs = bp[j - b0], ap[j - a0]
+            if mine == theirs or not (refs[theirs] + delta[theirs] > 1 or (remaps_cost and only_tail)):
+                continue
+            nbytes = w - j * ps if w - j * ps < ps else ps
+            if refs[mine] + delta[mine]:
+                pending[n, j] = (mine, theirs, nbytes if nbytes > 0 else 0)  # held: maybe not after others' turns
+                continue
+            delta[mine] += 1  # nobody holds it: kept at once (inline: this runs for every sub-row of a beam)
+            delta[theirs] -= 1
+            if whole:
+                changes[n] = None
+            elif n in kept:
+                kept[n][j] = mine
+            else:
+                kept[n] = {j: mine}
+            if nbytes > 0:
+                copies.append(_copy((i, j, theirs, mine)))
+
+    def keep(key: tuple[int, int]) -> None:
+        mine, theirs, nbytes = pending.pop(key)
+        delta[mine] += 1
+        delta[theirs] -= 1
+        kept.setdefault(key[0], {})[key[1]] = mine
+        if nbytes:
+            copies.append(_copy((changes[key[0]][0], key[1], theirs, mine)))  # type: ignore[index]
+
+    again = True
+    while again:  # pages nobody holds (any more), one at a time: keeping one may free another
+        again = False
+        for key in list(pending):
+            mine = pending[key][0]
+            if not refs[mine] + delta[mine]:
+                keep(key)
+                again = True
+    if gathered and pending:
+        cycle = dict(pending)
+        while True:  # drop pages someone outside the cycle holds (or another row keeps)
+            held: dict[PageId, int] = {}
+            for _, theirs, _ in cycle.values():
+                held[theirs] = held.get(theirs, 0) + 1
+            seen: set[PageId] = set()
+            out = []
+            for key, (mine, _, _) in cycle.items():
+                if mine in seen or refs[mine] + delta[mine] > held.get(mine, 0):
+                    out.append(key)
+                seen.add(mine)
+            if not out:
+                break
+            for key in out:
+                del cycle[key]
+        for key in cycle:
+            keep(key)
+    for n, pages in kept.items():
+        i, after, k = changes[n]  # type: ignore[misc]
+        before, lo = entries[i], min(pages)
+        rel = lo - after.start
+        if k >= rel and len(pages) == after.end - lo and after.start == before.start \
+                and after.length == before.length and len(after.pages) == len(before.pages):
+            changes[n] = None  # the pages before the tail were the same, the tail's are its own again
+        else:
+            new = after.pages[:rel] + tuple(pages.get(j, p) for j, p in enumerate(after.pages[rel:], lo))
+            changes[n] = (i, Row(after.length, after.start, new), k)
+    return copies
