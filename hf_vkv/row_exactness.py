@@ -104,7 +104,7 @@ def expand_operand(t: torch.Tensor, prompts: int, k: int) -> torch.Tensor:
     span = 1 + sum((s - 1) * st for s, st in zip(size, t.stride()))  # elements the view reaches
     storage = t.new_empty(t.storage_offset() + span)
     out = storage.as_strided(size, t.stride(), t.storage_offset())
-    if out.shape and torch._debug_has_internal_overlap(out) == 1:  # overlapping rows: keep t's layout idea, dense
+    if out.shape and torch._debug_has_internal_overlap(out) == 1:  # t's strides alias rows at k x the rows
         out = values.contiguous()
     else:
         out.copy_(values)
@@ -135,12 +135,15 @@ class _Counts:
 
 
 class RowExactness(TorchFunctionMode):
-    """While active (``with RowExactness(prompts=B, repeats=k):`` around a forward on ``B`` rows,
-    switched on and off by :meth:`watching`), every probed call (:func:`probed_functions`) is
-    checked against its expansion to ``B*k`` rows (module docstring).
+    """While active (``with RowExactness(prompts=B, repeats=k):`` around a forward on ``B`` rows)
+    and :attr:`watching` is set, every probed call (:func:`probed_functions`) is checked against
+    its expansion to ``B*k`` rows (module docstring).
 
     Row-indexed operands are the tensors whose dim 0 is a multiple of ``prompts`` and that are not
-    ``nn.Parameter``s (weights and biases are shared by all rows); a call with none is not probed.
+    ``nn.Parameter``s (weights and biases are shared by all rows). A call with none, or whose
+    result is not indexed by row, is not checked: the base model's activations have their rows
+    first; a tensor with its rows elsewhere (multimodal rotary position ids ``[3, B, T]``, used
+    in an outer product of one term, exact at any size) is not expanded along them.
 
     Invariant: a signature's cached verdict was measured on this process with its thread count.
     """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -126,11 +127,14 @@ class VKVCache(Cache):
                 members.setdefault(key, []).append(idx)
         self._groups: list[LayerGroup] = []
 
+        this = weakref.ref(self)  # the groups keep this function: no reference cycle back to the cache
+
         def cascade() -> bool:  # asked per step: under "vkv_cascade" contiguous full-attention groups tag prefixes
-            if getattr(text_config, "_attn_implementation", None) != CASCADE_ATTENTION:
+            cache = this()
+            if cache is None or getattr(text_config, "_attn_implementation", None) != CASCADE_ATTENTION:
                 return False
-            self._cascade = self._cascade_refusal() or "on"
-            return self._cascade == "on"
+            cache._cascade = cache._cascade_refusal() or "on"
+            return cache._cascade == "on"
 
         tags = None if self._layout_name in ("static", "paged") else cascade
         make_layout = LayoutMaker(self._layout_name, self.options.block_tokens, text_config)
