@@ -10,7 +10,12 @@ from typing import Any, Literal
 from ..memory.limits import MIN_PAGE_BYTES, check_page_bytes
 from .layouts import LAYOUTS
 
-__all__ = ["CacheOptions", "LAYOUT_NAMES", "TRANSFORMERS_KEYS", "config_dict", "from_transformers_keys"]
+__all__ = ["CacheOptions", "LAYOUT_NAMES", "PREFIX_STORE_KEY", "TRANSFORMERS_KEYS", "config_dict", "from_transformers_keys",
+           "split_prefix_store"]
+
+#: The ``cache_config`` key of ``generate(cache_implementation="vkv")`` that turns on prefix reuse:
+#: a :class:`~hf_vkv.PrefixStore` (see :mod:`hf_vkv.prefix.reuse`).
+PREFIX_STORE_KEY = "prefix_store"
 
 Groups = Literal["kind", "layer"]
 #: Names ``layout`` accepts: the layouts, ``"static"`` (the compileable layout over the device's
@@ -26,6 +31,20 @@ def config_dict(config: Any) -> dict[str, Any]:
         raise TypeError(f"cache_config must be a dict such as {{'page_bytes': 4096}}, got {type(config).__name__} "
                         f"{config!r}")
     return dict(config or {})
+
+
+def split_prefix_store(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(the prefix store of cache_config or None, the other options)``; ``TypeError`` for a
+    ``prefix_store`` that is not a :class:`~hf_vkv.PrefixStore`."""
+    rest = dict(config)
+    store = rest.pop(PREFIX_STORE_KEY, None)
+    if store is not None:
+        from ..prefix.store import PrefixStore  # the prefix package builds on the cache
+
+        if not isinstance(store, PrefixStore):
+            raise TypeError(f"cache_config[{PREFIX_STORE_KEY!r}] must be a hf_vkv.PrefixStore, got "
+                            f"{type(store).__name__}: store = hf_vkv.PrefixStore(model.config, budget_bytes=...)")
+    return store, rest
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +76,10 @@ class CacheOptions:
       compiled step (default 32).
     * ``group_policy``: deprecated spelling of ``layout`` / ``groups`` (``"model"`` =
       token-major, ``"head"`` = head-major, ``"layer"`` = token-major per layer).
+
+    ``cache_config`` of ``generate`` also takes ``"prefix_store"`` (:data:`PREFIX_STORE_KEY`): a
+    :class:`~hf_vkv.PrefixStore` whose prefixes every call reuses (:mod:`hf_vkv.prefix.reuse`); it
+    is generate's, not a cache option (a cache built by hand starts from ``store.lookup``).
     """
 
     layout: str | None = None
@@ -122,6 +145,10 @@ class CacheOptions:
         """Parse a ``cache_config`` dict (:func:`config_dict`); transformers' own cache keys are
         translated (:func:`from_transformers_keys`); an unknown key is an error naming the known ones."""
         config = from_transformers_keys(config_dict(config))
+        if PREFIX_STORE_KEY in config:
+            raise ValueError(f"cache_config[{PREFIX_STORE_KEY!r}] is read by generate(cache_implementation='vkv', "
+                             f"cache_config={{{PREFIX_STORE_KEY!r}: store}}), not by VKVCache: a cache made by hand "
+                             f"starts from store.lookup(input_ids)")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:

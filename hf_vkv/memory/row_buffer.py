@@ -223,6 +223,24 @@ class RowBuffer(ABC):
                     for a, b in zip(self.table_rows(src), self.table_rows(d)):
                         table.share(a, b, length=units)
 
+    def adopt(self, row: int, source: RowBuffer, source_row: int, *, length: int) -> None:
+        """Make ``row`` hold the first ``length`` items of ``source``'s row ``source_row`` on the
+        same pages (``source``: a buffer of the same store and item layout, e.g. a stored prefix's);
+        no bytes move. ``row``'s previous pages are dropped."""
+        if source.store is not self.store or source.item_bytes != self.item_bytes or source.parts != self.parts:
+            raise ValueError("adopt takes a row of a buffer of the same store, item size and parts")
+        if not 0 <= length <= source.length(source_row):
+            raise ValueError(f"row {source_row} holds {source.length(source_row)} items, not {length}")
+        self._check_capacity(length)
+        units, page = length * self.item_bytes, self.store.page_bytes
+        with self._transaction() as table:
+            for a, b in zip(self.table_rows(row), source.table_rows(source_row)):
+                held = source.table.row(b)
+                end = -(-units // page)
+                if units and end <= held.start:
+                    raise ValueError(f"row {source_row}'s first {length} items were dropped behind its window")
+                table.assign(a, Row(units, held.start, held.pages[:end - held.start]) if units else Row())
+
     def reorder(self, index: Sequence[int]) -> None:
         """Row ``i`` takes row ``index[i]``'s pages (duplicates allowed); later rows are emptied."""
         if len(index) > self.rows:
@@ -317,6 +335,12 @@ class RowBuffer(ABC):
 
     @contextmanager
     def _transaction(self) -> Iterator[PageTable]:
+        with self.store.lock:  # buffers of one store may live in several threads (shared prefixes)
+            with self._locked_transaction() as table:
+                yield table
+
+    @contextmanager
+    def _locked_transaction(self) -> Iterator[PageTable]:
         table = self._open()
         pool = self.store.pool
         pool.begin()
@@ -358,13 +382,14 @@ def return_pages(table: PageTable, store: PageStore, untranslate: Callable[[], N
     page of ``table`` to the pool, and close the table in ``store``. Pages go back even if
     ``untranslate`` failed (a closed buffer is never read again); nothing is returned to a store
     already closed (its memory is gone)."""
-    try:
-        if not store.closed:
-            try:
-                if untranslate is not None:
-                    untranslate()
-            finally:
-                for r in range(table.rows):
-                    table.clear(r)
-    finally:
-        store.buffer_closed(table)
+    with store.lock:
+        try:
+            if not store.closed:
+                try:
+                    if untranslate is not None:
+                        untranslate()
+                finally:
+                    for r in range(table.rows):
+                        table.clear(r)
+        finally:
+            store.buffer_closed(table)

@@ -14,10 +14,15 @@ Entries are batch-1 caches: one prompt (or conversation) per entry, unpadded.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import os
+import threading
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +48,8 @@ class PrefixStats:
     evictions: int  # entries dropped to stay under the budget
     bytes_held: int  # physical bytes of the entries' pages, each page once however many entries share it
     budget_bytes: int | None  # the budget (None: unbounded)
+    prompt_tokens: int = 0  # prompt tokens of the generate() calls that reused this store (every row)
+    prompt_tokens_computed: int = 0  # of those, the tokens their prefills computed (common prefixes included)
 
     @property
     def misses(self) -> int:
@@ -98,6 +105,14 @@ class PrefixStore:
     tokens only if the window before ``m`` is still mapped; a prompt that shares less with it is
     served by another entry or is a miss (never wrong K/V).
 
+    Every cache the store makes (lookups, and the caches ``generate`` builds with
+    ``cache_config={"prefix_store": store}``) draws from one memory (:attr:`memory`), so a request's
+    rows share pages with the entries it starts from. One store may serve several threads at once:
+    its methods hold a lock, and the memory's page operations hold the page store's own.
+
+    ``copy.deepcopy(store)`` is the store itself (``generate`` deep-copies its generation config,
+    ``cache_config`` included; a copy would take the inserts away from the user's store).
+
     Invariants (:meth:`check_invariants`): the radix tree holds exactly the entries' token ids;
     every entry is a batch-1 cache of exactly ``len(tokens)`` tokens, and after any insert
     ``bytes_held <= budget_bytes``.
@@ -108,19 +123,40 @@ class PrefixStore:
         if config is None or not hasattr(config, "get_text_config"):
             raise TypeError("PrefixStore needs the model's config: PrefixStore(model.config, ...)")
         self.config = config
+        self._lock = threading.RLock()
         self._budget: int | None = None
         self.budget_bytes = budget_bytes
         self.cache_config = dict(cache_config or {})
-        VKVCache(config, **self.cache_config)  # checks cache_config now (no memory until a first update)
+        # checks cache_config now; holds no pages itself, only the arenas every cache of the store draws from
+        self._memory = VKVCache(config, **self.cache_config)
         self._fingerprint = config_fingerprint(config)
         self._tree: RadixTree[int] = RadixTree()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._ids = itertools.count()
         self._dtype: torch.dtype | None = None
         self._lookups = self._hits = self._reused = self._inserts = self._evictions = 0
+        self._prompt_tokens = self._computed = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PrefixStore:
+        return self  # a handle on shared memory, as a model is: see the class docstring
+
+    def __copy__(self) -> PrefixStore:
+        return self
+
+    @property
+    def memory(self) -> VKVCache:
+        """An empty cache whose memory (arenas) every cache of this store draws from: pass it as
+        ``VKVCache(..., memory_of=store.memory)`` to make a cache whose rows can share the
+        entries' pages."""
+        return self._memory
+
+    def new_cache(self, **kwargs: Any) -> VKVCache:
+        """An empty cache of the store's model, options and memory (``kwargs``: ``batch_size``,
+        ``prompt_repeats``, ...)."""
+        return VKVCache(self.config, memory_of=self._memory, **{**self.cache_config, **kwargs})
 
     @property
     def budget_bytes(self) -> int | None:
@@ -133,9 +169,10 @@ class PrefixStore:
             not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0
         ):
             raise ValueError(f"budget_bytes must be a positive int (or None for no bound), got {budget_bytes!r}")
-        self._budget = budget_bytes
-        if hasattr(self, "_entries"):
-            self._evict()
+        with self._lock:
+            self._budget = budget_bytes
+            if hasattr(self, "_entries"):
+                self._evict()
 
     # ----------------------------------------------------------------------------- requests
     def lookup(self, input_ids: Any) -> VKVCache:
@@ -146,18 +183,30 @@ class PrefixStore:
         is new and empty.
         """
         tokens = token_list(input_ids, name="input_ids")
-        self._lookups += 1
-        cap = len(tokens) - 1
-        for shared, key in self._tree.common_prefixes(tokens[:cap]):
-            entry = self._entries[key]
-            m = min(shared, cap)
-            if m >= max(entry.min_reuse, 1):
-                fork = entry.cache.fork(m)
-                self._entries.move_to_end(key)
-                self._hits += 1
-                self._reused += m
-                return fork
-        return VKVCache(self.config, **self.cache_config)
+        with self._lock:
+            self._lookups += 1
+            cap = len(tokens) - 1
+            for shared, key in self._tree.common_prefixes(tokens[:cap]):
+                entry = self._entries[key]
+                m = min(shared, cap)
+                if m >= max(entry.min_reuse, 1):
+                    fork = entry.cache.fork(m)
+                    self._entries.move_to_end(key)
+                    self._hits += 1
+                    self._reused += m
+                    return fork
+        return self.new_cache()
+
+    def longest_prefix(self, input_ids: Any) -> int:
+        """Tokens of ``input_ids`` :meth:`lookup` would serve now (counting nothing)."""
+        tokens = token_list(input_ids, name="input_ids")
+        with self._lock:
+            cap = len(tokens) - 1
+            for shared, key in self._tree.common_prefixes(tokens[:cap]):
+                m = min(shared, cap)
+                if m >= max(self._entries[key].min_reuse, 1):
+                    return m
+        return 0
 
     def insert(self, token_ids: Any, cache: VKVCache) -> bool:
         """Keep a fork of ``cache``'s first ``len(token_ids)`` tokens, whose ids are ``token_ids``.
@@ -178,6 +227,10 @@ class PrefixStore:
                 the entries' (``field`` says which).
         """
         tokens = tuple(token_list(token_ids))
+        with self._lock:
+            return self._insert(tokens, cache)
+
+    def _insert(self, tokens: tuple[int, ...], cache: VKVCache) -> bool:
         self._check_cache(cache, len(tokens))
         for shared, key in self._tree.common_prefixes(tokens):
             if shared < len(tokens):
@@ -200,34 +253,85 @@ class PrefixStore:
         self._evict()
         return entry.id in self._entries
 
+    # ----------------------------------------------------------------------------- files
+    def load(self, path: str | os.PathLike[str], *, model: torch.nn.Module, check_weights: bool = True) -> int:
+        """Warm start: insert the prefix saved in ``path`` (:func:`~hf_vkv.save_prefix`, or
+        :meth:`save`) with every check :func:`~hf_vkv.load_prefix` does (checksums, model, weights,
+        dtype; a corrupted file raises :class:`~hf_vkv.PrefixFileError` and inserts nothing).
+        Returns its tokens. The pages live in the store's memory, so requests share them."""
+        from .persist import load_prefix  # files build on the store's token ids
+
+        cache, tokens = load_prefix(path, model=model, cache_config=self.cache_config, check_weights=check_weights,
+                                    memory_of=self._memory, device=model.device)
+        try:
+            self.insert(tokens, cache)
+        finally:
+            cache.close()
+        return len(tokens)
+
+    def save(self, directory: str | os.PathLike[str], *, model: torch.nn.Module | None = None) -> list[Path]:
+        """Save every entry to ``directory`` as a prefix file named by a digest of its token ids
+        (saving again overwrites the same names); with ``model`` its weights fingerprint too.
+        Returns the paths, least recently used first."""
+        from .persist import save_prefix
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            entries = [(e.tokens, e.cache.fork()) for e in self._entries.values()]
+        paths = []
+        for tokens, cache in entries:
+            try:
+                digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:20]
+                paths.append(save_prefix(out / f"prefix-{digest}.safetensors", cache, list(tokens), model=model))
+            finally:
+                cache.close()
+        return paths
+
     # ----------------------------------------------------------------------------- accounting
     def bytes_held(self) -> int:
         """Physical bytes of every page the entries hold, a page shared by entries counted once."""
         pages: dict[Hashable, int] = {}
-        for entry in self._entries.values():
-            pages.update(entry.pages)
+        with self._lock:
+            for entry in self._entries.values():
+                pages.update(entry.pages)
         return sum(pages.values())
 
     def stats(self) -> PrefixStats:
         """Hits, tokens reused, bytes held, ... (see :class:`PrefixStats`)."""
-        return PrefixStats(entries=len(self._entries), lookups=self._lookups, hits=self._hits,
-                           tokens_reused=self._reused, inserts=self._inserts, evictions=self._evictions,
-                           bytes_held=self.bytes_held(), budget_bytes=self.budget_bytes)
+        with self._lock:
+            return PrefixStats(entries=len(self._entries), lookups=self._lookups, hits=self._hits,
+                               tokens_reused=self._reused, inserts=self._inserts, evictions=self._evictions,
+                               bytes_held=self.bytes_held(), budget_bytes=self.budget_bytes,
+                               prompt_tokens=self._prompt_tokens, prompt_tokens_computed=self._computed)
+
+    def count_prefill(self, *, prompt_tokens: int, computed: int) -> None:
+        """A ``generate`` prefill brought ``prompt_tokens`` prompt tokens and computed ``computed``
+        of them (:mod:`hf_vkv.prefix.reuse` calls it; :meth:`stats` sums them)."""
+        with self._lock:
+            self._prompt_tokens += prompt_tokens
+            self._computed += computed
 
     def prefixes(self) -> list[tuple[int, ...]]:
         """The stored token-id sequences, least recently used first."""
-        return [e.tokens for e in self._entries.values()]
+        with self._lock:
+            return [e.tokens for e in self._entries.values()]
 
     def clear(self) -> None:
         """Drop every entry (pages go back unless live requests still hold them)."""
-        for entry in list(self._entries.values()):
-            self._drop(entry)
+        with self._lock:
+            for entry in list(self._entries.values()):
+                self._drop(entry)
 
     close = clear
 
     def check_invariants(self) -> None:
         """Check the radix tree, that it holds exactly the entries, each entry's shape and cache
         invariants, and the budget (raises :class:`~hf_vkv.InvariantError`)."""
+        with self._lock:
+            self._check_invariants()
+
+    def _check_invariants(self) -> None:
         self._tree.check_invariants()
         listed = {key: tokens for tokens, key in self._tree.items()}
         if listed != {e.id: e.tokens for e in self._entries.values()}:
