@@ -37,7 +37,7 @@ from transformers.generation.utils import GenerationMixin
 from .attention import register_attention
 from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
-from .cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys, split_prefix_store
+from .cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys
 from .cache.export import register_pytree
 from .prefix import reuse
 
@@ -145,7 +145,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
                         *args, **kwargs)
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     cache_config = from_transformers_keys(config_dict(generation_config.cache_config))  # a string: TypeError; max_cache_len: max_tokens
-    store, cache_config = split_prefix_store(cache_config)
+    store, cache_config = reuse.split_prefix_store(cache_config)
     memory = None if store is None else reuse.memory_for(model, store, cache_config)
     if generation_config.compile_config is not None and cache_config.get("layout") is None:
         cache_config["layout"] = "static"  # compiling: the layout StaticLayer's contract holds for

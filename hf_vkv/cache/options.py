@@ -10,8 +10,7 @@ from typing import Any, Literal
 from ..memory.limits import MIN_PAGE_BYTES, check_page_bytes
 from .layouts import LAYOUTS
 
-__all__ = ["CacheOptions", "LAYOUT_NAMES", "PREFIX_STORE_KEY", "TRANSFORMERS_KEYS", "config_dict", "from_transformers_keys",
-           "split_prefix_store"]
+__all__ = ["CacheOptions", "LAYOUT_NAMES", "PREFIX_STORE_KEY", "TRANSFORMERS_KEYS", "config_dict", "from_transformers_keys"]
 
 #: The ``cache_config`` key of ``generate(cache_implementation="vkv")`` that turns on prefix reuse:
 #: a :class:`~hf_vkv.PrefixStore` (see :mod:`hf_vkv.prefix.reuse`).
@@ -31,20 +30,6 @@ def config_dict(config: Any) -> dict[str, Any]:
         raise TypeError(f"cache_config must be a dict such as {{'page_bytes': 4096}}, got {type(config).__name__} "
                         f"{config!r}")
     return dict(config or {})
-
-
-def split_prefix_store(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``(the prefix store of cache_config or None, the other options)``; ``TypeError`` for a
-    ``prefix_store`` that is not a :class:`~hf_vkv.PrefixStore`."""
-    rest = dict(config)
-    store = rest.pop(PREFIX_STORE_KEY, None)
-    if store is not None:
-        from ..prefix.store import PrefixStore  # the prefix package builds on the cache
-
-        if not isinstance(store, PrefixStore):
-            raise TypeError(f"cache_config[{PREFIX_STORE_KEY!r}] must be a hf_vkv.PrefixStore, got "
-                            f"{type(store).__name__}: store = hf_vkv.PrefixStore(model.config, budget_bytes=...)")
-    return store, rest
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -46,10 +46,12 @@ import torch
 from .. import prefill_once
 from ..cache import VKVCache
 from ..cache.cache import RowSource
+from ..cache.options import PREFIX_STORE_KEY
 from .fingerprint import config_fingerprint
 from .store import PrefixStore
 
-__all__ = ["MIN_COMMON_PREFIX", "ReuseReport", "generate", "last_report", "memory_for", "attach", "prefill"]
+__all__ = ["MIN_COMMON_PREFIX", "ReuseReport", "attach", "generate", "last_report", "memory_for", "prefill",
+           "split_prefix_store"]
 
 #: Fewest tokens a prefix shared by a batch's prompts must have to be prefilled once on its own
 #: first (below it the extra forward costs more than the rows it spares).
@@ -100,6 +102,17 @@ def last_report() -> ReuseReport | None:
 
 
 # --------------------------------------------------------------------------------- generate's cache
+def split_prefix_store(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(the prefix store of cache_config or None, the other options)``; ``TypeError`` for a
+    ``prefix_store`` that is not a :class:`~hf_vkv.PrefixStore`."""
+    rest = dict(config)
+    store = rest.pop(PREFIX_STORE_KEY, None)
+    if store is not None and not isinstance(store, PrefixStore):
+        raise TypeError(f"cache_config[{PREFIX_STORE_KEY!r}] must be a hf_vkv.PrefixStore, got "
+                        f"{type(store).__name__}: store = hf_vkv.PrefixStore(model.config, budget_bytes=...)")
+    return store, rest
+
+
 def _model_refusal(model: Any, store: PrefixStore) -> str | None:
     if model.config.is_encoder_decoder:
         return ("an encoder-decoder model: the decoder's K/V depend on the encoder's input, which the store's "
