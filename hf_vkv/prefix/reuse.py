@@ -33,6 +33,7 @@ cascade's — tokens identical to DynamicCache's on the battery of chats in
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 import threading
@@ -234,21 +235,18 @@ def _start_rows(call: _Call, model: Any, input_ids: torch.Tensor, model_kwargs: 
     if len(unique) > 1:
         report.common_prefix_tokens = _store_common_prefix(model, store, [tokens[u] for u in unique])
         report.computed_tokens += report.common_prefix_tokens
-    forks = {u: store.lookup(tokens[u]) for u in unique}
-    try:
-        column = min(pads[u] + forks[u].get_seq_length() for u in unique)
+    with contextlib.ExitStack() as borrowed:  # the entries, read in place while the store is locked
+        found = {u: borrowed.enter_context(store.borrow(tokens[u])) for u in unique}
+        column = min(pads[u] + m for u, (_, m) in found.items())
         report.start_column = column
         if column == 0:
             return None  # nothing stored yet: a full prefill, whose rows are stored afterwards
         sources = []
         for row in range(rows):
             u = row - row % k
-            sources.append(RowSource(forks[u] if column > pads[u] else None, offset=pads[u]))
+            sources.append(RowSource(found[u][0] if column > pads[u] else None, offset=pads[u]))
         report.copied_rows = cache.take_rows(sources, length=column)
-        report.reused_tokens = sum(max(column - p, 0) for p in pads)
-    finally:
-        for fork in forks.values():
-            fork.close()
+    report.reused_tokens = sum(max(column - p, 0) for p in pads)
     return None
 
 
@@ -278,6 +276,7 @@ def _store_common_prefix(model: Any, store: PrefixStore, prompts: list[list[int]
     try:
         held = cache.get_seq_length()
         if shared - held < MIN_COMMON_PREFIX:
+            cache.close()
             return 0
         device = model.device
         kwargs: dict[str, Any] = {cache_kwarg(): cache, "use_cache": True}
@@ -285,10 +284,11 @@ def _store_common_prefix(model: Any, store: PrefixStore, prompts: list[list[int]
             kwargs["logits_to_keep"] = 1  # only the K/V are wanted
         model(input_ids=torch.tensor([tokens[held:]], device=device),
               position_ids=torch.arange(held, shared, device=device)[None], **kwargs)
-        store.insert(tokens, cache)
-        return shared - held
-    finally:
+    except BaseException:
         cache.close()
+        raise
+    store.insert(tokens, cache, give=True)
+    return shared - held
 
 
 # --------------------------------------------------------------------------------- after generate
@@ -340,10 +340,14 @@ def _insert_rows(call: _Call, sequences: torch.Tensor) -> int:
         pad = call.pads[r]
         if end - pad < 1:
             continue
+        if pad == 0 and cache.rows == 1:
+            inserted += bool(store.insert(row[:end], cache))  # a fork of the cache itself
+            continue
         one = store.new_cache(batch_size=1)
         try:
             one.take_rows([RowSource(cache, row=r, start=pad)], length=end - pad)
-            inserted += bool(store.insert(row[pad:end], one))
-        finally:
+        except BaseException:
             one.close()
+            raise
+        inserted += bool(store.insert(row[pad:end], one, give=True))  # the store keeps it: no second fork
     return inserted

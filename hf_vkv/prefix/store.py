@@ -14,13 +14,14 @@ Entries are batch-1 caches: one prompt (or conversation) per entry, unpadded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import os
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,17 @@ class PrefixStore:
         pages; pass it as ``past_key_values`` with the whole ``input_ids``. On a miss the cache
         is new and empty.
         """
+        with self.borrow(input_ids) as (entry, m):
+            if entry is not None:
+                return entry.fork(m)
+        return self.new_cache()
+
+    @contextlib.contextmanager
+    def borrow(self, input_ids: Any) -> Iterator[tuple[VKVCache | None, int]]:
+        """``(the entry holding the longest stored prefix of input_ids, its length m)`` — or
+        ``(None, 0)`` on a miss — for reading the entry's first ``m`` tokens (e.g. with
+        :meth:`VKVCache.take_rows`) while the store is locked: no fork is made, and no thread can
+        evict the entry meanwhile. Counted as a :meth:`lookup`. Never write into the entry."""
         tokens = token_list(input_ids, name="input_ids")
         with self._lock:
             self._lookups += 1
@@ -190,12 +202,12 @@ class PrefixStore:
                 entry = self._entries[key]
                 m = min(shared, cap)
                 if m >= max(entry.min_reuse, 1):
-                    fork = entry.cache.fork(m)
                     self._entries.move_to_end(key)
                     self._hits += 1
                     self._reused += m
-                    return fork
-        return self.new_cache()
+                    yield entry.cache, m
+                    return
+            yield None, 0
 
     def longest_prefix(self, input_ids: Any) -> int:
         """Tokens of ``input_ids`` :meth:`lookup` would serve now (counting nothing)."""
@@ -208,12 +220,13 @@ class PrefixStore:
                     return m
         return 0
 
-    def insert(self, token_ids: Any, cache: VKVCache) -> bool:
+    def insert(self, token_ids: Any, cache: VKVCache, *, give: bool = False) -> bool:
         """Keep a fork of ``cache``'s first ``len(token_ids)`` tokens, whose ids are ``token_ids``.
 
         After ``generate()``, the returned cache holds ``sequences[:, :cache.get_seq_length()]``
         (the last sampled token was never fed back). ``cache`` must be batch 1 and may be used on;
-        the store's fork does not change when it is.
+        the store's fork does not change when it is. ``give=True``: the store keeps ``cache``
+        itself (no fork; it must hold exactly these tokens) and the caller must not use it again.
 
         Returns whether the entry is held afterwards (``False``: it alone is over the budget).
         An identical or longer entry that already serves these tokens is kept instead (and
@@ -228,17 +241,22 @@ class PrefixStore:
         """
         tokens = tuple(token_list(token_ids))
         with self._lock:
-            return self._insert(tokens, cache)
+            return self._insert(tokens, cache, give)
 
-    def _insert(self, tokens: tuple[int, ...], cache: VKVCache) -> bool:
+    def _insert(self, tokens: tuple[int, ...], cache: VKVCache, give: bool) -> bool:
         self._check_cache(cache, len(tokens))
+        if give and cache.get_seq_length() != len(tokens):
+            raise ValueError(f"insert(give=True) keeps the cache itself: it must hold exactly the {len(tokens)} tokens, "
+                             f"not {cache.get_seq_length()}")
         for shared, key in self._tree.common_prefixes(tokens):
             if shared < len(tokens):
                 break  # longest matches come first: no further entry holds all of tokens
             if self._entries[key].min_reuse <= len(tokens):
                 self._entries.move_to_end(key)  # a stored entry already serves these tokens
+                if give:
+                    cache.close()
                 return True
-        fork = cache.fork(len(tokens))
+        fork = cache if give else cache.fork(len(tokens))
         entry = _Entry(id=next(self._ids), tokens=tokens, cache=fork, min_reuse=fork.min_prefix_length(),
                        pages=fork.held_pages())
         for shared, key in self._tree.common_prefixes(tokens):
