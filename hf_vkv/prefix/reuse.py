@@ -3,7 +3,7 @@
 With a :class:`~hf_vkv.PrefixStore` in ``cache_config``, every ``generate(cache_implementation=
 "vkv")`` call (and so every ``pipeline("text-generation")`` call, chat messages included):
 
-1. builds its cache in the store's memory (:attr:`PrefixStore.memory`, the store's layout), so
+1. builds its cache in the store's memory (:meth:`PrefixStore.memory`, the store's layout), so
    rows can share the entries' pages (:func:`memory_for`, called when generate makes its cache);
 2. at the prefill (:func:`prefill`, the wrapper of ``GenerationMixin._prefill``): when two or
    more different prompts share a leading run of tokens the store does not hold yet (a document
@@ -130,7 +130,7 @@ def memory_for(model: Any, store: PrefixStore, cache_config: dict[str, Any]) -> 
         return None
     if cache_config.get("layout") is None:
         cache_config["layout"] = store.cache_config.get("layout") or "contiguous"
-    return store.memory
+    return store.memory(model.device)
 
 
 def attach(cache: Any, store: PrefixStore, model: Any, generation_config: Any) -> None:
