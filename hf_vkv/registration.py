@@ -157,7 +157,8 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
                                        prompt_tokens=_prompt_tokens(generation_config, max_cache_length),
                                        memory_of=memory)
     if store is not None:
-        reuse.attach(cache, store, model, generation_config)
+        reuse.attach(cache, store, model, num_beams=generation_config.num_beams,
+                     eos_token_id=generation_config.eos_token_id)
     if model.config.is_encoder_decoder:
         cache = VKVEncoderDecoderCache(cache, DynamicCache(config=model.config.get_text_config(decoder=True)))
     model_kwargs[cache_kwarg()] = cache

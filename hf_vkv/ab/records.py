@@ -119,6 +119,7 @@ class ABReport:
     generated_dynamic: tuple[tuple[int, ...], ...]  # returned sequences, prompt removed
     generated_vkv: tuple[tuple[int, ...], ...]
     environment: dict[str, str] = field(default_factory=dict)  # versions and device
+    prefix_reuse: dict[str, Any] | None = None  # the vkv run started from a prefix store: what it reused
 
     @property
     def identical(self) -> bool:
@@ -134,7 +135,10 @@ class ABReport:
     def passed(self) -> bool:
         """The oracle's verdict for this attention path: :attr:`identical`; for ``"cascade"``
         (float sums reordered on purpose) identical tokens and, in float32, logits within
-        :data:`CASCADE_FP32_LOGIT_BOUND`."""
+        :data:`CASCADE_FP32_LOGIT_BOUND`; with a prefix store (``prefix_reuse``: only the new
+        tokens prefilled over stored K/V, a different sum) identical tokens, max |Δlogit| reported."""
+        if self.prefix_reuse is not None:
+            return self.tokens_identical
         if self.layout != "cascade":
             return self.identical
         bounded = self.environment.get("dtype") != "float32" or self.max_abs_logit_diff <= CASCADE_FP32_LOGIT_BOUND

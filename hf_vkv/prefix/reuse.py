@@ -51,8 +51,8 @@ from ..cache.options import PREFIX_STORE_KEY
 from .fingerprint import config_fingerprint
 from .store import PrefixStore
 
-__all__ = ["MIN_COMMON_PREFIX", "ReuseReport", "attach", "generate", "last_report", "memory_for", "prefill",
-           "split_prefix_store"]
+__all__ = ["MIN_COMMON_PREFIX", "ReuseReport", "attach", "generate", "insert_finished", "last_report", "memory_for",
+           "prefill", "split_prefix_store"]
 
 #: Fewest tokens a prefix shared by a batch's prompts must have to be prefilled once on its own
 #: first (below it the extra forward costs more than the rows it spares).
@@ -133,12 +133,13 @@ def memory_for(model: Any, store: PrefixStore, cache_config: dict[str, Any]) -> 
     return store.memory(model.device)
 
 
-def attach(cache: Any, store: PrefixStore, model: Any, generation_config: Any) -> None:
-    """Make ``generate``'s ``cache`` (a VKVCache) reuse ``store``'s prefixes at its prefill and
-    fill the store after the call."""
+def attach(cache: Any, store: PrefixStore, model: Any, *, num_beams: int, eos_token_id: Any) -> ReuseReport:
+    """Make ``cache`` (a VKVCache made with :func:`memory_for`'s memory) reuse ``store``'s
+    prefixes at ``generate``'s prefill; inside a ``generate`` call the finished rows go into the
+    store afterwards, otherwise :func:`insert_finished` does it. Returns the call's report."""
     report = ReuseReport(refusal=_model_refusal(model, store))
-    call = _Call(store=store, cache=cache, num_beams=generation_config.num_beams or 1, report=report)
-    eos = generation_config.eos_token_id
+    call = _Call(store=store, cache=cache, num_beams=num_beams or 1, report=report)
+    eos = eos_token_id
     call.eos = frozenset([eos] if isinstance(eos, int) else [int(e) for e in (eos if eos is not None else [])])
     with _calls_lock:
         _calls[cache] = call
@@ -146,6 +147,7 @@ def attach(cache: Any, store: PrefixStore, model: Any, generation_config: Any) -
     if frame is not None:
         frame.append(call)
     _last.report = report
+    return report
 
 
 def _call_of(model_kwargs: dict) -> _Call | None:
@@ -301,16 +303,28 @@ def generate(original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(model, *args, **kwargs)
     finally:
         _frame.reset(token)
+    sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
     for call in frame:
-        try:
-            if call.report.refusal is None and call.input_ids is not None:
-                sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-                if isinstance(sequences, torch.Tensor):
-                    call.report.inserted = _insert_rows(call, sequences)
-        finally:
-            with _calls_lock:
-                _calls.pop(call.cache, None)
+        _finish(call, sequences)
     return out
+
+
+def insert_finished(cache: VKVCache, sequences: torch.Tensor) -> int:
+    """After a ``generate`` whose ``cache`` was :func:`attach`-ed outside a ``generate`` call (the
+    A/B harness builds its caches first): insert its finished rows; return how many."""
+    with _calls_lock:
+        call = _calls.get(cache)
+    return 0 if call is None else _finish(call, sequences)
+
+
+def _finish(call: _Call, sequences: Any) -> int:
+    try:
+        if call.report.refusal is None and call.input_ids is not None and isinstance(sequences, torch.Tensor):
+            call.report.inserted = _insert_rows(call, sequences)
+        return call.report.inserted
+    finally:
+        with _calls_lock:
+            _calls.pop(call.cache, None)
 
 
 def _insert_rows(call: _Call, sequences: torch.Tensor) -> int:
