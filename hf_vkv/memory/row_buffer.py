@@ -85,11 +85,12 @@ class RowBuffer(ABC):
         self.capacity = capacity
         self.item_bytes = item_bytes
         self.pages_per_row = -(-capacity * item_bytes // page)
-        self._table = PageTable(store.pool, rows=rows * parts, pages_per_row=self.pages_per_row, page_size=page,
-                                hinted=hinted)
         # row -> its table rows, built once: a decode step expands rows without a call per row
         self._parts: list[tuple[int, ...]] = [tuple(self._part_rows(r)) for r in range(rows)]
-        store.buffer_opened(self._table)  # a subclass whose own set-up fails calls store.buffer_closed()
+        with store.lock:  # a new table adds a segment of ids to the pool another thread may be using
+            self._table = PageTable(store.pool, rows=rows * parts, pages_per_row=self.pages_per_row, page_size=page,
+                                    hinted=hinted)
+            store.buffer_opened(self._table)  # a subclass whose own set-up fails calls store.buffer_closed()
         self._created: list[PageId] = []
         self._closed = False
         self._finalizer: Callable[[], object]
@@ -182,7 +183,8 @@ class RowBuffer(ABC):
         (the translation follows the table by construction; the state-machine tests check it
         through the memory)."""
         self._open()
-        check_pages(self.store.pool, self.store.tables())
+        with self.store.lock:  # other threads' buffers of the store change under it
+            check_pages(self.store.pool, self.store.tables())
 
     # ----------------------------------------------------------------------------- operations
     def grow(self, rows: Iterable[int], length: int) -> None:

@@ -267,3 +267,72 @@ def test_pipeline_with_chat_messages() -> None:
     second = pipe(messages, cache_implementation="vkv", cache_config={"prefix_store": store}, **common)
     assert last_report().reused_tokens >= 40
     assert second[0]["generated_text"] == pipe(messages, **common)[0]["generated_text"]
+
+
+TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w7 {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import copy
+
+    path = tmp_path_factory.mktemp("tiny-llama-chat")
+    tiny("llama").save_pretrained(path)
+    tok = copy.deepcopy(tokenizer())
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
+    from hf_vkv import cli
+
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as e:
+        code = int(e.code)
+    return code, capsys.readouterr().out
+
+
+def test_cli_chat_prints_each_turns_reuse_beside_dynamic(chat_model_dir: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    system = tmp_path / "system.txt"
+    system.write_text(" ".join(f"w{i}" for i in range(10, 70)))
+    code, out = _main(capsys, "chat", "--model", chat_model_dir, "--system-file", system, "--message", "w5 w6",
+                      "--message", "w8 w9 w11", "--max-new-tokens", "4", "--threads", "1", "--json",
+                      tmp_path / "chat.json")
+    assert code == 0, out
+    assert "turn 1:" in out and "turn 2:" in out and "same tokens: yes" in out and "DynamicCache re-prefill" in out
+    import json
+
+    turns = json.loads((tmp_path / "chat.json").read_text())["turns"]
+    assert turns[0]["reused_tokens"] == 0 and turns[1]["reused_tokens"] >= 60
+    assert turns[1]["computed_tokens"] < 12 and all(t["same_tokens"] for t in turns)
+
+
+def test_cli_ab_reuse_reports_tokens_and_logit_differences(chat_model_dir: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    prompt = " ".join(f"w{i}" for i in range(20, 60))
+    code, out = _main(capsys, "ab", "--model", chat_model_dir, "--prompt", prompt, "--reuse", "2",
+                      "--max-new-tokens", "4", "--quiet", "--threads", "1", "--json", tmp_path / "ab.json")
+    assert code == 0, out
+    assert "turn 2:" in out and "tokens identical: True" in out
+    turns = json.loads((tmp_path / "ab.json").read_text())["turns"]
+    assert turns[0]["prefix_reuse"]["reused_tokens"] == 0 and turns[1]["prefix_reuse"]["reused_tokens"] >= 40
+    assert all(t["tokens_identical"] for t in turns)
+    jsonschema = pytest.importorskip("jsonschema", reason="the test extra installs jsonschema")
+    from hf_vkv.ab.schema import AB_REPORT_SCHEMA
+
+    for turn in turns:
+        jsonschema.validate(turn, AB_REPORT_SCHEMA)
+
+
+def test_run_ab_with_a_store_refuses_the_tee() -> None:
+    from hf_vkv.ab import run_ab
+
+    model = tiny("llama")
+    ids, mask = _batch([list(range(3, 30))])
+    with pytest.raises(ValueError, match="tee=False"):
+        run_ab(model, {"input_ids": ids, "attention_mask": mask}, max_new_tokens=2, prefix_store=PrefixStore(model.config))
