@@ -114,7 +114,9 @@ def chat(model: Any, tok: Any, args: argparse.Namespace) -> dict[str, Any]:
             start = time.perf_counter()
             continued = copy.deepcopy(previous_cache)
             row["deepcopy_s"] = time.perf_counter() - start
-            continued.crop(min(shared, continued.get_seq_length(), len(prompt) - 1))
+            keep = min(shared, continued.get_seq_length(), len(prompt) - 1)
+            if keep < continued.get_seq_length():
+                continued.crop(keep - continued.get_seq_length())  # a negative count: tokens to remove
             row["ttft_s"]["dynamic_continued"] = ttft(model, ids, mask, max_new_tokens=1,
                                                       **{cache_kwarg(): continued})[0]
             del continued
