@@ -7,6 +7,8 @@
 * ``hf-vkv bench``: the benchmark grid (quick by default, ``--full`` for the whole one), as a table
   and JSON.
 * ``hf-vkv doctor``: what this machine gives the cache (:mod:`hf_vkv.doctor`), each line OK or a fix.
+* ``hf-vkv chat``: a chat through a prefix store (:mod:`hf_vkv.ab.chat`): each turn's reused tokens
+  and time to first token beside DynamicCache's re-prefill of the whole conversation.
 
 Output: results on stdout; progress on stderr, as bars on a terminal and one plain line per run
 otherwise (:mod:`hf_vkv.ab.progress`); ``--quiet`` leaves only the results; ``--json`` writes
@@ -230,6 +232,8 @@ def ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_model(args.model, parser)
     _threads(args.threads)
     model, tok = _load(args.model, quiet=args.quiet)
+    if args.reuse:
+        return _ab_reuse(args, parser, model, tok, texts, kwargs)
     inputs = _encode(tok, texts, chat=not args.raw)
     report = run_ab(model, inputs, max_new_tokens=args.max_new_tokens, layout=args.layout, tee=not args.no_tee,
                     seed=args.seed, progress=not args.quiet, pad_token_id=_pad_id(tok), **kwargs)
@@ -247,6 +251,83 @@ def ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot is not None:
         print(f"wrote {plot_report(report, args.plot)}", file=sys.stderr if to_stdout else sys.stdout)
     return exit_code([report])
+
+
+#: The user messages of ``hf-vkv chat`` when none are given (the system prompt is the demo's handbook).
+CHAT_MESSAGES = (
+    "How many volunteer hours does a member owe each month?",
+    "And what happens when a member misses them?",
+    "Who may shop on Saturdays, and at what price?",
+    "Summarize your answers in one sentence.",
+)
+
+
+def chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """A chat through one prefix store; exit status 1 when an answer differs from DynamicCache's."""
+    from .ab.chat import chat_turns, format_turn
+    from .ab.demo_text import DOCUMENT
+    from .prefix import PrefixStore
+
+    _check_model(args.model, parser)
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be >= 1")
+    _threads(args.threads)
+    model, tok = _load(args.model, quiet=True)
+    system = Path(args.system_file).read_text() if args.system_file else DOCUMENT
+    store = PrefixStore(model.config, budget_bytes=args.budget_mib << 20)
+    if args.interactive:
+        messages = (line.strip() for line in sys.stdin if line.strip())
+    else:
+        messages = args.message or list(CHAT_MESSAGES)
+    turns = []
+    for turn in chat_turns(model, tok, messages, store=store, system=system, max_new_tokens=args.max_new_tokens,
+                           compare=not args.no_compare):
+        print(format_turn(turn), flush=True)
+        turns.append(dataclasses.asdict(turn))
+    stats = store.stats()
+    print(f"store: {stats.entries} entries, {stats.bytes_held / 2**20:.1f} MiB held, {stats.hits} hits, "
+          f"{stats.tokens_reused:,} tokens reused; prompt tokens computed {stats.prompt_tokens_computed:,} of "
+          f"{stats.prompt_tokens:,}")
+    if args.json is not None:
+        _write_json(args.json, {"schema": "hf_vkv.chat/1", "turns": turns, "store": dataclasses.asdict(stats)})
+    return 0 if all(t["same_tokens"] is not False for t in turns) else 1
+
+
+def _ab_reuse(args: argparse.Namespace, parser: argparse.ArgumentParser, model: Any, tok: Any, texts: list[str],
+              kwargs: dict[str, Any]) -> int:
+    """``hf-vkv ab --reuse N``: an N-turn chat, each turn an A/B run whose vkv side reuses one
+    prefix store (DynamicCache prefills every turn whole); tokens compared, max |Δlogit| reported."""
+    from .ab import format_report, run_ab
+    from .prefix import PrefixStore
+
+    if len(texts) != 1:
+        parser.error("--reuse runs a chat on one prompt: give one --prompt")
+    store = PrefixStore(model.config)
+    history = [{"role": "user", "content": texts[0]}]
+    reports = []
+    for turn in range(args.reuse):
+        if args.raw or not getattr(tok, "chat_template", None):
+            inputs = dict(tok([history[0]["content"]], return_tensors="pt"))
+        else:
+            inputs = dict(tok([tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)],
+                              return_tensors="pt"))
+        report = run_ab(model, inputs, max_new_tokens=args.max_new_tokens, layout=args.layout, tee=False,
+                        seed=args.seed, progress=not args.quiet, pad_token_id=_pad_id(tok), prefix_store=store,
+                        **kwargs)
+        reports.append(report)
+        reused = report.prefix_reuse or {}
+        print(f"turn {turn + 1}: {report.prompt_tokens} prompt tokens, {reused.get('reused_tokens', 0)} reused, "
+              f"{reused.get('computed_tokens', 0)} computed; tokens identical: {report.tokens_identical}; "
+              f"max |Δlogit| {report.max_abs_logit_diff:.3g}")
+        answer = tok.decode(list(report.generated_vkv[0]), skip_special_tokens=True).strip()
+        if args.raw or not getattr(tok, "chat_template", None):
+            history = [{"role": "user", "content": f"{history[0]['content']} {answer} Please go on."}]
+        else:
+            history += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Please go on."}]
+    print(format_report(reports[-1]))
+    if args.json is not None:
+        _write_json(args.json, {"schema": "hf_vkv.ab-reuse/1", "turns": [r.to_dict() for r in reports]})
+    return exit_code(reports)
 
 
 # ---------------------------------------------------------------------------------------- bench
@@ -328,12 +409,29 @@ def _parser() -> argparse.ArgumentParser:
                         "passes with identical tokens and float32 logits within 1e-4; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="torch seed before each of the two runs (default: %(default)s)")
     p.add_argument("--no-tee", action="store_true", help="compare tokens and logits only, not every layer's K/V")
+    p.add_argument("--reuse", type=int, default=0, metavar="TURNS",
+                   help="a chat of TURNS turns whose vkv runs reuse a prefix store (DynamicCache prefills each turn "
+                        "whole): tokens compared, max |Δlogit| reported (implies --no-tee)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON (hf_vkv.ab/1); "
                    "'-': JSON on stdout instead of the table")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="plot KV memory and step time")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=ab, command_parser=p)
+
+    p = sub.add_parser("chat", help="a chat through a prefix store on the embedded model: each turn's reused tokens "
+                                    "and time to first token beside DynamicCache's re-prefill")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="'default' or a local model folder (default: %(default)s)")
+    p.add_argument("--message", action="append", help="a user message (repeat for turns; default: four questions "
+                                                      "about the demo's handbook)")
+    p.add_argument("--interactive", action="store_true", help="read user messages from stdin, one per line")
+    p.add_argument("--system-file", default=None, help="the system prompt (default: the demo's ~1k-token handbook)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="per turn (default: %(default)s)")
+    p.add_argument("--budget-mib", type=int, default=1024, help="the store's budget (default: %(default)s MiB)")
+    p.add_argument("--no-compare", action="store_true", help="no DynamicCache re-prefill beside each turn")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the turns as JSON (hf_vkv.chat/1)")
+    p.set_defaults(func=chat, command_parser=p)
 
     p = sub.add_parser("bench", help="decode-step benchmark grid: DynamicCache, an ideal cache and each vkv layout "
                        "(and optionally generate() A/B runs), as a table and JSON")

@@ -16,8 +16,11 @@ device work; ``docs/notes/transformers.md`` §0, §2):
    The cache is read and written under :func:`cache_kwarg`, the name the running transformers
    uses (``"cache"`` from 5.24, ``"past_key_values"`` before); a user cache under either name
    together with ``cache_implementation="vkv"`` is refused as transformers refuses it;
-3. ``GenerationMixin._prefill`` is wrapped: with a :class:`VKVCache` whose rows repeat prompts it
-   runs the prompt's forward once per prompt (:mod:`hf_vkv.prefill_once`).
+3. ``GenerationMixin._prefill`` is wrapped: with a prefix store in ``cache_config`` rows start
+   from their stored prefixes (:mod:`hf_vkv.prefix.reuse`); with a :class:`VKVCache` whose rows
+   repeat prompts it runs the prompt's forward once per prompt (:mod:`hf_vkv.prefill_once`);
+4. ``GenerationMixin.generate`` is wrapped: after a call with a prefix store, its finished rows go
+   into the store (:func:`hf_vkv.prefix.reuse.generate`; without a store it only returns).
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ from transformers.generation.utils import GenerationMixin
 from .attention import register_attention
 from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
-from .cache.options import config_dict, from_transformers_keys
+from .cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys
 from .cache.export import register_pytree
-from .prefill_once import prefill
+from .prefix import reuse
 
 __all__ = ["register", "cache_kwarg", "CACHE_IMPLEMENTATION"]
 
@@ -66,7 +69,8 @@ def register() -> None:
         )
     _wrap("prepare_inputs_for_generation", _prepare_inputs)
     _wrap("_prepare_cache_for_generation", _prepare_cache)
-    _wrap("_prefill", prefill)
+    _wrap("_prefill", reuse.prefill)
+    _wrap("generate", reuse.generate)
 
 
 def _wrap(name: str, around: Any) -> None:
@@ -111,6 +115,9 @@ def _prompt_tokens(generation_config: Any, max_cache_length: int) -> int | None:
 def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwargs: dict, generation_mode: Any,
                    batch_size: int, max_cache_length: int, *args: Any, **kwargs: Any) -> Any:
     if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
+        if isinstance(generation_config.cache_config, dict) and generation_config.cache_config.get(PREFIX_STORE_KEY) is not None:
+            raise ValueError(f"cache_config={{{PREFIX_STORE_KEY!r}: ...}} needs cache_implementation='vkv' (got "
+                             f"{generation_config.cache_implementation!r}): add cache_implementation='vkv'")
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
     given = [name for name in _CACHE_NAMES if model_kwargs.get(name) is not None]
@@ -138,6 +145,8 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
                         *args, **kwargs)
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     cache_config = from_transformers_keys(config_dict(generation_config.cache_config))  # a string: TypeError; max_cache_len: max_tokens
+    store, cache_config = reuse.split_prefix_store(cache_config)
+    memory = None if store is None else reuse.memory_for(model, store, cache_config)
     if generation_config.compile_config is not None and cache_config.get("layout") is None:
         cache_config["layout"] = "static"  # compiling: the layout StaticLayer's contract holds for
     if cache_config.get("layout") == "static" and cache_config.get("max_tokens") is None:
@@ -145,7 +154,11 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         cache_config["max_tokens"] = max_cache_length
     cache: Any = VKVCache.for_generate(model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1,
                                        cache_config=cache_config, num_beams=generation_config.num_beams or 1,
-                                       prompt_tokens=_prompt_tokens(generation_config, max_cache_length))
+                                       prompt_tokens=_prompt_tokens(generation_config, max_cache_length),
+                                       memory_of=memory)
+    if store is not None:
+        reuse.attach(cache, store, model, num_beams=generation_config.num_beams,
+                     eos_token_id=generation_config.eos_token_id)
     if model.config.is_encoder_decoder:
         cache = VKVEncoderDecoderCache(cache, DynamicCache(config=model.config.get_text_config(decoder=True)))
     model_kwargs[cache_kwarg()] = cache

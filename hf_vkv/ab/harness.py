@@ -19,7 +19,7 @@ import gc
 import platform
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
 import torch
@@ -27,6 +27,8 @@ from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..cache import CacheOptions, VKVCache
+from ..prefix import PrefixStore, reuse
+from ..prefix.reuse import ReuseReport
 from ..registration import cache_kwarg
 from .progress import progress_bar
 from .probes import StepProbe, UpdateTee, kv_bytes
@@ -79,6 +81,7 @@ def run_ab(
     cache_config: Mapping[str, Any] | None = None,
     vkv_cache_factory: VKVCacheFactory | None = None,
     progress: bool = False,
+    prefix_store: PrefixStore | None = None,
     **generate_kwargs: Any,
 ) -> ABReport:
     """Run ``model.generate(**inputs, **generate_kwargs)`` with DynamicCache, then with vkv; compare.
@@ -101,6 +104,10 @@ def run_ab(
             the vkv run (tests use it to inject faults); default :class:`VKVCache`.
         progress: show each run's progress on stderr: a bar on a terminal, one line per run
             otherwise (see :func:`~hf_vkv.ab.progress.progress_bar`).
+        prefix_store: the vkv run reuses this store's prefixes, as ``generate(cache_config=
+            {"prefix_store": store})`` does, and inserts its finished rows afterwards; DynamicCache
+            prefills the whole prompt. The verdict is then the tokens, with each step's max
+            |Δlogit| (:attr:`ABReport.passed`); ``tee`` must be False (the prefills differ by design).
         **generate_kwargs: the generation mode: ``do_sample``, ``num_beams``,
             ``num_return_sequences``, ``temperature``, ... (not the ones this function sets:
             caches, logits processors, output options).
@@ -116,6 +123,12 @@ def run_ab(
     _check_arguments(model, inputs, max_new_tokens=max_new_tokens, layout=layout, tee=tee, seed=seed,
                      generate_kwargs=generate_kwargs)
     CacheOptions.from_dict(dict(cache_config or {}))  # bad options fail before either run
+    if prefix_store is not None:
+        if not isinstance(prefix_store, PrefixStore):
+            raise TypeError(f"prefix_store must be a hf_vkv.PrefixStore, got {type(prefix_store).__name__}")
+        if tee:
+            raise ValueError("tee=True compares every layer's K/V at every step, but with a prefix store the vkv prefill "
+                             "computes only the tokens not stored: pass tee=False (tokens and logits are compared)")
     config = model.generation_config
     num_beams = int(generate_kwargs.get("num_beams", config.num_beams) or 1)
     num_return = int(generate_kwargs.get("num_return_sequences", config.num_return_sequences) or 1)
@@ -128,9 +141,18 @@ def run_ab(
     def dynamic_cache() -> Cache:
         return DynamicCache(config=model.config)
 
+    made: list[tuple[VKVCache, ReuseReport]] = []
+
     def vkv_cache() -> Cache:  # as generate(cache_implementation="vkv") builds it
-        return factory.for_generate(model, batch_size=batch, expand=expand, max_length=prompt_len + max_new_tokens + 1,
-                                    cache_config=cache_config, num_beams=num_beams, prompt_tokens=prompt_len)
+        options = dict(cache_config or {})
+        memory = None if prefix_store is None else reuse.memory_for(model, prefix_store, options)
+        cache = factory.for_generate(model, batch_size=batch, expand=expand, max_length=prompt_len + max_new_tokens + 1,
+                                     cache_config=options, num_beams=num_beams, prompt_tokens=prompt_len,
+                                     memory_of=memory)
+        if prefix_store is not None:
+            eos = generate_kwargs.get("eos_token_id", config.eos_token_id)
+            made.append((cache, reuse.attach(cache, prefix_store, model, num_beams=num_beams, eos_token_id=eos)))
+        return cache
 
     common = dict(inputs, max_new_tokens=max_new_tokens, **generate_kwargs)
     ref = _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",
@@ -146,6 +168,12 @@ def run_ab(
     finally:
         if attention is not None:
             model.set_attn_implementation(previous)
+    reused = None
+    if made:
+        cache, reuse_report = made.pop()
+        reuse.insert_finished(cache, got.sequences)
+        reused = asdict(reuse_report)
+        del cache
     gc.collect()
 
     steps, first = _compare(ref, got, tee=tee)
@@ -159,7 +187,7 @@ def run_ab(
         rows=rows, tokens_identical=_same_tensor(ref.sequences, got.sequences), first_divergence=first,
         dynamic=_summary("dynamic", ref), vkv=_summary("vkv", got), steps=steps,
         generated_dynamic=_generated(ref.sequences, prompt_len), generated_vkv=_generated(got.sequences, prompt_len),
-        environment=describe_environment(model),
+        environment=describe_environment(model), prefix_reuse=reused,
     )
 
 

@@ -126,6 +126,7 @@ class ABReport:
     generated_dynamic: tuple[tuple[int, ...], ...]  # returned sequences, prompt removed
     generated_vkv: tuple[tuple[int, ...], ...]
     environment: dict[str, str] = field(default_factory=dict)  # versions and device
+    prefix_reuse: dict[str, Any] | None = None  # the vkv run started from a prefix store: what it reused
 
     @property
     def identical(self) -> bool:
@@ -155,7 +156,11 @@ class ABReport:
     def passed(self) -> bool:
         """The oracle's verdict for this attention path: :attr:`identical`; for ``"cascade"``
         (float sums reordered on purpose) identical tokens and logits within the dtype's bound
-        (:attr:`within_bound`): a run over its bound does not pass."""
+        (:attr:`within_bound`): a run over its bound does not pass; with a prefix store
+        (``prefix_reuse``: only the new tokens prefilled over stored K/V, a different sum) identical
+        tokens, max |Δlogit| reported."""
+        if self.prefix_reuse is not None:
+            return self.tokens_identical
         if self.layout != "cascade":
             return self.identical
         return self.tokens_identical and self.within_bound

@@ -16,6 +16,9 @@ Top level:
 ``dynamic``, ``vkv``   per run: steps, wall_s, prefill_s, decode_step_s, kv_peak_bytes,
                        kv_final_bytes
 ``generated_*``        the returned sequences' new tokens, one list per sequence
+``prefix_reuse``       ``null``, or what prefix reuse did in the vkv run (a prefix store given:
+                       reused_tokens, computed_tokens, start_column, ...; the verdict is then the
+                       tokens, with max |Δlogit| in ``steps``)
 other fields           model, layout, mode, tee, seed, generate_kwargs, prompt_tokens, batch,
                        rows, environment (versions, device)
 =====================  ==========================================================================
@@ -104,5 +107,7 @@ AB_REPORT_SCHEMA: dict[str, Any] = {
         "generated_dynamic": _SEQUENCES,
         "generated_vkv": _SEQUENCES,
         "environment": {"type": "object", "additionalProperties": {"type": "string"}},
+        "prefix_reuse": {"oneOf": [{"type": "null"}, {"type": "object", "additionalProperties": {
+            "type": ["integer", "number", "string", "null"]}}]},
     }),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import weakref
+from dataclasses import dataclass
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,7 +30,18 @@ from .sources import ArenaSource, LayoutMaker
 from .workload import layout_for_generate
 from .stats import CacheStats, GroupStats
 
-__all__ = ["VKVCache"]
+__all__ = ["RowSource", "VKVCache"]
+
+
+@dataclass(frozen=True, slots=True)
+class RowSource:
+    """Where :meth:`VKVCache.take_rows` takes a row from: tokens ``start ..`` of row ``row`` of
+    ``cache``, placed after ``offset`` tokens of padding."""
+
+    cache: VKVCache | None  # None: the row is all padding (offset >= the length taken)
+    row: int = 0
+    start: int = 0
+    offset: int = 0
 
 #: Layer kinds whose KV vkv stores, and whether they slide (chunked attention keeps, as far as the
 #: cache is concerned, a window of ``attention_chunk_size`` tokens, as DynamicCache does).
@@ -84,6 +96,8 @@ class VKVCache(Cache):
             ``max(num_beams, num_return_sequences)`` times); with ``share_prompts`` the prompt's
             pages are stored once for them.
         layer_devices: each layer's device when accelerate spread the model over several.
+        memory_of: take physical memory from this cache's arenas (their page size and budget), so
+            rows of the two can share pages (:meth:`take_rows`); a prefix store passes its own.
         **options: the fields of :class:`CacheOptions` (what ``cache_config`` holds).
     """
 
@@ -94,6 +108,7 @@ class VKVCache(Cache):
         batch_size: int | None = None,
         prompt_repeats: int = 1,
         layer_devices: Mapping[int, torch.device] | None = None,
+        memory_of: VKVCache | None = None,
         **options: Any,
     ) -> None:
         if config is None or not hasattr(config, "get_text_config"):
@@ -111,7 +126,11 @@ class VKVCache(Cache):
         self._cascade = "not asked"
         self._layout_name = _resolve_layout(self.options, getattr(text_config, "_attn_implementation", None))
         capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
-        self._arena_for = ArenaSource(page_bytes=self.options.page_bytes, budget_bytes=self.options.budget_bytes)
+        if memory_of is not None and not isinstance(memory_of, VKVCache):
+            raise TypeError(f"memory_of must be a VKVCache, got {type(memory_of).__name__}")
+        # memory_of: draw pages from that cache's arenas, so rows can share pages with it (a prefix store)
+        self._arena_for = memory_of._arena_for if memory_of is not None else \
+            ArenaSource(page_bytes=self.options.page_bytes, budget_bytes=self.options.budget_bytes)
         self._arenas = self._arena_for.arenas
 
         types, kwargs = _layer_types(text_config)
@@ -167,7 +186,7 @@ class VKVCache(Cache):
     @classmethod
     def for_generate(cls, model: Any, *, batch_size: int, expand: int, max_length: int,
                      cache_config: Mapping[str, Any] | None, num_beams: int = 1,
-                     prompt_tokens: int | None = None) -> VKVCache:
+                     prompt_tokens: int | None = None, memory_of: VKVCache | None = None) -> VKVCache:
         """The cache ``generate(..., cache_implementation="vkv")`` builds (and the A/B harness).
 
         Rows: ``batch_size * expand`` (``expand = max(num_beams, num_return_sequences)``, the
@@ -187,7 +206,7 @@ class VKVCache(Cache):
             context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
             options["max_tokens"] = max(max_length, context)
         return cls.from_cache_config(model.config, options, batch_size=batch_size * expand, prompt_repeats=expand,
-                                     layer_devices=layer_devices_of(model))
+                                     layer_devices=layer_devices_of(model), memory_of=memory_of)
 
     @classmethod
     def from_cache_config(cls, config: PretrainedConfig, cache_config: Mapping[str, Any] | None,
@@ -277,16 +296,17 @@ class VKVCache(Cache):
         if self.options.prefill_once is None and not policy_for(device).prefill_once:
             return (f"not measured exact on {device.type} yet: cache_config={{'prefill_once': True}} turns it on "
                     f"(a row of a batch-B forward may round differently from the same row in a batch-N one there)")
-        if self.get_seq_length():
-            return "the cache already holds tokens"
+        if self.get_seq_length() and not self._rows_repeat_prompts():
+            return "the cache already holds tokens, not the same ones in every row of a prompt"
         fixed = [type(layer).__name__ for layer in self._other_layers() if not hasattr(layer, "batch_repeat_interleave")]
         if fixed:
             return f"transformers' {fixed[0]} layers this cache keeps cannot repeat rows"
         return None
 
     def record_full_prefill(self, reason: str, *, rows: int, tokens: int) -> None:
-        """``generate`` ran a prefill of ``rows`` rows x ``tokens`` tokens on every row, because of ``reason``."""
-        self._prompt_tokens[0] += rows * tokens
+        """``generate`` ran a prefill of ``rows`` rows x ``tokens`` tokens on every row, because of ``reason``
+        (``tokens``: the whole prompt; tokens the cache holds already, from stored prefixes, are not computed)."""
+        self._prompt_tokens[0] += rows * (tokens - self.get_seq_length())
         self._prefill_once = reason
 
     def note_prefill_once(self, detail: str) -> None:
@@ -304,6 +324,10 @@ class VKVCache(Cache):
         shared and nothing copied. Counts ``prompts x tokens`` computed
         and ``prompts x (k - 1) x tokens`` saved in :meth:`stats`."""
         k = self.prompt_repeats
+        past = self.get_seq_length()
+        if past:  # rows started from stored prefixes (take_rows), k per prompt on the same pages: keep one
+            self.batch_select_indices(range(0, self.rows, k))
+        tokens -= past
         saved = [g.prompt_repeats for g in self._groups]
         for group in self._groups:
             group.prompt_repeats = 1
@@ -318,6 +342,59 @@ class VKVCache(Cache):
         self._prompt_tokens[0] += prompts * tokens
         self._prompt_tokens[1] += prompts * (k - 1) * tokens
         self._prefill_once = "on"
+
+    def _rows_repeat_prompts(self) -> bool:
+        """Whether rows ``r*k .. r*k+k-1`` (``k`` = :attr:`prompt_repeats`) hold the same pages
+        (so equal tokens) in every group: rows :meth:`take_rows` started from stored prefixes."""
+        k = self.prompt_repeats
+        if self._other_layers() or self.rows % k:
+            return False
+        for group in self._groups:
+            if group.buffer is None:
+                return False
+            for leader in range(0, self.rows, k):
+                length = group.buffer.length(leader)
+                if any(group.buffer.shared_items(leader, r) < length for r in range(leader + 1, leader + k)):
+                    return False
+        return True
+
+    # ----------------------------------------------------------------------------- stored prefixes
+    def take_rows(self, sources: Sequence[RowSource], *, length: int) -> int:
+        """Fill this empty cache with ``len(sources)`` rows of ``length`` tokens taken from other
+        caches: row ``i`` holds zeros at ``[0, sources[i].offset)`` (left padding; masked, never
+        attended) and then tokens ``[start, start + length - offset)`` of row ``sources[i].row``
+        of ``sources[i].cache``. Pages are shared (nothing copied) where the source draws from
+        this cache's memory (``memory_of``), has the same layout, and ``start == offset == 0``;
+        rows with the same source share each other's pages; any other row is copied (left
+        padding places a prefix at an unaligned offset). Returns the rows copied.
+
+        Full-attention caches only (a sliding window or a layer kept by transformers is a
+        ``ValueError``, as is a cache that holds tokens or a source shorter than asked)."""
+        if self.get_seq_length() or self.rows:
+            raise ValueError("take_rows fills an empty cache; this one holds rows")
+        if self._other_layers() or any(g.sliding_window is not None for g in self._groups) \
+                or self._layout_name == "static":
+            raise ValueError("take_rows fills caches of full-attention layers only (no sliding window, no layer kept "
+                             "by transformers, not the static layout)")
+        if not sources or length < 1:
+            raise ValueError(f"take_rows needs rows and length >= 1, got {len(sources)} rows of {length}")
+        for src in sources:
+            if src.offset < length:
+                if not isinstance(src.cache, VKVCache) or len(src.cache.groups) != len(self._groups):
+                    raise TypeError(f"a row source must be a VKVCache of the same model, got {type(src.cache).__name__}")
+                held = src.cache.get_seq_length()
+                if src.start < 0 or src.offset < 0 or src.start + length - src.offset > held \
+                        or not 0 <= src.row < src.cache.rows:
+                    raise ValueError(f"row source {src} asks for tokens its cache ({held} tokens, {src.cache.rows} "
+                                     f"rows) does not hold")
+        copied = 0
+        for g, group in enumerate(self._groups):
+            copied = group.take_rows([(None if s.offset >= length else s.cache._groups[g], s.row, s.start, s.offset)
+                                      for s in sources], length)
+        for layer in self.layers:
+            if isinstance(layer, VKVLayer):
+                layer.is_initialized = True
+        return copied
 
     # ----------------------------------------------------------------------------- static layout
     def _static_groups(self) -> list[tuple[LayerGroup, VKVStaticLayer]]:

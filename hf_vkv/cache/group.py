@@ -366,6 +366,81 @@ class LayerGroup:
             self.batch = 0
             self._changed()
 
+    def take_rows(self, sources: Sequence[tuple[LayerGroup | None, int, int, int]], length: int) -> int:
+        """Fill this empty full-attention group with ``len(sources)`` rows of ``length`` tokens.
+
+        ``sources[i] = (group, row, start, offset)``: row ``i`` holds zeros at tokens
+        ``[0, offset)`` (padding: finite, never attended) and then tokens ``[start, start +
+        length - offset)`` of row ``row`` of ``group`` (a group of the same geometry; ``None``
+        when ``offset >= length``). A source in the same page store and layout with ``start ==
+        offset == 0`` is shared (pages, no copy); a source equal to an earlier row's shares
+        that row's pages; any other is copied. Returns the rows copied."""
+        if self.sliding_window is not None:
+            raise ValueError(f"group {self.name!r} slides: take_rows fills full-attention groups only")
+        if any(self.lengths) or (self.buffer is not None and self.batch):
+            raise ValueError(f"group {self.name!r} holds tokens: take_rows fills an empty group")
+        donors = [src for src, *_ in sources if src is not None and src.geometry is not None]
+        if not donors:
+            raise ValueError("take_rows needs at least one source holding tokens")
+        geometry = donors[0].geometry
+        if any(src.geometry != geometry for src in donors) or (self.geometry not in (None, geometry)):
+            raise LayerMismatchError(f"the sources of group {self.name!r} hold states of another geometry")
+        if self.buffer is None:
+            self.geometry = geometry
+            self.layout = self._make_layout(geometry, len(self.members))
+            rows = max(self._rows_hint or 0, len(sources))
+            self.buffer = self.layout.make_buffer(self._arena_for(geometry.device, self.layout), rows=rows,
+                                                  capacity=self.capacity)
+        buffer, layout = self._buf(), self._lay()
+        if len(sources) > buffer.rows:
+            buffer = self._more_rows(len(sources))
+        first_of: dict[tuple[int, int, int, int], int] = {}
+        shared, copied, repeats = [], [], []
+        for i, (src, row, start, offset) in enumerate(sources):
+            key = (id(src), row, start, min(offset, length))
+            if key in first_of:
+                repeats.append((first_of[key], i))
+                continue
+            first_of[key] = i
+            same = (src is not None and src.buffer is not None and src.buffer.store is buffer.store
+                    and type(src.layout) is type(layout) and src.buffer.item_bytes == buffer.item_bytes)
+            (shared if same and start == 0 and offset == 0 else copied).append(i)
+        for i in shared:
+            src, row, _, _ = sources[i]
+            buffer.adopt(i, src._buf(), row, length=length)
+        if copied:
+            buffer.prepare_write(copied, 0, length)
+        for first, i in repeats:  # before the copies are written: a view covers only mapped rows
+            buffer.share(first, [i], length=length)
+        layout.invalidate()
+        for member in range(len(self.members)):
+            for i in copied:
+                self._copy_row(member, i, sources[i], length, len(sources))
+        self.batch = len(sources)
+        self.lengths = [length] * len(self.members)
+        self._changed()
+        return len(copied)
+
+    def _copy_row(self, member: int, i: int, source: tuple[LayerGroup | None, int, int, int], length: int,
+                  batch: int) -> None:
+        """Write row ``i``'s tokens of member ``member`` (see :meth:`take_rows`): zeros, then the source's."""
+        src, row, start, offset = source
+        layout, buffer = self._lay(), self._buf()
+        offset = min(offset, length)
+        g = self.geometry
+        if offset:
+            zk = torch.zeros(1, g.kv_heads, offset, g.key_dim, dtype=g.dtype, device=g.device)
+            zv = torch.zeros(1, g.kv_heads, offset, g.value_dim, dtype=g.dtype, device=g.device)
+            layout.write(buffer, batch=batch, member=member, start=0, key=zk.expand(batch, -1, -1, -1),
+                         value=zv.expand(batch, -1, -1, -1), rows=[i])
+        if offset < length:
+            assert src is not None
+            keys, values = src._lay().cached(src._buf(), batch=src.batch, member=member, start=start,
+                                             end=start + length - offset)
+            layout.write(buffer, batch=batch, member=member, start=offset,
+                         key=keys[row:row + 1].expand(batch, -1, -1, -1),
+                         value=values[row:row + 1].expand(batch, -1, -1, -1), rows=[i])
+
     def _more_rows(self, rows: int) -> RowBuffer:
         """Move to a buffer of ``rows`` rows sharing every page (a remap, no copy)."""
         old = self._buf()

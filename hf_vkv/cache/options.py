@@ -11,7 +11,11 @@ from typing import Any, Literal
 from ..memory.limits import MIN_PAGE_BYTES, check_page_bytes
 from .layouts import LAYOUTS
 
-__all__ = ["CacheOptions", "LAYOUT_NAMES", "TRANSFORMERS_KEYS", "config_dict", "from_transformers_keys"]
+__all__ = ["CacheOptions", "LAYOUT_NAMES", "PREFIX_STORE_KEY", "TRANSFORMERS_KEYS", "config_dict", "from_transformers_keys"]
+
+#: The ``cache_config`` key of ``generate(cache_implementation="vkv")`` that turns on prefix reuse:
+#: a :class:`~hf_vkv.PrefixStore` (see :mod:`hf_vkv.prefix.reuse`).
+PREFIX_STORE_KEY = "prefix_store"
 
 Groups = Literal["kind", "layer"]
 #: Names ``layout`` accepts: the layouts, ``"static"`` (the compileable layout over the device's
@@ -65,6 +69,10 @@ class CacheOptions:
       (except in the static layout, whose attention reads the whole capacity).
     * ``map_ahead``: static layout only: tokens mapped ahead of the next write, outside the
       compiled step (default 32).
+
+    ``cache_config`` of ``generate`` also takes ``"prefix_store"`` (:data:`PREFIX_STORE_KEY`): a
+    :class:`~hf_vkv.PrefixStore` whose prefixes every call reuses (:mod:`hf_vkv.prefix.reuse`); it
+    is generate's, not a cache option (a cache built by hand starts from ``store.lookup``).
     """
 
     layout: str | None = None
@@ -117,6 +125,10 @@ class CacheOptions:
         removed = sorted(set(config) & set(REMOVED_KEYS))
         if removed:
             raise ValueError(f"cache_config[{removed[0]!r}] is no longer an option: {REMOVED_KEYS[removed[0]]}")
+        if PREFIX_STORE_KEY in config:
+            raise ValueError(f"cache_config[{PREFIX_STORE_KEY!r}] is read by generate(cache_implementation='vkv', "
+                             f"cache_config={{{PREFIX_STORE_KEY!r}: store}}), not by VKVCache: a cache made by hand "
+                             f"starts from store.lookup(input_ids)")
         known = sorted(f.name for f in fields(cls))
         unknown = sorted(set(config) - set(known))
         if unknown:

@@ -14,6 +14,7 @@ number of table entries holding it (:func:`~hf_vkv.memory.invariants.check_pages
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
@@ -31,6 +32,7 @@ class PageStore(Protocol):
     pool: PagePool  # numbers, counts and budgets the pages
     closed: bool
     gathered_copies: bool  # copy() reads every source before it writes any destination
+    lock: threading.RLock  # held by every transaction on the store's tables and pool (threads sharing pages)
 
     @property
     def page_bytes(self) -> int:
@@ -66,6 +68,10 @@ class OpenTables(ABC):
     with the last one (:meth:`_last_closed` says what closing does).
 
     Invariant: ``closed`` is False while any buffer is open, and never goes back to False.
+
+    ``lock`` serializes the changes of the store's pool and tables: caches of two threads that
+    share pages (a prefix store's entries and the requests forked from them) draw from one store,
+    and a pool transaction is not reentrant across threads.
     """
 
     _name = "page store"  # what errors call the store
@@ -73,6 +79,7 @@ class OpenTables(ABC):
     def __init__(self) -> None:
         self._tables: dict[int, PageTable] = {}  # id(table) -> table, in opening order
         self.closed = False
+        self.lock = threading.RLock()
 
     def buffer_opened(self, table: PageTable) -> None:
         if self.closed:

@@ -91,11 +91,12 @@ class RowBuffer(ABC):
         self.capacity = capacity
         self.item_bytes = item_bytes
         self.pages_per_row = -(-capacity * item_bytes // page)
-        self._table = PageTable(store.pool, rows=rows * parts, pages_per_row=self.pages_per_row, page_size=page,
-                                hinted=hinted)
         # row -> its table rows, built once: a decode step expands rows without a call per row
         self._parts: list[tuple[int, ...]] = [tuple(self._part_rows(r)) for r in range(rows)]
-        store.buffer_opened(self._table)  # a subclass whose own set-up fails calls store.buffer_closed()
+        with store.lock:  # a new table adds a segment of ids to the pool another thread may be using
+            self._table = PageTable(store.pool, rows=rows * parts, pages_per_row=self.pages_per_row, page_size=page,
+                                    hinted=hinted)
+            store.buffer_opened(self._table)  # a subclass whose own set-up fails calls store.buffer_closed()
         self._created: list[PageId] = []
         self._late_copies: list[CowCopy] = []  # a transaction's last step (see _transaction) ...
         self._late_written: int | None = None  # ... of the rows' first bytes that many (None: their lengths)
@@ -187,7 +188,8 @@ class RowBuffer(ABC):
         (the translation follows the table by construction; the state-machine tests check it
         through the memory)."""
         self._open()
-        check_pages(self.store.pool, self.store.tables())
+        with self.store.lock:  # other threads' buffers of the store change under it
+            check_pages(self.store.pool, self.store.tables())
 
     # ----------------------------------------------------------------------------- operations
     def grow(self, rows: Iterable[int], length: int) -> None:
@@ -227,6 +229,24 @@ class RowBuffer(ABC):
                 if d != src:
                     for a, b in zip(self.table_rows(src), self.table_rows(d)):
                         table.share(a, b, length=units)
+
+    def adopt(self, row: int, source: RowBuffer, source_row: int, *, length: int) -> None:
+        """Make ``row`` hold the first ``length`` items of ``source``'s row ``source_row`` on the
+        same pages (``source``: a buffer of the same store and item layout, e.g. a stored prefix's);
+        no bytes move. ``row``'s previous pages are dropped."""
+        if source.store is not self.store or source.item_bytes != self.item_bytes or source.parts != self.parts:
+            raise ValueError("adopt takes a row of a buffer of the same store, item size and parts")
+        if not 0 <= length <= source.length(source_row):
+            raise ValueError(f"row {source_row} holds {source.length(source_row)} items, not {length}")
+        self._check_capacity(length)
+        units, page = length * self.item_bytes, self.store.page_bytes
+        with self._transaction() as table:
+            for a, b in zip(self.table_rows(row), source.table_rows(source_row)):
+                held = source.table.row(b)
+                end = -(-units // page)
+                if units and end <= held.start:
+                    raise ValueError(f"row {source_row}'s first {length} items were dropped behind its window")
+                table.assign(a, Row(units, held.start, held.pages[:end - held.start]) if units else Row())
 
     def reorder(self, index: Sequence[int], *, private_tails: bool = False, written: int | None = None) -> None:
         """Row ``i`` takes row ``index[i]``'s pages (duplicates allowed); later rows are emptied.
@@ -338,13 +358,20 @@ class RowBuffer(ABC):
 
     @contextmanager
     def _transaction(self) -> Iterator[PageTable]:
-        """Run the body's page-table changes, then create, map and copy: all of it or nothing.
+        """Run the body's page-table changes, then create, map and copy: all of it or nothing,
+        under the store's lock (buffers of one store may live in several threads: shared prefixes).
 
         Copies the body leaves in ``_late_copies`` (a reorder's tails, written into pages the
         rows held before and keep) run last, after the translation followed the table: they
         overwrite bytes a rollback could not restore, so nothing may fail after them. A store's
         copy writes all of its pages or none (the host reads every source first), so if it fails
         the table and pool roll back and the translation is made to follow them again."""
+        with self.store.lock:
+            with self._locked_transaction() as table:
+                yield table
+
+    @contextmanager
+    def _locked_transaction(self) -> Iterator[PageTable]:
         table = self._open()
         pool = self.store.pool
         pool.begin()
@@ -406,13 +433,14 @@ def return_pages(table: PageTable, store: PageStore, untranslate: Callable[[], N
     page of ``table`` to the pool, and close the table in ``store``. Pages go back even if
     ``untranslate`` failed (a closed buffer is never read again); nothing is returned to a store
     already closed (its memory is gone)."""
-    try:
-        if not store.closed:
-            try:
-                if untranslate is not None:
-                    untranslate()
-            finally:
-                for r in range(table.rows):
-                    table.clear(r)
-    finally:
-        store.buffer_closed(table)
+    with store.lock:
+        try:
+            if not store.closed:
+                try:
+                    if untranslate is not None:
+                        untranslate()
+                finally:
+                    for r in range(table.rows):
+                        table.clear(r)
+        finally:
+            store.buffer_closed(table)

@@ -107,7 +107,8 @@ class VirtualBuffer(RowBuffer):
         try:
             self.row_stride = self.pages_per_row * arena.page_bytes  # bytes between table rows
             nbytes = rows * parts * self.row_stride
-            arena.backend.ensure_id_space(arena.pool.id_space)
+            with arena.lock:  # the id space grows under the lock every page-store change holds
+                arena.backend.ensure_id_space(arena.pool.id_space)
             self._reservation = _Reservation(arena.backend, nbytes, readable=readable)
             self._storage = arena.backend.tensor(self._reservation.address, nbytes, self._reservation)
         except BaseException:

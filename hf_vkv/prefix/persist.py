@@ -105,7 +105,7 @@ def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *
 def load_prefix(
     path: str | os.PathLike[str], *, model: torch.nn.Module | None = None, config: Any = None,
     dtype: torch.dtype | None = None, device: str | torch.device = "cpu", cache_config: dict[str, Any] | None = None,
-    check_weights: bool = True,
+    check_weights: bool = True, memory_of: VKVCache | None = None,
 ) -> tuple[VKVCache, list[int]]:
     """Read a prefix file into a new :class:`~hf_vkv.VKVCache` on ``device``; return it and its token ids.
 
@@ -117,6 +117,8 @@ def load_prefix(
     fingerprint): an explicit opt-out, since such a file cannot tell other weights apart.
     ``device`` picks the backend as the cache does: host pages on CPU, the CUDA backend on a
     CUDA device (``hf_vkv[cuda]``; not yet run on a GPU), ``UnsupportedDeviceError`` elsewhere.
+    ``memory_of``: the new cache draws from that cache's memory (a :class:`PrefixStore` loads
+    into its own, see :meth:`PrefixStore.load`).
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -134,7 +136,7 @@ def load_prefix(
     meta, tensors = _read(path)
     _check_model(path, meta, config, model, dtype, check_weights=check_weights)
     n, tokens = meta["length"], meta["token_ids"]
-    cache = VKVCache.from_cache_config(config, cache_config, batch_size=1)
+    cache = VKVCache.from_cache_config(config, cache_config, batch_size=1, memory_of=memory_of)
     if len(meta["layers"]) != len(cache.layers):
         raise PrefixFormatError(f"{path} holds {len(meta['layers'])} layers, the model has {len(cache.layers)}")
     try:

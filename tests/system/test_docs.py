@@ -105,6 +105,7 @@ def test_readme_usage_block_runs_as_written(env: dict[str, str], tmp_path: Path)
 PROMISES = {
     "beam_search.py": "pages copied on write",
     "chat_prefix.py": "turn 5: prompt",
+    "document_questions.py": "prefilled once",
     "generate.py": "resident KV",
     "parallel_sampling.py": "rows sharing the prompt: 7",
     "pipeline.py": "The capital of France is",

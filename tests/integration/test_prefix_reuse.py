@@ -1,0 +1,338 @@
+"""Prefix reuse inside generate(): ``cache_config={"prefix_store": store}``.
+
+The oracle is DynamicCache's full prefill of every call's whole prompt. Prefilling only the new
+tokens over stored K/V is a different computation (the stored answers' K/V come from decode
+steps), so the contract is the cascade's: the very same tokens on a battery of multi-turn chats
+(greedy, beams, seeded sampling), and reuse must really have happened (tokens reused > 0).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import EOS, PAD, assert_same_tokens, tiny, tokenizer, words
+
+import hf_vkv
+from hf_vkv import PrefixFileError, PrefixStore, VKVCache
+from hf_vkv.prefix.reuse import MIN_COMMON_PREFIX, last_report
+
+pytestmark = pytest.mark.integration
+
+NEW = 6  # tokens generated per turn
+
+
+def _rand(n: int, g: torch.Generator) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=g).tolist()
+
+
+def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, store: PrefixStore | None, *, seed: int = 0,
+              **kwargs: Any) -> torch.Tensor:
+    torch.manual_seed(seed)
+    extra = {"cache_implementation": "vkv", "cache_config": {"prefix_store": store}} if store is not None else {}
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=PAD, **kwargs, **extra)
+
+
+def _batch(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+MODES = {
+    "greedy": {"do_sample": False},
+    "beams": {"do_sample": False, "num_beams": 3},
+    "sample": {"do_sample": True, "top_k": 0},
+    "sample_n2": {"do_sample": True, "top_k": 0, "num_return_sequences": 2},
+}
+
+
+def _chat(model: Any, store: PrefixStore, *, conversation: int, mode: str, turns: int = 4) -> int:
+    """One multi-turn chat: each turn appends the answer (row 0) and a new user message; every
+    turn's tokens must equal DynamicCache's full prefill. Returns the tokens reused."""
+    g = torch.Generator().manual_seed(1000 + conversation)
+    history = _rand(24, g)  # a system prompt
+    reused = 0
+    for turn in range(turns):
+        history = history + _rand(5 + turn, g)
+        ids, mask = _batch([history])
+        want = _generate(model, ids, mask, None, seed=turn, **MODES[mode])
+        got = _generate(model, ids, mask, store, seed=turn, **MODES[mode])
+        assert_same_tokens(want, got)
+        report = last_report()
+        assert report is not None and report.refusal is None, report
+        if turn:
+            assert report.reused_tokens > 0, f"turn {turn} of chat {conversation} reused nothing: {report}"
+        reused += report.reused_tokens
+        store.check_invariants()
+        answer = got[0, ids.shape[1]:].tolist()
+        if EOS in answer:
+            answer = answer[:answer.index(EOS) + 1]
+        history = history + answer
+    return reused
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_chat_battery_same_tokens_as_full_prefill(mode: str) -> None:
+    """Five 4-turn chats per mode (20 conversations over the four modes), one store for all."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    total = sum(_chat(model, store, conversation=c + 10 * list(MODES).index(mode), mode=mode) for c in range(5))
+    assert total > 0
+    stats = store.stats()
+    assert stats.hits > 0 and stats.tokens_reused > 0 and stats.prompt_tokens_computed < stats.prompt_tokens
+
+
+def test_chat_at_two_threads() -> None:
+    torch.set_num_threads(2)
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    for c in range(2):
+        assert _chat(model, store, conversation=100 + c, mode="greedy") > 0
+
+
+def test_batch_with_left_padding_and_different_reused_lengths() -> None:
+    """Questions of different lengths about one document: the document is prefilled once (a
+    common prefix), padded rows are copied, and a second batch starts from the stored rows."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    g = torch.Generator().manual_seed(7)
+    doc = _rand(MIN_COMMON_PREFIX + 40, g)
+    questions = [_rand(n, g) for n in (3, 9, 5, 12)]
+    ids, mask = _batch([doc + q for q in questions])
+    want = _generate(model, ids, mask, None)
+    got = _generate(model, ids, mask, store)
+    assert_same_tokens(want, got)
+    report = last_report()
+    assert report.common_prefix_tokens == len(doc)
+    assert report.start_column == len(doc)  # the longest row has no padding: the document's end
+    assert report.copied_rows == 3  # the three padded rows
+    assert report.computed_tokens == len(doc) + 4 * (ids.shape[1] - len(doc))
+    assert report.inserted == 4
+    store.check_invariants()
+    # the same questions again: each row starts from its own stored row (prompt and answer)
+    got2 = _generate(model, ids, mask, store)
+    assert_same_tokens(want, got2)
+    again = last_report()
+    assert again.common_prefix_tokens == 0 and again.start_column == ids.shape[1] - 1
+    store.check_invariants()
+
+
+def test_beams_and_samples_compose_with_prefill_once() -> None:
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    g = torch.Generator().manual_seed(3)
+    system = _rand(40, g)
+    for kwargs in ({"num_beams": 3, "do_sample": False}, {"num_return_sequences": 3, "do_sample": True}):
+        ids, mask = _batch([system + _rand(6, g), system + _rand(4, g)])
+        want = _generate(model, ids, mask, None, return_dict_in_generate=True, **kwargs)
+        got = _generate(model, ids, mask, store, return_dict_in_generate=True, **kwargs)
+        assert_same_tokens(want.sequences, got.sequences)
+        assert got.past_key_values.stats().prefill_once == "on"
+        report = last_report()
+        assert report.reused_tokens > 0 and report.refusal is None
+        store.check_invariants()
+
+
+def test_no_store_changes_nothing() -> None:
+    model = tiny("llama")
+    ids, mask = _batch([list(range(3, 30))])
+    before = last_report()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, cache_implementation="vkv",
+                         return_dict_in_generate=True)
+    assert last_report() is before
+    assert out.past_key_values.stats().pool_resident_bytes > 0
+    with pytest.raises(ValueError, match="cache_implementation='vkv'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_config={"prefix_store": PrefixStore(model.config)})
+    with pytest.raises(TypeError, match="PrefixStore"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="vkv",
+                       cache_config={"prefix_store": object()})
+    with pytest.raises(ValueError, match="store.lookup"):
+        VKVCache(model.config, prefix_store=PrefixStore(model.config))
+
+
+def test_refusals_run_as_without_a_store() -> None:
+    """A sliding-window model and a mask that is not left padding: reuse steps aside, says why,
+    and the tokens are DynamicCache's."""
+    model = tiny("mistral")
+    store = PrefixStore(model.config)
+    ids, mask = _batch([list(range(3, 40))])
+    assert_same_tokens(_generate(model, ids, mask, None), _generate(model, ids, mask, store))
+    assert "sliding" in last_report().refusal and len(store) == 0
+    llama = tiny("llama")
+    store = PrefixStore(llama.config)
+    mask = torch.ones_like(ids)
+    mask[0, 5] = 0
+    assert_same_tokens(_generate(llama, ids, mask, None), _generate(llama, ids, mask, store))
+    assert last_report().refusal == "the attention mask is not left padding"
+    other = PrefixStore(tiny("qwen2").config)
+    _generate(llama, ids, torch.ones_like(ids), other)
+    assert "another model" in last_report().refusal
+
+
+def test_budget_is_never_exceeded() -> None:
+    model = tiny("llama")
+    store = PrefixStore(model.config, budget_bytes=96 * 1024)
+    g = torch.Generator().manual_seed(5)
+    for i in range(8):
+        ids, mask = _batch([_rand(30 + 5 * i, g)])
+        _generate(model, ids, mask, store)
+        assert store.stats().bytes_held <= 96 * 1024
+        store.check_invariants()
+    assert store.stats().evictions > 0
+
+
+def test_two_threads_share_one_store() -> None:
+    """Two threads chat at once through one store (same system prompt): every answer equals
+    DynamicCache's, and the store's and the caches' invariants hold afterwards."""
+    model = tiny("llama")
+    store = PrefixStore(model.config, budget_bytes=512 * 1024)
+    g = torch.Generator().manual_seed(11)
+    system = _rand(40, g)
+    chats = [[system + _rand(5, g) for _ in range(6)] for _ in range(2)]
+    want = [[_generate(model, *_batch([p]), None) for p in chat] for chat in chats]
+    errors: list[BaseException] = []
+    got: list[list[torch.Tensor]] = [[], []]
+
+    def run(k: int) -> None:
+        try:
+            for p in chats[k]:
+                got[k].append(_generate(model, *_batch([p]), store))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k in range(2):
+        for w, o in zip(want[k], got[k]):
+            assert_same_tokens(w, o)
+    store.check_invariants()
+    stats = store.stats()
+    assert stats.hits > 0 and stats.bytes_held <= 512 * 1024
+
+
+def test_warm_start_from_files_and_save_back(tmp_path: Path) -> None:
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    g = torch.Generator().manual_seed(9)
+    system = _rand(50, g)
+    ids, mask = _batch([system + _rand(4, g)])
+    _generate(model, ids, mask, store)
+    paths = store.save(tmp_path, model=model)
+    assert len(paths) == 1
+    warm = PrefixStore(model.config)
+    assert warm.load(paths[0], model=model) == ids.shape[1] + NEW - 1
+    ids2, mask2 = _batch([system + _rand(6, g)])
+    assert_same_tokens(_generate(model, ids2, mask2, None), _generate(model, ids2, mask2, warm))
+    assert last_report().reused_tokens == len(system)
+    assert warm.save(tmp_path, model=model)[0] in [*paths, *tmp_path.iterdir()]
+    warm.check_invariants()
+    # a corrupted file is refused and inserts nothing
+    data = bytearray(paths[0].read_bytes())
+    data[-10] ^= 0xFF
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+    fresh = PrefixStore(model.config)
+    with pytest.raises(PrefixFileError):
+        fresh.load(bad, model=model)
+    assert len(fresh) == 0
+    fresh.check_invariants()
+
+
+def test_pipeline_with_chat_messages() -> None:
+    from transformers import pipeline
+
+    model = tiny("llama")
+    tok = tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}w7 {% endif %}")
+    store = PrefixStore(model.config)
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    g = torch.Generator().manual_seed(4)
+    system = {"role": "system", "content": words(torch.tensor(_rand(40, g)))}
+    messages = [system, {"role": "user", "content": words(torch.tensor(_rand(5, g)))}]
+    common = {"max_new_tokens": NEW, "do_sample": False}
+    first = pipe(messages, cache_implementation="vkv", cache_config={"prefix_store": store}, **common)
+    assert first[0]["generated_text"] == pipe(messages, **common)[0]["generated_text"]
+    messages = first[0]["generated_text"] + [{"role": "user", "content": words(torch.tensor(_rand(5, g)))}]
+    second = pipe(messages, cache_implementation="vkv", cache_config={"prefix_store": store}, **common)
+    assert last_report().reused_tokens >= 40
+    assert second[0]["generated_text"] == pipe(messages, **common)[0]["generated_text"]
+
+
+TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w7 {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import copy
+
+    path = tmp_path_factory.mktemp("tiny-llama-chat")
+    tiny("llama").save_pretrained(path)
+    tok = copy.deepcopy(tokenizer())
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
+    from hf_vkv import cli
+
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as e:
+        code = int(e.code)
+    return code, capsys.readouterr().out
+
+
+def test_cli_chat_prints_each_turns_reuse_beside_dynamic(chat_model_dir: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    system = tmp_path / "system.txt"
+    system.write_text(" ".join(f"w{i}" for i in range(10, 70)))
+    code, out = _main(capsys, "chat", "--model", chat_model_dir, "--system-file", system, "--message", "w5 w6",
+                      "--message", "w8 w9 w11", "--max-new-tokens", "4", "--threads", "1", "--json",
+                      tmp_path / "chat.json")
+    assert code == 0, out
+    assert "turn 1:" in out and "turn 2:" in out and "same tokens: yes" in out and "DynamicCache re-prefill" in out
+    import json
+
+    turns = json.loads((tmp_path / "chat.json").read_text())["turns"]
+    assert turns[0]["reused_tokens"] == 0 and turns[1]["reused_tokens"] >= 60
+    assert turns[1]["computed_tokens"] < 12 and all(t["same_tokens"] for t in turns)
+
+
+def test_cli_ab_reuse_reports_tokens_and_logit_differences(chat_model_dir: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    prompt = " ".join(f"w{i}" for i in range(20, 60))
+    code, out = _main(capsys, "ab", "--model", chat_model_dir, "--prompt", prompt, "--reuse", "2",
+                      "--max-new-tokens", "4", "--quiet", "--threads", "1", "--json", tmp_path / "ab.json")
+    assert code == 0, out
+    assert "turn 2:" in out and "tokens identical: True" in out
+    turns = json.loads((tmp_path / "ab.json").read_text())["turns"]
+    assert turns[0]["prefix_reuse"]["reused_tokens"] == 0 and turns[1]["prefix_reuse"]["reused_tokens"] >= 40
+    assert all(t["tokens_identical"] for t in turns)
+    jsonschema = pytest.importorskip("jsonschema", reason="the test extra installs jsonschema")
+    from hf_vkv.ab.schema import AB_REPORT_SCHEMA
+
+    for turn in turns:
+        jsonschema.validate(turn, AB_REPORT_SCHEMA)
+
+
+def test_run_ab_with_a_store_refuses_the_tee() -> None:
+    from hf_vkv.ab import run_ab
+
+    model = tiny("llama")
+    ids, mask = _batch([list(range(3, 30))])
+    with pytest.raises(ValueError, match="tee=False"):
+        run_ab(model, {"input_ids": ids, "attention_mask": mask}, max_new_tokens=2, prefix_store=PrefixStore(model.config))

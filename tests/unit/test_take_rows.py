@@ -1,0 +1,120 @@
+"""Executable specs of starting rows from other caches' pages: :meth:`LayerGroup.take_rows`
+(through :meth:`VKVCache.take_rows`), :meth:`RowBuffer.adopt`, the store's ``borrow`` and
+``insert(give=True)``, and the pool's one-step undo of ``incref``.
+
+Tiny Llama config (2 layers, 2 KV heads of 16 dims, float32), head-major layout with 4 KiB pages:
+a sub-row token is 64 bytes, so a page holds 64 tokens of one (layer, K/V, head).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from hf_vkv import PrefixStore, VKVCache
+from hf_vkv.cache.cache import RowSource
+from hf_vkv.memory import InvariantError, PageId, PagePool
+
+PAGE = 4096
+TOKENS_PER_PAGE = 64
+CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=512, vocab_size=100)
+
+
+def _states(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, tokens, 16, generator=g), torch.randn(1, 2, tokens, 16, generator=g)
+
+
+def _filled(tokens: int, *, memory: VKVCache | None = None, seed: int = 0) -> VKVCache:
+    """A batch-1 cache holding ``tokens`` random tokens in every layer."""
+    cache = VKVCache(CONFIG, memory_of=memory, layout="head_major", page_bytes=PAGE)
+    for layer in range(2):
+        cache.update(*_states(tokens, seed + layer), layer)
+    return cache
+
+
+def _pages(cache: VKVCache, row: int) -> list[tuple[int, ...]]:
+    buffer = cache.groups[0].buffer
+    return [tuple(int(p) for p in buffer.table.row(t).pages) for t in buffer.table_rows(row)]
+
+
+def test_an_unpadded_row_shares_the_source_pages_and_a_padded_row_is_copied() -> None:
+    root = VKVCache(CONFIG, layout="head_major", page_bytes=PAGE)
+    src = _filled(150, memory=root)
+    dst = VKVCache(CONFIG, memory_of=root, layout="head_major", page_bytes=PAGE, batch_size=3)
+    copied = dst.take_rows([RowSource(src), RowSource(src, offset=5), RowSource(src)], length=130)
+    assert copied == 1 and dst.rows == 3 and dst.get_seq_length() == 130
+    # row 0: the first ceil(130 / 64) = 3 pages of every sub-row of the source, the same ids
+    assert _pages(dst, 0) == [p[:3] for p in _pages(src, 0)]
+    assert _pages(dst, 2) == _pages(dst, 0)  # the same source: the same pages
+    assert not set(_pages(dst, 1)[0]) & set(_pages(src, 0)[0])  # copied: its own pages
+    for layer in range(2):
+        want_k, want_v = src.layers[layer].keys, src.layers[layer].values
+        got_k, got_v = dst.layers[layer].keys, dst.layers[layer].values
+        assert torch.equal(got_k[0], want_k[0, :, :130]) and torch.equal(got_v[2], want_v[0, :, :130])
+        assert torch.equal(got_k[1, :, 5:], want_k[0, :, :125]) and torch.equal(got_v[1, :, 5:], want_v[0, :, :125])
+        assert not got_k[1, :, :5].any() and not got_v[1, :, :5].any()  # padding: zeros
+    dst.check_invariants()
+    src.check_invariants()
+    # a write into the shared, partly filled last page copies it first: the source is unchanged
+    before = src.layers[0].keys.clone()
+    dst.update(*(t.expand(3, -1, -1, -1) for t in _states(1, 9)), 0)
+    assert torch.equal(src.layers[0].keys, before)
+    dst.check_invariants()
+
+
+def test_sources_in_another_memory_are_copied() -> None:
+    src = _filled(70)  # its own arenas
+    dst = VKVCache(CONFIG, layout="head_major", page_bytes=PAGE)
+    assert dst.take_rows([RowSource(src, start=10)], length=60) == 1
+    assert torch.equal(dst.layers[1].keys[0], src.layers[1].keys[0, :, 10:70])
+    dst.check_invariants()
+
+
+def test_take_rows_refuses_what_it_cannot_do_and_changes_nothing() -> None:
+    src = _filled(20)
+    dst = VKVCache(CONFIG, layout="head_major", page_bytes=PAGE)
+    with pytest.raises(ValueError, match="does not hold"):
+        dst.take_rows([RowSource(src)], length=21)
+    with pytest.raises(ValueError, match="length >= 1"):
+        dst.take_rows([RowSource(src)], length=0)
+    with pytest.raises(TypeError, match="VKVCache"):
+        dst.take_rows([RowSource(None)], length=3)  # no source, and not all padding
+    assert dst.rows == 0 and dst.get_seq_length() == 0
+    dst.take_rows([RowSource(src)], length=5)
+    with pytest.raises(ValueError, match="empty cache"):
+        dst.take_rows([RowSource(src)], length=5)
+
+
+def test_store_borrow_reads_an_entry_in_place_and_insert_give_keeps_the_cache() -> None:
+    store = PrefixStore(CONFIG, cache_config={"layout": "head_major", "page_bytes": PAGE})
+    entry = store.new_cache()
+    for layer in range(2):
+        entry.update(*_states(40, layer), layer)
+    assert store.insert(list(range(40)), entry, give=True)
+    assert store.stats().entries == 1
+    with pytest.raises(ValueError, match="exactly"):
+        store.insert(list(range(30)), _filled(40, memory=store.memory()), give=True)
+    with store.borrow(list(range(30)) + [99]) as (held, m):
+        assert held is entry and m == 30  # the store's own cache, no fork
+    with store.borrow([5, 6]) as (held, m):
+        assert held is None and m == 0
+    stats = store.stats()
+    assert (stats.lookups, stats.hits, stats.tokens_reused) == (2, 1, 30)
+    store.check_invariants()
+
+
+def test_a_rolled_back_incref_restores_every_count_with_one_undo_step() -> None:
+    pool = PagePool(page_bytes=PAGE, budget_pages=8)
+    pool.add_segment(8)
+    pages, _ = pool.allocate([[], []])
+    pool.begin()
+    pool.incref([pages[0], pages[1], pages[0]])
+    assert (pool.refcount(pages[0]), pool.refcount(pages[1])) == (3, 2)
+    with pytest.raises(InvariantError):
+        pool.incref([pages[1], PageId(7)])  # 7 is free: a bug; pages[1] was already counted
+    pool.rollback()
+    assert (pool.refcount(pages[0]), pool.refcount(pages[1])) == (1, 1)
+    pool.check_invariants()
