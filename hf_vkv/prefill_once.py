@@ -33,7 +33,8 @@ reads them, so the head computes exactly what DynamicCache's does. Tokens and lo
 DynamicCache's (``torch.equal``); it is on by default (``cache_config={"prefill_once": False}``
 turns it off). Where it cannot apply — rows that differ, a model in training mode (dropout differs
 per row), mixture-of-experts models (an expert's matmul size depends on the batch), an input whose
-row dimension this module cannot place (pixel values, image grids) — the prefill runs on every row
+row dimension this module cannot place (pixel values, image grids), a cache holding transformers' own
+layers (hybrid models: their state cannot be rolled back after an inexact call) — the prefill runs on every row
 as before and :meth:`VKVCache.stats` says why (``prefill_once``); calls that had to run on the
 expanded rows are counted there too.
 
