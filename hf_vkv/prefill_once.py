@@ -33,7 +33,8 @@ reads them, so the head computes exactly what DynamicCache's does. Tokens and lo
 DynamicCache's (``torch.equal``); it is on by default (``cache_config={"prefill_once": False}``
 turns it off). Where it cannot apply — rows that differ, a model in training mode (dropout differs
 per row), mixture-of-experts models (an expert's matmul size depends on the batch), an input whose
-row dimension this module cannot place (pixel values, image grids) — the prefill runs on every row
+row dimension this module cannot place (pixel values, image grids), a cache holding transformers' own
+layers (hybrid models: their state cannot be rolled back after an inexact call) — the prefill runs on every row
 as before and :meth:`VKVCache.stats` says why (``prefill_once``); calls that had to run on the
 expanded rows are counted there too.
 
@@ -188,12 +189,17 @@ def copy_mapping(value: dict) -> dict:
 
 
 def base_of(model: Any) -> torch.nn.Module | None:
-    """The module whose output rows the head reads: an encoder-decoder's decoder, else the base
-    model (``None``: the model is its own base, so there is no head to separate)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False) and hasattr(model, "get_decoder"):
-        base = model.get_decoder()
-    else:
+    """The module whose output rows the head reads: the decoder (``get_decoder()``: an
+    encoder-decoder's decoder, OPT's decoder inside its base model, most models' base model),
+    else the base model (``None``: the model is its own base, so there is no head to separate).
+    :func:`prefill` checks that it ran: a model whose head reads another module steps aside."""
+    base = None
+    if hasattr(model, "get_decoder"):
+        try:
+            base = model.get_decoder()
+        except (AttributeError, NotImplementedError, ValueError):
+            base = None
+    if not isinstance(base, torch.nn.Module) or base is model:
         base = getattr(model, "base_model", None)
     return base if isinstance(base, torch.nn.Module) and base is not model else None
 
@@ -206,6 +212,9 @@ def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, model_kwargs:
         return "the model is in training mode (dropout differs per row)"
     if base_of(model) is None:
         return f"{type(model).__name__} has no base model whose output rows the head reads"
+    if cache.stats().transformers_layers:
+        return ("the cache keeps transformers' own layers (linear or recurrent state), which cannot be rolled back "
+                "if a call of the forward proves inexact midway")
     config = model.config.get_text_config(decoder=True)
     experts = [name for name in _EXPERTS if getattr(config, name, None)]
     if experts:
@@ -237,6 +246,7 @@ def _rows_checked(model: Any, prompts: int, k: int) -> Iterator[RowExactness]:
 
     def start(module: Any, args: Any) -> None:
         mode.watching = True
+        mode.base_calls += 1
 
     def stop(module: Any, args: Any, output: Any) -> Any:
         mode.watching = False
@@ -246,6 +256,9 @@ def _rows_checked(model: Any, prompts: int, k: int) -> Iterator[RowExactness]:
     try:
         with mode:
             yield mode
+        if not mode.base_calls:  # nothing was checked and the head did not see expanded rows
+            raise InexactRows(f"{type(model).__name__}'s forward did not run {type(base).__name__}, the module whose "
+                              f"rows prefill once checks and expands")
     finally:
         for handle in handles:
             handle.remove()
@@ -269,8 +282,9 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
         unique_kwargs = first_of_repeats(model_kwargs, rows, k, keep=outer)
         repeat = outer.batch_repeat_interleave if outer is not cache else None
         try:
-            with _rows_checked(model, prompts, k) as mode, \
-                    cache.unique_prompt_prefill(prompts=prompts, tokens=tokens, repeat_rows=repeat):
+            # the check innermost: a forward it rejects leaves the cache's rows unrepeated and uncounted
+            with cache.unique_prompt_prefill(prompts=prompts, tokens=tokens, repeat_rows=repeat), \
+                    _rows_checked(model, prompts, k) as mode:
                 outputs = original(model, input_ids[::k], generation_config, unique_kwargs, *args, **kwargs)
         except InexactRows as exc:
             outer.reset()  # the rows written so far are one per prompt: start again on every row

@@ -153,6 +153,7 @@ class RowExactness(TorchFunctionMode):
         self.prompts = prompts
         self.repeats = repeats
         self.watching = False
+        self.base_calls = 0  # forwards of the watched module (the caller switches ``watching``)
         self.counts = _Counts()
 
     @property

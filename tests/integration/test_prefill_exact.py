@@ -106,6 +106,8 @@ HEADS = {
     "camembert": ("CamembertForCausalLM", "CamembertConfig", _ENCODER),
     "xlm_roberta": ("XLMRobertaForCausalLM", "XLMRobertaConfig", _ENCODER),
     "electra": ("ElectraForCausalLM", "ElectraConfig", {**_ENCODER, "embedding_size": 16}),
+    "opt": ("OPTForCausalLM", "OPTConfig", dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                num_attention_heads=2, max_position_embeddings=64)),  # head reads the decoder
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64)),
     "llama": ("LlamaForCausalLM", "LlamaConfig", _DECODER_ONLY),
     "gemma2_softcap": ("Gemma2ForCausalLM", "Gemma2Config", {**_DECODER_ONLY, "final_logit_softcapping": 0.5,
