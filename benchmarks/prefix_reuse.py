@@ -39,8 +39,7 @@ from hf_vkv.default_model import load_default_model
 from hf_vkv.prefix.reuse import last_report
 from hf_vkv.registration import cache_kwarg
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import StepClock, write_report  # noqa: E402
+from common import StepClock, write_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUESTIONS = [

@@ -26,8 +26,7 @@ from hf_vkv.ab import run_ab
 from hf_vkv.ab.demo_text import DOCUMENT
 from hf_vkv.default_model import load_default_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_report  # noqa: E402
+from common import write_report
 
 OPENERS = ["What is a food cooperative?", "Write a haiku about the sea.", "Name three prime numbers.",
            "How do I boil an egg?", "Explain a key-value cache briefly."]
