@@ -54,7 +54,7 @@ from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
 from .row_exactness import InexactRows, RowExactness
 
-__all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim"]
+__all__ = ["CACHE_NAMES", "prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim"]
 
 #: Keys of ``model_kwargs`` whose tensors are not indexed by row.
 _NOT_ROWS = frozenset({"cache_position", "logits_to_keep", "head_mask", "decoder_head_mask", "cross_attn_head_mask"})
@@ -72,13 +72,18 @@ _ROWS_BEFORE_TOKENS = frozenset({"position_ids", "decoder_position_ids"})
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "expert_capacity", "moe_num_experts")
 
 
+#: The names a cache has gone by in ``generate``'s model kwargs and the models' ``forward``
+#: (``"cache"`` from transformers 5.24, ``"past_key_values"`` before).
+CACHE_NAMES = ("cache", "past_key_values")
+
+
 class _Unplaced(Exception):
     """An input whose row dimension this module does not know."""
 
 
 def _vkv_cache(model_kwargs: dict) -> tuple[Any, VKVCache] | None:
     """``(the cache generate passes, its VKVCache part)`` or ``None`` for any other cache."""
-    for name in ("cache", "past_key_values"):
+    for name in CACHE_NAMES:
         outer = model_kwargs.get(name)
         if outer is not None:
             inner = outer.self_attention_cache if isinstance(outer, VKVEncoderDecoderCache) else outer

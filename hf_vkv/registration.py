@@ -39,14 +39,13 @@ from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
 from .cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys
 from .cache.export import register_pytree
+from .prefill_once import CACHE_NAMES
 from .prefix import reuse
 
 __all__ = ["register", "cache_kwarg", "CACHE_IMPLEMENTATION"]
 
 CACHE_IMPLEMENTATION = "vkv"
 _MARK = "_hf_vkv_wrapped"
-#: The names a cache has gone by in ``generate``'s model kwargs and the models' ``forward``.
-_CACHE_NAMES = ("cache", "past_key_values")
 
 
 def cache_kwarg() -> str:
@@ -120,7 +119,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
                              f"{generation_config.cache_implementation!r}): add cache_implementation='vkv'")
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
-    given = [name for name in _CACHE_NAMES if model_kwargs.get(name) is not None]
+    given = [name for name in CACHE_NAMES if model_kwargs.get(name) is not None]
     if given:
         past = model_kwargs[given[0]]
         if generation_config.is_assistant and isinstance(past, (VKVCache, VKVEncoderDecoderCache)):

@@ -60,7 +60,6 @@ MIN_COMMON_PREFIX = 32
 #: Inputs of ``generate`` besides the token ids that reuse understands (every other per-row
 #: tensor, e.g. ``pixel_values``, is not identified by the token ids: reuse steps aside).
 _KNOWN_INPUTS = frozenset({"attention_mask", "position_ids", "cache_position"})
-_CACHE_NAMES = ("cache", "past_key_values")
 
 
 @dataclass(slots=True)
@@ -151,7 +150,7 @@ def attach(cache: Any, store: PrefixStore, model: Any, *, num_beams: int, eos_to
 
 
 def _call_of(model_kwargs: dict) -> _Call | None:
-    for name in _CACHE_NAMES:
+    for name in prefill_once.CACHE_NAMES:
         cache = model_kwargs.get(name)
         if cache is not None:
             with _calls_lock:
@@ -208,7 +207,7 @@ def _layout_refusal(cache: VKVCache, model_kwargs: dict, rows: int) -> str | Non
     if cache.layout == "static":
         return "the static layout (compiled steps)"
     for key, value in model_kwargs.items():
-        if key in _KNOWN_INPUTS or key in _CACHE_NAMES or not isinstance(value, torch.Tensor):
+        if key in _KNOWN_INPUTS or key in prefill_once.CACHE_NAMES or not isinstance(value, torch.Tensor):
             continue
         if key == "inputs_embeds" or (value.dim() and value.shape[0] == rows):
             return f"the model input {key!r} is not identified by token ids"
