@@ -52,9 +52,10 @@ import torch
 
 from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
+from .registration import CACHE_NAMES
 from .row_exactness import InexactRows, RowExactness
 
-__all__ = ["CACHE_NAMES", "prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim"]
+__all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim"]
 
 #: Keys of ``model_kwargs`` whose tensors are not indexed by row.
 _NOT_ROWS = frozenset({"cache_position", "logits_to_keep", "head_mask", "decoder_head_mask", "cross_attn_head_mask"})
@@ -70,11 +71,6 @@ _ROWS_BEFORE_TOKENS = frozenset({"position_ids", "decoder_position_ids"})
 #: so its matmul has fewer rows when the forward has fewer, and with an expert capacity rows
 #: compete for it.
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "expert_capacity", "moe_num_experts")
-
-
-#: The names a cache has gone by in ``generate``'s model kwargs and the models' ``forward``
-#: (``"cache"`` from transformers 5.24, ``"past_key_values"`` before).
-CACHE_NAMES = ("cache", "past_key_values")
 
 
 class _Unplaced(Exception):

@@ -48,6 +48,7 @@ from .. import prefill_once
 from ..cache import VKVCache
 from ..cache.cache import RowSource
 from ..cache.options import PREFIX_STORE_KEY
+from ..registration import CACHE_NAMES, cache_kwarg
 from .fingerprint import config_fingerprint
 from .store import PrefixStore
 
@@ -150,7 +151,7 @@ def attach(cache: Any, store: PrefixStore, model: Any, *, num_beams: int, eos_to
 
 
 def _call_of(model_kwargs: dict) -> _Call | None:
-    for name in prefill_once.CACHE_NAMES:
+    for name in CACHE_NAMES:
         cache = model_kwargs.get(name)
         if cache is not None:
             with _calls_lock:
@@ -207,7 +208,7 @@ def _layout_refusal(cache: VKVCache, model_kwargs: dict, rows: int) -> str | Non
     if cache.layout == "static":
         return "the static layout (compiled steps)"
     for key, value in model_kwargs.items():
-        if key in _KNOWN_INPUTS or key in prefill_once.CACHE_NAMES or not isinstance(value, torch.Tensor):
+        if key in _KNOWN_INPUTS or key in CACHE_NAMES or not isinstance(value, torch.Tensor):
             continue
         if key == "inputs_embeds" or (value.dim() and value.shape[0] == rows):
             return f"the model input {key!r} is not identified by token ids"
@@ -271,7 +272,6 @@ def _store_common_prefix(model: Any, store: PrefixStore, prompts: list[list[int]
     tokens = prompts[0][:shared]
     if store.longest_prefix(tokens + [0]) >= shared:
         return 0  # stored already
-    from ..registration import cache_kwarg  # registration imports this module
 
     cache = store.lookup(tokens)
     try:
