@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from .paged_kv import PAGED_ATTENTION
+from ..kv_records import PAGED_ATTENTION
 from .support import check_paged_support
 
 __all__ = ["check_requested_attention", "check_switched_attention"]

@@ -4,7 +4,7 @@ its block tables.
 ``model.set_attn_implementation("vkv_paged")`` (or ``from_pretrained(...,
 attn_implementation="vkv_paged")``) makes the model call :func:`vkv_paged_attention`, and
 ``VKVCache`` then picks its paged layout by itself. The paged layer's ``update`` returns the new
-states with a :class:`~hf_vkv.attention.paged_kv.PagedKV` tag on the key (see :mod:`hf_vkv.attention.paged_kv`
+states with a :class:`~hf_vkv.kv_records.PagedKV` tag on the key (see :mod:`hf_vkv.kv_records`
 for why a tag rather than a forward kwarg); this function reads the cached tokens through the tag:
 
 * on CPU, and wherever exact equality with sdpa is the point (dropout, ``output_attentions``,
@@ -29,9 +29,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cascade import CASCADE_ATTENTION, vkv_cascade_attention
+from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION, PagedKV, paged_kv_of
+from .cascade import vkv_cascade_attention
 from .guards import check_call
-from .paged_kv import PAGED_ATTENTION, PagedKV, paged_kv_of
 from .kernels import gather_kv, paged_attention
 
 __all__ = ["vkv_paged_attention", "register_attention", "PAGED_ATTENTION"]

@@ -18,8 +18,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..attention.cascade import CASCADE_ATTENTION
-from ..attention.paged_kv import PAGED_ATTENTION
+from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
 from ..devices import layer_devices_of, policy_for
 from .grad import refuse_trainable_states
 from .group import LayerGroup

@@ -19,8 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import devices
-from ..attention.paged_kv import tag_key
-from ..attention.shared_prefix import Cluster, SharedPrefix
+from ..kv_records import Cluster, SharedPrefix, paged_kv_of, tag_key
 from ..memory import Arena, BufferStats, RowBuffer
 from ..memory.errors import InvariantError
 from .geometry import GroupGeometry, LayerMismatchError
@@ -137,11 +136,12 @@ class LayerGroup:
         return self.window_start(self.length(layer))
 
     # ----------------------------------------------------------------------------- per step
-    def update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
+    def update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, *, plain: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store member ``layer``'s new ``[B, H, q, D]`` states after its cached tokens and return
         what attention reads: ``[B, H, kv_length, D]`` (``kv_length`` as the mask's) or, in the
-        paged layout, the tagged new states."""
+        paged layout, the tagged new states (``plain``: there too the ``[B, H, kv_length, D]``
+        tokens, gathered through the block tables: the gradient path's ``torch.cat`` reads them)."""
         self.geometry.check(layer, key_states, value_states)
         member = self.member_of[layer]
         start = self.lengths[member]
@@ -155,6 +155,8 @@ class LayerGroup:
         self.lengths[member] = end
         keys, values = layout.attention_inputs(buffer, batch=self.batch, member=member, start=self.window_start(start),
                                                end=end, key=key_states, value=value_states)
+        if plain and paged_kv_of(keys) is not None:
+            keys, values = layout.cached(buffer, batch=self.batch, member=member, start=self.window_start(start), end=end)
         if end - start == 1 and self._tag_prefix and not layout.static:
             prefix = self.shared_prefix()
             if prefix is not None:
