@@ -19,6 +19,7 @@ from transformers.cache_utils import (
 )
 
 from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
+from .. import devices
 from ..devices import layer_devices_of, policy_for
 from .grad import refuse_trainable_states
 from .group import LayerGroup
@@ -412,7 +413,7 @@ class VKVCache(Cache):
         writable — pages mapped and private — so the step writes only with ``index_copy_``
         (default ``cache_config['map_ahead']``, 32). Called by ``generate`` before each step and
         after every row operation; a no-op for the other layouts."""
-        ahead = max(tokens or 0, self.options.map_ahead or 32)
+        ahead = max(tokens or 0, self.options.map_ahead or devices.MAP_AHEAD_TOKENS)
         for group, first in self._static_groups():
             group.map_ahead(first.written_length(), ahead)
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .. import prefill_once
+from .. import devices, prefill_once
 from ..cache import VKVCache
 from ..cache.cache import RowSource
 from ..cache.options import PREFIX_STORE_KEY
@@ -52,12 +52,9 @@ from ..registration import CACHE_NAMES, cache_kwarg
 from .fingerprint import config_fingerprint
 from .store import PrefixStore
 
-__all__ = ["MIN_COMMON_PREFIX", "ReuseReport", "attach", "generate", "insert_finished", "last_report", "memory_for",
+__all__ = ["ReuseReport", "attach", "generate", "insert_finished", "last_report", "memory_for",
            "prefill", "split_prefix_store"]
 
-#: Fewest tokens a prefix shared by a batch's prompts must have to be prefilled once on its own
-#: first (below it the extra forward costs more than the rows it spares).
-MIN_COMMON_PREFIX = 32
 #: Inputs of ``generate`` besides the token ids that reuse understands (every other per-row
 #: tensor, e.g. ``pixel_values``, is not identified by the token ids: reuse steps aside).
 _KNOWN_INPUTS = frozenset({"attention_mask", "position_ids", "cache_position"})
@@ -267,7 +264,7 @@ def _store_common_prefix(model: Any, store: PrefixStore, prompts: list[list[int]
     """Prefill the tokens every prompt starts with (at most all but the shortest's last) once,
     batch 1, over what the store holds of them, and store them; return the tokens computed."""
     shared = min(_common_length(prompts), min(len(p) for p in prompts) - 1)
-    if shared < MIN_COMMON_PREFIX:
+    if shared < devices.MIN_COMMON_PREFIX:
         return 0
     tokens = prompts[0][:shared]
     if store.longest_prefix(tokens + [0]) >= shared:
@@ -276,7 +273,7 @@ def _store_common_prefix(model: Any, store: PrefixStore, prompts: list[list[int]
     cache = store.lookup(tokens)
     try:
         held = cache.get_seq_length()
-        if shared - held < MIN_COMMON_PREFIX:
+        if shared - held < devices.MIN_COMMON_PREFIX:
             cache.close()
             return 0
         device = model.device

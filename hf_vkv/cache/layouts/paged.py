@@ -14,15 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ... import devices
 from ...kv_records import PagedKV
 from ...memory import Arena, BlockBuffer, BlockStore, RowBuffer
 from ..geometry import GroupGeometry
 from .base import Layout
 
-__all__ = ["PagedLayout", "DEFAULT_BLOCK_TOKENS"]
-
-#: Default tokens per block (chosen by ``benchmarks/paged_cpu.py``; see the README).
-DEFAULT_BLOCK_TOKENS = 16
+__all__ = ["PagedLayout"]
 
 
 class PagedLayout(Layout):
@@ -30,7 +28,7 @@ class PagedLayout(Layout):
 
     name = "paged"
 
-    def __init__(self, geometry: GroupGeometry, *, members: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+    def __init__(self, geometry: GroupGeometry, *, members: int, block_tokens: int = devices.PAGED_BLOCK_TOKENS) -> None:
         super().__init__(geometry, members=members)
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
