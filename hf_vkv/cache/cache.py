@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 from dataclasses import dataclass
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from .. import devices
 from ..devices import layer_devices_of, policy_for
 from .grad import refuse_trainable_states
 from .group import LayerGroup
+from .shared_prefix_group import SharedPrefixGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
 from .options import CacheOptions, config_dict
@@ -123,7 +123,6 @@ class VKVCache(Cache):
         self.prompt_repeats = prompt_repeats
         self._prompt_tokens = [0, 0]  # prompt tokens computed / saved by generate's prefills
         self._prefill_once = "no expanded prefill yet"
-        self._cascade = "not asked"
         self._layout_name = _resolve_layout(self.options, getattr(text_config, "_attn_implementation", None))
         capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
         if memory_of is not None and not isinstance(memory_of, VKVCache):
@@ -146,24 +145,17 @@ class VKVCache(Cache):
                 members.setdefault(key, []).append(idx)
         self._groups: list[LayerGroup] = []
 
-        this = weakref.ref(self)  # the groups keep this function: no reference cycle back to the cache
-
-        def cascade() -> bool:  # asked per step: under "vkv_cascade" contiguous full-attention groups tag prefixes
-            cache = this()
-            if cache is None or getattr(text_config, "_attn_implementation", None) != CASCADE_ATTENTION:
-                return False
-            cache._cascade = cache._cascade_refusal() or "on"
-            return cache._cascade == "on"
-
-        tags = None if self._layout_name in ("static", "paged") else cascade
         make_layout = LayoutMaker(self._layout_name, self.options.block_tokens, text_config)
+        # under "vkv_cascade", full-attention groups of a contiguous layout tag shared prefixes
+        cascade = getattr(text_config, "_attn_implementation", None) == CASCADE_ATTENTION \
+            and self._layout_name not in ("static", "paged")
         for (kind, window, _), idxs in members.items():
-            self._groups.append(LayerGroup(
-                name=f"{kind}" + (f"[{idxs[0]}]" if self.options.groups == "layer" else ""),
-                members=idxs, sliding_window=window, make_layout=make_layout, arena_for=self._arena_for,
-                rows_hint=batch_size, capacity=capacity, prompt_repeats=prompt_repeats,
-                share_prompts=self.options.share_prompts, read_shared_prefix=tags,
-            ))
+            common = dict(name=f"{kind}" + (f"[{idxs[0]}]" if self.options.groups == "layer" else ""),
+                          members=idxs, sliding_window=window, make_layout=make_layout, arena_for=self._arena_for,
+                          rows_hint=batch_size, capacity=capacity, prompt_repeats=prompt_repeats,
+                          share_prompts=self.options.share_prompts)
+            self._groups.append(SharedPrefixGroup(half_precision=self.options.cascade_half_precision, **common)
+                                if cascade and window is None else LayerGroup(**common))
         group_of = {i: g for g in self._groups for i in g.members}
         layers: list[Any] = []
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):
@@ -263,7 +255,7 @@ class VKVCache(Cache):
         return CacheStats(groups=tuple(out), pool_resident_bytes=pool, vkv_layers=self._vkv_layers(),
                           transformers_layers=others, prompt_tokens_computed=self._prompt_tokens[0],
                           prompt_tokens_saved=self._prompt_tokens[1], prefill_once=self._prefill_once,
-                          cascade=self._cascade)
+                          cascade=next((g.cascade for g in self._groups if isinstance(g, SharedPrefixGroup)), "not asked"))
 
     def __repr__(self) -> str:
         others = len(self._other_layers())
@@ -274,16 +266,6 @@ class VKVCache(Cache):
         """Check every group's rows, page tables and pools (see ``hf_vkv.memory``)."""
         for group in self._groups:
             group.check_invariants()
-
-    def _cascade_refusal(self) -> str | None:
-        """Why the ``"vkv_cascade"`` attention must take sdpa's path (``None``: it may read shared
-        prefixes once): half-precision states, unless ``cache_config['cascade_half_precision']``."""
-        half = next((g.geometry.dtype for g in self._groups if g.geometry is not None
-                     and g.geometry.dtype in (torch.bfloat16, torch.float16)), None)
-        if half is None or self.options.cascade_half_precision:
-            return None
-        return (f"sdpa: the cascade can change tokens in {str(half).removeprefix('torch.')} (float32 sums rounded "
-                f"once still differ from sdpa's); cache_config={{'cascade_half_precision': True}} asks for it")
 
     # ----------------------------------------------------------------------------- prefill once
     def prefill_once_refusal(self, device: torch.device) -> str | None:
