@@ -23,6 +23,7 @@ from ..devices import layer_devices_of
 from .grad import refuse_trainable_states
 from .group import LayerGroup
 from .shared_prefix_group import SharedPrefixGroup
+from .static_group import StaticGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
 from .options import CacheOptions, config_dict
@@ -154,8 +155,12 @@ class VKVCache(Cache):
                           members=idxs, sliding_window=window, make_layout=make_layout, arena_for=self._arena_for,
                           rows_hint=batch_size, capacity=capacity, prompt_repeats=prompt_repeats,
                           share_prompts=self.options.share_prompts)
-            self._groups.append(SharedPrefixGroup(half_precision=self.options.cascade_half_precision, **common)
-                                if cascade and window is None else LayerGroup(**common))
+            if static:
+                self._groups.append(StaticGroup(map_ahead=self.options.map_ahead or devices.MAP_AHEAD_TOKENS, **common))
+            elif cascade and window is None:
+                self._groups.append(SharedPrefixGroup(half_precision=self.options.cascade_half_precision, **common))
+            else:
+                self._groups.append(LayerGroup(**common))
         group_of = {i: g for g in self._groups for i in g.members}
         layers: list[Any] = []
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):
@@ -340,51 +345,27 @@ class VKVCache(Cache):
         return copied
 
     # ----------------------------------------------------------------------------- static layout
-    def _static_groups(self) -> list[tuple[LayerGroup, VKVStaticLayer]]:
-        """``(group, its first layer)`` for every group of the static layout that holds states
-        (none in the other layouts: their row operations pay nothing for this)."""
-        if self._layout_name != "static":
-            return []
-        firsts: dict[int, VKVStaticLayer] = {}
-        for layer in self.layers:
-            if isinstance(layer, VKVStaticLayer) and layer.is_initialized:
-                firsts.setdefault(id(layer.group), layer)
-        return [(group, firsts[id(group)]) for group in self._groups if id(group) in firsts]
-
     def map_ahead(self, tokens: int | None = None) -> None:
         """Static layout, before a (compiled) step: make the next ``tokens`` tokens of every row
         writable — pages mapped and private — so the step writes only with ``index_copy_``
-        (default ``cache_config['map_ahead']``, 32). Called by ``generate`` before each step and
-        after every row operation; a no-op for the other layouts."""
-        ahead = max(tokens or 0, self.options.map_ahead or devices.MAP_AHEAD_TOKENS)
-        for group, first in self._static_groups():
-            group.map_ahead(first.written_length(), ahead)
-
-    def _sync_static(self) -> None:
-        """Before a row operation: the groups learn the lengths compiled steps wrote."""
-        for group, first in self._static_groups():
-            group.lengths = [first.written_length()] * len(group.members)
-
-    def _after_row_operation(self) -> None:
-        """After a row operation: static layers follow the group's lengths, and the next write's
-        pages are made private again (a reorder may have shared them)."""
-        if not self._static_groups():
-            return
-        for layer in self.layers:
-            if isinstance(layer, VKVStaticLayer) and layer.is_initialized:
-                layer.set_length(layer.group.length(layer.layer_idx))
-                layer.follow_rows()
-        self.map_ahead()
+        (at least ``cache_config['map_ahead']``, default :data:`hf_vkv.devices.MAP_AHEAD_TOKENS`).
+        Called by ``generate`` before each step and after every row operation; a no-op for the
+        other layouts (:class:`~hf_vkv.cache.static_group.StaticGroup`)."""
+        for group in self._groups:
+            if isinstance(group, StaticGroup):
+                group.map_ahead(tokens)
 
     # ----------------------------------------------------------------------------- row operations
     def _row_operation(self, on_group: Callable[[LayerGroup], None], on_layer: Callable[[Any], None]) -> None:
         """Apply a row operation once to each group and to each layer kept by transformers."""
-        self._sync_static()
+        for group in self._groups:
+            group.before_row_operation()
         for group in self._groups:
             on_group(group)
         for layer in self.transformers_layers():
             on_layer(layer)
-        self._after_row_operation()
+        for group in self._groups:
+            group.after_row_operation()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` takes row ``beam_idx[i]``'s pages (``beam_idx``: int tensor, any device): no copy."""
@@ -422,14 +403,16 @@ class VKVCache(Cache):
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
-        self._sync_static()
+        for group in self._groups:
+            group.before_row_operation()
         for group in self._groups:
             group.check_crop()  # every group first: a refused crop changes nothing
         for layer in self.transformers_layers():
             layer.crop(tokens_to_remove)  # transformers' layers may refuse too: before the groups change
         for group in self._groups:
             group.crop(tokens_to_remove)
-        self._after_row_operation()
+        for group in self._groups:
+            group.after_row_operation()
 
     def reset(self) -> None:
         """Forget every cached token (pages go back to the pool)."""

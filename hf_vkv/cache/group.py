@@ -233,24 +233,6 @@ class LayerGroup:
         self._prepared = (batch, start, end)
         self.version += 1
 
-    def map_ahead(self, length: int, tokens: int) -> None:
-        """Static layout, outside a compiled step: the rows hold ``length`` tokens (every member);
-        make tokens ``[length, length + tokens)`` writable now (grow, copy shared pages), so the
-        compiled step writes only into private pages, and sync the members' lengths."""
-        if self.buffer is None or length == 0:
-            return
-        mapped = min((self.buffer.length(r) for r in range(self.batch)), default=0)
-        if length > mapped:
-            raise InvariantError(
-                f"group {self.name!r}: compiled steps wrote up to token {length} but only {mapped} were mapped "
-                f"ahead: a step ran without VKVCache.map_ahead() before it (a model whose "
-                f"prepare_inputs_for_generation does not call transformers' own?); its tokens are lost")
-        end = min(length + tokens, self.capacity)
-        self._settle_followers()
-        self.lengths = [length] * len(self.members)
-        if end > length:
-            self.prepare(self.batch, length, end)
-
     def _follows_leader(self, row: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether ``row`` still shares its prompt's pages with its leader: its states equal the
         leader's. If not, the row gets its own pages (copies of the leader's, right for the layers
@@ -267,6 +249,12 @@ class LayerGroup:
         return False
 
     # ----------------------------------------------------------------------------- row operations
+    def before_row_operation(self) -> None:
+        """Called by the cache before each row operation (a subclass syncs what steps changed)."""
+
+    def after_row_operation(self) -> None:
+        """Called by the cache after each row operation (a subclass makes its layers follow)."""
+
     def reorder(self, index: Sequence[int]) -> None:
         """Row ``i`` takes row ``index[i]``'s pages (beam search, batch selection): only the pages
         where a row's table differs from its source's move, and a row that takes a partly written

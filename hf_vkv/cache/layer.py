@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .grad import VKVGradientError, refuse_trainable_states, tracks_grad, with_new_states
 from ..memory import KVCacheOutOfMemory, VKVError
 from .group import LayerGroup
+from .static_group import StaticGroup
 from .oom import step_out_of_memory
 
 __all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer"]
@@ -252,8 +253,9 @@ class VKVStaticLayer(VKVLayer):
 
     is_compileable = True
 
-    def __init__(self, group: LayerGroup, layer_idx: int) -> None:
+    def __init__(self, group: StaticGroup, layer_idx: int) -> None:
         super().__init__(group, layer_idx)
+        group.attach(self)
         self.max_cache_len = group.capacity
         # a tensor, as StaticLayer's: a compiled step reads and advances it without recompiling
         self.cumulative_length = torch.tensor(0, dtype=torch.long)
@@ -296,10 +298,11 @@ class VKVStaticLayer(VKVLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
 
-    def twin(self, group: LayerGroup) -> VKVStaticLayer:
+    def twin(self, group: StaticGroup) -> VKVStaticLayer:  # type: ignore[override]
         """Its own length tensor (advanced in place by compiled steps) and full views of ``group``'s
         pages (a fork sharing this layer's would write into this cache)."""
         other = super().twin(group)
+        group.attach(other)
         other.cumulative_length = self.cumulative_length.clone()
         if self.is_initialized:
             if not torch.compiler.is_compiling():
