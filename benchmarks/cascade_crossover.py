@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from common import write_report
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.attention.cascade import cascade_decode
-from hf_vkv.attention.shared_prefix import Cluster, SharedPrefix
+from hf_vkv.kv_records import Cluster, SharedPrefix
 
 
 def _time(fn: Any, repeats: int) -> list[float]:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from common import write_report  # benchmarks/common.py
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.attention.kernels import gather_kv, paged_attention_reference
-from hf_vkv.attention.paged_kv import PagedKV
+from hf_vkv.kv_records import PagedKV
 
 GRIDS = {
     # device: (batches, contexts, block sizes, (q_heads, kv_heads, head_dim), dtype)

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 
 from .memory import Arena, HostBackend
 from .memory.errors import KVCacheOutOfMemory, VKVError
-from .memory.limits import default_host_budget
+from .memory.limits import mem_available
 
-__all__ = ["CASCADE_MIN_SAVED_TOKENS", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES", "DevicePolicy", "UnsupportedDeviceError",
-           "arena_for_device", "default_cuda_budget", "layer_devices_of", "policy_for"]
+__all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SAVED_TOKENS", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES",
+           "DevicePolicy", "HEAD_MAJOR_PAGE_BYTES", "HOST_BUDGET_FRACTION", "HOST_PAGE_BYTES", "MAP_AHEAD_TOKENS",
+           "MIN_COMMON_PREFIX", "PAGED_BLOCK_TOKENS", "PREFIX_STORE_PAGE_BYTES", "UnsupportedDeviceError",
+           "arena_for_device", "default_cuda_budget", "default_host_budget", "layer_devices_of", "policy_for"]
 
 #: Fewest prefix tokens a cluster of rows must spare the ``"vkv_cascade"`` attention from re-reading
 #: (``shared tokens x (rows - 1)``) to be tagged: below it the plain path is as fast or faster.
@@ -42,6 +44,36 @@ CUDA_MARGIN_FRACTION = 0.05
 #: ... and at least this many bytes.
 CUDA_MIN_MARGIN_BYTES = 1 << 30
 
+#: With no ``budget_bytes``, a host arena holds at most this share of ``MemAvailable`` (read when
+#: the arena is made), so that no option makes vkv take the machine down.
+HOST_BUDGET_FRACTION = 0.5
+
+#: Host page size of the token-major layout and of a host arena with no ``page_bytes`` (the
+#: token-major default): decode is flat across 4 KiB .. 2 MiB pages (``benchmarks/page_size_cpu.py``,
+#: ``benchmarks/results/page_size_cpu.json``), and a token-major row strands at most one page.
+HOST_PAGE_BYTES = 256 * 1024
+#: Host page size of the head-major layout (the CPU default): a row strands up to one page per
+#: (layer, K/V, head), and 4 KiB head-major pages decode within 1.5 % of an ideal preallocated cache
+#: (``benchmarks/page_size_cpu.py``; ``docs/layouts.md``).
+HEAD_MAJOR_PAGE_BYTES = 4 * 1024
+#: Page size of a prefix store's memory on the CPU when its ``cache_config`` names none (the
+#: caches ``generate`` builds with the store draw from the same memory). Measured on
+#: SmolLM2-135M (1k stored tokens, 20 new, one thread): 4 KiB pages take 0.05 s to start the rows
+#: and a 0.35-0.41 s time to first token; 16 KiB 0.011 s and 0.21 s; 64 KiB 0.007 s and
+#: 0.23-0.28 s. A row strands at most one page per (layer, K/V, head): 2.9 MB for SmolLM2 at 16 KiB.
+PREFIX_STORE_PAGE_BYTES = 16 * 1024
+#: Tokens per block of the paged layout (``benchmarks/paged_cpu.py``, ``docs/paged.md``).
+PAGED_BLOCK_TOKENS = 16
+#: Longest prompt (tokens) for which CPU beam search gets the token-major layout (the longest
+#: measured: ``benchmarks/beam_layout_cpu.py``, the table in :mod:`hf_vkv.cache.workload`).
+BEAM_TOKEN_MAJOR_MAX_PROMPT = 512
+#: Static layout: tokens of every row made writable ahead of the next compiled step when
+#: ``cache_config['map_ahead']`` says nothing (``docs/static_compile.md``).
+MAP_AHEAD_TOKENS = 32
+#: Fewest tokens a prefix shared by a batch's prompts must have to be prefilled once on its own
+#: first, with a prefix store (below it the extra forward costs more than the rows it spares).
+MIN_COMMON_PREFIX = 32
+
 
 class UnsupportedDeviceError(VKVError, ValueError):
     """Key/value states arrived on a device no backend of this installation serves."""
@@ -55,7 +87,7 @@ class DevicePolicy:
     * ``layout``: the contiguous layout used by default (see :mod:`hf_vkv.cache.layouts` and
       ``docs/layouts.md`` for the measurements behind it);
     * ``budget``: ``"mem-available"`` (a share of the host's ``MemAvailable``:
-      :func:`~hf_vkv.memory.limits.default_host_budget`) or ``"free-memory"``
+      :func:`default_host_budget`) or ``"free-memory"``
       (:func:`default_cuda_budget`);
     * ``prefill_once``: whether ``generate``'s prefill runs each repeated prompt once by default
       (:mod:`hf_vkv.prefill_once`): on the CPU, where every prefill proves its calls exact for its
@@ -94,6 +126,13 @@ def policy_for(device: torch.device | str) -> DevicePolicy:
     return policy
 
 
+def default_host_budget() -> int | None:
+    """The budget of a host arena without ``budget_bytes``: :data:`HOST_BUDGET_FRACTION` of
+    ``MemAvailable`` now (None, unbounded, where the kernel does not say)."""
+    available = mem_available()
+    return None if available is None else int(available * HOST_BUDGET_FRACTION)
+
+
 def default_cuda_budget(free_bytes: int, total_bytes: int) -> int:
     """The KV budget on a CUDA device when ``cache_config`` gives none: the memory the driver
     reports free when the cache first sees the device (``torch.cuda.mem_get_info``; blocks held
@@ -109,12 +148,12 @@ def arena_for_device(device: torch.device, *, page_bytes: int | None, budget_byt
     ``page_bytes`` / ``budget_bytes`` come from ``cache_config``. ``None`` page size: the
     backend's default (host 256 KiB; CUDA the driver's allocation granularity, 2 MiB on
     H100/H200). ``None`` budget: on the CPU
-    :func:`~hf_vkv.memory.limits.default_host_budget` (half of ``MemAvailable``), on CUDA
+    :func:`default_host_budget` (half of ``MemAvailable``), on CUDA
     :func:`default_cuda_budget`.
     """
     device = torch.device(device)
     if policy_for(device).backend == "host":
-        backend = HostBackend(page_bytes=page_bytes) if page_bytes else HostBackend()
+        backend = HostBackend(page_bytes=page_bytes or HOST_PAGE_BYTES)
         if budget_bytes is None:  # never unbounded: a share of the memory available now
             budget_bytes = default_host_budget()
         return Arena(backend, budget_bytes=budget_bytes)

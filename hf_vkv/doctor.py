@@ -159,7 +159,8 @@ def _own_mappings() -> int:
 
 def check_host_budget() -> Check:
     """The CPU's default KV budget: a share of ``MemAvailable`` per cache (``budget_bytes`` overrides)."""
-    from .memory.limits import HOST_BUDGET_FRACTION, default_host_budget, mem_available
+    from .devices import HOST_BUDGET_FRACTION, default_host_budget
+    from .memory.limits import mem_available
 
     available, budget = mem_available(), default_host_budget()
     if available is None or budget is None:

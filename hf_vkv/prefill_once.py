@@ -8,7 +8,7 @@ each prompt. With a :class:`~hf_vkv.VKVCache` that shares prompts, :func:`prefil
 1. checks that the rows really repeat: ``input_ids`` and every row-indexed input (attention mask,
    position ids, embeddings, encoder outputs, ...) equal in each group of ``k`` rows;
 2. runs transformers' own ``_prefill`` (plain or chunked) on one row per prompt, inside
-   :meth:`VKVCache.unique_prompt_prefill`, which then repeats each cache row ``k`` times — the
+   :meth:`VKVCache.prefill.unique_prompts <hf_vkv.cache.prefill_state.PrefillOnce.unique_prompts>`, which then repeats each cache row ``k`` times — the
    pages shared, nothing copied;
 3. hands ``generate`` the step's outputs expanded to ``k`` rows (``repeat_interleave`` of every
    batch-first tensor: logits, hidden states, attentions, ...).
@@ -52,9 +52,10 @@ import torch
 
 from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
+from .registration import CACHE_NAMES
 from .row_exactness import InexactRows, RowExactness
 
-__all__ = ["CACHE_NAMES", "prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim"]
+__all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim"]
 
 #: Keys of ``model_kwargs`` whose tensors are not indexed by row.
 _NOT_ROWS = frozenset({"cache_position", "logits_to_keep", "head_mask", "decoder_head_mask", "cross_attn_head_mask"})
@@ -70,11 +71,6 @@ _ROWS_BEFORE_TOKENS = frozenset({"position_ids", "decoder_position_ids"})
 #: so its matmul has fewer rows when the forward has fewer, and with an expert capacity rows
 #: compete for it.
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "expert_capacity", "moe_num_experts")
-
-
-#: The names a cache has gone by in ``generate``'s model kwargs and the models' ``forward``
-#: (``"cache"`` from transformers 5.24, ``"past_key_values"`` before).
-CACHE_NAMES = ("cache", "past_key_values")
 
 
 class _Unplaced(Exception):
@@ -210,7 +206,7 @@ def base_of(model: Any) -> torch.nn.Module | None:
 
 
 def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, model_kwargs: dict) -> str | None:
-    reason = cache.prefill_once_refusal(input_ids.device)
+    reason = cache.prefill.refusal(input_ids.device)
     if reason is not None:
         return reason
     if model.training:
@@ -288,7 +284,7 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
         repeat = outer.batch_repeat_interleave if outer is not cache else None
         try:
             # the check innermost: a forward it rejects leaves the cache's rows unrepeated and uncounted
-            with cache.unique_prompt_prefill(prompts=prompts, tokens=tokens, repeat_rows=repeat), \
+            with cache.prefill.unique_prompts(prompts=prompts, tokens=tokens, repeat_rows=repeat), \
                     _rows_checked(model, prompts, k) as mode:
                 outputs = original(model, input_ids[::k], generation_config, unique_kwargs, *args, **kwargs)
         except InexactRows as exc:
@@ -296,9 +292,9 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
             reason = str(exc)
         else:
             if mode.expanded:
-                cache.note_prefill_once(f"on; {mode.expanded} call(s) ran on every row (their one-row-per-prompt "
+                cache.prefill.note(f"on; {mode.expanded} call(s) ran on every row (their one-row-per-prompt "
                                         f"result differed at {torch.get_num_threads()} thread(s))")
             return expand_rows(outputs, prompts, k, keep=outer)  # the logits have `rows` rows already
     if cache.prompt_repeats > 1:
-        cache.record_full_prefill(reason, rows=rows, tokens=tokens)
+        cache.prefill.record_full(reason, rows=rows, tokens=tokens)
     return original(model, input_ids, generation_config, model_kwargs, *args, **kwargs)

@@ -1,51 +1,72 @@
-"""Registration with transformers: ``cache_implementation="vkv"`` and ``attn_implementation="vkv_paged"``.
+"""Registration with transformers, and the one place that patches it.
 
-``import hf_vkv`` calls :func:`register`, which does this and nothing else (idempotent, no
-device work; ``docs/notes/transformers.md`` §0, §2):
+``import hf_vkv`` calls :func:`register`, which does what this docstring lists and nothing else
+(idempotent, no device work; ``docs/notes/transformers.md`` §0, §2). Through transformers' own
+registration APIs:
 
-0. the ``"vkv_paged"`` attention and its mask function (:func:`hf_vkv.attention.register_attention`);
+* ``"vkv"`` joins ``generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS``, which
+  ``GenerationConfig.validate`` reads at call time (generate kwargs, ``GenerationConfig``, pipeline
+  kwargs, a reloaded ``generation_config.json``);
+* the ``"vkv_paged"`` and ``"vkv_cascade"`` attentions and their mask function (sdpa's) in
+  ``AttentionInterface`` / ``AttentionMaskInterface`` (:func:`hf_vkv.attention.register_attention`);
+* :class:`VKVCache` as a pytree node that refuses to flatten (:mod:`hf_vkv.cache.export`).
 
-1. ``"vkv"`` is added to ``generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS``, which
-   ``GenerationConfig.validate`` reads at call time (generate kwargs, ``GenerationConfig``,
-   pipeline kwargs, a reloaded ``generation_config.json``);
-2. ``GenerationMixin._prepare_cache_for_generation`` is wrapped: for ``"vkv"`` it builds a
-   :class:`VKVCache` with :meth:`VKVCache.for_generate` (rows = batch x max(num_beams,
-   num_return_sequences), the options of ``cache_config``); an encoder-decoder model gets it as
-   the self-attention part of a :class:`~hf_vkv.cache.encoder_decoder.VKVEncoderDecoderCache`.
-   Without this wrapper transformers would silently build a ``DynamicCache`` for an unknown string.
-   The cache is read and written under :func:`cache_kwarg`, the name the running transformers
-   uses (``"cache"`` from 5.24, ``"past_key_values"`` before); a user cache under either name
-   together with ``cache_implementation="vkv"`` is refused as transformers refuses it;
-3. ``GenerationMixin._prefill`` is wrapped: with a prefix store in ``cache_config`` rows start
-   from their stored prefixes (:mod:`hf_vkv.prefix.reuse`); with a :class:`VKVCache` whose rows
-   repeat prompts it runs the prompt's forward once per prompt (:mod:`hf_vkv.prefill_once`);
-4. ``GenerationMixin.generate`` is wrapped: after a call with a prefix store, its finished rows go
-   into the store (:func:`hf_vkv.prefix.reuse.generate`; without a store it only returns).
+And every method of transformers that vkv wraps, each in :func:`patches` (installed by
+:func:`_install`, the one wrapper helper; a test fails if anything else in the package patches
+transformers):
+
+1. ``GenerationMixin._prepare_cache_for_generation``: for ``"vkv"`` it builds a :class:`VKVCache`
+   with :meth:`VKVCache.for_generate` (rows = batch x max(num_beams, num_return_sequences), the
+   options of ``cache_config``); an encoder-decoder model gets it as the self-attention part of a
+   :class:`~hf_vkv.cache.encoder_decoder.VKVEncoderDecoderCache`. Without it transformers would
+   silently build a ``DynamicCache`` for an unknown string. The cache is read and written under
+   :func:`cache_kwarg`; a user cache under any of :data:`CACHE_NAMES` together with
+   ``cache_implementation="vkv"`` is refused as transformers refuses it;
+2. ``GenerationMixin.prepare_inputs_for_generation``: before each forward, a static-layout cache
+   maps the pages the step writes (a compiled step cannot run page-table code);
+3. ``GenerationMixin._prefill``: with a prefix store in ``cache_config`` rows start from their
+   stored prefixes (:mod:`hf_vkv.prefix.reuse`); with a :class:`VKVCache` whose rows repeat
+   prompts the prompt's forward runs once per prompt (:mod:`hf_vkv.prefill_once`, which adds
+   forward hooks to the model's base module for the length of that one call and removes them);
+4. ``GenerationMixin.generate``: after a call with a prefix store, its finished rows go into the
+   store (:func:`hf_vkv.prefix.reuse.generate`; without a store it only returns);
+5. ``PreTrainedModel.get_correct_attn_implementation``: transformers' validation of an attention
+   name (``from_pretrained(..., attn_implementation=...)``, ``Model(config)``,
+   ``set_attn_implementation``) refuses ``"vkv_paged"`` for a model it cannot serve, when the
+   model is built rather than at its first forward (:mod:`hf_vkv.attention.hooks`);
+6. ``PreTrainedModel.set_attn_implementation``: transformers only warns for a model whose
+   attention bypasses the attention interface; for ``"vkv_paged"`` every sub-model is checked
+   first, so such a model raises instead.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.generation import configuration_utils
 from transformers.generation import utils as generation_utils
 from transformers.generation.utils import GenerationMixin
 
-from .attention import register_attention
+from .attention import hooks, register_attention
 from .cache import VKVCache
 from .cache.encoder_decoder import VKVEncoderDecoderCache
 from .cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys
 from .cache.export import register_pytree
-from .prefill_once import CACHE_NAMES
-from .prefix import reuse
 
-__all__ = ["register", "cache_kwarg", "CACHE_IMPLEMENTATION"]
+__all__ = ["CACHE_IMPLEMENTATION", "CACHE_NAMES", "PATCH_MARK", "Patch", "cache_kwarg", "patches", "register"]
 
 CACHE_IMPLEMENTATION = "vkv"
-_MARK = "_hf_vkv_wrapped"
+#: The names a cache has gone by in ``generate``'s model kwargs and the models' ``forward``
+#: (``"cache"`` from transformers 5.24, ``"past_key_values"`` before).
+CACHE_NAMES = ("cache", "past_key_values")
+#: Attribute marking a method :func:`_install` wrapped (so a second ``register`` wraps nothing).
+PATCH_MARK = "_hf_vkv_patch"
 
 
 def cache_kwarg() -> str:
@@ -57,34 +78,57 @@ def cache_kwarg() -> str:
     return "cache" if names[0] == "cache" else "past_key_values"
 
 
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """``owner.name`` becomes a method calling ``around(original, self, *args, **kwargs)``."""
+
+    owner: type
+    name: str
+    around: Callable[..., Any]
+
+
+def patches() -> tuple[Patch, ...]:
+    """Every method of transformers vkv wraps, in the order (and for the reasons) this module's
+    docstring gives."""
+    from .prefix import reuse  # imported here: it reads CACHE_NAMES and cache_kwarg from this module
+
+    return (
+        Patch(GenerationMixin, "_prepare_cache_for_generation", _prepare_cache),
+        Patch(GenerationMixin, "prepare_inputs_for_generation", _prepare_inputs),
+        Patch(GenerationMixin, "_prefill", reuse.prefill),
+        Patch(GenerationMixin, "generate", reuse.generate),
+        Patch(PreTrainedModel, "get_correct_attn_implementation", hooks.check_requested_attention),
+        Patch(PreTrainedModel, "set_attn_implementation", hooks.check_switched_attention),
+    )
+
+
 def register() -> None:
-    """Make ``cache_implementation="vkv"`` and ``attn_implementation="vkv_paged"`` work in
-    transformers (safe to call many times)."""
+    """Make ``cache_implementation="vkv"`` and the ``"vkv_paged"`` / ``"vkv_cascade"`` attentions
+    work in transformers (safe to call many times)."""
     register_attention()
     register_pytree()
     if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS = (
             *configuration_utils.ALL_CACHE_IMPLEMENTATIONS, CACHE_IMPLEMENTATION
         )
-    _wrap("prepare_inputs_for_generation", _prepare_inputs)
-    _wrap("_prepare_cache_for_generation", _prepare_cache)
-    _wrap("_prefill", reuse.prefill)
-    _wrap("generate", reuse.generate)
+    for patch in patches():
+        _install(patch)
 
 
-def _wrap(name: str, around: Any) -> None:
-    """Replace ``GenerationMixin.<name>`` by a method calling ``around(original, self, ...)``
+def _install(patch: Patch) -> None:
+    """Replace ``patch.owner.<name>`` by a method calling ``patch.around(original, self, ...)``
     (once: a wrapped method is marked)."""
-    original = getattr(GenerationMixin, name)
-    if getattr(original, _MARK, False):
+    original = getattr(patch.owner, patch.name)
+    if getattr(original, PATCH_MARK, False):
         return
+    around = patch.around
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         return around(original, self, *args, **kwargs)
 
-    setattr(method, _MARK, True)
-    setattr(GenerationMixin, name, method)
+    setattr(method, PATCH_MARK, True)
+    setattr(patch.owner, patch.name, method)
 
 
 def _prepare_inputs(original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -144,6 +188,8 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
                         *args, **kwargs)
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     cache_config = from_transformers_keys(config_dict(generation_config.cache_config))  # a string: TypeError; max_cache_len: max_tokens
+    from .prefix import reuse  # see patches()
+
     store, cache_config = reuse.split_prefix_store(cache_config)
     memory = None if store is None else reuse.memory_for(model, store, cache_config)
     if generation_config.compile_config is not None and cache_config.get("layout") is None:

@@ -27,6 +27,7 @@ from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..cache import CacheOptions, VKVCache
+from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
 from ..prefix import PrefixStore, reuse
 from ..prefix.reuse import ReuseReport
 from ..registration import cache_kwarg
@@ -38,10 +39,8 @@ __all__ = [
     "AttentionPath", "PAGED_ATTENTION", "VKVCacheFactory", "describe_environment", "paged_attention_available", "run_ab",
 ]
 
-#: The attention implementation that reads the vkv cache through block tables (attention path "paged").
-PAGED_ATTENTION = "vkv_paged"
 #: The attention implementation of each attention path that is not the model's own.
-_PATH_ATTENTION = {"paged": PAGED_ATTENTION, "cascade": "vkv_cascade"}
+_PATH_ATTENTION = {"paged": PAGED_ATTENTION, "cascade": CASCADE_ATTENTION}
 #: Builds the cache under test: ``factory(config, batch_size=rows, prompt_repeats=k, options=...)``.
 VKVCacheFactory = type[VKVCache]
 

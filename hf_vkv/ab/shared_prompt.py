@@ -51,6 +51,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from .bench import MODES, prompt_ids
 from .decode import Prompt, load_prompt
 from .ideal import IdealCache
+from ..kv_records import CASCADE_ATTENTION
 from ..registration import cache_kwarg
 from .probes import StepProbe
 
@@ -61,8 +62,6 @@ __all__ = [
 ]
 
 SHARED_PROMPT_SCHEMA_VERSION = "hf_vkv.shared_prompt/1"
-#: The shared-prefix decode attention (read a shared prefix once).
-CASCADE_ATTENTION = "vkv_cascade"
 #: Every cache a cell can time, in report order.
 CACHES = ("dynamic", "vkv", "vkv_cascade", "ideal")
 #: The workloads: n=8 sampling, 4 beams, greedy (one row).

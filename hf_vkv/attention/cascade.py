@@ -2,7 +2,7 @@
 
 Rows whose page tables share a prefix (one prompt's ``num_return_sequences`` rows, beams, forks)
 hold the same keys and values there. For a decode step (one query per row) this attention splits
-each cluster of such rows (:class:`~hf_vkv.attention.shared_prefix.SharedPrefix`, tagged on the
+each cluster of such rows (:class:`~hf_vkv.kv_records.SharedPrefix`, tagged on the
 keys by the cache) in two:
 
 * the shared prefix ``[0, P)``, read **once**, with the queries of all the cluster's rows (and all
@@ -31,14 +31,10 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .errors import UnsupportedModelError
-from .paged_kv import record_of
-from .shared_prefix import Cluster, SharedPrefix
+from ..kv_records import CASCADE_ATTENTION, Cluster, SharedPrefix, record_of
 from .support import model_type_of
 
-__all__ = ["CASCADE_ATTENTION", "attend_part", "cascade_decode", "merge_partials", "vkv_cascade_attention"]
-
-#: The attention implementation that reads shared prefixes once (registered on ``import hf_vkv``).
-CASCADE_ATTENTION = "vkv_cascade"
+__all__ = ["attend_part", "cascade_decode", "merge_partials", "vkv_cascade_attention"]
 
 
 def attend_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .paged_interface import check_block_ids, check_caches, check_paged_inputs, paged_kernel
-from .paged_kv import PagedKV
+from ..kv_records import PagedKV
 
 __all__ = [
     "PagedBackend",

@@ -4,7 +4,7 @@ its block tables.
 ``model.set_attn_implementation("vkv_paged")`` (or ``from_pretrained(...,
 attn_implementation="vkv_paged")``) makes the model call :func:`vkv_paged_attention`, and
 ``VKVCache`` then picks its paged layout by itself. The paged layer's ``update`` returns the new
-states with a :class:`~hf_vkv.attention.paged_kv.PagedKV` tag on the key (see :mod:`hf_vkv.attention.paged_kv`
+states with a :class:`~hf_vkv.kv_records.PagedKV` tag on the key (see :mod:`hf_vkv.kv_records`
 for why a tag rather than a forward kwarg); this function reads the cached tokens through the tag:
 
 * on CPU, and wherever exact equality with sdpa is the point (dropout, ``output_attentions``,
@@ -29,10 +29,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cascade import CASCADE_ATTENTION, vkv_cascade_attention
+from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION, PagedKV, paged_kv_of
+from .cascade import vkv_cascade_attention
 from .guards import check_call
-from .hooks import install_model_hooks
-from .paged_kv import PAGED_ATTENTION, PagedKV, paged_kv_of
 from .kernels import gather_kv, paged_attention
 
 __all__ = ["vkv_paged_attention", "register_attention", "PAGED_ATTENTION"]
@@ -80,14 +79,13 @@ def vkv_paged_attention(
 
 
 def register_attention() -> None:
-    """Everything the attention side registers with transformers (idempotent): ``"vkv_paged"``
-    and ``"vkv_cascade"`` (:mod:`hf_vkv.attention.cascade`), their mask function (sdpa's), and
-    the checks that refuse models the paged attention cannot serve when they are built or
-    switched to it (:mod:`hf_vkv.attention.hooks`). The cascade attention reads ordinary
-    tensors, so a model whose attention code is its own simply keeps computing it exactly."""
+    """Register ``"vkv_paged"`` and ``"vkv_cascade"`` (:mod:`hf_vkv.attention.cascade`) and their
+    mask function (sdpa's) with transformers' attention interfaces (idempotent). The checks that
+    refuse models the paged attention cannot serve (:mod:`hf_vkv.attention.hooks`) are installed
+    with the other patches by :func:`hf_vkv.registration.register`. The cascade attention reads
+    ordinary tensors, so a model whose attention code is its own simply keeps computing it exactly."""
     for name, function in ((PAGED_ATTENTION, vkv_paged_attention), (CASCADE_ATTENTION, vkv_cascade_attention)):
         if AttentionInterface._global_mapping.get(name) is not function:
             AttentionInterface.register(name, function)
         if AttentionMaskInterface._global_mapping.get(name) is not sdpa_mask:
             AttentionMaskInterface.register(name, sdpa_mask)
-    install_model_hooks(PAGED_ATTENTION)

@@ -7,7 +7,7 @@ table instead of through a contiguous tensor.
 The interface (shared by :func:`hf_vkv.attention.kernels.paged_attention_reference`,
 :func:`hf_vkv.attention.kernels.paged_attention` and
 :func:`hf_vkv.attention.triton_paged.paged_attention_triton`, all called
-``kernel(query, kv, *, scale, mask=None)`` with ``kv`` a :class:`~hf_vkv.attention.paged_kv.PagedKV`):
+``kernel(query, kv, *, scale, mask=None)`` with ``kv`` a :class:`~hf_vkv.kv_records.PagedKV`):
 
 * ``key_cache``, ``value_cache``: ``[num_blocks, block_size, kv_heads, head_dim]``, float32,
   float16 or bfloat16, any strides with ``stride(-1) == 1`` (the cache hands strided views of a
@@ -52,7 +52,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from .paged_kv import PagedKV
+from ..kv_records import PagedKV
 
 __all__ = ["check_block_ids", "check_caches", "check_paged_inputs", "paged_kernel"]
 

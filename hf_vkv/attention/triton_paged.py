@@ -41,7 +41,7 @@ from triton.runtime.jit import JITFunction
 from torch import Tensor
 
 from .paged_interface import paged_kernel
-from .paged_kv import PagedKV
+from ..kv_records import PagedKV
 
 __all__ = ["paged_attention_triton"]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 from dataclasses import dataclass
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,14 +17,17 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..attention.cascade import CASCADE_ATTENTION
-from ..attention.paged_kv import PAGED_ATTENTION
-from ..devices import layer_devices_of, policy_for
+from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
+from .. import devices
+from ..devices import layer_devices_of
 from .grad import refuse_trainable_states
 from .group import LayerGroup
+from .shared_prefix_group import SharedPrefixGroup
+from .static_group import StaticGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
 from .options import CacheOptions, config_dict
+from .prefill_state import PrefillOnce
 from .sources import ArenaSource, LayoutMaker
 from .workload import layout_for_generate
 from .stats import CacheStats, GroupStats
@@ -121,9 +123,7 @@ class VKVCache(Cache):
         text_config = config.get_text_config(decoder=True)
         self.config = text_config
         self.prompt_repeats = prompt_repeats
-        self._prompt_tokens = [0, 0]  # prompt tokens computed / saved by generate's prefills
-        self._prefill_once = "no expanded prefill yet"
-        self._cascade = "not asked"
+        self.prefill = PrefillOnce(self)  # generate's prefills of repeated prompts: whether once, what they computed
         self._layout_name = _resolve_layout(self.options, getattr(text_config, "_attn_implementation", None))
         capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
         if memory_of is not None and not isinstance(memory_of, VKVCache):
@@ -146,24 +146,21 @@ class VKVCache(Cache):
                 members.setdefault(key, []).append(idx)
         self._groups: list[LayerGroup] = []
 
-        this = weakref.ref(self)  # the groups keep this function: no reference cycle back to the cache
-
-        def cascade() -> bool:  # asked per step: under "vkv_cascade" contiguous full-attention groups tag prefixes
-            cache = this()
-            if cache is None or getattr(text_config, "_attn_implementation", None) != CASCADE_ATTENTION:
-                return False
-            cache._cascade = cache._cascade_refusal() or "on"
-            return cache._cascade == "on"
-
-        tags = None if self._layout_name in ("static", "paged") else cascade
         make_layout = LayoutMaker(self._layout_name, self.options.block_tokens, text_config)
+        # under "vkv_cascade", full-attention groups of a contiguous layout tag shared prefixes
+        cascade = getattr(text_config, "_attn_implementation", None) == CASCADE_ATTENTION \
+            and self._layout_name not in ("static", "paged")
         for (kind, window, _), idxs in members.items():
-            self._groups.append(LayerGroup(
-                name=f"{kind}" + (f"[{idxs[0]}]" if self.options.groups == "layer" else ""),
-                members=idxs, sliding_window=window, make_layout=make_layout, arena_for=self._arena_for,
-                rows_hint=batch_size, capacity=capacity, prompt_repeats=prompt_repeats,
-                share_prompts=self.options.share_prompts, read_shared_prefix=tags,
-            ))
+            common = dict(name=f"{kind}" + (f"[{idxs[0]}]" if self.options.groups == "layer" else ""),
+                          members=idxs, sliding_window=window, make_layout=make_layout, arena_for=self._arena_for,
+                          rows_hint=batch_size, capacity=capacity, prompt_repeats=prompt_repeats,
+                          share_prompts=self.options.share_prompts)
+            if static:
+                self._groups.append(StaticGroup(map_ahead=self.options.map_ahead or devices.MAP_AHEAD_TOKENS, **common))
+            elif cascade and window is None:
+                self._groups.append(SharedPrefixGroup(half_precision=self.options.cascade_half_precision, **common))
+            else:
+                self._groups.append(LayerGroup(**common))
         group_of = {i: g for g in self._groups for i in g.members}
         layers: list[Any] = []
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):
@@ -237,7 +234,7 @@ class VKVCache(Cache):
         """Rows (batch) the cache holds now (0 before the first update)."""
         return max((g.batch for g in self._groups), default=0) or max(0, self.batch_size)
 
-    def _other_layers(self) -> list[Any]:
+    def transformers_layers(self) -> list[Any]:
         """Layers kept in transformers' own classes, and the linear state of hybrid layers (their
         K/V are a group's): what row operations reach besides the groups."""
         return [part for part in map(transformers_part, self.layers) if part is not None]
@@ -259,14 +256,14 @@ class VKVCache(Cache):
                 shared_prompt_rows=group.prompt_sharing_rows, tail_copies=s.tail_copies if s else 0,
             ))
         pool = sum(a.pool.stats().resident_bytes for a in self._arenas.values() if not a.closed)
-        others = len(self._other_layers())
+        others = len(self.transformers_layers())
         return CacheStats(groups=tuple(out), pool_resident_bytes=pool, vkv_layers=self._vkv_layers(),
-                          transformers_layers=others, prompt_tokens_computed=self._prompt_tokens[0],
-                          prompt_tokens_saved=self._prompt_tokens[1], prefill_once=self._prefill_once,
-                          cascade=self._cascade)
+                          transformers_layers=others, prompt_tokens_computed=self.prefill.computed,
+                          prompt_tokens_saved=self.prefill.saved, prefill_once=self.prefill.verdict,
+                          cascade=next((g.cascade for g in self._groups if isinstance(g, SharedPrefixGroup)), "not asked"))
 
     def __repr__(self) -> str:
-        others = len(self._other_layers())
+        others = len(self.transformers_layers())
         return (f"VKVCache(layout={self.layout or 'device default'}, vkv_layers={self._vkv_layers()} "
                 f"in {len(self._groups)} group(s), transformers_layers={others}, rows={self.rows})")
 
@@ -275,79 +272,12 @@ class VKVCache(Cache):
         for group in self._groups:
             group.check_invariants()
 
-    def _cascade_refusal(self) -> str | None:
-        """Why the ``"vkv_cascade"`` attention must take sdpa's path (``None``: it may read shared
-        prefixes once): half-precision states, unless ``cache_config['cascade_half_precision']``."""
-        half = next((g.geometry.dtype for g in self._groups if g.geometry is not None
-                     and g.geometry.dtype in (torch.bfloat16, torch.float16)), None)
-        if half is None or self.options.cascade_half_precision:
-            return None
-        return (f"sdpa: the cascade can change tokens in {str(half).removeprefix('torch.')} (float32 sums rounded "
-                f"once still differ from sdpa's); cache_config={{'cascade_half_precision': True}} asks for it")
-
-    # ----------------------------------------------------------------------------- prefill once
-    def prefill_once_refusal(self, device: torch.device) -> str | None:
-        """Why ``generate``'s next prefill on ``device`` must run on every expanded row (``None``:
-        it may run once per prompt, see :meth:`unique_prompt_prefill`)."""
-        if self.prompt_repeats < 2:
-            return "no prompt is repeated"
-        if not (self.options.share_prompts and self.options.prefill_once is not False):
-            return "cache_config sets share_prompts or prefill_once to False"
-        if self.options.prefill_once is None and not policy_for(device).prefill_once:
-            return (f"not measured exact on {device.type} yet: cache_config={{'prefill_once': True}} turns it on "
-                    f"(a row of a batch-B forward may round differently from the same row in a batch-N one there)")
-        if self.get_seq_length() and not self._rows_repeat_prompts():
-            return "the cache already holds tokens, not the same ones in every row of a prompt"
-        fixed = [type(layer).__name__ for layer in self._other_layers() if not hasattr(layer, "batch_repeat_interleave")]
-        if fixed:
-            return f"transformers' {fixed[0]} layers this cache keeps cannot repeat rows"
-        return None
-
-    def record_full_prefill(self, reason: str, *, rows: int, tokens: int) -> None:
-        """``generate`` ran a prefill of ``rows`` rows x ``tokens`` tokens on every row, because of ``reason``
-        (``tokens``: the whole prompt; tokens the cache holds already, from stored prefixes, are not computed)."""
-        self._prompt_tokens[0] += rows * (tokens - self.get_seq_length())
-        self._prefill_once = reason
-
-    def note_prefill_once(self, detail: str) -> None:
-        """What :meth:`stats` says of the last prefill once, where more than ``"on"`` (calls of its
-        forward that had to run on every expanded row, :mod:`hf_vkv.row_exactness`)."""
-        self._prefill_once = detail
-
-    @contextlib.contextmanager
-    def unique_prompt_prefill(self, *, prompts: int, tokens: int,
-                              repeat_rows: Callable[[int], None] | None = None) -> Iterator[None]:
-        """Run ``generate``'s prefill on one row per prompt: inside, the cache takes ``prompts``
-        distinct rows as they are (no prompt sharing among them); on success each row is then
-        repeated :attr:`prompt_repeats` times (``repeat_rows``, default
-        :meth:`batch_repeat_interleave`; an encoder-decoder cache passes its own), its pages
-        shared and nothing copied. Counts ``prompts x tokens`` computed
-        and ``prompts x (k - 1) x tokens`` saved in :meth:`stats`."""
-        k = self.prompt_repeats
-        past = self.get_seq_length()
-        if past:  # rows started from stored prefixes (take_rows), k per prompt on the same pages: keep one
-            self.batch_select_indices(range(0, self.rows, k))
-        tokens -= past
-        saved = [g.prompt_repeats for g in self._groups]
-        for group in self._groups:
-            group.prompt_repeats = 1
-        try:
-            yield
-        finally:
-            for group, repeats in zip(self._groups, saved):
-                group.prompt_repeats = repeats
-        (repeat_rows or self.batch_repeat_interleave)(k)
-        for group in self._groups:
-            group.shared_prompt_rows += prompts * (k - 1)
-        self._prompt_tokens[0] += prompts * tokens
-        self._prompt_tokens[1] += prompts * (k - 1) * tokens
-        self._prefill_once = "on"
-
-    def _rows_repeat_prompts(self) -> bool:
+    # ----------------------------------------------------------------------------- repeated prompts
+    def rows_repeat_prompts(self) -> bool:
         """Whether rows ``r*k .. r*k+k-1`` (``k`` = :attr:`prompt_repeats`) hold the same pages
         (so equal tokens) in every group: rows :meth:`take_rows` started from stored prefixes."""
         k = self.prompt_repeats
-        if self._other_layers() or self.rows % k:
+        if self.transformers_layers() or self.rows % k:
             return False
         for group in self._groups:
             if group.buffer is None:
@@ -357,6 +287,24 @@ class VKVCache(Cache):
                 if any(group.buffer.shared_items(leader, r) < length for r in range(leader + 1, leader + k)):
                     return False
         return True
+
+    @contextlib.contextmanager
+    def prompts_alone(self) -> Iterator[None]:
+        """Inside, a prefill's rows are distinct prompts (one row per prompt: no prompt sharing
+        among them, whatever :attr:`prompt_repeats` says)."""
+        saved = [g.prompt_repeats for g in self._groups]
+        for group in self._groups:
+            group.prompt_repeats = 1
+        try:
+            yield
+        finally:
+            for group, repeats in zip(self._groups, saved):
+                group.prompt_repeats = repeats
+
+    def count_shared_prompt_rows(self, rows: int) -> None:
+        """``rows`` more rows took their prompt from another row's pages (``stats()``)."""
+        for group in self._groups:
+            group.shared_prompt_rows += rows
 
     # ----------------------------------------------------------------------------- stored prefixes
     def take_rows(self, sources: Sequence[RowSource], *, length: int) -> int:
@@ -372,7 +320,7 @@ class VKVCache(Cache):
         ``ValueError``, as is a cache that holds tokens or a source shorter than asked)."""
         if self.get_seq_length() or self.rows:
             raise ValueError("take_rows fills an empty cache; this one holds rows")
-        if self._other_layers() or any(g.sliding_window is not None for g in self._groups) \
+        if self.transformers_layers() or any(g.sliding_window is not None for g in self._groups) \
                 or self._layout_name == "static":
             raise ValueError("take_rows fills caches of full-attention layers only (no sliding window, no layer kept "
                              "by transformers, not the static layout)")
@@ -397,51 +345,27 @@ class VKVCache(Cache):
         return copied
 
     # ----------------------------------------------------------------------------- static layout
-    def _static_groups(self) -> list[tuple[LayerGroup, VKVStaticLayer]]:
-        """``(group, its first layer)`` for every group of the static layout that holds states
-        (none in the other layouts: their row operations pay nothing for this)."""
-        if self._layout_name != "static":
-            return []
-        firsts: dict[int, VKVStaticLayer] = {}
-        for layer in self.layers:
-            if isinstance(layer, VKVStaticLayer) and layer.is_initialized:
-                firsts.setdefault(id(layer.group), layer)
-        return [(group, firsts[id(group)]) for group in self._groups if id(group) in firsts]
-
     def map_ahead(self, tokens: int | None = None) -> None:
         """Static layout, before a (compiled) step: make the next ``tokens`` tokens of every row
         writable — pages mapped and private — so the step writes only with ``index_copy_``
-        (default ``cache_config['map_ahead']``, 32). Called by ``generate`` before each step and
-        after every row operation; a no-op for the other layouts."""
-        ahead = max(tokens or 0, self.options.map_ahead or 32)
-        for group, first in self._static_groups():
-            group.map_ahead(first.written_length(), ahead)
-
-    def _sync_static(self) -> None:
-        """Before a row operation: the groups learn the lengths compiled steps wrote."""
-        for group, first in self._static_groups():
-            group.lengths = [first.written_length()] * len(group.members)
-
-    def _after_row_operation(self) -> None:
-        """After a row operation: static layers follow the group's lengths, and the next write's
-        pages are made private again (a reorder may have shared them)."""
-        if not self._static_groups():
-            return
-        for layer in self.layers:
-            if isinstance(layer, VKVStaticLayer) and layer.is_initialized:
-                layer.set_length(layer.group.length(layer.layer_idx))
-                layer.follow_rows()
-        self.map_ahead()
+        (at least ``cache_config['map_ahead']``, default :data:`hf_vkv.devices.MAP_AHEAD_TOKENS`).
+        Called by ``generate`` before each step and after every row operation; a no-op for the
+        other layouts (:class:`~hf_vkv.cache.static_group.StaticGroup`)."""
+        for group in self._groups:
+            if isinstance(group, StaticGroup):
+                group.map_ahead(tokens)
 
     # ----------------------------------------------------------------------------- row operations
     def _row_operation(self, on_group: Callable[[LayerGroup], None], on_layer: Callable[[Any], None]) -> None:
         """Apply a row operation once to each group and to each layer kept by transformers."""
-        self._sync_static()
+        for group in self._groups:
+            group.before_row_operation()
         for group in self._groups:
             on_group(group)
-        for layer in self._other_layers():
+        for layer in self.transformers_layers():
             on_layer(layer)
-        self._after_row_operation()
+        for group in self._groups:
+            group.after_row_operation()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` takes row ``beam_idx[i]``'s pages (``beam_idx``: int tensor, any device): no copy."""
@@ -479,14 +403,16 @@ class VKVCache(Cache):
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
-        self._sync_static()
+        for group in self._groups:
+            group.before_row_operation()
         for group in self._groups:
             group.check_crop()  # every group first: a refused crop changes nothing
-        for layer in self._other_layers():
+        for layer in self.transformers_layers():
             layer.crop(tokens_to_remove)  # transformers' layers may refuse too: before the groups change
         for group in self._groups:
             group.crop(tokens_to_remove)
-        self._after_row_operation()
+        for group in self._groups:
+            group.after_row_operation()
 
     def reset(self) -> None:
         """Forget every cached token (pages go back to the pool)."""
@@ -496,7 +422,7 @@ class VKVCache(Cache):
         """Keep sliding layers' pages behind the window until :meth:`crop` (assisted decoding)."""
         for group in self._groups:
             group.start_recording()
-        for layer in self._other_layers():
+        for layer in self.transformers_layers():
             if hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording()
 
@@ -531,7 +457,7 @@ class VKVCache(Cache):
             if group.sliding_window is not None and first > 0:
                 m = max(m, first + group.sliding_window - 1)
         if any(getattr(layer, "is_sliding", False) or not getattr(layer, "is_croppable", True)
-               for layer in self._other_layers()):
+               for layer in self.transformers_layers()):
             m = length  # transformers' own sliding layers and recurrent states cannot be cut back
         return min(m, length)
 
@@ -542,7 +468,7 @@ class VKVCache(Cache):
         out: dict[Hashable, int] = {}
         for group in self._groups:
             out.update(group.held_pages())
-        for layer in self._other_layers():
+        for layer in self.transformers_layers():
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(t, torch.Tensor):
                     out[("tensor", id(layer), t.data_ptr())] = t.numel() * t.element_size()
@@ -579,6 +505,7 @@ class VKVCache(Cache):
 
     def _fork(self) -> VKVCache:
         other = copy.copy(self)
+        other.prefill = self.prefill.copy_for(other)
         twins = {id(g): g.fork(other._arena_for) for g in self._groups}
         other._groups = [twins[id(g)] for g in self._groups]
         other.layers = []

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.kernels import gather_kv
-from ..attention.paged_kv import paged_kv_of
 from ..memory import VKVError
 
 __all__ = ["VKVGradientError", "tracks_grad", "refuse_trainable_states", "with_new_states"]
@@ -65,13 +63,10 @@ def refuse_trainable_states(key_states: torch.Tensor, value_states: torch.Tensor
 def with_new_states(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
                     value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What a tracked ``update`` returns: the cached part of ``keys``/``values`` (as the layer
-    returned them after storing detached states: ``[B, H, kv_length, D]`` views whose last ``q``
-    tokens are the new ones, or the paged layout's tagged ``[B, H, q, D]`` states) followed by
+    returned them after storing detached states: ``[B, H, kv_length, D]`` plain tensors whose last
+    ``q`` tokens are the new ones) followed by
     ``key_states``/``value_states`` (``[B, H, q, D]``, with history): new contiguous
     ``[B, H, kv_length, D]`` tensors, equal to ``DynamicLayer.update``'s ``torch.cat``."""
-    tag = paged_kv_of(keys)
-    if tag is not None:  # the cached tokens as plain tensors: "vkv_paged" reads untagged K/V as sdpa does
-        keys, values = gather_kv(tag)
     q = key_states.shape[-2]
     past = keys.shape[-2] - q
     return (torch.cat([keys.narrow(-2, 0, past), key_states], dim=-2),

@@ -15,12 +15,11 @@ Invariants (checked by :meth:`LayerGroup.check_invariants`):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from .. import devices
-from ..attention.paged_kv import tag_key
-from ..attention.shared_prefix import Cluster, SharedPrefix
+from ..kv_records import paged_kv_of
 from ..memory import Arena, BufferStats, RowBuffer
 from ..memory.errors import InvariantError
 from .geometry import GroupGeometry, LayerMismatchError
@@ -51,7 +50,6 @@ class LayerGroup:
         capacity: int,
         prompt_repeats: int,
         share_prompts: bool,
-        read_shared_prefix: Callable[[], bool] | None = None,
     ) -> None:
         self.name = name
         self.members = tuple(members)
@@ -74,11 +72,7 @@ class LayerGroup:
         self.written_from = 0  # tokens before it were never written (a window restored by write_states)
         self._prepared: tuple[int, int, int] | None = None  # (batch, start, end) made writable since the last change
         self._followers: dict[int, int] = {}  # prefill only: row -> leader row it shares pages with
-        # asked at each decode step (the model's attention may change after the cache is made):
-        # tag the keys with the rows sharing a prefix, for the "vkv_cascade" attention
-        self.read_shared_prefix = read_shared_prefix if sliding_window is None else None
-        self._shared: SharedPrefix | None | bool = False  # this step's shared_prefix() (False: not derived yet)
-        self._tag_prefix = False  # this step's read_shared_prefix(), asked once per step (prepare), not per layer
+        self.version = 0  # moves whenever a step is prepared or the rows change (what a step derives is keyed by it)
 
     # ----------------------------------------------------------------------------- set-up
     def init_layer(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -137,11 +131,12 @@ class LayerGroup:
         return self.window_start(self.length(layer))
 
     # ----------------------------------------------------------------------------- per step
-    def update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
+    def update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, *, plain: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store member ``layer``'s new ``[B, H, q, D]`` states after its cached tokens and return
         what attention reads: ``[B, H, kv_length, D]`` (``kv_length`` as the mask's) or, in the
-        paged layout, the tagged new states."""
+        paged layout, the tagged new states (``plain``: there too the ``[B, H, kv_length, D]``
+        tokens, gathered through the block tables: the gradient path's ``torch.cat`` reads them)."""
         self.geometry.check(layer, key_states, value_states)
         member = self.member_of[layer]
         start = self.lengths[member]
@@ -155,38 +150,13 @@ class LayerGroup:
         self.lengths[member] = end
         keys, values = layout.attention_inputs(buffer, batch=self.batch, member=member, start=self.window_start(start),
                                                end=end, key=key_states, value=value_states)
-        if end - start == 1 and self._tag_prefix and not layout.static:
-            prefix = self.shared_prefix()
-            if prefix is not None:
-                keys = tag_key(keys, prefix)
-        return keys, values
+        if plain and paged_kv_of(keys) is not None:
+            keys, values = layout.cached(buffer, batch=self.batch, member=member, start=self.window_start(start), end=end)
+        return self._returned_keys(keys, start, end), values
 
-    def shared_prefix(self) -> SharedPrefix | None:
-        """The clusters of rows that hold their first tokens on the same pages (each sparing at
-        least :data:`hf_vkv.devices.CASCADE_MIN_SAVED_TOKENS` re-read tokens), derived from the
-        page tables once per step (after every reorder: beams share the prompt and whatever full
-        pages of history they still have in common); ``None`` when no cluster is worth reading once."""
-        if self._shared is not False:
-            return self._shared  # type: ignore[return-value]
-        buffer = self._buf()
-        rows_of: dict[int, list[int]] = {}  # a cluster's first row -> its rows
-        tokens_of: dict[int, int] = {}  # a cluster's first row -> tokens all its rows share
-        for row in range(self.batch):
-            for first in rows_of:
-                shared = buffer.shared_items(row, first)
-                if shared:
-                    rows_of[first].append(row)
-                    tokens_of[first] = min(tokens_of[first], shared)
-                    break
-            else:
-                rows_of[row], tokens_of[row] = [row], buffer.length(row)
-        least = devices.CASCADE_MIN_SAVED_TOKENS
-        kept = tuple(Cluster(index=tuple(rows), tokens=tokens_of[first]) for first, rows in rows_of.items()
-                     if len(rows) > 1 and tokens_of[first] * (len(rows) - 1) >= least)
-        taken = {r for c in kept for r in c.index}
-        self._shared = SharedPrefix(clusters=kept, alone=tuple(r for r in range(self.batch) if r not in taken)) \
-            if kept else None
-        return self._shared
+    def _returned_keys(self, keys: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The keys :meth:`update` returns for tokens ``[start, end)`` (a subclass may tag them)."""
+        return keys
 
     def write_states(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, *, start: int) -> None:
         """Store ``[B, H, T, D]`` states of an empty member as its tokens ``[start, start + T)``;
@@ -261,26 +231,7 @@ class LayerGroup:
         self.batch = batch
         self._lay().invalidate()
         self._prepared = (batch, start, end)
-        self._shared = False
-        self._tag_prefix = self.read_shared_prefix is not None and self.read_shared_prefix()
-
-    def map_ahead(self, length: int, tokens: int) -> None:
-        """Static layout, outside a compiled step: the rows hold ``length`` tokens (every member);
-        make tokens ``[length, length + tokens)`` writable now (grow, copy shared pages), so the
-        compiled step writes only into private pages, and sync the members' lengths."""
-        if self.buffer is None or length == 0:
-            return
-        mapped = min((self.buffer.length(r) for r in range(self.batch)), default=0)
-        if length > mapped:
-            raise InvariantError(
-                f"group {self.name!r}: compiled steps wrote up to token {length} but only {mapped} were mapped "
-                f"ahead: a step ran without VKVCache.map_ahead() before it (a model whose "
-                f"prepare_inputs_for_generation does not call transformers' own?); its tokens are lost")
-        end = min(length + tokens, self.capacity)
-        self._settle_followers()
-        self.lengths = [length] * len(self.members)
-        if end > length:
-            self.prepare(self.batch, length, end)
+        self.version += 1
 
     def _follows_leader(self, row: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether ``row`` still shares its prompt's pages with its leader: its states equal the
@@ -298,6 +249,12 @@ class LayerGroup:
         return False
 
     # ----------------------------------------------------------------------------- row operations
+    def before_row_operation(self) -> None:
+        """Called by the cache before each row operation (a subclass syncs what steps changed)."""
+
+    def after_row_operation(self) -> None:
+        """Called by the cache after each row operation (a subclass makes its layers follow)."""
+
     def reorder(self, index: Sequence[int]) -> None:
         """Row ``i`` takes row ``index[i]``'s pages (beam search, batch selection): only the pages
         where a row's table differs from its source's move, and a row that takes a partly written
@@ -451,10 +408,10 @@ class LayerGroup:
     # ----------------------------------------------------------------------------- life cycle
     def fork(self, arena_for: Callable[[torch.device, Layout], Arena]) -> LayerGroup:
         """A copy sharing every page (zero copy); both sides copy a page only when writing it."""
-        other = LayerGroup(name=self.name, members=self.members, sliding_window=self.sliding_window,
+        other = type(self)(name=self.name, members=self.members, sliding_window=self.sliding_window,
                            make_layout=self._make_layout, arena_for=arena_for, rows_hint=self._rows_hint,
                            capacity=self.capacity, prompt_repeats=self.prompt_repeats,
-                           share_prompts=self.share_prompts, read_shared_prefix=self.read_shared_prefix)
+                           share_prompts=self.share_prompts, **self._twin_options())
         other.geometry = self.geometry
         other.batch = self.batch
         other.lengths = list(self.lengths)
@@ -465,6 +422,10 @@ class LayerGroup:
             other.layout = self._make_layout(self.geometry, len(self.members))
             other.buffer = self.buffer.fork()
         return other
+
+    def _twin_options(self) -> dict[str, Any]:
+        """Constructor options of a subclass that :meth:`fork` passes on."""
+        return {}
 
     def close(self) -> None:
         if self.buffer is not None:
@@ -502,7 +463,7 @@ class LayerGroup:
 
     def _changed(self) -> None:
         self._settle_followers()
-        self._shared = False
+        self.version += 1
         if self.layout is not None:
             self.layout.invalidate()
         self._prepared = None

@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .grad import VKVGradientError, refuse_trainable_states, tracks_grad, with_new_states
 from ..memory import KVCacheOutOfMemory, VKVError
 from .group import LayerGroup
+from .static_group import StaticGroup
 from .oom import step_out_of_memory
 
 __all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer"]
@@ -100,16 +101,24 @@ class VKVLayer(CacheLayerMixin):
         (a trainable prefix: later forwards could not give its gradient)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        tracked = tracks_grad(key_states, value_states)
+        if tracked:
+            refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
         try:
-            if tracks_grad(key_states, value_states):
-                refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
-                keys, values = self.group.update(self.layer_idx, key_states.detach(), value_states.detach())
-                return with_new_states(keys, values, key_states, value_states)
-            return self.group.update(self.layer_idx, key_states, value_states)
+            keys, values = self.group.update(self.layer_idx, key_states.detach() if tracked else key_states,
+                                             value_states.detach() if tracked else value_states, plain=tracked)
         except KVCacheOutOfMemory as error:  # restated for the whole step: its total, what is free, a budget that fits
             start = self.group.length(self.layer_idx)  # unchanged: the step failed before writing
             raise step_out_of_memory(self.group, key_states.shape[0], start, start + key_states.shape[-2],
                                      error) from None
+        return self._returned(keys, values, key_states, value_states, tracked=tracked)
+
+    def _returned(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
+                  value_states: torch.Tensor, *, tracked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns once the group stored the states and gave back ``keys``/``values``
+        (``[B, H, kv_length, D]``, or the paged layout's tagged new states when not ``tracked``):
+        with autograd on, the cached tokens followed by the states with their history."""
+        return with_new_states(keys, values, key_states, value_states) if tracked else (keys, values)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -244,8 +253,9 @@ class VKVStaticLayer(VKVLayer):
 
     is_compileable = True
 
-    def __init__(self, group: LayerGroup, layer_idx: int) -> None:
+    def __init__(self, group: StaticGroup, layer_idx: int) -> None:
         super().__init__(group, layer_idx)
+        group.attach(self)
         self.max_cache_len = group.capacity
         # a tensor, as StaticLayer's: a compiled step reads and advances it without recompiling
         self.cumulative_length = torch.tensor(0, dtype=torch.long)
@@ -259,26 +269,9 @@ class VKVStaticLayer(VKVLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not torch.compiler.is_compiling():  # eagerly: VKVLayer's path (page tables, grad, out of memory)
+            return super().update(key_states, value_states)
         tracked = tracks_grad(key_states, value_states)
-        if not torch.compiler.is_compiling():
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            if tracked:
-                refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
-                key_states, value_states, new_keys, new_values = key_states.detach(), value_states.detach(), key_states, value_states
-            start = self.group.length(self.layer_idx)
-            try:
-                self.full_keys, self.full_values = self.group.update(self.layer_idx, key_states, value_states)
-            except KVCacheOutOfMemory as error:  # restated for the whole step, as VKVLayer.update does
-                raise step_out_of_memory(self.group, key_states.shape[0], start, start + key_states.shape[-2],
-                                         error) from None
-            length = self.group.length(self.layer_idx)
-            self.cumulative_length.fill_(length)
-            if tracked:  # full capacity, the new tokens with their history (StaticLayer's index_copy_, out of place)
-                positions = torch.arange(length - key_states.shape[-2], length, device=self.full_keys.device)
-                return (self.full_keys.index_copy(2, positions, new_keys),
-                        self.full_values.index_copy(2, positions, new_values))
-            return self.full_keys, self.full_values
         if tracked:
             raise VKVGradientError(
                 f"layer {self.layer_idx}: a compiled step of the static layout writes into pages in place and cannot "
@@ -290,13 +283,26 @@ class VKVStaticLayer(VKVLayer):
         values.index_copy_(2, positions, value_states)
         return keys, values
 
+    def _returned(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
+                  value_states: torch.Tensor, *, tracked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the full-capacity views and the length; with autograd on, the views with the new
+        tokens' states (with history) put in place out of place, as ``StaticLayer``'s ``index_copy_``."""
+        self.full_keys, self.full_values = keys, values
+        length = self.group.length(self.layer_idx)
+        self.cumulative_length.fill_(length)
+        if not tracked:
+            return keys, values
+        positions = torch.arange(length - key_states.shape[-2], length, device=keys.device)
+        return keys.index_copy(2, positions, key_states), values.index_copy(2, positions, value_states)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
 
-    def twin(self, group: LayerGroup) -> VKVStaticLayer:
+    def twin(self, group: StaticGroup) -> VKVStaticLayer:  # type: ignore[override]
         """Its own length tensor (advanced in place by compiled steps) and full views of ``group``'s
         pages (a fork sharing this layer's would write into this cache)."""
         other = super().twin(group)
+        group.attach(other)
         other.cumulative_length = self.cumulative_length.clone()
         if self.is_initialized:
             if not torch.compiler.is_compiling():

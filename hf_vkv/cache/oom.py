@@ -12,7 +12,6 @@ the paged layout's block store and the static layout's pages mapped ahead are no
 from __future__ import annotations
 
 from ..memory import KVCacheOutOfMemory, VirtualBuffer
-from ..memory.map_budget import MappingLimitError
 
 __all__ = ["pages_for_step", "step_out_of_memory"]
 
@@ -44,8 +43,6 @@ def step_out_of_memory(group: object, batch: int, start: int, end: int, error: K
                        ) -> KVCacheOutOfMemory:
     """``error`` restated for the whole step of ``group`` (rows ``0..batch-1``, tokens
     ``[start, end)``): its total need, the bytes free, and a budget that fits it."""
-    if isinstance(error, MappingLimitError):
-        return error  # not the page budget: the process's mappings (vm.max_map_count), already stated whole
     buffer = getattr(group, "buffer", None)
     if not isinstance(buffer, VirtualBuffer) or buffer.closed:
         # the paged layout's blocks live in a block store that grows by pages of its own: its
@@ -55,7 +52,7 @@ def step_out_of_memory(group: object, batch: int, start: int, end: int, error: K
     page = stats.page_bytes
     need = pages_for_step(group, batch, start, end)
     free = max(stats.budget_pages - stats.in_use, 0)
-    return KVCacheOutOfMemory(
+    return error.for_whole_step(
         requested_bytes=need * page, free_bytes=free * page, budget_bytes=stats.budget_pages * page,
         what=f"this step of layer group {getattr(group, 'name', '?')!r} ({batch} row(s), tokens [{start}, {end}): "
              f"{need:,} pages of {page:,} bytes)", fits_bytes=(stats.in_use + need) * page)

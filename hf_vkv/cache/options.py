@@ -63,7 +63,7 @@ class CacheOptions:
       ``docs/shared_prompts.md`` has the measurement, so half-precision caches take sdpa's path and
       :meth:`~hf_vkv.VKVCache.stats` says so in ``cascade``). Float32 is not affected.
     * ``block_tokens``: tokens per block in the paged layout (default
-      :data:`~hf_vkv.cache.layouts.DEFAULT_BLOCK_TOKENS`).
+      :data:`~hf_vkv.devices.PAGED_BLOCK_TOKENS`).
     * ``max_tokens``: tokens each row can hold (default: the model's ``max_position_embeddings``,
       or the generate call's ``max_length`` when larger). Only address space is reserved for it
       (except in the static layout, whose attention reads the whole capacity).

@@ -16,7 +16,8 @@ from transformers import PretrainedConfig
 from ..devices import arena_for_device, policy_for
 from ..memory import Arena
 from .geometry import GroupGeometry
-from .layouts import DEFAULT_BLOCK_TOKENS, Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
+from .. import devices
+from .layouts import Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
 
 __all__ = ["ArenaSource", "LayoutMaker"]
 
@@ -48,7 +49,7 @@ class LayoutMaker:
         if name == "static":
             return StaticLayout(geometry, members=members, base=layout_class(policy_for(geometry.device).layout))
         if name == "paged":
-            return PagedLayout(geometry, members=members, block_tokens=self.block_tokens or DEFAULT_BLOCK_TOKENS)
+            return PagedLayout(geometry, members=members, block_tokens=self.block_tokens or devices.PAGED_BLOCK_TOKENS)
         kind = layout_class(name)
         if kind is TokenMajorLayout:
             return TokenMajorLayout(geometry, members=members, copy_reads=reads_need_contiguous(self.config, geometry))

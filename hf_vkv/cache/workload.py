@@ -14,7 +14,7 @@ prompt         DynamicCache head-major  token-major
 512 (3)        6.30 s      6.86 s      6.19 s
 =============  ==========  ==========  ===========
 
-so CPU beam search with prompts up to :data:`BEAM_TOKEN_MAJOR_MAX_PROMPT` tokens gets
+so CPU beam search with prompts up to :data:`hf_vkv.devices.BEAM_TOKEN_MAJOR_MAX_PROMPT` tokens gets
 token-major. Since beam reorders copy a taken tail into the row's own page instead of remapping
 and copying it on write (:meth:`hf_vkv.memory.RowBuffer.reorder`), head-major no longer pays per
 sub-row at short prompts, and the two layouts' decode steps are within the run-to-run spread
@@ -28,15 +28,14 @@ two cross between 512 and ~1k tokens is not measured.
 
 from __future__ import annotations
 
-__all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "layout_for_generate"]
+from .. import devices
 
-#: Longest prompt (tokens) for which CPU beam search gets token-major (the longest measured).
-BEAM_TOKEN_MAJOR_MAX_PROMPT = 512
+__all__ = ["layout_for_generate"]
 
 
 def layout_for_generate(*, device_type: str, num_beams: int, prompt_tokens: int | None) -> str | None:
     """The layout for a ``generate()`` call on ``device_type`` (``None``: the device's default)."""
     if device_type == "cpu" and num_beams > 1 and prompt_tokens is not None \
-            and prompt_tokens <= BEAM_TOKEN_MAJOR_MAX_PROMPT:
+            and prompt_tokens <= devices.BEAM_TOKEN_MAJOR_MAX_PROMPT:
         return "token_major"
     return None

@@ -110,6 +110,8 @@ class CudaBackend:
             raise PageSizeError(f"cache_config['page_bytes']={page_bytes:,} is larger than {MAX_CUDA_PAGE_BYTES:,} "
                                 f"bytes; use a multiple of the granularity ({granularity:,}) up to that")
         self.page_bytes = page_bytes
+        self.map_budget = None  # GPU virtual memory: not the process's vm.max_map_count
+        self.gathered_copies = False  # copies run in order on the stream
         self._align = _alignment(page_bytes)
         if max_pages is None:
             max_pages = max(1, self._hooks.total_bytes() // page_bytes)

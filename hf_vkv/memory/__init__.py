@@ -22,7 +22,7 @@ from .errors import (
     KVCacheOutOfMemory,
     VKVError,
 )
-from .host_backend import DEFAULT_HOST_PAGE_BYTES, HostBackend
+from .host_backend import HostBackend
 from .limits import PageSizeError
 from .map_budget import MappingLimitError
 from .page_table import CowCopy, PageTable, Row
@@ -32,6 +32,6 @@ from .subrow_buffer import SubRowBuffer
 
 __all__ = [
     "Arena", "Backend", "BackendError", "BlockBuffer", "BlockStore", "BufferStats", "CacheClosedError", "CapacityError", "CowCopy",
-    "DEFAULT_HOST_PAGE_BYTES", "HostBackend", "InvariantError", "KVCacheOutOfMemory", "MappingLimitError", "PageSizeError", "OpenTables", "PageId", "PagePool",
+    "HostBackend", "InvariantError", "KVCacheOutOfMemory", "MappingLimitError", "PageSizeError", "OpenTables", "PageId", "PagePool",
     "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "SubRowBuffer", "VKVError", "VirtualBuffer", "check_pages",
 ]

@@ -50,7 +50,7 @@ class Arena(OpenTables):
     @property
     def gathered_copies(self) -> bool:
         """Whether :meth:`copy` reads every source before it writes any destination (the backend's)."""
-        return getattr(self.backend, "gathered_copies", False)
+        return self.backend.gathered_copies
 
     def create(self, pages: Sequence[PageId]) -> None:
         self.backend.ensure_id_space(self.pool.id_space)

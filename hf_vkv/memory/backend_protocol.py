@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .map_budget import MapBudget
 from .pool import PageId
 
 __all__ = ["Backend"]
@@ -28,6 +29,11 @@ class Backend(Protocol):
 
     page_bytes: int  # bytes of one physical page (the mapping granularity)
     device: torch.device  # where the memory lives
+    #: The process's mapping budget each mapping of this backend counts against (the host's
+    #: ``vm.max_map_count``), or ``None`` where mappings are not a per-process limit (CUDA's VMM).
+    map_budget: MapBudget | None
+    #: Whether :meth:`copy` reads every source before it writes any destination (one batched copy).
+    gathered_copies: bool
 
     def ensure_id_space(self, num_pages: int) -> None:
         """Make page ids ``0 .. num_pages-1`` addressable (no memory is committed)."""
@@ -66,8 +72,8 @@ class Backend(Protocol):
         ``nbytes[k]`` of them (a copy-on-write of a partly written page), or all of them. A page may
         be the ``src`` of one pair and the ``dst`` of a later one, never the reverse: run the copies
         in order, or read every source before writing any destination (one batched copy). A
-        backend that always does the latter says so with a ``gathered_copies = True`` attribute;
-        then a page may also be written before it is read (a reorder's swap of two rows' tails)."""
+        backend that always does the latter says so with :attr:`gathered_copies`; then a page may
+        also be written before it is read (a reorder's swap of two rows' tails)."""
 
     def tensor(self, address: int, nbytes: int, owner: object) -> torch.Tensor:
         """A zero-copy ``uint8`` tensor ``[nbytes]`` over ``[address, address + nbytes)`` that keeps

@@ -36,9 +36,8 @@ from .map_budget import PROCESS_MAP_BUDGET, process_mappings, read_max_map_count
 from .pool import PageId
 from .runs import consecutive_runs
 
-__all__ = ["HostBackend", "DEFAULT_HOST_PAGE_BYTES"]
+__all__ = ["HostBackend"]
 
-DEFAULT_HOST_PAGE_BYTES = 256 * 1024
 
 _PROT_NONE, _PROT_RW = 0x0, 0x3
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
@@ -103,7 +102,7 @@ class HostBackend:
     space; nothing is committed until a page is first written.
     """
 
-    def __init__(self, *, page_bytes: int = DEFAULT_HOST_PAGE_BYTES, name: str = "hf_vkv") -> None:
+    def __init__(self, *, page_bytes: int, name: str = "hf_vkv") -> None:
         if page_bytes <= 0 or page_bytes % mmap.PAGESIZE:
             raise ValueError(
                 f"page_bytes must be a positive multiple of the OS page size ({mmap.PAGESIZE}), got {page_bytes}"

@@ -1,4 +1,4 @@
-"""Bounds no option may cross: the page sizes vkv accepts and the host's default budget.
+"""Bounds no option may cross: the page sizes vkv accepts; and what the host has available.
 
 * **Page size.** Every page is a multiple of the OS page (4 KiB). On the host the range is
   4 KiB .. 2 MiB: 4 KiB head-major pages decode within 1.5 % of an ideal preallocated cache and
@@ -11,22 +11,20 @@
   CUDA a page is a multiple of the driver's allocation granularity (2 MiB on H100/H200) and at
   most :data:`MAX_CUDA_PAGE_BYTES`. ``CacheOptions`` refuses a size outside the union of both
   ranges when the cache is built; each backend refuses what is outside its own.
-* **Host budget.** With no ``budget_bytes``, a host arena may hold at most
-  :data:`HOST_BUDGET_FRACTION` of ``MemAvailable`` (read when the arena is made), so that no
-  option makes vkv take the machine down; ``budget_bytes`` overrides it.
+* **Host memory.** :func:`mem_available` reads ``MemAvailable``, of which a host arena with no
+  ``budget_bytes`` takes a share (:data:`hf_vkv.devices.HOST_BUDGET_FRACTION`).
 """
 
 from __future__ import annotations
 
 from .errors import VKVError
 
-__all__ = ["HOST_BUDGET_FRACTION", "MAX_CUDA_PAGE_BYTES", "MAX_HOST_PAGE_BYTES", "MIN_PAGE_BYTES", "PageSizeError",
-           "check_page_bytes", "default_host_budget", "mem_available"]
+__all__ = ["MAX_CUDA_PAGE_BYTES", "MAX_HOST_PAGE_BYTES", "MIN_PAGE_BYTES", "PageSizeError", "check_page_bytes",
+           "mem_available"]
 
 MIN_PAGE_BYTES = 4096
 MAX_HOST_PAGE_BYTES = 2 << 20
 MAX_CUDA_PAGE_BYTES = 32 << 20
-HOST_BUDGET_FRACTION = 0.5
 
 
 class PageSizeError(VKVError, ValueError):
@@ -55,9 +53,3 @@ def mem_available() -> int | None:
         pass
     return None
 
-
-def default_host_budget() -> int | None:
-    """The budget of a host arena without ``budget_bytes``: :data:`HOST_BUDGET_FRACTION` of
-    ``MemAvailable`` now (None, unbounded, where the kernel does not say)."""
-    available = mem_available()
-    return None if available is None else int(available * HOST_BUDGET_FRACTION)

@@ -58,16 +58,18 @@ class MappingLimitError(KVCacheOutOfMemory):
 
     def __init__(self, *, needed: int, held: int, limit: int, others: int, headroom: int) -> None:
         self.needed, self.held, self.limit, self.others, self.headroom = needed, held, limit, others, headroom
-        self.requested_bytes = self.free_bytes = self.budget_bytes = 0  # counted in mappings, not bytes
-        MemoryError.__init__(
-            self,
-            f"KV cache out of memory mappings: this step needs up to {needed:,} more, but vkv already holds "
-            f"{held:,} and vm.max_map_count is {limit:,} (the rest of the process holds {others:,}, and "
-            f"{headroom:,} are left free for it), so use fewer rows (batch, beams, num_return_sequences), "
-            f"larger pages (cache_config['page_bytes']) or the token-major layout "
-            f"(cache_config['layout']='token_major', one mapping per row instead of one per layer and head), "
-            f"or raise the limit (sudo sysctl -w vm.max_map_count=262144).",
-        )
+        super().__init__(  # counted in mappings, not bytes
+            requested_bytes=0, free_bytes=0, budget_bytes=0,
+            message=f"KV cache out of memory mappings: this step needs up to {needed:,} more, but vkv already holds "
+                    f"{held:,} and vm.max_map_count is {limit:,} (the rest of the process holds {others:,}, and "
+                    f"{headroom:,} are left free for it), so use fewer rows (batch, beams, num_return_sequences), "
+                    f"larger pages (cache_config['page_bytes']) or the token-major layout "
+                    f"(cache_config['layout']='token_major', one mapping per row instead of one per layer and head), "
+                    f"or raise the limit (sudo sysctl -w vm.max_map_count=262144).")
+
+    def for_whole_step(self, **_: object) -> MappingLimitError:
+        """Itself: it counts the whole change's mappings already, and the page budget is not its limit."""
+        return self
 
 
 class MapBudget:

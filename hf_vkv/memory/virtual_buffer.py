@@ -41,7 +41,7 @@ class _Reservation:
     ``close()`` runs the closer at once."""
 
     def __init__(self, backend: Backend, nbytes: int, *, readable: bool) -> None:
-        self.budget: MapBudget | None = getattr(backend, "map_budget", None)
+        self.budget: MapBudget | None = backend.map_budget
         if self.budget is not None:
             self.budget.check(1)
         self.address = backend.reserve(nbytes, readable=readable)

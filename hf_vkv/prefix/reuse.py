@@ -44,19 +44,17 @@ from typing import Any
 
 import torch
 
-from .. import prefill_once
+from .. import devices, prefill_once
 from ..cache import VKVCache
 from ..cache.cache import RowSource
 from ..cache.options import PREFIX_STORE_KEY
+from ..registration import CACHE_NAMES, cache_kwarg
 from .fingerprint import config_fingerprint
 from .store import PrefixStore
 
-__all__ = ["MIN_COMMON_PREFIX", "ReuseReport", "attach", "generate", "insert_finished", "last_report", "memory_for",
+__all__ = ["ReuseReport", "attach", "generate", "insert_finished", "last_report", "memory_for",
            "prefill", "split_prefix_store"]
 
-#: Fewest tokens a prefix shared by a batch's prompts must have to be prefilled once on its own
-#: first (below it the extra forward costs more than the rows it spares).
-MIN_COMMON_PREFIX = 32
 #: Inputs of ``generate`` besides the token ids that reuse understands (every other per-row
 #: tensor, e.g. ``pixel_values``, is not identified by the token ids: reuse steps aside).
 _KNOWN_INPUTS = frozenset({"attention_mask", "position_ids", "cache_position"})
@@ -150,7 +148,7 @@ def attach(cache: Any, store: PrefixStore, model: Any, *, num_beams: int, eos_to
 
 
 def _call_of(model_kwargs: dict) -> _Call | None:
-    for name in prefill_once.CACHE_NAMES:
+    for name in CACHE_NAMES:
         cache = model_kwargs.get(name)
         if cache is not None:
             with _calls_lock:
@@ -207,7 +205,7 @@ def _layout_refusal(cache: VKVCache, model_kwargs: dict, rows: int) -> str | Non
     if cache.layout == "static":
         return "the static layout (compiled steps)"
     for key, value in model_kwargs.items():
-        if key in _KNOWN_INPUTS or key in prefill_once.CACHE_NAMES or not isinstance(value, torch.Tensor):
+        if key in _KNOWN_INPUTS or key in CACHE_NAMES or not isinstance(value, torch.Tensor):
             continue
         if key == "inputs_embeds" or (value.dim() and value.shape[0] == rows):
             return f"the model input {key!r} is not identified by token ids"
@@ -266,17 +264,16 @@ def _store_common_prefix(model: Any, store: PrefixStore, prompts: list[list[int]
     """Prefill the tokens every prompt starts with (at most all but the shortest's last) once,
     batch 1, over what the store holds of them, and store them; return the tokens computed."""
     shared = min(_common_length(prompts), min(len(p) for p in prompts) - 1)
-    if shared < MIN_COMMON_PREFIX:
+    if shared < devices.MIN_COMMON_PREFIX:
         return 0
     tokens = prompts[0][:shared]
     if store.longest_prefix(tokens + [0]) >= shared:
         return 0  # stored already
-    from ..registration import cache_kwarg  # registration imports this module
 
     cache = store.lookup(tokens)
     try:
         held = cache.get_seq_length()
-        if shared - held < MIN_COMMON_PREFIX:
+        if shared - held < devices.MIN_COMMON_PREFIX:
             cache.close()
             return 0
         device = model.device

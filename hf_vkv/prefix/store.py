@@ -28,20 +28,15 @@ from typing import Any
 
 import torch
 
+from .. import devices
 from ..cache import VKVCache
 from ..memory.errors import InvariantError
 from .errors import PrefixMismatchError
 from .fingerprint import config_fields, config_fingerprint, describe_difference
 from .radix import RadixTree
 
-__all__ = ["HOST_PAGE_BYTES", "PrefixStore", "PrefixStats", "token_list"]
+__all__ = ["PrefixStore", "PrefixStats", "token_list"]
 
-#: Page size of a store's memory on the CPU when its ``cache_config`` names none (the caches
-#: ``generate`` builds with the store draw from the same memory). Measured on SmolLM2-135M (1k
-#: stored tokens, 20 new, one thread): 4 KiB pages (the head-major default) take 0.05 s to start
-#: the rows and a 0.35-0.41 s time to first token; 16 KiB 0.011 s and 0.21 s; 64 KiB 0.007 s and
-#: 0.23-0.28 s. A row strands at most one page per (layer, K/V, head): 2.9 MB for SmolLM2 at 16 KiB.
-HOST_PAGE_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +165,7 @@ class PrefixStore:
     def _options(self, kind: str) -> dict[str, Any]:
         options = dict(self.cache_config)
         if kind == "cpu" and options.get("page_bytes") is None:
-            options["page_bytes"] = HOST_PAGE_BYTES
+            options["page_bytes"] = devices.PREFIX_STORE_PAGE_BYTES
         return options
 
     def new_cache(self, *, device: torch.device | str | None = None, **kwargs: Any) -> VKVCache:

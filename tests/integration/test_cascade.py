@@ -125,21 +125,29 @@ def test_ab_harness_reports_the_cascade(monkeypatch: pytest.MonkeyPatch) -> None
         assert other.logit_bound == bound and other.passed == (bound is not None)
 
 
-def test_a_cache_made_before_the_switch_follows_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cache asks at each step which attention the model runs (made first, switched after)."""
+def test_the_cache_tags_for_the_attention_it_was_built_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tagging is chosen once, when the cache is built: a cache made before the model switched to
+    the cascade reads with sdpa's path (exact, no cascade call, ``stats().cascade`` not asked); one
+    made after tags, and keeps the tokens."""
     import hf_vkv
 
     monkeypatch.setattr(devices_module, "CASCADE_MIN_SAVED_TOKENS", 1)
     model = tiny("llama")
     inputs = prompts(1, 150, seed=7)
-    cache = hf_vkv.VKVCache.for_generate(model, batch_size=1, expand=3, max_length=160,
-                                         cache_config={"page_bytes": SMALL_PAGE})
+    before = hf_vkv.VKVCache.for_generate(model, batch_size=1, expand=3, max_length=160,
+                                          cache_config={"page_bytes": SMALL_PAGE})
     ref = model.generate(**inputs, max_new_tokens=4, num_beams=3, do_sample=False)
     with cascade(model) as calls:
         got = model.generate(**inputs, max_new_tokens=4, num_beams=3, do_sample=False,
-                             **{hf_vkv.registration.cache_kwarg(): cache})
+                             **{hf_vkv.registration.cache_kwarg(): before})
+        assert_same_tokens(ref, got)
+        assert len(calls) == 0 and before.stats().cascade == "not asked"
+        after = hf_vkv.VKVCache.for_generate(model, batch_size=1, expand=3, max_length=160,
+                                             cache_config={"page_bytes": SMALL_PAGE})
+        got = model.generate(**inputs, max_new_tokens=4, num_beams=3, do_sample=False,
+                             **{hf_vkv.registration.cache_kwarg(): after})
     assert_same_tokens(ref, got)
-    assert len(calls) == 3 * 2
+    assert len(calls) == 3 * 2 and after.stats().cascade == "on"
 
 
 @pytest.mark.threads(1, 2)

@@ -13,7 +13,8 @@ import hf_vkv  # noqa: F401
 from hf_vkv import LayerMismatchError, VKVCache
 from hf_vkv.devices import arena_for_device, policy_for
 from hf_vkv.memory import Arena, HostBackend, VirtualBuffer
-from hf_vkv.memory.limits import HOST_BUDGET_FRACTION, MAX_HOST_PAGE_BYTES, PageSizeError, mem_available
+from hf_vkv.devices import HOST_BUDGET_FRACTION
+from hf_vkv.memory.limits import MAX_HOST_PAGE_BYTES, PageSizeError, mem_available
 
 
 def test_a_huge_page_is_refused_when_the_cache_is_built_naming_the_option():

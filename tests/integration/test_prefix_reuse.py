@@ -18,7 +18,8 @@ from models import EOS, PAD, assert_same_tokens, tiny, tokenizer, words
 
 import hf_vkv
 from hf_vkv import PrefixFileError, PrefixStore, VKVCache
-from hf_vkv.prefix.reuse import MIN_COMMON_PREFIX, last_report
+from hf_vkv.devices import MIN_COMMON_PREFIX
+from hf_vkv.prefix.reuse import last_report
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,8 @@ import pytest
 
 import hf_vkv
 from hf_vkv.ab import run_ab
-from hf_vkv.cache.workload import BEAM_TOKEN_MAJOR_MAX_PROMPT, layout_for_generate
+from hf_vkv.cache.workload import layout_for_generate
+from hf_vkv.devices import BEAM_TOKEN_MAJOR_MAX_PROMPT
 from hf_vkv.devices import policy_for
 from hf_vkv.registration import cache_kwarg
 from models import assert_same_tokens, prompts, tiny

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_vkv.attention.cascade import attend_part, cascade_decode, merge_partials
-from hf_vkv.attention.shared_prefix import Cluster, SharedPrefix
+from hf_vkv.kv_records import Cluster, SharedPrefix
 
 PAGE_TOKENS = 16  # a 4 KiB head-major page of head dim 64 in float32
 
@@ -88,7 +88,7 @@ def test_cascade_matches_sdpa_closely_in_float32() -> None:
 
 
 def test_the_mask_is_checked_once_per_mask_object(monkeypatch: pytest.MonkeyPatch) -> None:
-    import hf_vkv.attention.shared_prefix as shared_prefix
+    import hf_vkv.kv_records as shared_prefix
 
     compared = []
     equal = torch.equal

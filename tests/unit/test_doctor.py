@@ -131,7 +131,7 @@ def test_cuda_without_vmm_or_bindings_fails_with_a_fix(monkeypatch: pytest.Monke
 
 def test_doctor_states_the_cpu_budget_and_the_mapping_budget():
     """The CPU default budget (a share of MemAvailable) and the mapping budget."""
-    from hf_vkv.memory.limits import default_host_budget
+    from hf_vkv.devices import default_host_budget
 
     check = doctor.check_host_budget()
     assert check.status == "ok" and "of MemAvailable" in check.detail and "budget_bytes" in check.detail

@@ -32,7 +32,7 @@ def test_mapping_change_counts_runs_and_merges():
     old = [None] * 6
     new = [None, None, 5, 6, None, None]
     peak, final = mapping_change([(2, 2)], old.__getitem__, new.__getitem__, 6)
-    assert final == 2 and peak == 4
+    assert final == 2 and peak == 4  # the bound: checked against the kernel's count below
     # pages that do not continue each other are two mappings
     new2 = [None, None, 5, 9, None, None]
     assert mapping_change([(2, 2)], old.__getitem__, new2.__getitem__, 6)[1] == 3
@@ -71,6 +71,44 @@ def test_the_count_is_the_kernels(kind):
     assert PROCESS_MAP_BUDGET.held == held - 1  # the reservation's own mapping went with it
 
 
+@pytest.mark.parametrize("kind", ["rows", "sub-rows"])
+def test_the_peak_bounds_what_the_kernel_counts_during_each_change(kind, monkeypatch):
+    """The peak a change is checked against (``mapping_change``'s) is at least the most mappings
+    the kernel holds at any moment of it: counted in ``/proc/self/maps`` after every ``mmap`` the
+    host backend makes while the change is applied (each syscall is one step the kernel sees)."""
+    import hf_vkv.memory.host_backend as host
+    import hf_vkv.memory.virtual_buffer as vb
+
+    arena = Arena(HostBackend(page_bytes=PAGE, name="hf_vkv-test-budget"))
+    buf = SubRowBuffer(arena, rows=4, blocks=2, heads=3, capacity=600, item_bytes=32) if kind == "sub-rows" \
+        else VirtualBuffer(arena, rows=4, capacity=600, item_bytes=32)
+    changes: list[dict] = []  # per change: its computed (peak, final), the kernel's counts after each syscall
+
+    def counted_change(*args):
+        peak, final = mapping_change(*args)
+        changes.append({"peak": peak, "final": final, "before": kernel_mappings(buf), "seen": []})
+        return peak, final
+
+    real_mmap = host._mmap
+
+    def counted_mmap(*args):
+        out = real_mmap(*args)
+        if changes:
+            changes[-1]["seen"].append(kernel_mappings(buf))
+        return out
+
+    monkeypatch.setattr(vb, "mapping_change", counted_change)
+    monkeypatch.setattr(host, "_mmap", counted_mmap)
+    for name, op in OPS:
+        op(buf)
+    assert len(changes) >= len(OPS) - 1 and sum(len(c["seen"]) for c in changes) > len(changes)
+    for c in changes:
+        deltas = [n - c["before"] for n in c["seen"]]
+        assert deltas and deltas[-1] == c["final"], c
+        assert max(deltas) <= c["peak"], c
+    buf.close()
+
+
 def test_a_change_past_the_limit_is_refused_before_anything_changes(buffer_snapshot, mapped_pages):
     buf = SubRowBuffer(Arena(HostBackend(page_bytes=PAGE, name="hf_vkv-test-budget")), rows=8, blocks=4,
                        heads=4, capacity=640, item_bytes=64)  # 128 sub-rows of 10 pages: a row growing by one page adds 32
@@ -102,3 +140,20 @@ def test_a_new_reservation_past_the_limit_is_refused():
             VirtualBuffer(arena, rows=1, capacity=10, item_bytes=8)
     assert not arena.closed
     first.close()
+
+
+def test_the_error_is_an_out_of_memory_error_built_by_its_base():
+    """``MappingLimitError`` is constructed through ``KVCacheOutOfMemory`` (no field or message
+    skipped), and restating it for a whole step leaves it as it is: it counts mappings, not pages."""
+    from hf_vkv.memory import KVCacheOutOfMemory
+
+    error = MappingLimitError(needed=10, held=90, limit=100, others=5, headroom=2)
+    assert isinstance(error, KVCacheOutOfMemory) and isinstance(error, MemoryError)
+    assert error.requested_bytes == error.free_bytes == error.budget_bytes == 0 and error.fits_bytes is None
+    assert str(error).startswith("KV cache out of memory mappings: this step needs up to 10 more")
+    assert error.for_whole_step(requested_bytes=1, free_bytes=0, budget_bytes=1, what="x", fits_bytes=2) is error
+    pages = KVCacheOutOfMemory(requested_bytes=4096, free_bytes=0, budget_bytes=8192)
+    whole = pages.for_whole_step(requested_bytes=40960, free_bytes=0, budget_bytes=8192, what="this step",
+                                 fits_bytes=49152)
+    assert type(whole) is KVCacheOutOfMemory and whole.requested_bytes == 40960 and whole.fits_bytes == 49152
+    assert "this step need 40,960 bytes" in str(whole) and "at least 49,152" in str(whole)

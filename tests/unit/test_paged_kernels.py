@@ -28,7 +28,7 @@ from hf_vkv.attention.kernels import (
     paged_attention_reference,
     select_paged_backend,
 )
-from hf_vkv.attention.paged_kv import PagedKV
+from hf_vkv.kv_records import PagedKV
 
 #: Where the Triton tests run: compiled on a GPU when there is one, else interpreted on the CPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

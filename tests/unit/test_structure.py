@@ -35,9 +35,21 @@ def _subpackage_imports() -> dict[str, set[str]]:
     return graph
 
 
+def test_layers_point_one_way() -> None:
+    """``cache`` -> ``memory`` only (what it shares with ``attention`` lives in the neutral
+    :mod:`hf_vkv.kv_records`, which imports nothing of the package); ``attention`` -> ``memory``
+    (its errors are :class:`~hf_vkv.VKVError`); ``memory`` imports no other subpackage."""
+    graph = _subpackage_imports()
+    assert graph["cache"] == {"memory"}, graph["cache"]
+    assert graph["memory"] == set() and graph["attention"] <= {"memory"}, (graph["memory"], graph["attention"])
+    neutral = ast.parse((PACKAGE / "kv_records.py").read_text())
+    assert not [n for n in ast.walk(neutral) if isinstance(n, ast.ImportFrom) and n.level > 0]
+    assert not [a.name for n in ast.walk(neutral) if isinstance(n, ast.Import) for a in n.names
+                if a.name.split(".")[0] in ("hf_vkv", "transformers")]
+
+
 def test_subpackages_import_without_cycles() -> None:
     graph = _subpackage_imports()
-    assert graph["cache"] >= {"memory"} and "cache" not in graph["memory"]
     state: dict[str, int] = {}
 
     def visit(node: str, path: list[str]) -> None:

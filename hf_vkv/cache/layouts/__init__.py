@@ -16,13 +16,13 @@ from :func:`hf_vkv.devices.policy_for`.
 from __future__ import annotations
 
 from .base import Layout
-from .head_major import HEAD_MAJOR_PAGE_BYTES, HeadMajorLayout
-from .paged import DEFAULT_BLOCK_TOKENS, PagedLayout
+from .head_major import HeadMajorLayout
+from .paged import PagedLayout
 from .static import StaticLayout
 from .token_major import TokenMajorLayout
 
 __all__ = [
-    "DEFAULT_BLOCK_TOKENS", "HEAD_MAJOR_PAGE_BYTES", "LAYOUTS", "HeadMajorLayout", "Layout", "PagedLayout",
+    "LAYOUTS", "HeadMajorLayout", "Layout", "PagedLayout",
     "StaticLayout", "TokenMajorLayout", "layout_class",
 ]
 

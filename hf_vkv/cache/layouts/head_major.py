@@ -8,7 +8,7 @@ the row gap, so attention reads them as it reads a ``DynamicCache``'s (the same 
 bit-identical logits with eager attention too), while pages are mapped on demand and shared.
 
 The price is page granularity: a row strands up to one partly filled page per sub-row
-(``members * 2 * H`` of them), so this layout wants small pages (:data:`HEAD_MAJOR_PAGE_BYTES`
+(``members * 2 * H`` of them), so this layout wants small pages (:data:`hf_vkv.devices.HEAD_MAJOR_PAGE_BYTES`
 on the host). With different key and value widths (MLA) a sub-row item is the wider one.
 """
 
@@ -18,13 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ... import devices
 from ...memory import Arena, RowBuffer, SubRowBuffer
 from .base import Layout
 
-__all__ = ["HeadMajorLayout", "HEAD_MAJOR_PAGE_BYTES"]
-
-#: Host page size of the head-major layout (a sub-row strands at most one page).
-HEAD_MAJOR_PAGE_BYTES = 4 * 1024
+__all__ = ["HeadMajorLayout"]
 
 
 class HeadMajorLayout(Layout):
@@ -34,7 +32,7 @@ class HeadMajorLayout(Layout):
 
     @classmethod
     def page_bytes(cls, backend: str) -> int | None:
-        return HEAD_MAJOR_PAGE_BYTES if backend == "host" else None
+        return devices.HEAD_MAJOR_PAGE_BYTES if backend == "host" else None
 
     @property
     def item_dim(self) -> int:

@@ -4,7 +4,7 @@ The group's rows are :class:`~hf_vkv.memory.BlockBuffer` rows over a
 :class:`~hf_vkv.memory.BlockStore`: a block is ``block_tokens`` tokens of the whole group, laid
 out token-major (``[block_tokens, members, H * (Dk + Dv)]``). Sharing, reorders, copy-on-write,
 forks, crops and windows are the same page-table operations as in the contiguous layouts, with no
-remapping at all. ``update`` returns the new states with a :class:`~hf_vkv.attention.paged_kv.PagedKV`
+remapping at all. ``update`` returns the new states with a :class:`~hf_vkv.kv_records.PagedKV`
 tag on the key, and the ``"vkv_paged"`` attention reads the cached tokens through the block tables.
 """
 
@@ -14,16 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
-from ...attention.kernels import gather_kv
-from ...attention.paged_kv import PagedKV
+from ... import devices
+from ...kv_records import PagedKV
 from ...memory import Arena, BlockBuffer, BlockStore, RowBuffer
 from ..geometry import GroupGeometry
 from .base import Layout
 
-__all__ = ["PagedLayout", "DEFAULT_BLOCK_TOKENS"]
-
-#: Default tokens per block (chosen by ``benchmarks/paged_cpu.py``; see the README).
-DEFAULT_BLOCK_TOKENS = 16
+__all__ = ["PagedLayout"]
 
 
 class PagedLayout(Layout):
@@ -31,7 +28,7 @@ class PagedLayout(Layout):
 
     name = "paged"
 
-    def __init__(self, geometry: GroupGeometry, *, members: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+    def __init__(self, geometry: GroupGeometry, *, members: int, block_tokens: int = devices.PAGED_BLOCK_TOKENS) -> None:
         super().__init__(geometry, members=members)
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
@@ -117,8 +114,14 @@ class PagedLayout(Layout):
 
     def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies gathered through the block tables."""
-        return gather_kv(self.paged_kv(buffer, batch=batch, member=member, start=start, end=end))
+        """Copies gathered through the block tables: one ``index_select`` of token rows per tensor."""
+        q = end - start
+        index = self._token_index(buffer, batch, start, q, None)
+        out = []
+        for cache in self._member(buffer, member):  # [N, block_tokens, H, D]
+            rows = cache.flatten(0, 1).index_select(0, index)  # [batch * q, H, D]
+            out.append(rows.view(batch, q, *rows.shape[1:]).transpose(1, 2).contiguous())
+        return out[0], out[1]
 
     def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

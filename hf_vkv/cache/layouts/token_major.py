@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ...memory import DEFAULT_HOST_PAGE_BYTES, Arena, RowBuffer, VirtualBuffer
+from ... import devices
+from ...memory import Arena, RowBuffer, VirtualBuffer
 from ..geometry import GroupGeometry
 from .base import Layout
 
@@ -32,7 +33,7 @@ class TokenMajorLayout(Layout):
 
     @classmethod
     def page_bytes(cls, backend: str) -> int | None:
-        return DEFAULT_HOST_PAGE_BYTES if backend == "host" else None
+        return devices.HOST_PAGE_BYTES if backend == "host" else None
 
     @property
     def item_bytes(self) -> int:

@@ -1,0 +1,87 @@
+"""The layer group of a model whose attention is ``"vkv_cascade"``: it tags shared prefixes.
+
+Chosen once, when :class:`~hf_vkv.VKVCache` is built: a full-attention group of a contiguous layout
+(head-major, token-major) of a model whose attention is ``"vkv_cascade"`` is a
+:class:`SharedPrefixGroup`; every other group is a plain :class:`~hf_vkv.cache.group.LayerGroup`
+and pays nothing for the feature. (A model switched to ``"vkv_cascade"`` after its cache was built
+reads that cache with sdpa's path: exact, not faster.)
+
+At each one-token decode step the group derives from its page tables which rows hold their first
+tokens on the same pages (rows ``generate`` expanded from one prompt, beams after every reorder,
+forks) and tags the keys each member returns with that :class:`~hf_vkv.kv_records.SharedPrefix`,
+so the attention reads each prefix once for all of a cluster's queries. In half precision it tags
+nothing unless ``cache_config['cascade_half_precision']`` asks for it, and :attr:`cascade` says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import devices
+from ..kv_records import Cluster, SharedPrefix, tag_key
+from .group import LayerGroup
+
+__all__ = ["SharedPrefixGroup"]
+
+
+class SharedPrefixGroup(LayerGroup):
+    """A :class:`LayerGroup` whose decode steps tag shared prefixes (see the module docstring).
+
+    ``half_precision``: tag in bfloat16 / float16 too (``cache_config['cascade_half_precision']``).
+    """
+
+    def __init__(self, *, half_precision: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.half_precision = half_precision
+        self._derived: tuple[int, SharedPrefix | None] | None = None  # (the version it was derived at, it)
+
+    @property
+    def cascade(self) -> str:
+        """``"on"``, why the cascade takes sdpa's path (half precision), or ``"not asked"`` before
+        the first states (what :meth:`VKVCache.stats` reports)."""
+        if self.geometry is None:
+            return "not asked"
+        dtype = self.geometry.dtype
+        if dtype in (torch.bfloat16, torch.float16) and not self.half_precision:
+            return (f"sdpa: the cascade can change tokens in {str(dtype).removeprefix('torch.')} (float32 sums rounded "
+                    f"once still differ from sdpa's); cache_config={{'cascade_half_precision': True}} asks for it")
+        return "on"
+
+    def _returned_keys(self, keys: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        if end - start != 1 or self.cascade != "on":
+            return keys
+        prefix = self.shared_prefix()
+        return keys if prefix is None else tag_key(keys, prefix)
+
+    def shared_prefix(self) -> SharedPrefix | None:
+        """The clusters of rows that hold their first tokens on the same pages (each sparing at
+        least :data:`hf_vkv.devices.CASCADE_MIN_SAVED_TOKENS` re-read tokens), derived from the
+        page tables once per step (after every reorder: beams share the prompt and whatever full
+        pages of history they still have in common); ``None`` when no cluster is worth reading once."""
+        if self._derived is not None and self._derived[0] == self.version:
+            return self._derived[1]
+        buffer = self._buf()
+        rows_of: dict[int, list[int]] = {}  # a cluster's first row -> its rows
+        tokens_of: dict[int, int] = {}  # a cluster's first row -> tokens all its rows share
+        for row in range(self.batch):
+            for first in rows_of:
+                shared = buffer.shared_items(row, first)
+                if shared:
+                    rows_of[first].append(row)
+                    tokens_of[first] = min(tokens_of[first], shared)
+                    break
+            else:
+                rows_of[row], tokens_of[row] = [row], buffer.length(row)
+        least = devices.CASCADE_MIN_SAVED_TOKENS
+        kept = tuple(Cluster(index=tuple(rows), tokens=tokens_of[first]) for first, rows in rows_of.items()
+                     if len(rows) > 1 and tokens_of[first] * (len(rows) - 1) >= least)
+        taken = {r for c in kept for r in c.index}
+        prefix = SharedPrefix(clusters=kept, alone=tuple(r for r in range(self.batch) if r not in taken)) \
+            if kept else None
+        self._derived = (self.version, prefix)
+        return prefix
+
+    def _twin_options(self) -> dict[str, Any]:
+        return {"half_precision": self.half_precision}

@@ -1,0 +1,82 @@
+"""The layer group of the static layout: page-table work kept outside compiled steps.
+
+In the static layout (``StaticLayer``'s contract, for ``torch.compile``) a compiled step writes
+with ``index_copy_`` only, at the positions its layers' length tensors hold, into pages made
+writable before it; it cannot run page-table code. So this group
+
+* maps ahead (:meth:`StaticGroup.map_ahead`, called by ``generate`` before each step through
+  :meth:`VKVCache.map_ahead`, and after every row operation): the next tokens of every row get
+  mapped, private pages;
+* learns, before a row operation, the lengths compiled steps wrote (its layers' tensors), and
+  afterwards makes its layers follow the rows and lengths it now holds.
+
+Every other group's row operations pay nothing for this.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..memory.errors import InvariantError
+from .group import LayerGroup
+
+if TYPE_CHECKING:
+    from .layer import VKVStaticLayer
+
+__all__ = ["StaticGroup"]
+
+
+class StaticGroup(LayerGroup):
+    """A :class:`LayerGroup` of :class:`~hf_vkv.cache.layer.VKVStaticLayer` members (see the
+    module docstring). ``map_ahead``: tokens made writable ahead of the next write."""
+
+    def __init__(self, *, map_ahead: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ahead = map_ahead
+        self.static_layers: list[VKVStaticLayer] = []  # its layers, which keep the length compiled steps advance
+
+    def attach(self, layer: VKVStaticLayer) -> None:
+        """``layer`` is one of this group's members (it registers when made, or twinned by a fork)."""
+        self.static_layers.append(layer)
+
+    def _first(self) -> VKVStaticLayer | None:
+        return next((layer for layer in self.static_layers if layer.is_initialized), None)
+
+    def map_ahead(self, tokens: int | None = None) -> None:
+        """Outside a compiled step: make tokens ``[length, length + max(tokens, ahead))`` of every
+        row writable now (grow, copy shared pages), so the compiled step writes only into private
+        pages, and sync the members' lengths with what compiled steps wrote."""
+        first = self._first()
+        if first is None or self.buffer is None:
+            return
+        length = first.written_length()
+        if length == 0:
+            return
+        mapped = min((self.buffer.length(r) for r in range(self.batch)), default=0)
+        if length > mapped:
+            raise InvariantError(
+                f"group {self.name!r}: compiled steps wrote up to token {length} but only {mapped} were mapped "
+                f"ahead: a step ran without VKVCache.map_ahead() before it (a model whose "
+                f"prepare_inputs_for_generation does not call transformers' own?); its tokens are lost")
+        end = min(length + max(tokens or 0, self.ahead), self.capacity)
+        self._settle_followers()
+        self.lengths = [length] * len(self.members)
+        if end > length:
+            self.prepare(self.batch, length, end)
+
+    def before_row_operation(self) -> None:
+        first = self._first()
+        if first is not None:
+            self.lengths = [first.written_length()] * len(self.members)
+
+    def after_row_operation(self) -> None:
+        if self._first() is None:
+            return
+        for layer in self.static_layers:
+            if layer.is_initialized:
+                layer.set_length(self.length(layer.layer_idx))
+                layer.follow_rows()
+        self.map_ahead()
+
+    def _twin_options(self) -> dict[str, Any]:
+        return {"map_ahead": self.ahead}
