@@ -330,8 +330,8 @@ def test_cli_ab_reuse_reports_tokens_and_logit_differences(chat_model_dir: Path,
 
 
 #: fp32 max |Δlogit| of a reused prefix against DynamicCache's full prefill that the A/B harness
-#: must stay within on the tiny Llama (measured: up to 2.4e-6 at 1 and 2 threads; SmolLM2-135M's logits of 10-20 give
-#: up to 1.1e-4, ``benchmarks/results/prefix_reuse_exactness.json``).
+#: must stay within on the tiny Llama (measured: up to 2.4e-6 at 1 and 2 threads; SmolLM2-135M's
+#: logits of 10-20 give up to 1.1e-4, ``benchmarks/results/prefix_reuse_exactness.json``).
 FP32_LOGIT_BOUND = 1e-5
 
 
