@@ -44,7 +44,8 @@ from common import write_report
 from prefix_reuse import USER_TURNS, long_text, ttft
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GROUPS = {"aten::mm": "linear", "aten::addmm": "linear", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+GROUPS = {"aten::mm": "linear", "aten::addmm": "linear",
+          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
           "aten::_scaled_dot_product_attention_math": "attention", "aten::bmm": "attention",
           "aten::copy_": "copies", "aten::cat": "cat"}
 
