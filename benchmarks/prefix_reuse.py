@@ -5,10 +5,15 @@
   * ``dynamic_full``: DynamicCache on the whole history (what transformers does by default);
   * ``new_alone``: DynamicCache on the turn's new tokens only (the bound the issue sets: reuse's time
     to first token should be close to prefilling only what is new);
+  * ``vkv_reuse_64k``: the same through a second store whose pages are 64 KiB (fewer pages to map
+    when a row starts from an entry; up to 4x more memory stranded per row);
   * ``dynamic_continued`` (the ideal column): transformers' documented workaround, a DynamicCache of
     the previous turn deep-copied (``deepcopy_s``, not counted in its TTFT) and continued: the
     same new tokens attending to the same context, with no lookup, no page bookkeeping.
-  Reports per turn the time to first token (TTFT, a streamer's first token), the prompt tokens
+  Reports per turn the time to first token (TTFT, a streamer's first token), vkv's seconds before
+  the model's prefill (lookup and ``take_rows``), Python's garbage-collector pauses inside each
+  timed call (``gc.callbacks``: a full collection of this process's ~420k objects takes ~0.23 s
+  and lands in whichever call crosses the threshold), the prompt tokens
   computed (the store's counters), the new tokens (not in the previous call's sequence), and
   whether the tokens equal DynamicCache's.
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import platform
 import statistics
 import sys
@@ -73,6 +79,24 @@ def long_text(tokenizer: Any, tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
+class GcPauses:
+    """Python's garbage collections' pauses (``gc.callbacks``): ``seconds`` sums them."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
+GC = GcPauses()
+
+
 def ttft(model: Any, ids: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> tuple[float, torch.Tensor]:
     clock = StepClock()
     start = time.perf_counter()
@@ -80,8 +104,18 @@ def ttft(model: Any, ids: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> tu
     return clock.times[1] - start, out
 
 
+def ttft_gc(model: Any, ids: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> tuple[float, float, torch.Tensor]:
+    """:func:`ttft` and the seconds Python's garbage collector paused the process meanwhile (up to
+    the end of the call: a pause after the first token is included, an upper bound)."""
+    before = GC.seconds
+    t, out = ttft(model, ids, mask, **kwargs)
+    return t, GC.seconds - before, out
+
+
 def chat(model: Any, tok: Any, args: argparse.Namespace) -> dict[str, Any]:
     store = PrefixStore(model.config, budget_bytes=args.budget_mib << 20)
+    # the same chat through a store of 64 KiB pages (fewer pages to map per row; more stranded)
+    store_64k = PrefixStore(model.config, budget_bytes=args.budget_mib << 20, cache_config={"page_bytes": 65536})
     messages = [{"role": "system", "content": long_text(tok, args.system_tokens)}]
     previous: list[int] = []  # the last call's sequence (prompt + answer)
     previous_cache = None  # DynamicCache of the last call (its sequence but the last token)
@@ -96,19 +130,25 @@ def chat(model: Any, tok: Any, args: argparse.Namespace) -> dict[str, Any]:
             shared += 1
         new = len(prompt) - shared
         before = store.stats()
-        t_reuse, out = ttft(model, ids, mask, max_new_tokens=args.new_tokens, cache_implementation="vkv",
-                            cache_config={"prefix_store": store})
+        t_reuse, gc_reuse, out = ttft_gc(model, ids, mask, max_new_tokens=args.new_tokens, cache_implementation="vkv",
+                                         cache_config={"prefix_store": store})
         report = last_report()
         after = store.stats()
+        t_64k, gc_64k, out_64k = ttft_gc(model, ids, mask, max_new_tokens=args.new_tokens,
+                                         cache_implementation="vkv", cache_config={"prefix_store": store_64k})
         row: dict[str, Any] = {
             "turn": turn + 1, "prompt_tokens": len(prompt), "new_tokens": new,
             "computed_tokens": after.prompt_tokens_computed - before.prompt_tokens_computed,
-            "reused_tokens": report.reused_tokens, "ttft_s": {"vkv_reuse": t_reuse},
-            "store_bytes_held": after.bytes_held,
+            "reused_tokens": report.reused_tokens, "ttft_s": {"vkv_reuse": t_reuse, "vkv_reuse_64k": t_64k},
+            "vkv_start_s": {"vkv_reuse": report.seconds_to_start, "vkv_reuse_64k": last_report().seconds_to_start},
+            "gc_pause_s": {"vkv_reuse": gc_reuse, "vkv_reuse_64k": gc_64k},
+            "store_bytes_held": after.bytes_held, "store_64k_bytes_held": store_64k.stats().bytes_held,
+            "tokens_equal_64k": bool(torch.equal(out, out_64k)),
         }
         new_ids = ids[:, shared:] if new else ids[:, -1:]
         row["ttft_s"]["new_alone"] = statistics.median(
             ttft(model, new_ids, torch.ones_like(new_ids), max_new_tokens=1)[0] for _ in range(3))
+        row["new_alone_tokens"] = new_ids.shape[1]
         if previous_cache is not None:
             start = time.perf_counter()
             continued = copy.deepcopy(previous_cache)
@@ -116,29 +156,57 @@ def chat(model: Any, tok: Any, args: argparse.Namespace) -> dict[str, Any]:
             keep = min(shared, continued.get_seq_length(), len(prompt) - 1)
             if keep < continued.get_seq_length():
                 continued.crop(keep - continued.get_seq_length())  # a negative count: tokens to remove
-            row["ttft_s"]["dynamic_continued"] = ttft(model, ids, mask, max_new_tokens=1,
-                                                      **{cache_kwarg(): continued})[0]
+            t_cont, row["gc_pause_s"]["dynamic_continued"], _ = ttft_gc(model, ids, mask, max_new_tokens=1,
+                                                                       **{cache_kwarg(): continued})
+            row["ttft_s"]["dynamic_continued"] = t_cont
             del continued
         if not args.skip_dynamic:
             t_dyn, full = ttft(model, ids, mask, max_new_tokens=args.new_tokens, return_dict_in_generate=True)
             want, previous_cache = full.sequences, getattr(full, cache_kwarg())
             row["ttft_s"]["dynamic_full"] = t_dyn
             row["tokens_equal_dynamic"] = bool(torch.equal(want, out))
-        row["ttft_vs_new_alone"] = t_reuse / row["ttft_s"]["new_alone"]
+        alone = row["ttft_s"]["new_alone"]
+        row["ttft_vs_new_alone"] = t_reuse / alone
+        row["ttft_64k_vs_new_alone"] = t_64k / alone
         if "dynamic_continued" in row["ttft_s"]:
             row["ttft_vs_dynamic_continued"] = t_reuse / row["ttft_s"]["dynamic_continued"]
+            row["ttft_64k_vs_dynamic_continued"] = t_64k / row["ttft_s"]["dynamic_continued"]
+            row["dynamic_continued_vs_new_alone"] = row["ttft_s"]["dynamic_continued"] / alone
         turns.append(row)
         print(row, flush=True)
         answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
         previous = out[0].tolist()
-        store.check_invariants()
-        assert store.stats().bytes_held <= store.budget_bytes
+        for s in (store, store_64k):
+            s.check_invariants()
+            assert s.stats().bytes_held <= s.budget_bytes
     total_new = sum(t["new_tokens"] for t in turns)
     total_computed = sum(t["computed_tokens"] for t in turns)
     later = [t["ttft_vs_new_alone"] for t in turns[1:]]
     ideal = [t["ttft_vs_dynamic_continued"] for t in turns if "ttft_vs_dynamic_continued" in t]
+
+    def median_of(key: str) -> float | None:
+        values = [t[key] for t in turns[1:] if key in t]
+        return statistics.median(values) if values else None
+
+    def median_s(column: str, part: str = "ttft_s") -> float | None:
+        values = [t[part][column] for t in turns[1:] if column in t[part]]
+        return statistics.median(values) if values else None
+
     return {
+        "medians_turns_2_on": {
+            "ttft_s": {c: median_s(c) for c in ("vkv_reuse", "vkv_reuse_64k", "dynamic_continued", "new_alone",
+                                                  "dynamic_full")},
+            "vkv_start_s": {c: median_s(c, "vkv_start_s") for c in ("vkv_reuse", "vkv_reuse_64k")},
+            "ttft_vs_new_alone": median_of("ttft_vs_new_alone"),
+            "ttft_64k_vs_new_alone": median_of("ttft_64k_vs_new_alone"),
+            "dynamic_continued_vs_new_alone": median_of("dynamic_continued_vs_new_alone"),
+            "ttft_vs_dynamic_continued": median_of("ttft_vs_dynamic_continued"),
+            "ttft_64k_vs_dynamic_continued": median_of("ttft_64k_vs_dynamic_continued"),
+        },
+        "turns_with_gc_pause_over_50ms": {c: [t["turn"] for t in turns if t["gc_pause_s"].get(c, 0) > 0.05]
+                                         for c in ("vkv_reuse", "vkv_reuse_64k", "dynamic_continued")},
+        "all_tokens_equal_64k": all(t["tokens_equal_64k"] for t in turns),
         "system_tokens": args.system_tokens, "turns": turns, "total_new_tokens": total_new,
         "total_computed_tokens": total_computed, "computed_over_new": total_computed / total_new,
         "total_prompt_tokens_dynamic": sum(t["prompt_tokens"] for t in turns),

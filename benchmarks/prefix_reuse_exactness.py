@@ -4,7 +4,8 @@ For each dtype and thread count, ``run_ab(..., prefix_store=store)`` runs short 
 the whole conversation; vkv reuses the store, DynamicCache prefills it whole) and a
 document-then-question case whose stored prefix is a prompt only (no decode-step K/V in it).
 Writes, per case, whether the tokens were identical, whether the logits were bit-equal, and the
-max |Δlogit|.
+max |Δlogit|. Beam search's logits are compared beam by beam (rows of the same token history,
+``StepReport.beams_unmatched`` counts the vkv beams the DynamicCache run did not hold at a step).
 
 Usage: ``python benchmarks/prefix_reuse_exactness.py [--turns 3] [--chats 3]``.
 """
@@ -50,7 +51,9 @@ def chats(model: Any, tok: Any, args: argparse.Namespace, mode: dict[str, Any]) 
                         "reused_tokens": report.prefix_reuse["reused_tokens"],
                         "tokens_identical": report.tokens_identical,
                         "logits_bit_equal": report.first_divergence is None,
-                        "max_abs_logit_diff": report.max_abs_logit_diff})
+                        "max_abs_logit_diff": report.max_abs_logit_diff,
+                        "beams_unmatched": (sum(s.beams_unmatched or 0 for s in report.steps)
+                                            if report.mode == "beam" else None)})
             answer = tok.decode(list(report.generated_vkv[0]), skip_special_tokens=True).strip()
             history += [{"role": "assistant", "content": answer},
                         {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
@@ -94,6 +97,8 @@ def main() -> None:
                 turns = chats(model, tok, args, mode)
                 row[name] = {"turns": turns, "all_tokens_identical": all(t["tokens_identical"] for t in turns),
                              "max_abs_logit_diff": max(t["max_abs_logit_diff"] for t in turns)}
+                if name == "beams":  # (step, row) pairs whose beam the DynamicCache run did not hold
+                    row[name]["beams_unmatched"] = sum(t["beams_unmatched"] for t in turns)
             print({k: (v if k in ("dtype", "threads", "prompt_only") else
                        {"ok": v["all_tokens_identical"], "max": v["max_abs_logit_diff"]}) for k, v in row.items()},
                   flush=True)

@@ -16,6 +16,7 @@ the first divergence, the only place reported precisely.
 from __future__ import annotations
 
 import gc
+import math
 import platform
 import time
 from collections.abc import Callable, Mapping
@@ -154,8 +155,9 @@ def run_ab(
         return cache
 
     common = dict(inputs, max_new_tokens=max_new_tokens, **generate_kwargs)
+    beams = num_beams > 1
     ref = _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",
-                    progress=progress)
+                    progress=progress, histories=beams)
     gc.collect()
     previous = model.config._attn_implementation
     attention = _PATH_ATTENTION.get(layout)
@@ -163,7 +165,7 @@ def run_ab(
         model.set_attn_implementation(attention)
     try:
         got = _generate(model, vkv_cache, common, seed=seed, tee=tee, source=_source(layout), label="vkv",
-                        progress=progress)
+                        progress=progress, histories=beams)
     finally:
         if attention is not None:
             model.set_attn_implementation(previous)
@@ -224,13 +226,14 @@ def _source(layout: AttentionPath) -> Literal["returned", "stored"]:
 
 
 def _generate(model: PreTrainedModel, make_cache: Callable[[], Cache], kwargs: dict[str, Any], *, seed: int,
-              tee: bool, source: Literal["returned", "stored"], label: str, progress: bool) -> _Run:
+              tee: bool, source: Literal["returned", "stored"], label: str, progress: bool,
+              histories: bool = False) -> _Run:
     cache = make_cache()
     recorder = UpdateTee(source=source) if tee else None
     if recorder is not None:
         recorder.attach(cache)
     bar = progress_bar(total=kwargs["max_new_tokens"], label=f"{label:>7s}", unit="step", enabled=progress)
-    probe = StepProbe(cache, tee=recorder, progress=bar)
+    probe = StepProbe(cache, tee=recorder, progress=bar, histories=histories)
     try:
         torch.manual_seed(seed)
         probe.start()
@@ -324,8 +327,11 @@ def _compare(ref: _Run, got: _Run, *, tee: bool) -> tuple[tuple[StepReport, ...]
             layer, row, name = kv_diff[0]
             found = Divergence(step=t, kind="kv", layer=layer, row=row, tensor=name,
                                detail=f"layer {layer}'s {name} of row {row} differ from DynamicCache's")
+        unmatched = None
         if both:
             logit_diff = _max_abs_diff(ref.logits[t], got.logits[t])
+            if ref.probe.histories is not None and got.probe.histories is not None:
+                logit_diff, unmatched = _beam_logit_diff(ref, got, t)
             logit_rows = _differing_rows(ref.logits[t], got.logits[t])
             if logit_rows and found is None:
                 found = Divergence(step=t, kind="logits", layer=None, row=logit_rows[0], tensor=None,
@@ -350,7 +356,7 @@ def _compare(ref: _Run, got: _Run, *, tee: bool) -> tuple[tuple[StepReport, ...]
             kv_bytes_dynamic=ref.probe.kv_bytes[t] if t < n_ref else None,
             kv_bytes_vkv=got.probe.kv_bytes[t] if t < n_got else None,
             time_dynamic_s=ref.probe.times[t] if t < n_ref else None,
-            time_vkv_s=got.probe.times[t] if t < n_got else None,
+            time_vkv_s=got.probe.times[t] if t < n_got else None, beams_unmatched=unmatched,
         ))
     if first is None and not _same_tensor(ref.sequences, got.sequences):
         # every step agreed but the returned sequences differ (beam search's final selection)
@@ -358,6 +364,28 @@ def _compare(ref: _Run, got: _Run, *, tee: bool) -> tuple[tuple[StepReport, ...]
         first = Divergence(step=max(n_ref, n_got) - 1, kind="tokens", layer=None, row=rows_[0] if rows_ else None,
                            tensor=None, detail="the returned sequences differ")
     return tuple(steps), first
+
+
+def _beam_logit_diff(ref: _Run, got: _Run, step: int) -> tuple[float, int]:
+    """Beam search's ``(max |Δlogit|, unmatched rows)`` at ``step``: each vkv row against the
+    DynamicCache row with the same token history (the same beam: each run orders its beams
+    itself, and a near-tie may put a different candidate in a beam); rows of vkv whose history
+    the DynamicCache run does not hold are counted, not compared. Row by row when the runs hold
+    the same histories in the same order, so an exact run still reads 0.0."""
+    a, b = ref.probe.histories[step], got.probe.histories[step]
+    if a.shape != b.shape:
+        return float("inf"), b.shape[0]
+    mine = [tuple(row) for row in a.tolist()]
+    index = {row: i for i, row in reversed(list(enumerate(mine)))}  # the first row of each history
+    worst, unmatched = 0.0, 0
+    for i, row in enumerate(tuple(r) for r in b.tolist()):
+        j = i if mine[i] == row else index.get(row)  # the same row first (rows of one prompt are alike)
+        if j is None:
+            unmatched += 1
+            continue
+        diff = _max_abs_diff(ref.logits[step][j], got.logits[step][i])
+        worst = diff if math.isnan(diff) else max(worst, diff)
+    return worst, unmatched
 
 
 def _token_at(run: _Run, step: int, row: int) -> int | None:

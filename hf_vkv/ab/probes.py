@@ -134,13 +134,17 @@ class StepProbe(LogitsProcessor):
     token choice and cache reorder, and this step's forward.
     """
 
-    def __init__(self, cache: Cache, *, tee: UpdateTee | None = None, progress: Any = None) -> None:
+    def __init__(self, cache: Cache, *, tee: UpdateTee | None = None, progress: Any = None,
+                 histories: bool = False) -> None:
         self.cache = cache
         self.tee = tee
         self.progress = progress  # a progress.Progress (or None), advanced once per step
         self.times: list[float] = []
         self.kv_bytes: list[int] = []
         self.last_ids: list[torch.Tensor] = []  # [rows] each: ids[:, -1] seen at each step (CPU)
+        # with ``histories`` (beam search: rows are beams, which generate reorders), each step's
+        # whole ``[rows, length]`` ids (CPU): a row's history identifies its beam
+        self.histories: list[torch.Tensor] | None = [] if histories else None
         self._mark = 0.0
         self._overhead_seen = 0.0
 
@@ -157,6 +161,8 @@ class StepProbe(LogitsProcessor):
         self._overhead_seen = overhead
         self.kv_bytes.append(kv_bytes(self.cache))
         self.last_ids.append(input_ids[:, -1].detach().to("cpu", copy=True))
+        if self.histories is not None:
+            self.histories.append(input_ids.detach().to("cpu", copy=True))
         if self.progress is not None:
             self.progress.update(1)
         self._mark = time.perf_counter()

@@ -86,6 +86,12 @@ class StepReport:
     kv_bytes_vkv: int | None  # VKVCache: resident bytes of its pages
     time_dynamic_s: float | None  # wall time of the step, the harness's own bookkeeping excluded
     time_vkv_s: float | None
+    # beam search: rows are beams, and each run orders (and may choose) its beams itself, so the
+    # logits are compared beam by beam: row i of vkv with the DynamicCache row of the same token
+    # history (``max_abs_logit_diff`` is over those pairs). This counts the vkv rows whose history
+    # the DynamicCache run did not hold at this step (a near-tie put another candidate in a beam;
+    # their logits are not comparable). None outside beam search.
+    beams_unmatched: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,9 @@ Top level:
 ``tokens_identical``   the returned sequences are equal
 ``first_divergence``   ``null`` or {step, kind (kv|logits|tokens|steps), layer, row, tensor, detail}
 ``steps``              one object per step: tokens_equal, rows_differing, max_abs_logit_diff,
-                       kv_equal, layers_differing, kv_bytes_dynamic/_vkv, time_dynamic_s/_vkv
+                       kv_equal, layers_differing, kv_bytes_dynamic/_vkv, time_dynamic_s/_vkv,
+                       beams_unmatched (beam search: logits compared beam by beam, matched by
+                       token history; vkv beams with no match at that step; else null)
 ``dynamic``, ``vkv``   per run: steps, wall_s, prefill_s, decode_step_s, kv_peak_bytes,
                        kv_final_bytes
 ``generated_*``        the returned sequences' new tokens, one list per sequence
@@ -65,6 +67,7 @@ _STEP = _object({
     "kv_bytes_vkv": _OPT_INT,
     "time_dynamic_s": _OPT_SECONDS,
     "time_vkv_s": _OPT_SECONDS,
+    "beams_unmatched": _OPT_INT,
 })
 
 

@@ -27,8 +27,9 @@ not left padding, a model other than the store's.
 Exactness: the rows' new tokens attend to K/V computed in an earlier call (another batch, decode
 steps for answers), so logits are not DynamicCache's full prefill bit for bit; the contract is the
 cascade's — tokens identical to DynamicCache's on the battery of chats in
-``tests/integration/test_prefix_reuse.py``, max |Δlogit| measured by ``run_ab(..., reuse=True)``
-(``hf-vkv ab --reuse``) and written in ``docs/prefix_reuse.md``.
+``tests/integration/test_prefix_reuse.py`` (where float32 logits also stay within 1e-5 on a tiny
+Llama), max |Δlogit| measured by ``run_ab(..., prefix_store=store)`` (``hf-vkv ab --reuse``; beams
+compared beam by beam) and written per dtype in ``docs/prefix_reuse.md``.
 """
 
 from __future__ import annotations
