@@ -263,7 +263,8 @@ class VKVCache(Cache):
         return CacheStats(groups=tuple(out), pool_resident_bytes=pool, vkv_layers=self._vkv_layers(),
                           transformers_layers=others, prompt_tokens_computed=self._prompt_tokens[0],
                           prompt_tokens_saved=self._prompt_tokens[1], prefill_once=self._prefill_once,
-                          cascade=self._cascade)
+                          cascade=next((g.prefix_refusal for g in self._groups if g.prefix_refusal), self._cascade)
+                          if self._cascade == "on" else self._cascade)
 
     def __repr__(self) -> str:
         others = len(self._other_layers())

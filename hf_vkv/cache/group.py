@@ -79,6 +79,7 @@ class LayerGroup:
         self.read_shared_prefix = read_shared_prefix if sliding_window is None else None
         self._shared: SharedPrefix | None | bool = False  # this step's shared_prefix() (False: not derived yet)
         self._tag_prefix = False  # this step's read_shared_prefix(), asked once per step (prepare), not per layer
+        self.prefix_refusal: str | None = None  # why the last shared_prefix() left every cluster to sdpa
 
     # ----------------------------------------------------------------------------- set-up
     def init_layer(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -162,10 +163,11 @@ class LayerGroup:
         return keys, values
 
     def shared_prefix(self) -> SharedPrefix | None:
-        """The clusters of rows that hold their first tokens on the same pages (each sparing at
-        least :data:`hf_vkv.devices.CASCADE_MIN_SAVED_TOKENS` re-read tokens), derived from the
-        page tables once per step (after every reorder: beams share the prompt and whatever full
-        pages of history they still have in common); ``None`` when no cluster is worth reading once."""
+        """The clusters of rows that hold their first tokens on the same pages (each worth reading
+        once: :func:`hf_vkv.devices.cascade_refusal`), derived from the page tables once per step
+        (after every reorder: beams share the prompt and whatever full pages of history they still
+        have in common); ``None`` when no cluster is worth reading once. :attr:`prefix_refusal`
+        keeps why, when a cluster of this step was refused and none kept (else ``None``)."""
         if self._shared is not False:
             return self._shared  # type: ignore[return-value]
         buffer = self._buf()
@@ -180,9 +182,11 @@ class LayerGroup:
                     break
             else:
                 rows_of[row], tokens_of[row] = [row], buffer.length(row)
-        least = devices.CASCADE_MIN_SAVED_TOKENS
-        kept = tuple(Cluster(index=tuple(rows), tokens=tokens_of[first]) for first, rows in rows_of.items()
-                     if len(rows) > 1 and tokens_of[first] * (len(rows) - 1) >= least)
+        refusals = {first: devices.cascade_refusal(shared_tokens=tokens_of[first], rows=len(rows))
+                    for first, rows in rows_of.items() if len(rows) > 1}
+        kept = tuple(Cluster(index=tuple(rows_of[first]), tokens=tokens_of[first])
+                     for first, refusal in refusals.items() if refusal is None)
+        self.prefix_refusal = None if kept else next((r for r in refusals.values() if r is not None), None)
         taken = {r for c in kept for r in c.index}
         self._shared = SharedPrefix(clusters=kept, alone=tuple(r for r in range(self.batch) if r not in taken)) \
             if kept else None
