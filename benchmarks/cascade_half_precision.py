@@ -2,9 +2,8 @@
 DynamicCache (sdpa) for n=8 sampling and 4 beams, in bfloat16 and float16 (and float32 beside),
 over many seeds and prompts past the crossover.
 
-The tiny Llama holds 256 positions, so the crossover (``hf_vkv.cache.group.CASCADE_MIN_SAVED_TOKENS``,
-2048 re-read tokens) is lowered to 1 for the measurement (the module attribute the cache reads at
-each step), and the cascade is asked for by name in half precision
+The tiny Llama holds 256 positions, so the crossover (``hf_vkv.devices.CASCADE_MIN_SHARED_TOKENS``)
+is lowered to 1 shared token for the measurement (the module attribute the cache reads at each step), and the cascade is asked for by name in half precision
 (``cache_config={"cascade_half_precision": True}``; without it the cache does not tag prefixes in
 half precision and sdpa runs). Writes ``benchmarks/results/cascade_half_precision.json``.
 
@@ -23,7 +22,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import hf_vkv  # noqa: F401  (registers "vkv" and "vkv_cascade")
 import hf_vkv.attention.cascade as cascade_module
-import hf_vkv.cache.group as group_module
+import hf_vkv.devices as devices
 from common import write_report
 from hf_vkv.ab.harness import describe_environment
 
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cascade_half_precision.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    group_module.CASCADE_MIN_SAVED_TOKENS = 1  # tiny prompts: every shared prefix counts
+    devices.CASCADE_MIN_SHARED_TOKENS = {1: {2: 1}}  # tiny prompts: every shared prefix counts
     cases, summary = [], []
     start = time.perf_counter()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -23,20 +23,55 @@ from .memory import Arena, HostBackend
 from .memory.errors import KVCacheOutOfMemory, VKVError
 from .memory.limits import mem_available
 
-__all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SAVED_TOKENS", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES",
+__all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SHARED_TOKENS", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES",
            "DevicePolicy", "HEAD_MAJOR_PAGE_BYTES", "HOST_BUDGET_FRACTION", "HOST_PAGE_BYTES", "MAP_AHEAD_TOKENS",
            "MIN_COMMON_PREFIX", "PAGED_BLOCK_TOKENS", "PREFIX_STORE_PAGE_BYTES", "UnsupportedDeviceError",
-           "arena_for_device", "default_cuda_budget", "default_host_budget", "layer_devices_of", "policy_for"]
+           "arena_for_device", "cascade_refusal", "default_cuda_budget", "default_host_budget", "layer_devices_of", "policy_for"]
 
-#: Fewest prefix tokens a cluster of rows must spare the ``"vkv_cascade"`` attention from re-reading
-#: (``shared tokens x (rows - 1)``) to be tagged: below it the plain path is as fast or faster.
-#: Measured on the CPU (``benchmarks/results/cascade_crossover.json``: SmolLM2's attention
-#: geometry, one thread): the cascade takes 0.93x sdpa's time at 2048 tokens x 2 rows (2,048
-#: spared), 0.74x at 512 x 8 (3,584), 0.83x at 1024 x 4 (3,072), but 1.10x at 256 x 8 (1,792),
-#: 1.15x at 512 x 4 (1,536) and 1.28x at 1024 x 2 (1,024). Beams are clusters of the same shape
-#: (4 beams: 4 rows, each with a private suffix of generated tokens besides the shared history).
-#: Not yet measured on CUDA.
-CASCADE_MIN_SAVED_TOKENS = 2048
+#: Fewest tokens a cluster of rows must share for the ``"vkv_cascade"`` attention to read them once,
+#: by intra-op threads, then by the rows in the cluster; ``None``: it did not pay at any length
+#: measured. A step takes the entry of the most threads <= its own, and a cluster the entry of
+#: the most rows <= its own (fewer rows spare fewer re-reads, so an entry never tags a cluster its
+#: measurement did not cover). Below it the plain path is as fast or faster. Measured on the CPU
+#: (SmolLM2-135M's attention geometry, float32), the fewest shared tokens from which the cascade
+#: was faster at every longer length measured:
+#:
+#: * 4 rows — the larger of 4 beams' whole decode steps (``benchmarks/results/cascade_beams_cpu.json``,
+#:   the cascade forced on every shared prefix; a beam's shared prefix is its full common pages)
+#:   and one layer's attention. The beams' steps set it: cascade / sdpa 1.03x at 1024 shared
+#:   tokens, 0.99x at 1536, 0.93x at 2048 at one thread; at two threads 0.98x, 1.16x, 1.02x (not
+#:   faster at the longest: ``None``), where one layer's attention alone pays from 512 / 1024;
+#: * 2 and 8 rows — one layer's decode attention in sampling's shape (``num_return_sequences``
+#:   rows of one prompt, a private suffix each: ``benchmarks/results/cascade_crossover.json`` at
+#:   one thread, ``cascade_crossover_t2.json`` at two).
+#:
+#: ``tests/unit/test_cascade_crossover.py`` derives this table from those files. Not yet measured
+#: on CUDA.
+CASCADE_MIN_SHARED_TOKENS: dict[int, dict[int, int | None]] = {
+    1: {2: 1024, 4: 1536, 8: 256},
+    2: {2: 2048, 4: None, 8: 512},
+}
+
+
+def cascade_refusal(*, shared_tokens: int, rows: int, threads: int | None = None) -> str | None:
+    """Why a cluster of ``rows`` rows sharing their first ``shared_tokens`` tokens is not worth
+    reading once at ``threads`` intra-op threads (default: ``torch.get_num_threads()``); ``None``:
+    the ``"vkv_cascade"`` attention reads it once. From :data:`CASCADE_MIN_SHARED_TOKENS`."""
+    threads = torch.get_num_threads() if threads is None else threads
+    by_rows = CASCADE_MIN_SHARED_TOKENS[max((t for t in CASCADE_MIN_SHARED_TOKENS if t <= threads),
+                                            default=min(CASCADE_MIN_SHARED_TOKENS))]
+    measured = max((r for r in by_rows if r <= rows), default=None)
+    if measured is None:
+        return f"sdpa: {rows} row(s) share nothing to read once"
+    least = by_rows[measured]
+    if least is not None and shared_tokens >= least:
+        return None
+    where = "CASCADE_MIN_SHARED_TOKENS, measured"
+    if least is None:
+        return (f"sdpa: {rows} rows share {shared_tokens} tokens; reading them once did not pay for {measured}+ rows "
+                f"at {threads} thread(s) at any length measured (hf_vkv.devices.{where})")
+    return (f"sdpa: {rows} rows share {shared_tokens} tokens; reading them once pays for {measured}+ rows from "
+            f"{least} shared tokens at {threads} thread(s) (hf_vkv.devices.{where})")
 
 #: The default CUDA budget leaves this share of the device's memory free for torch (activations,
 #: logits, its caching allocator) ...

@@ -18,9 +18,11 @@ This reorders the float sums of attention, so it is opt-in: ``attn_implementatio
 (the door is the attention implementation because the computation that changes is attention's;
 ``cache_implementation="vkv"`` then tags the shared prefix). The A/B harness reports its max
 |Δlogit| against DynamicCache; tokens must stay identical. Sums run in float32 for half-precision
-inputs. The cache tags a cluster only where it spares at least
-:data:`~hf_vkv.devices.CASCADE_MIN_SAVED_TOKENS` re-read tokens (the measured crossover, below
-which the plain path is as fast).
+inputs. Float32 on the CPU without a mask reads each part in one fused pass (torch's CPU flash
+kernel, which returns the log-sum-exp the merge needs, as sdpa's own kernel); other inputs take a
+matmul-softmax-matmul in float32. The cache tags a cluster only from the measured crossover of
+shared tokens by rows (:func:`~hf_vkv.devices.cascade_refusal`), below which the plain path is
+as fast.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def attend_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
         shape = torch.broadcast_shapes(query.shape[:-2], value.shape[:-2])
         return (query.new_zeros(*shape, query.shape[-2], value.shape[-1], dtype=torch.float32),
                 query.new_full((*shape, query.shape[-2]), float("-inf"), dtype=torch.float32))
+    if mask is None and _fused(query, key, value):
+        return _fused_part(query, key, value, scale=scale)
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)).mul_(scale)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -64,15 +68,43 @@ def attend_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
     return out, top.squeeze(-1) + torch.log(total)
 
 
+#: torch's fused CPU attention kernel (the one sdpa runs on the CPU), which also returns the
+#: log-sum-exp; ``None`` where this torch has none
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`_fused_part` serves these inputs: float32 on the CPU (its sums are float32;
+    a half-precision output would be rounded before the merge), batch dims of equal size, one head
+    size (the kernel's premise)."""
+    return (_CPU_FLASH is not None and query.device.type == "cpu" and query.dtype == torch.float32
+            and key.dtype == value.dtype == torch.float32 and 2 <= query.dim() <= 4
+            and query.dim() == key.dim() == value.dim() and query.shape[:-2] == key.shape[:-2] == value.shape[:-2]
+            and query.shape[-1] == key.shape[-1] == value.shape[-1])
+
+
+def _fused_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_part` without a mask, in one fused pass over the keys and values (torch's CPU
+    flash kernel: blocks of keys, an online softmax, float32 sums), which never materialises the
+    ``[..., m, n]`` scores. Same contract and shapes as :func:`attend_part`."""
+    lead = query.shape[:-2]
+    four = (4 - query.dim()) * (1,)  # the kernel takes [B, H, m, D]
+    out, lse = _CPU_FLASH(query.reshape(*four, *query.shape), key.reshape(*four, *key.shape),
+                          value.reshape(*four, *value.shape), scale=scale)
+    return out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, lse.shape[-1])
+
+
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """Attention over two disjoint parts of the keys, merged: ``[..., m, Dv]`` from each part's
     ``(out [..., m, Dv], lse [..., m])`` (:func:`attend_part`). Rows with nothing to attend to
-    in either part give 0."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    w_a = torch.exp(lse_a - finite).unsqueeze(-1)
-    w_b = torch.exp(lse_b - finite).unsqueeze(-1)
-    return out_a * w_a + out_b * w_b
+    in either part give 0.
+
+    Part a's share of the softmax is ``exp(lse_a) / (exp(lse_a) + exp(lse_b)) =
+    sigmoid(lse_a - lse_b)``, so the merge is one interpolation ``out_b + share * (out_a - out_b)``
+    (a part with ``lse = -inf`` gets share 0; both empty: share 1/2 of two zeros)."""
+    share = torch.sigmoid(torch.nan_to_num(lse_a - lse_b, nan=0.0)).unsqueeze(-1)
+    return torch.lerp(out_b, out_a, share)
 
 
 def _rows(tensor: torch.Tensor, cluster: Cluster) -> torch.Tensor:

@@ -36,30 +36,38 @@ class SharedPrefixGroup(LayerGroup):
         super().__init__(**kwargs)
         self.half_precision = half_precision
         self._derived: tuple[int, SharedPrefix | None] | None = None  # (the version it was derived at, it)
+        self.prefix_refusal: str | None = None  # why the last shared_prefix() left every cluster to sdpa
 
     @property
     def cascade(self) -> str:
-        """``"on"``, why the cascade takes sdpa's path (half precision), or ``"not asked"`` before
-        the first states (what :meth:`VKVCache.stats` reports)."""
+        """What :meth:`VKVCache.stats` reports: ``"on"``; why the cascade takes sdpa's path (half
+        precision, or the last step's clusters share too few tokens to pay: see
+        :func:`hf_vkv.devices.cascade_refusal`); or ``"not asked"`` before the first states."""
         if self.geometry is None:
             return "not asked"
-        dtype = self.geometry.dtype
-        if dtype in (torch.bfloat16, torch.float16) and not self.half_precision:
-            return (f"sdpa: the cascade can change tokens in {str(dtype).removeprefix('torch.')} (float32 sums rounded "
-                    f"once still differ from sdpa's); cache_config={{'cascade_half_precision': True}} asks for it")
-        return "on"
+        if not self._tags_dtype():
+            return (f"sdpa: the cascade can change tokens in {str(self.geometry.dtype).removeprefix('torch.')} "
+                    f"(float32 sums rounded once still differ from sdpa's); "
+                    f"cache_config={{'cascade_half_precision': True}} asks for it")
+        return self.prefix_refusal or "on"
+
+    def _tags_dtype(self) -> bool:
+        """Whether the states' dtype may be tagged (float32, or half precision asked for by name)."""
+        return self.half_precision or self.geometry is None or \
+            self.geometry.dtype not in (torch.bfloat16, torch.float16)
 
     def _returned_keys(self, keys: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        if end - start != 1 or self.cascade != "on":
+        if end - start != 1 or not self._tags_dtype():
             return keys
         prefix = self.shared_prefix()
         return keys if prefix is None else tag_key(keys, prefix)
 
     def shared_prefix(self) -> SharedPrefix | None:
-        """The clusters of rows that hold their first tokens on the same pages (each sparing at
-        least :data:`hf_vkv.devices.CASCADE_MIN_SAVED_TOKENS` re-read tokens), derived from the
-        page tables once per step (after every reorder: beams share the prompt and whatever full
-        pages of history they still have in common); ``None`` when no cluster is worth reading once."""
+        """The clusters of rows that hold their first tokens on the same pages (each worth reading
+        once: :func:`hf_vkv.devices.cascade_refusal`), derived from the page tables once per step
+        (after every reorder: beams share the prompt and whatever full pages of history they still
+        have in common); ``None`` when no cluster is worth reading once. :attr:`prefix_refusal`
+        keeps why, when a cluster of this step was refused and none kept (else ``None``)."""
         if self._derived is not None and self._derived[0] == self.version:
             return self._derived[1]
         buffer = self._buf()
@@ -74,9 +82,11 @@ class SharedPrefixGroup(LayerGroup):
                     break
             else:
                 rows_of[row], tokens_of[row] = [row], buffer.length(row)
-        least = devices.CASCADE_MIN_SAVED_TOKENS
-        kept = tuple(Cluster(index=tuple(rows), tokens=tokens_of[first]) for first, rows in rows_of.items()
-                     if len(rows) > 1 and tokens_of[first] * (len(rows) - 1) >= least)
+        refusals = {first: devices.cascade_refusal(shared_tokens=tokens_of[first], rows=len(rows))
+                    for first, rows in rows_of.items() if len(rows) > 1}
+        kept = tuple(Cluster(index=tuple(rows_of[first]), tokens=tokens_of[first])
+                     for first, refusal in refusals.items() if refusal is None)
+        self.prefix_refusal = None if kept else next((r for r in refusals.values() if r is not None), None)
         taken = {r for c in kept for r in c.index}
         prefix = SharedPrefix(clusters=kept, alone=tuple(r for r in range(self.batch) if r not in taken)) \
             if kept else None

@@ -39,7 +39,7 @@ class CacheStats:
     prompt_tokens_computed: int = 0  # prompt tokens generate's prefills ran through the model (rows x tokens)
     prompt_tokens_saved: int = 0  # prompt tokens not computed: rows that took a repeated prompt's pages instead
     prefill_once: str = "no expanded prefill yet"  # "on", or why the last expanded prefill ran on every row
-    cascade: str = "not asked"  # under "vkv_cascade": "on", or why shared prefixes are not tagged (half precision)
+    cascade: str = "not asked"  # under "vkv_cascade": "on", or why shared prefixes are not tagged (half precision, or the last step's rows share too few tokens)
 
     @property
     def resident_bytes(self) -> int:

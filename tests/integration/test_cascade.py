@@ -3,8 +3,9 @@
 It reorders float sums, so the oracle is: tokens identical to DynamicCache's and float32 logits
 within 1e-4 (the measured maximum is reported by the A/B harness; half precision takes sdpa's
 path unless ``cache_config={"cascade_half_precision": True}``). Tiny models hold at most 256
-positions, so the crossover (``CASCADE_MIN_SAVED_TOKENS``) is lowered here to make every shared
-prefix count; a test keeps the real one and checks that the plain path then runs.
+positions, so the crossover (``CASCADE_MIN_SHARED_TOKENS``) is lowered here to make every shared
+prefix count; tests keep the real one (or one per rows) and check that the plain path then runs,
+with the reason in ``stats().cascade``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ NEW = 8
 
 
 @contextlib.contextmanager
-def cascade(model, *, min_saved: int | None = 1) -> Iterator[list[int]]:
+def cascade(model, *, min_shared: dict[int, dict[int, int | None]] | None = {1: {2: 1}}) -> Iterator[list[int]]:
     """The model's attention is "vkv_cascade" inside; yields a list that counts cascade decodes."""
     calls: list[int] = []
     real = cascade_module.cascade_decode
@@ -39,24 +40,24 @@ def cascade(model, *, min_saved: int | None = 1) -> Iterator[list[int]]:
         calls.append(1)
         return real(*args, **kwargs)
 
-    before, threshold = model.config._attn_implementation, devices_module.CASCADE_MIN_SAVED_TOKENS
+    before, threshold = model.config._attn_implementation, devices_module.CASCADE_MIN_SHARED_TOKENS
     cascade_module.cascade_decode = counted
-    if min_saved is not None:
-        devices_module.CASCADE_MIN_SAVED_TOKENS = min_saved
+    if min_shared is not None:
+        devices_module.CASCADE_MIN_SHARED_TOKENS = min_shared
     model.set_attn_implementation("vkv_cascade")
     try:
         yield calls
     finally:
         model.set_attn_implementation(before)
         cascade_module.cascade_decode = real
-        devices_module.CASCADE_MIN_SAVED_TOKENS = threshold
+        devices_module.CASCADE_MIN_SHARED_TOKENS = threshold
 
 
-def _run(model, inputs, layout: str, *, min_saved: int | None = 1, **kwargs):
+def _run(model, inputs, layout: str, *, min_shared: dict[int, dict[int, int | None]] | None = {1: {2: 1}}, **kwargs):
     kwargs = dict(max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True, **kwargs)
     torch.manual_seed(0)
     ref = model.generate(**inputs, **kwargs)
-    with cascade(model, min_saved=min_saved) as calls:
+    with cascade(model, min_shared=min_shared) as calls:
         torch.manual_seed(0)
         got = model.generate(**inputs, cache_implementation="vkv",
                              cache_config={"layout": layout, "page_bytes": SMALL_PAGE}, **kwargs)
@@ -94,10 +95,33 @@ def test_sliding_layers_stay_on_the_plain_path() -> None:
     assert calls == NEW - 1 and diff <= BOUND
 
 
+@pytest.mark.threads(1, 2)
 def test_below_the_crossover_the_plain_path_runs_exactly() -> None:
-    diff, calls, got = _run(tiny("llama"), prompts(1, 150, seed=4), "head_major", min_saved=None, **MODES["beam"])
-    assert devices_module.CASCADE_MIN_SAVED_TOKENS > 150 * 3  # 150 shared tokens x 3 other beams is below it
+    """The measured table: 4 beams sharing at most 150 tokens stay on sdpa (DynamicCache's logits
+    exactly), and ``stats()`` says why."""
+    diff, calls, got = _run(tiny("llama"), prompts(1, 150, seed=4), "head_major", min_shared=None, **MODES["beam"])
+    threads = torch.get_num_threads()
+    least = devices_module.CASCADE_MIN_SHARED_TOKENS[max(t for t in devices_module.CASCADE_MIN_SHARED_TOKENS
+                                                          if t <= threads)][4]
+    assert least is None or least > 150
     assert (calls, diff) == (0, 0.0)
+    reason = got.past_key_values.stats().cascade
+    shared = int(reason.removeprefix("sdpa: 4 rows share ").split()[0])
+    assert 0 < shared <= 150
+    assert reason == devices_module.cascade_refusal(shared_tokens=shared, rows=4, threads=threads)
+
+
+@pytest.mark.threads(1, 2)
+def test_the_crossover_is_per_rows() -> None:
+    """A table whose 4-row entry is out of reach but whose 2-row entry is 1: 3 beams (3 rows take
+    the 2-row entry) read their prefix once, 4 beams do not, with the reason in ``stats()``."""
+    table = {1: {2: 1, 4: 10 ** 9}}
+    model, inputs = tiny("llama"), prompts(1, 150, seed=4)
+    diff, calls, got = _run(model, inputs, "head_major", min_shared=table, num_beams=3, do_sample=False)
+    assert calls == (NEW - 1) * 2 and diff <= BOUND and got.past_key_values.stats().cascade == "on"
+    diff, calls, got = _run(model, inputs, "head_major", min_shared=table, **MODES["beam"])
+    assert (calls, diff) == (0, 0.0)
+    assert "pays for 4+ rows from 1000000000 shared tokens" in got.past_key_values.stats().cascade
 
 
 def test_greedy_rows_share_nothing() -> None:
@@ -106,7 +130,7 @@ def test_greedy_rows_share_nothing() -> None:
 
 
 def test_ab_harness_reports_the_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices_module, "CASCADE_MIN_SAVED_TOKENS", 1)
+    monkeypatch.setattr(devices_module, "CASCADE_MIN_SHARED_TOKENS", {1: {2: 1}})
     model = tiny("llama")
     report = run_ab(model, prompts(1, 150, seed=6), max_new_tokens=NEW, layout="cascade", tee=False,
                     cache_config={"page_bytes": SMALL_PAGE}, num_beams=3, do_sample=False)
@@ -131,7 +155,7 @@ def test_the_cache_tags_for_the_attention_it_was_built_for(monkeypatch: pytest.M
     made after tags, and keeps the tokens."""
     import hf_vkv
 
-    monkeypatch.setattr(devices_module, "CASCADE_MIN_SAVED_TOKENS", 1)
+    monkeypatch.setattr(devices_module, "CASCADE_MIN_SHARED_TOKENS", {1: {2: 1}})
     model = tiny("llama")
     inputs = prompts(1, 150, seed=7)
     before = hf_vkv.VKVCache.for_generate(model, batch_size=1, expand=3, max_length=160,
