@@ -14,6 +14,7 @@ and the caller (a :class:`~hf_vkv.memory.row_buffer.RowBuffer`) does it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 from .errors import CapacityError, InvariantError
@@ -195,9 +196,12 @@ class PageTable:
             old = entries[row]
             if old.length > end or need != old.start + len(old.pages) or start > old.length or first < old.start:
                 return False
-            for i in range(first - old.start, last + 1 - old.start):
-                if refs.get(old.pages[i], 0) > 1:  # shared: the write needs copy-on-write
+            lo = first - old.start
+            if lo == last - old.start:  # one page (a decode step)
+                if refs.get(old.pages[lo], 0) > 1:  # shared: the write needs copy-on-write
                     return False
+            elif max(map(refs.get, old.pages[lo:last + 1 - old.start], repeat(0))) > 1:
+                return False
             if old.length != end:
                 changed.append((row, old))
         for row, old in changed:
@@ -236,7 +240,8 @@ class PageTable:
         self._set(row, table)
 
     def reorder(self, index: Sequence[int | None], *, private_tails: bool = False, remaps_cost: bool = False,
-                gathered: bool = False, written: int | None = None) -> list[CowCopy]:
+                gathered: bool = False, written: int | None = None,
+                groups: Sequence[Sequence[int]] | None = None) -> list[CowCopy]:
         """Row ``i`` takes row ``index[i]``'s table (duplicates allowed, as in beam search); a
         ``None`` entry, and every row from ``len(index)`` on, becomes empty. Only references move.
 
@@ -256,17 +261,26 @@ class PageTable:
         order or all reads before any write is right.
         ``gathered`` (the caller reads every source before writing any destination): rows that
         take each other's tails (a swap, a cycle) copy in place too. Without ``private_tails``
-        nothing is returned."""
+        nothing is returned.
+        ``groups`` (every row once): rows that always hold the same items, as a row buffer's parts
+        do; the plan is then made once per group and applied to its rows
+        (:func:`~hf_vkv.memory.reorder_plan.grouped_plan`), or per row where they differ."""
         rows = self.rows
         index = [i if i is None or (type(i) is int and 0 <= i < rows) else self._check_row(int(i)) for i in index]
         if len(index) > rows:
             raise ValueError(f"index has {len(index)} entries but the table has {rows} rows")
-        from .reorder_plan import private_tails_plan, table_changes  # it builds this module's records
+        from .reorder_plan import grouped_plan, private_tails_plan, table_changes  # it builds this module's records
 
-        changes, delta = table_changes(self.entries, index)
-        copies = private_tails_plan(changes, delta, self.entries, self.pool.refs, self.page_size,
-                                    remaps_cost=remaps_cost, gathered=gathered, written=written) \
-            if private_tails and changes else []
+        plan = grouped_plan(self.entries, index, groups, self.pool.refs, self.page_size, private_tails=private_tails,
+                            remaps_cost=remaps_cost, gathered=gathered, written=written) \
+            if groups is not None and len(groups) < rows else None
+        if plan is not None:
+            changes, delta, copies = plan
+        else:
+            changes, delta = table_changes(self.entries, index)
+            copies = private_tails_plan(changes, delta, self.entries, self.pool.refs, self.page_size,
+                                        remaps_cost=remaps_cost, gathered=gathered, written=written) \
+                if private_tails and changes else []
         self.pool.adjust(delta)
         for change in changes:
             if change is not None:

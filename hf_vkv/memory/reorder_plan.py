@@ -10,12 +10,13 @@ the pages past the common prefix move references.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from .page_table import CowCopy, Row
 from .pool import PageId
 
-__all__ = ["Change", "common_prefix", "private_tails_plan", "table_changes"]
+__all__ = ["Change", "common_prefix", "grouped_plan", "private_tails_plan", "table_changes"]
 
 #: A row whose table changes: ``(row, its new table, pages its old and new tables have in common
 #: from the front)``.
@@ -184,3 +185,88 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
             new = after.pages[:rel] + tuple(pages.get(j, p) for j, p in enumerate(after.pages[rel:], lo))
             changes[n] = (i, Row(after.length, after.start, new), k)
     return copies
+
+
+def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Sequence[Sequence[int]],
+                 refs: Mapping[PageId, int], page_size: int, *, private_tails: bool, remaps_cost: bool,
+                 gathered: bool, written: int | None) -> tuple[list[Change], dict[PageId, int], list[CowCopy]] | None:
+    """The plan of :meth:`PageTable.reorder` (changes, net reference change per page, tail copies
+    in order) for table rows in ``groups`` that always hold the same items: a row buffer's rows and
+    their parts (the head-major layout's ``2 x layers x heads`` sub-rows of a row), whose tables
+    have the same shape and share pages with the same parts of other rows in the same places.
+
+    The plan is made once per group, on its first row (:func:`table_changes`,
+    :func:`private_tails_plan`), and applied to every row of the group with what it decided: the
+    common prefix ``k``, the tail indices where the row keeps its own page, the copies. Each row is
+    checked before it is applied (the same shape as its first row, its old and new tables equal
+    before ``k``, ``index`` mapping it to the same part of its source), and every page a copy
+    writes into is afterwards held by its row alone; if any check fails this returns ``None`` and
+    the caller plans per table row. ``index`` is over table rows (a row past it, or ``None``,
+    becomes empty), ``groups`` covers every table row, once."""
+    n_index = len(index)
+    first_of = {g[0]: k for k, g in enumerate(groups)}
+    heads = [entries[g[0]] for g in groups]
+    head_index: list[int | None] = []
+    for g in groups:
+        src = index[g[0]] if g[0] < n_index else None
+        head_index.append(None if src is None else first_of.get(src, -1))
+        if head_index[-1] == -1:
+            return None  # a group's first row takes a row that is not a group's first
+    planned, head_delta = table_changes(heads, head_index)
+    decided = list(planned)
+    head_copies = private_tails_plan(decided, head_delta, heads, refs, page_size, remaps_cost=remaps_cost,
+                                     gathered=gathered, written=written) if private_tails and planned else []
+    copies_of: dict[int, list[int]] = {}  # group -> the tail indices its first row copies into, in order
+    for c in head_copies:
+        copies_of.setdefault(c.row, []).append(c.index)
+    changes: list[Change] = []
+    plus: Counter[PageId] = Counter()
+    minus: Counter[PageId] = Counter()
+    expanded: dict[tuple[int, int], list[CowCopy]] = {}  # (group, tail index) -> its rows' copies
+    for (g, after0, k), decision in zip(planned, decided):  # type: ignore[misc]
+        before0, src_group = heads[g], head_index[g]
+        final0 = before0 if decision is None else decision[1]
+        a0, b0 = after0.start, before0.start
+        kept = [j for j in range(k, len(after0.pages)) if final0.pages[j] != after0.pages[j]] \
+            if final0 is not after0 else []  # relative to after0.start: pages the row keeps
+        targets = groups[g]
+        sources = groups[src_group] if src_group is not None else None
+        if sources is not None and len(sources) != len(targets):
+            return None
+        indices = copies_of.get(g, ())
+        for p, t in enumerate(targets):
+            u = None if sources is None else sources[p]
+            if (index[t] if t < n_index else None) != u:
+                return None
+            before = entries[t]
+            after = _EMPTY if u is None else entries[u]
+            bp, ap = before.pages, after.pages
+            if before.start != b0 or after.start != a0 or len(bp) != len(before0.pages) \
+                    or len(ap) != len(after0.pages) or before.length != before0.length \
+                    or after.length != after0.length or bp[:k] != ap[:k]:
+                return None
+            for j in indices:  # j: a page index; the row's own page there takes the source's bytes
+                expanded.setdefault((g, j), []).append(_copy((t, j, ap[j - a0], bp[j - b0])))
+            if decision is None:
+                continue  # the row's table ends as it was: only bytes move
+            if kept:
+                pages = list(ap)
+                for j in kept:
+                    pages[j] = bp[j + a0 - b0]
+                new = Row(after.length, a0, tuple(pages))
+            else:
+                new = after
+            plus.update(new.pages[k:])
+            minus.update(bp[k:])
+            changes.append((t, new, k))
+    delta: dict[PageId, int] = dict(plus)
+    for page, n in minus.items():
+        delta[page] = delta.get(page, 0) - n
+    copies = [c for h in head_copies for c in expanded[h.row, h.index]]
+    written_into: set[PageId] = set()
+    for c in copies:
+        if refs.get(c.dst, 0) + delta.get(c.dst, 0) != 1 or c.dst in written_into \
+                or (not gathered and c.src in written_into):
+            return None  # a page copied into that another row holds or reads after the reorder
+        written_into.add(c.dst)
+    return changes, delta, copies

@@ -272,7 +272,8 @@ class RowBuffer(ABC):
         units = None if written is None else written * self.item_bytes
         with self._transaction() as table:
             self._late_copies = table.reorder(moves, private_tails=private_tails, remaps_cost=self.remaps_cost,
-                                              gathered=getattr(self.store, "gathered_copies", False), written=units)
+                                              gathered=getattr(self.store, "gathered_copies", False), written=units,
+                                              groups=self._parts if self.parts > 1 else None)
             self._late_written = units
 
     def truncate(self, rows: Iterable[int], length: int) -> None:
