@@ -13,8 +13,10 @@ and the caller (a :class:`~hf_vkv.memory.row_buffer.RowBuffer`) does it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from itertools import repeat
+from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
+from itertools import chain, compress, repeat
+from operator import itemgetter
 from typing import NamedTuple
 
 from .errors import CapacityError, InvariantError
@@ -43,6 +45,10 @@ class Row(NamedTuple):
     def page_at(self, index: int) -> PageId:
         """The page holding page index ``index`` (must be live)."""
         return self.pages[index - self.start]
+
+
+_LENGTH, _START, _ROW_PAGES = itemgetter(0), itemgetter(1), itemgetter(2)  # a Row's fields, read from C
+_NEW_ROW = partial(tuple.__new__, Row)  # Row(*fields), called from C
 
 
 class CowCopy(NamedTuple):
@@ -186,26 +192,30 @@ class PageTable:
         every group at every decode step (``tests/unit/test_decode_depth.py``)."""
         if self._undo is not None:
             raise InvariantError("PageTable.extend_in_place() inside a transaction (it keeps no undo)")
+        if not rows:
+            return True
         ps, n, entries, refs = self.page_size, self.rows, self.entries, self.pool.refs
+        if min(rows) < 0 or max(rows) >= n:
+            return False
         need = -(-end // ps)  # pages that hold `end` units
         first, last = start // ps, (end - 1) // ps
-        changed = []
-        for row in rows:
-            if not 0 <= row < n:
+        olds = list(map(entries.__getitem__, rows))  # (no comprehension: a frame deeper on the decode path)
+        lengths, starts, pages = list(map(_LENGTH, olds)), list(map(_START, olds)), list(map(_ROW_PAGES, olds))
+        shapes = set(zip(lengths, starts, map(len, pages)))  # one per row position, not per row
+        for length, s0, count in shapes:
+            if length > end or need != s0 + count or start > length or first < s0:
                 return False
-            old = entries[row]
-            if old.length > end or need != old.start + len(old.pages) or start > old.length or first < old.start:
+        for s0 in set(starts):  # every row at this start holds pages up to `need` (checked above)
+            held = pages if len(shapes) == 1 else list(compress(pages, map(s0.__eq__, starts)))
+            if first == last:  # one page (a decode step): shared means the write needs copy-on-write
+                touched: Iterable[PageId] = map(itemgetter(first - s0), held)
+            else:
+                touched = chain.from_iterable(map(itemgetter(slice(first - s0, last + 1 - s0)), held))
+            if max(map(refs.get, touched, repeat(0))) > 1:
                 return False
-            lo = first - old.start
-            if lo == last - old.start:  # one page (a decode step)
-                if refs.get(old.pages[lo], 0) > 1:  # shared: the write needs copy-on-write
-                    return False
-            elif max(map(refs.get, old.pages[lo:last + 1 - old.start], repeat(0))) > 1:
-                return False
-            if old.length != end:
-                changed.append((row, old))
-        for row, old in changed:
-            entries[row] = Row(end, old.start, old.pages)
+        if any(map(end.__ne__, lengths)):
+            for row, new in zip(rows, map(_NEW_ROW, zip(repeat(end), starts, pages))):
+                entries[row] = new
         return True
 
     def share(self, src: int, dst: int, *, length: int | None = None) -> None:
