@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 from .errors import KVCacheOutOfMemory
 
-__all__ = ["MapBudget", "MappingLimitError", "PROCESS_MAP_BUDGET", "mapping_change", "process_mappings",
+__all__ = ["MapBudget", "MappingLimitError", "PROCESS_MAP_BUDGET", "SlotRun", "mapping_change", "process_mappings",
            "read_max_map_count"]
 
 _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
@@ -140,30 +140,55 @@ PROCESS_MAP_BUDGET = MapBudget()
 
 Slot = Callable[[int], "int | None"]  # global slot -> page id mapped there (None: reserved, unmapped)
 
+#: A run of page slots that changes: ``(first global slot, pages before, pages after)`` (None: unmapped).
+SlotRun = tuple[int, Sequence["int | None"], Sequence["int | None"]]
 
-def mapping_change(runs: Sequence[tuple[int, int]], old: Slot, new: Slot, total: int) -> tuple[int, int]:
+
+def _joined(x: int | None, y: int | None) -> bool:
+    """Whether neighbouring slots holding ``x`` then ``y`` are one mapping."""
+    return (x is None and y is None) or (x is not None and y is not None and y == x + 1)
+
+
+def _inner_breaks(pages: Sequence[int | None]) -> int:
+    """Mapping boundaries between neighbouring slots of ``pages``. A run of consecutive ids or of
+    unmapped slots (what rows hold and what a share maps: the common case) is found by one
+    comparison, not a loop per slot."""
+    n = len(pages)
+    if n < 2:
+        return 0
+    a, b = pages[0], pages[-1]
+    if a is None:
+        if b is None and pages.count(None) == n:
+            return 0
+    elif b is not None and b - a == n - 1 and list(pages) == list(range(a, a + n)):
+        return 0
+    return sum(1 for x, y in zip(pages, pages[1:]) if not _joined(x, y))
+
+
+def mapping_change(runs: Sequence[SlotRun], old: Slot, total: int) -> tuple[int, int]:
     """``(peak, final)`` change in the mappings of a reservation of ``total`` page slots when the
-    slot runs ``runs`` (``(first, count)``, global slots, in the order they are applied) go from
-    ``old`` to ``new``. Two neighbouring slots are one mapping when both are unmapped or hold
+    disjoint slot ``runs`` (in the order they are applied) go from their pages before to their
+    pages after; ``old(g)``: the page at slot ``g`` before any run is applied (asked only next to
+    a run's ends). Two neighbouring slots are one mapping when both are unmapped or hold
     consecutive pages; the peak adds 2 for the moment inside a run when only part is applied."""
-    done: dict[int, int | None] = {}
+    ends: dict[int, int | None] = {}  # the first and last slot of each run applied -> its page after
 
     def at(g: int) -> int | None:
-        return done[g] if g in done else old(g)
-
-    def breaks(lo: int, hi: int) -> int:  # boundaries (g-1, g) for g in [lo, hi]
-        n = 0
-        for g in range(max(lo, 1), min(hi, total - 1) + 1):
-            x, y = at(g - 1), at(g)
-            if not ((x is None and y is None) or (x is not None and y is not None and y == x + 1)):
-                n += 1
-        return n
+        return ends[g] if g in ends else old(g)
 
     delta = peak = 0
-    for first, count in runs:
-        before = breaks(first, first + count)
-        for g in range(first, first + count):
-            done[g] = new(g)
-        delta += breaks(first, first + count) - before
+    for first, before, after in runs:
+        if not after:
+            continue
+        last = first + len(after) - 1
+        change = _inner_breaks(after) - _inner_breaks(before)
+        if first >= 1:
+            left = at(first - 1)
+            change += _joined(left, before[0]) - _joined(left, after[0])
+        if last + 1 <= total - 1:
+            right = at(last + 1)
+            change += _joined(before[-1], right) - _joined(after[-1], right)
+        ends[first], ends[last] = after[0], after[-1]
+        delta += change
         peak = max(peak, delta + 2)
     return peak, delta

@@ -13,7 +13,10 @@ and the caller (a :class:`~hf_vkv.memory.row_buffer.RowBuffer`) does it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
+from itertools import chain, compress, repeat
+from operator import itemgetter
 from typing import NamedTuple
 
 from .errors import CapacityError, InvariantError
@@ -42,6 +45,10 @@ class Row(NamedTuple):
     def page_at(self, index: int) -> PageId:
         """The page holding page index ``index`` (must be live)."""
         return self.pages[index - self.start]
+
+
+_LENGTH, _START, _ROW_PAGES = itemgetter(0), itemgetter(1), itemgetter(2)  # a Row's fields, read from C
+_NEW_ROW = partial(tuple.__new__, Row)  # Row(*fields), called from C
 
 
 class CowCopy(NamedTuple):
@@ -185,23 +192,30 @@ class PageTable:
         every group at every decode step (``tests/unit/test_decode_depth.py``)."""
         if self._undo is not None:
             raise InvariantError("PageTable.extend_in_place() inside a transaction (it keeps no undo)")
+        if not rows:
+            return True
         ps, n, entries, refs = self.page_size, self.rows, self.entries, self.pool.refs
+        if min(rows) < 0 or max(rows) >= n:
+            return False
         need = -(-end // ps)  # pages that hold `end` units
         first, last = start // ps, (end - 1) // ps
-        changed = []
-        for row in rows:
-            if not 0 <= row < n:
+        olds = list(map(entries.__getitem__, rows))  # (no comprehension: a frame deeper on the decode path)
+        lengths, starts, pages = list(map(_LENGTH, olds)), list(map(_START, olds)), list(map(_ROW_PAGES, olds))
+        shapes = set(zip(lengths, starts, map(len, pages)))  # one per row position, not per row
+        for length, s0, count in shapes:
+            if length > end or need != s0 + count or start > length or first < s0:
                 return False
-            old = entries[row]
-            if old.length > end or need != old.start + len(old.pages) or start > old.length or first < old.start:
+        for s0 in set(starts):  # every row at this start holds pages up to `need` (checked above)
+            held = pages if len(shapes) == 1 else list(compress(pages, map(s0.__eq__, starts)))
+            if first == last:  # one page (a decode step): shared means the write needs copy-on-write
+                touched: Iterable[PageId] = map(itemgetter(first - s0), held)
+            else:
+                touched = chain.from_iterable(map(itemgetter(slice(first - s0, last + 1 - s0)), held))
+            if max(map(refs.get, touched, repeat(0))) > 1:
                 return False
-            for i in range(first - old.start, last + 1 - old.start):
-                if refs.get(old.pages[i], 0) > 1:  # shared: the write needs copy-on-write
-                    return False
-            if old.length != end:
-                changed.append((row, old))
-        for row, old in changed:
-            entries[row] = Row(end, old.start, old.pages)
+        if any(map(end.__ne__, lengths)):
+            for row, new in zip(rows, map(_NEW_ROW, zip(repeat(end), starts, pages))):
+                entries[row] = new
         return True
 
     def share(self, src: int, dst: int, *, length: int | None = None) -> None:
@@ -236,7 +250,8 @@ class PageTable:
         self._set(row, table)
 
     def reorder(self, index: Sequence[int | None], *, private_tails: bool = False, remaps_cost: bool = False,
-                gathered: bool = False, written: int | None = None) -> list[CowCopy]:
+                gathered: bool = False, written: int | None = None,
+                groups: Sequence[Sequence[int]] | None = None) -> list[CowCopy]:
         """Row ``i`` takes row ``index[i]``'s table (duplicates allowed, as in beam search); a
         ``None`` entry, and every row from ``len(index)`` on, becomes empty. Only references move.
 
@@ -256,17 +271,26 @@ class PageTable:
         order or all reads before any write is right.
         ``gathered`` (the caller reads every source before writing any destination): rows that
         take each other's tails (a swap, a cycle) copy in place too. Without ``private_tails``
-        nothing is returned."""
+        nothing is returned.
+        ``groups`` (every row once): rows that always hold the same items, as a row buffer's parts
+        do; the plan is then made once per group and applied to its rows
+        (:func:`~hf_vkv.memory.reorder_plan.grouped_plan`), or per row where they differ."""
         rows = self.rows
         index = [i if i is None or (type(i) is int and 0 <= i < rows) else self._check_row(int(i)) for i in index]
         if len(index) > rows:
             raise ValueError(f"index has {len(index)} entries but the table has {rows} rows")
-        from .reorder_plan import private_tails_plan, table_changes  # it builds this module's records
+        from .reorder_plan import grouped_plan, private_tails_plan, table_changes  # it builds this module's records
 
-        changes, delta = table_changes(self.entries, index)
-        copies = private_tails_plan(changes, delta, self.entries, self.pool.refs, self.page_size,
-                                    remaps_cost=remaps_cost, gathered=gathered, written=written) \
-            if private_tails and changes else []
+        plan = grouped_plan(self.entries, index, groups, self.pool.refs, self.page_size, private_tails=private_tails,
+                            remaps_cost=remaps_cost, gathered=gathered, written=written) \
+            if groups is not None and len(groups) < rows else None
+        if plan is not None:
+            changes, delta, copies = plan
+        else:
+            changes, delta = table_changes(self.entries, index)
+            copies = private_tails_plan(changes, delta, self.entries, self.pool.refs, self.page_size,
+                                        remaps_cost=remaps_cost, gathered=gathered, written=written) \
+                if private_tails and changes else []
         self.pool.adjust(delta)
         for change in changes:
             if change is not None:

@@ -10,12 +10,16 @@ the pages past the common prefix move references.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from functools import partial
+from itertools import chain, repeat
+from operator import add, itemgetter
 
 from .page_table import CowCopy, Row
 from .pool import PageId
 
-__all__ = ["Change", "common_prefix", "private_tails_plan", "table_changes"]
+__all__ = ["Change", "common_prefix", "grouped_plan", "private_tails_plan", "table_changes"]
 
 #: A row whose table changes: ``(row, its new table, pages its old and new tables have in common
 #: from the front)``.
@@ -184,3 +188,102 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
             new = after.pages[:rel] + tuple(pages.get(j, p) for j, p in enumerate(after.pages[rel:], lo))
             changes[n] = (i, Row(after.length, after.start, new), k)
     return copies
+
+
+def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Sequence[Sequence[int]],
+                 refs: Mapping[PageId, int], page_size: int, *, private_tails: bool, remaps_cost: bool,
+                 gathered: bool, written: int | None) -> tuple[list[Change], dict[PageId, int], list[CowCopy]] | None:
+    """The plan of :meth:`PageTable.reorder` (changes, net reference change per page, tail copies
+    in order) for table rows in ``groups`` that always hold the same items: a row buffer's rows and
+    their parts (the head-major layout's ``2 x layers x heads`` sub-rows of a row), whose tables
+    have the same shape and share pages with the same parts of other rows in the same places
+    (:meth:`~hf_vkv.memory.row_buffer.RowBuffer.check_shared_parts`).
+
+    The plan is made once per group, on its first row (:func:`table_changes`,
+    :func:`private_tails_plan`), and applied to every row of the group with what it decided: the
+    common prefix ``k``, the tail indices where the row keeps its own page, the copies; the
+    references then move for each row's own pages, counted in C (no Python loop per page or per
+    copy). Each row is checked first: ``index`` maps it to the same part of its source, its old
+    and new tables have its first row's lengths and starts, and the same page just before ``k``;
+    every page a copy writes into is afterwards held by its row alone and written once. If a check
+    fails this returns ``None`` and the caller plans per table row. ``index`` is over table rows
+    (a row past it, or ``None``, becomes empty); ``groups`` covers every table row, once."""
+    n_index = len(index)
+    first_of = {g[0]: k for k, g in enumerate(groups)}
+    heads = [entries[g[0]] for g in groups]
+    head_index: list[int | None] = []
+    for g in groups:
+        src = index[g[0]] if g[0] < n_index else None
+        head_index.append(None if src is None else first_of.get(src, -1))
+        if head_index[-1] == -1:
+            return None  # a group's first row takes a row that is not a group's first
+    planned, head_delta = table_changes(heads, head_index)
+    decided = list(planned)
+    head_copies = private_tails_plan(decided, head_delta, heads, refs, page_size, remaps_cost=remaps_cost,
+                                     gathered=gathered, written=written) if private_tails and planned else []
+    copies_of: dict[int, list[int]] = {}  # group -> the tail indices its first row copies into
+    for c in head_copies:
+        copies_of.setdefault(c.row, []).append(c.index)
+    changes: list[Change] = []
+    taken: list[tuple[PageId, ...]] = []  # page runs that gain a reference (one per row)
+    dropped: list[tuple[PageId, ...]] = []  # page runs that lose one
+    expanded: dict[tuple[int, int], list[CowCopy]] = {}  # (group, tail index) -> its rows' copies
+    for (g, after0, k), decision in zip(planned, decided):  # type: ignore[misc]
+        before0, src_group = heads[g], head_index[g]
+        targets = groups[g]
+        sources = groups[src_group] if src_group is not None else None
+        if sources is None:
+            sources, olds, news = (None,) * len(targets), [entries[t] for t in targets], [_EMPTY] * len(targets)
+        else:
+            if len(sources) != len(targets):
+                return None
+            olds, news = [entries[t] for t in targets], [entries[u] for u in sources]
+        if [index[t] if t < n_index else None for t in targets] != list(sources) \
+                or set(map(_SHAPE, olds)) != {_SHAPE(before0)} or set(map(_SHAPE, news)) != {_SHAPE(after0)}:
+            return None  # (length, start) fix a table's page count: the same shape as the first row's
+        bps, aps = list(map(_PAGES, olds)), list(map(_PAGES, news))
+        if k and [p[k - 1] for p in bps] != [p[k - 1] for p in aps]:
+            return None
+        a0, b0 = after0.start, before0.start
+        for j in copies_of.get(g, ()):  # the row's own page at index j takes the source's bytes
+            expanded[g, j] = list(map(_NEW_COPY, zip(targets, repeat(j), [p[j - a0] for p in aps],
+                                                     [p[j - b0] for p in bps])))
+        if decision is None:
+            continue  # the row's table ends as it was: only bytes move
+        final0 = decision[1]
+        kept = [j for j in range(k, len(after0.pages)) if final0.pages[j] != after0.pages[j]] \
+            if final0 is not after0 else []  # relative to after0.start: where the row keeps its own page
+        if kept:
+            rows = []
+            for bp, ap, after in zip(bps, aps, news):
+                pages = list(ap)
+                for j in kept:
+                    pages[j] = bp[j + a0 - b0]
+                rows.append(Row(after.length, a0, tuple(pages)))
+            news = rows
+        cut = itemgetter(slice(k, None))
+        taken.extend(map(cut, map(_PAGES, news)))
+        dropped.extend(map(cut, bps))
+        changes.extend(zip(targets, news, repeat(k)))
+    delta: dict[PageId, int] = Counter(chain.from_iterable(taken))
+    get = delta.get
+    for page, n in Counter(chain.from_iterable(dropped)).items():
+        delta[page] = get(page, 0) - n
+    copies = []
+    written_into: set[PageId] = set()
+    for c in head_copies:
+        batch = expanded[c.row, c.index]
+        dsts = [x.dst for x in batch]
+        srcs = [x.src for x in batch]
+        if set(map(add, map(refs.get, dsts, repeat(0)), map(get, dsts, repeat(0)))) != {1} \
+                or len(set(dsts)) != len(dsts) or not written_into.isdisjoint(dsts) \
+                or not (gathered or (written_into.isdisjoint(srcs) and set(dsts).isdisjoint(srcs))):
+            return None  # a page copied into that another row holds, or reads after it is written
+        written_into.update(dsts)
+        copies += batch
+    return changes, dict(delta), copies
+
+
+_SHAPE = itemgetter(0, 1)  # a Row's (length, start)
+_PAGES = itemgetter(2)  # a Row's pages
+_NEW_COPY = partial(tuple.__new__, CowCopy)  # CowCopy(*fields), called from C

@@ -21,6 +21,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import repeat
+from operator import itemgetter, mul, sub
 from typing import TypeVar
 
 from .errors import CacheClosedError, CapacityError, InvariantError
@@ -211,14 +213,18 @@ class RowBuffer(ABC):
         with self._transaction() as table:
             ib = self.item_bytes
             page = self.store.page_bytes
+            pairs: list[tuple[PageId, PageId]] = []
+            nbytes: list[int] = []
             for t in self._expand(rows):
                 written = table.row(t).length  # a CoW copies the bytes written so far, not whole pages
                 self._create(table.grow(t, end * ib))
                 copies, created = table.cow(t, start * ib, end * ib)
                 self._create(created)
-                if copies:
-                    self.store.copy([(c.src, c.dst) for c in copies],
-                                    [min(page, max(0, written - c.index * page)) for c in copies])
+                for c in copies:
+                    pairs.append((c.src, c.dst))
+                    nbytes.append(min(page, max(0, written - c.index * page)))
+            if pairs:  # one call for every row (a gathered copy where the sizes agree)
+                self.store.copy(pairs, nbytes)
 
     def share(self, src: int, dsts: Iterable[int], *, length: int | None = None) -> None:
         """Make each row of ``dsts`` hold the first ``length`` items of ``src`` (all by default)
@@ -272,7 +278,8 @@ class RowBuffer(ABC):
         units = None if written is None else written * self.item_bytes
         with self._transaction() as table:
             self._late_copies = table.reorder(moves, private_tails=private_tails, remaps_cost=self.remaps_cost,
-                                              gathered=self.store.gathered_copies, written=units)
+                                              gathered=self.store.gathered_copies, written=units,
+                                              groups=self._parts if self.parts > 1 else None)
             self._late_written = units
 
     def truncate(self, rows: Iterable[int], length: int) -> None:
@@ -401,10 +408,14 @@ class RowBuffer(ABC):
         """Run ``_late_copies`` (their written bytes, in one call); if that fails, roll the table
         and pool back and re-sync the translation of the ``changed`` rows before raising."""
         copies, page, entries, written = self._late_copies, self.store.page_bytes, table.entries, self._late_written
-        ends = [entries[c.row].length if written is None else min(written, entries[c.row].length) for c in copies]
+        # each copy's bytes: its row's written bytes in its page, min(page, end - index * page) (mapped in
+        # C: a reorder of head-major rows copies one page per sub-row)
+        ends = map(itemgetter(0), map(entries.__getitem__, map(itemgetter(0), copies)))
+        if written is not None:
+            ends = map(min, ends, repeat(written))
+        nbytes = list(map(min, repeat(page), map(sub, ends, map(mul, map(itemgetter(1), copies), repeat(page)))))
         try:
-            self.store.copy([(c.src, c.dst) for c in copies], [min(page, end - c.index * page)
-                                                               for c, end in zip(copies, ends)])
+            self.store.copy(list(map(itemgetter(2, 3), copies)), nbytes)
         except BaseException:
             now = {r: entries[r] for r in changed}
             table.rollback()

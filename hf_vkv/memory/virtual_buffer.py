@@ -194,20 +194,15 @@ class VirtualBuffer(RowBuffer):
 
     def _mapping_change(self, plan: list, changed: dict[int, Row]) -> tuple[int, int]:
         """``(peak, final)`` change in the kernel mappings of the reservation for ``plan``."""
-        ppr, table = self.pages_per_row, self._table
-
-        def page(row: Row, slot: int) -> PageId | None:
-            return row.pages[slot - row.start] if row.start <= slot < row.end else None
+        ppr, entries = self.pages_per_row, self._table.entries
 
         def old(g: int) -> PageId | None:
-            r = g // ppr
-            return page(changed[r] if r in changed else table.row(r), g % ppr)
+            r, slot = divmod(g, ppr)
+            row = changed[r] if r in changed else entries[r]
+            return row.pages[slot - row.start] if row.start <= slot < row.start + len(row.pages) else None
 
-        def new(g: int) -> PageId | None:
-            return page(table.row(g // ppr), g % ppr)
-
-        runs = [(r * ppr + first, len(after)) for r, first, _, after in plan]
-        return mapping_change(runs, old, new, table.rows * ppr)
+        return mapping_change([(r * ppr + first, before, after) for r, first, before, after in plan], old,
+                              self._table.rows * ppr)
 
     def _undo(self, done: list, cause: BaseException) -> None:
         """Put back what ``done`` changed, newest first. If that fails too, reset the whole
@@ -249,6 +244,10 @@ class VirtualBuffer(RowBuffer):
         """Set slots ``first ..`` of ``row`` to ``pages`` (None = unmapped), one backend call per
         run; ``reached[0]`` says how far the calls got (the end of the run being made)."""
         backend = self.store.backend
+        if pages and None not in pages:  # a run of pages: the backend maps it in as few calls as it can
+            reached[0] = len(pages)
+            backend.map(self._slot_address(row, first), pages)  # type: ignore[arg-type]
+            return
         k = 0
         while k < len(pages):
             j = k + 1
@@ -277,6 +276,9 @@ def _slot_changes(old: Row, new: Row) -> list[tuple[int, list[PageId | None], li
     """Runs of consecutive page slots whose page differs: ``(first slot, old pages, new pages)``."""
     if old.start == new.start and old.pages == new.pages:
         return []  # a reorder's row that kept its pages (or copied its tail in place)
+    if not old.pages or not new.pages:  # a row filled from nothing (a share) or emptied: one run, no loop
+        return [(new.start, [None] * len(new.pages), list(new.pages))] if new.pages else \
+            [(old.start, list(old.pages), [None] * len(old.pages))]
     lo = min(old.start if old.pages else new.start, new.start if new.pages else old.start)
     hi = max(old.end, new.end)
     a, b = max(old.start, new.start), min(old.end, new.end)

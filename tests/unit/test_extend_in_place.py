@@ -48,3 +48,34 @@ def test_a_write_behind_a_dropped_window_or_past_the_length_takes_the_slow_path(
     assert not table.extend_in_place([0], 10, 11)  # starts past the row's 9 units
     assert table.row(0).length == 9
     table.check_invariants()
+
+
+def test_rows_at_different_starts_and_a_write_over_several_pages_are_checked_page_by_page() -> None:
+    """A write spanning pages 1 and 2 (units 6..10) in rows whose tables start at different page
+    indices (row 0 dropped page 0 behind a window): every page in the range is checked in each
+    row, whatever its start, and one shared page anywhere leaves every row as it was."""
+    table = _table()
+    table.grow(0, 11)
+    table.grow(1, 11)
+    table.drop_before(0, 4)
+    assert table.row(0) == Row(11, 1, (P(1), P(2))) and table.row(1) == Row(11, 0, (P(4), P(5), P(6)))
+    assert table.extend_in_place([0, 1], 6, 12)
+    assert table.row(0) == Row(12, 1, (P(1), P(2))) and table.row(1) == Row(12, 0, (P(4), P(5), P(6)))
+    table.share(1, 2)  # rows 1 and 2 now hold pages 4, 5, 6: page 5 lies in the range, shared
+    assert not table.extend_in_place([0, 1], 6, 12)
+    assert not table.extend_in_place([0, 2], 5, 12)
+    assert table.row(0).length == table.row(1).length == 12
+    assert table.extend_in_place([0], 5, 12) and not table.extend_in_place([-1], 5, 12)  # out of range: slow path
+    assert table.extend_in_place([], 0, 3)  # no row: nothing to do
+    table.check_invariants()
+
+
+def test_rows_of_one_start_but_different_lengths_take_the_slow_path() -> None:
+    """Row 1 holds 2 pages where the write needs 3: the cheap path says no (before it reads any
+    page of row 1 past its table), and no row changes."""
+    table = _table()
+    table.grow(0, 11)
+    table.grow(1, 5)
+    assert not table.extend_in_place([0, 1], 5, 12) and not table.extend_in_place([1, 0], 9, 10)
+    assert table.row(0) == Row(11, 0, (P(0), P(1), P(2))) and table.row(1) == Row(5, 0, (P(4), P(5)))
+    table.check_invariants()

@@ -7,6 +7,8 @@ mappings, never the machine's 65530 (other processes share the machine).
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -27,17 +29,53 @@ def kernel_mappings(buf: VirtualBuffer) -> int:
     return n
 
 
+def _runs(old, new, spans):
+    return [(a, old[a:a + n], new[a:a + n]) for a, n in spans]
+
+
 def test_mapping_change_counts_runs_and_merges():
     # 6 slots: [None, None, 5, 6, None, None] -> one mapping of 2 pages in the middle: 3 mappings
     old = [None] * 6
     new = [None, None, 5, 6, None, None]
-    peak, final = mapping_change([(2, 2)], old.__getitem__, new.__getitem__, 6)
+    peak, final = mapping_change(_runs(old, new, [(2, 2)]), old.__getitem__, 6)
     assert final == 2 and peak == 4  # the bound: checked against the kernel's count below
     # pages that do not continue each other are two mappings
     new2 = [None, None, 5, 9, None, None]
-    assert mapping_change([(2, 2)], old.__getitem__, new2.__getitem__, 6)[1] == 3
+    assert mapping_change(_runs(old, new2, [(2, 2)]), old.__getitem__, 6)[1] == 3
     # unmapping everything gives the mappings back
-    assert mapping_change([(2, 2)], new.__getitem__, old.__getitem__, 6)[1] == -2
+    assert mapping_change(_runs(new, old, [(2, 2)]), new.__getitem__, 6)[1] == -2
+
+
+def _mappings(slots):
+    """The kernel's count, slot by slot: 1 + the boundaries between neighbours that do not merge."""
+    return 1 + sum(1 for x, y in zip(slots, slots[1:])
+                   if not ((x is None and y is None) or (x is not None and y is not None and y == x + 1)))
+
+
+def test_mapping_change_equals_the_slot_by_slot_count():
+    """Runs of consecutive pages (one comparison), of unmapped slots, mixed runs, runs next to each
+    other and at both ends of the reservation: the final change is the slot-by-slot count's, the
+    peak the largest running change + 2."""
+    rng = random.Random(7)
+    for _ in range(400):
+        total = rng.randint(1, 24)
+        old = [rng.choice([None, None, rng.randint(0, 40)]) for _ in range(total)]
+        cuts = sorted(rng.sample(range(total + 1), rng.randint(2, min(6, total + 1))))
+        spans = [(a, b - a) for a, b in zip(cuts, cuts[1:]) if b > a and rng.random() < 0.7]
+        rng.shuffle(spans)
+        new = list(old)
+        for a, n in spans:
+            kind = rng.random()
+            base = rng.randint(0, 40)
+            for k in range(n):
+                new[a + k] = None if kind < 0.3 else base + k if kind < 0.7 else rng.choice([None, rng.randint(0, 40)])
+        state, running, peak = list(old), 0, 0
+        for a, n in spans:
+            before = _mappings(state)
+            state[a:a + n] = new[a:a + n]
+            running += _mappings(state) - before
+            peak = max(peak, running + 2)
+        assert mapping_change(_runs(old, new, spans), old.__getitem__, total) == (peak, running), (old, new, spans)
 
 
 OPS = [

@@ -20,7 +20,7 @@ from hf_vkv.memory import (
     Row,
     check_pages,
 )
-from hf_vkv.memory.reorder_plan import common_prefix
+from hf_vkv.memory.reorder_plan import common_prefix, grouped_plan
 
 P = PageId
 
@@ -352,6 +352,94 @@ def test_private_tails_leave_full_pages_shared():
     assert t.reorder([0, 0], private_tails=True, remaps_cost=True) == []
     assert [ok(t).row(r).pages for r in range(2)] == [(0, 1), (0, 1)] and refs(t, 0, 1) == [2, 2]
     assert t.pool.resident_free_pages() == {4, 5}
+
+
+def grouped_beams() -> PageTable:
+    """Four rows of two parts each (table rows ``2r`` and ``2r + 1``), as :func:`beams` per part:
+    the rows share their first page per part and each holds its own second page (row 0: pages 1
+    and 5; rows 1, 2, 3: their home ids 9/13, 17/21, 25/29)."""
+    t = make(rows=8)
+    t.grow(0, 6)
+    t.grow(1, 6)
+    for r in (1, 2, 3):
+        for part in (0, 1):
+            t.share(part, 2 * r + part, length=4)
+            t.grow(2 * r + part, 6)
+    assert [t.row(r).pages for r in range(8)] == [(0, 1), (4, 5), (0, 9), (4, 13), (0, 17), (4, 21), (0, 25), (4, 29)]
+    return t
+
+
+GROUPS = [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+def moves(index: list[int]) -> list[int]:
+    """A reorder of the rows of :func:`grouped_beams` as table rows: part ``p`` takes the same part."""
+    return [2 * src + part for src in index for part in (0, 1)]
+
+
+def test_a_grouped_reorder_plans_once_per_row_and_applies_it_to_every_part():
+    """The plan of :func:`test_private_tails_where_remaps_cost_keep_every_rows_pages_in_order`, made
+    on each row's first part, is applied to both parts: the same copies per part (in the plan's
+    order, each row's parts together), no table changed."""
+    t = grouped_beams()
+    plan = grouped_plan(t.entries, moves([0, 0, 1, 0]), GROUPS, t.pool.refs, 4, private_tails=True,
+                        remaps_cost=True, gathered=False, written=None)
+    assert plan is not None
+    changes, delta, copies = plan
+    assert changes == [] and not any(delta.values())
+    assert copies == [CowCopy(4, 1, P(9), P(17)), CowCopy(5, 1, P(13), P(21)), CowCopy(6, 1, P(1), P(25)),
+                      CowCopy(7, 1, P(5), P(29)), CowCopy(2, 1, P(1), P(9)), CowCopy(3, 1, P(5), P(13))]
+    assert t.reorder(moves([0, 0, 1, 0]), private_tails=True, remaps_cost=True, groups=GROUPS) == copies
+    assert [ok(t).row(r).pages for r in range(8)] == [(0, 1), (4, 5), (0, 9), (4, 13), (0, 17), (4, 21), (0, 25),
+                                                       (4, 29)]
+    assert t.tail_copies == 6 and t.remapped_rows == 0
+
+
+def test_a_grouped_reorder_moves_the_same_references_as_one_per_part():
+    """Without private tails (and with them, in order): the tables, refcounts, free pages and copies
+    of a grouped reorder are those of the reorder planned per table row."""
+    for index, tails in (([0, 0, 1, 0], False), ([0, 0, 1, 0], True), ([3, 3, 3, 3], True), ([1, 0, 2, 3], True),
+                         ([2, 2], False), ([0, 0, 0, 0], False)):
+        a, b = grouped_beams(), grouped_beams()
+        got = a.reorder(moves(index), private_tails=tails, groups=GROUPS)
+        want = b.reorder(moves(index), private_tails=tails)
+        assert sorted(got) == sorted(want), index
+        assert list(ok(a)) == list(ok(b)) and state(a)[2:] == state(b)[2:], index
+        assert a.remapped_rows == b.remapped_rows and a.tail_copies == b.tail_copies
+
+
+def test_a_repeat_of_rows_shares_every_part_of_the_first_row():
+    """Prefill once: one row holds the prompt, every row then takes it (pages shared, nothing copied)."""
+    t = make(rows=8)
+    t.grow(0, 10)
+    t.grow(1, 10)
+    t.pool.begin()
+    t.begin()
+    before = state(t)
+    t.reorder(moves([0, 0, 0, 0]), groups=GROUPS)
+    assert [ok_row for ok_row in t.entries] == [Row(10, 0, (0, 1, 2)), Row(10, 0, (4, 5, 6))] * 4
+    assert refs(t, 0, 1, 2, 4, 5, 6) == [4] * 6
+    t.rollback()
+    t.pool.rollback()
+    assert state(ok(t)) == before  # one undo step for every reference moved
+
+
+def test_a_part_that_does_not_follow_its_row_is_planned_on_its_own():
+    """Parts that differ from their row's first part (here part 1 of row 1 lost its own tail page),
+    or an index that maps a part to another part of its source, make the grouped plan step aside
+    (``None``): the reorder then plans per table row, with the same result."""
+    a, b = grouped_beams(), grouped_beams()
+    for t in (a, b):
+        t.truncate(3, 4)  # row 1, part 1: (4,) where part 0 holds (0, 9)
+    assert grouped_plan(a.entries, moves([1, 1, 1, 1]), GROUPS, a.pool.refs, 4, private_tails=True,
+                        remaps_cost=True, gathered=True, written=None) is None
+    crossed = moves([0, 1, 2, 3])
+    crossed[2], crossed[3] = 3, 2  # row 1 takes its own parts swapped
+    assert grouped_plan(b.entries, crossed, GROUPS, b.pool.refs, 4, private_tails=False, remaps_cost=False,
+                        gathered=True, written=None) is None
+    got = a.reorder(moves([1, 1, 1, 1]), private_tails=True, remaps_cost=True, gathered=True, groups=GROUPS)
+    want = b.reorder(moves([1, 1, 1, 1]), private_tails=True, remaps_cost=True, gathered=True)
+    assert got == want and list(ok(a)) == list(ok(b)) and state(a)[2:] == state(b)[2:]
 
 
 def test_common_prefix_finds_the_first_difference_with_or_without_a_good_guess():
