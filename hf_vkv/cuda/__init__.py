@@ -7,9 +7,9 @@ Importing this package imports torch and ctypes only; ``cuda.bindings`` is loade
 from .driver import (CU_STREAM_LEGACY, INSTALL_HINT, CudaDriverError, CudaUnavailableError, Driver, check,
                      load_bindings)
 from .hooks import TorchHooks, torch_hooks
-from .vmm_backend import DEFAULT_CREATE_AHEAD, CudaBackend
+from .vmm_backend import CudaBackend
 
 __all__ = [
-    "CU_STREAM_LEGACY", "CudaBackend", "CudaDriverError", "CudaUnavailableError", "DEFAULT_CREATE_AHEAD", "Driver",
+    "CU_STREAM_LEGACY", "CudaBackend", "CudaDriverError", "CudaUnavailableError", "Driver",
     "INSTALL_HINT", "TorchHooks", "check", "load_bindings", "torch_hooks",
 ]

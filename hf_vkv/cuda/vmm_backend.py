@@ -51,10 +51,7 @@ from ..memory.runs import consecutive_runs as _runs
 from .driver import CudaDriverError, Driver
 from .hooks import TorchHooks, torch_hooks
 
-__all__ = ["CudaBackend", "DEFAULT_CREATE_AHEAD"]
-
-#: Handles created per batch when no spare is left (16 x 2 MiB = 32 MiB of device memory).
-DEFAULT_CREATE_AHEAD = 16
+__all__ = ["CudaBackend"]
 
 _OUT_OF_MEMORY = "CUDA_ERROR_OUT_OF_MEMORY"
 
@@ -77,7 +74,8 @@ class CudaBackend:
             granularity itself, 2 MiB on H100/H200).
         max_pages: most handles (pages plus spares) held at once; sizes the window. Default: the
             device's memory divided by ``page_bytes``.
-        create_ahead: handles created per batch when a page needs one and no spare is left.
+        create_ahead: handles created per batch when a page needs one and no spare is left (default
+            one: no batching; the device policy's is :data:`hf_vkv.devices.CUDA_CREATE_AHEAD`).
         driver: a :class:`Driver` (default: one over ``cuda.bindings.driver`` for this device).
             The backend owns it: the driver is closed once the backend is closed and its last
             reservation given back.
@@ -85,7 +83,7 @@ class CudaBackend:
     """
 
     def __init__(self, device: torch.device | str, *, page_bytes: int | None = None, max_pages: int | None = None,
-                 create_ahead: int = DEFAULT_CREATE_AHEAD, driver: Driver | None = None,
+                 create_ahead: int = 1, driver: Driver | None = None,
                  hooks: TorchHooks | None = None) -> None:
         device = torch.device(device)
         if device.type != "cuda":
