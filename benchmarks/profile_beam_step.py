@@ -95,6 +95,9 @@ def run(model: Any, ids: torch.Tensor, name: str, steps: int) -> ProfiledSteps:
     probe = ProfiledSteps(last=steps + 2)
     kwargs = dict(num_beams=4, do_sample=False)
     cache: Any
+    previous = model.config._attn_implementation
+    if name == "vkv_cascade":  # before the cache is built: it tags shared prefixes for the attention it is built for
+        model.set_attn_implementation("vkv_cascade")
     if name == "ideal":
         one = DynamicCache(config=model.config)
         first = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=one, max_new_tokens=1,
@@ -109,9 +112,6 @@ def run(model: Any, ids: torch.Tensor, name: str, steps: int) -> ProfiledSteps:
     else:
         cache = hf_vkv.VKVCache.for_generate(model, batch_size=1, expand=4, max_length=ids.shape[1] + new + 1,
                                              cache_config=None)
-    previous = model.config._attn_implementation
-    if name == "vkv_cascade":
-        model.set_attn_implementation("vkv_cascade")
     gc.collect()
     try:
         with torch.inference_mode():

@@ -199,16 +199,17 @@ def _run_cache(model: PreTrainedModel, name: str, ids: torch.Tensor, workload: s
                          **kwargs)
     from ..cache import VKVCache
 
-    cache = VKVCache.for_generate(model, batch_size=1, expand=rows, max_length=ids.shape[1] + decode_steps + 1,
-                                  cache_config=None)
-    try:
-        with _attention(model, CASCADE_ATTENTION if name == "vkv_cascade" else None):
+    with _attention(model, CASCADE_ATTENTION if name == "vkv_cascade" else None):
+        # built under the attention it is read by: a cache tags shared prefixes for the attention it was built for
+        cache = VKVCache.for_generate(model, batch_size=1, expand=rows, max_length=ids.shape[1] + decode_steps + 1,
+                                      cache_config=None)
+        try:
             run = _generate(model, ids, cache, new_tokens=1 + decode_steps, **common, **kwargs)
-        s = cache.stats()
-        run.stats = dict(prompt_tokens_computed=s.prompt_tokens_computed, prompt_tokens_saved=s.prompt_tokens_saved,
-                         prefill_once=s.prefill_once)
-    finally:
-        cache.close()
+            s = cache.stats()
+            run.stats = dict(prompt_tokens_computed=s.prompt_tokens_computed, prompt_tokens_saved=s.prompt_tokens_saved,
+                             prefill_once=s.prefill_once, cascade=s.cascade)
+        finally:
+            cache.close()
     return run
 
 
