@@ -75,6 +75,9 @@ def test_cascade_column_runs_when_the_name_is_registered(model, monkeypatch: pyt
     casc = cell["caches"]["vkv_cascade"]
     assert "vkv_cascade" not in cell["skipped"] and casc["tokens_identical"] is not None
     assert casc["max_abs_logit_diff"] is not None and cell["ratios"]["vkv_cascade/dynamic"]["ttft"] > 0
+    # the cache was built for the cascade (a cache built before the switch would say "not asked")
+    assert casc["vkv_stats"]["cascade"] != "not asked"
+    assert cell["caches"]["vkv"]["vkv_stats"]["cascade"] == "not asked"
 
 
 def test_dynamic_cache_is_skipped_past_the_limit(model) -> None:
