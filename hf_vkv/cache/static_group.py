@@ -34,6 +34,7 @@ class StaticGroup(LayerGroup):
         super().__init__(**kwargs)
         self.ahead = map_ahead
         self.static_layers: list[VKVStaticLayer] = []  # its layers, which keep the length compiled steps advance
+        self._written: int | None = None  # tokens compiled steps had written, read before a row operation
 
     def attach(self, layer: VKVStaticLayer) -> None:
         """``layer`` is one of this group's members (it registers when made, or twinned by a fork)."""
@@ -66,15 +67,18 @@ class StaticGroup(LayerGroup):
 
     def before_row_operation(self) -> None:
         first = self._first()
-        if first is not None:
-            self.lengths = [first.written_length()] * len(self.members)
+        self._written = None if first is None else first.written_length()
+        if self._written is not None:
+            self.lengths = [self._written] * len(self.members)
 
     def after_row_operation(self) -> None:
         if self._first() is None:
             return
         for layer in self.static_layers:
             if layer.is_initialized:
-                layer.set_length(self.length(layer.layer_idx))
+                length = self.length(layer.layer_idx)
+                if length != self._written:  # a reorder keeps every length: no tensor write
+                    layer.set_length(length)
                 layer.follow_rows()
         self.map_ahead()
 

@@ -181,9 +181,11 @@ class PageTable:
         return created
 
     def extend_in_place(self, rows: Sequence[int], start: int, end: int) -> bool:
-        """Make each of ``rows`` hold ``end`` units if that needs no page table change but the
-        lengths: every row already has the pages for ``[start, end)`` and none of those pages is
-        shared. Then set the lengths and return True; otherwise change nothing and return False
+        """Make each of ``rows`` hold at least ``end`` units if that needs no page table change but
+        the lengths: every row already has the pages for ``[start, end)`` and none of those pages
+        is shared. Then set the lengths of the rows shorter than ``end`` to ``end`` and return
+        True (a row already longer, e.g. a static layout's mapped ahead, keeps its length: as
+        :meth:`grow`); otherwise change nothing and return False
         (the caller grows and copies-on-write in a transaction, whose operations also reject a row
         out of range). The cheap path of a decode step that stays inside the rows' last pages (a
         head-major step calls it for every (layer, K/V, head) sub-row of every row).
@@ -203,7 +205,7 @@ class PageTable:
         lengths, starts, pages = list(map(_LENGTH, olds)), list(map(_START, olds)), list(map(_ROW_PAGES, olds))
         shapes = set(zip(lengths, starts, map(len, pages)))  # one per row position, not per row
         for length, s0, count in shapes:
-            if length > end or need != s0 + count or start > length or first < s0:
+            if s0 + count < need or start > length or first < s0:
                 return False
         for s0 in set(starts):  # every row at this start holds pages up to `need` (checked above)
             held = pages if len(shapes) == 1 else list(compress(pages, map(s0.__eq__, starts)))
@@ -213,8 +215,8 @@ class PageTable:
                 touched = chain.from_iterable(map(itemgetter(slice(first - s0, last + 1 - s0)), held))
             if max(map(refs.get, touched, repeat(0))) > 1:
                 return False
-        if any(map(end.__ne__, lengths)):
-            for row, new in zip(rows, map(_NEW_ROW, zip(repeat(end), starts, pages))):
+        if any(map(end.__gt__, lengths)):
+            for row, new in zip(rows, map(_NEW_ROW, zip(map(max, lengths, repeat(end)), starts, pages))):
                 entries[row] = new
         return True
 
@@ -264,7 +266,8 @@ class PageTable:
         ``written`` bytes, default the row's length; a static layout maps pages ahead of its
         writes) where no row holds them afterwards and either the taken page would be shared
         (the next write would copy it on write anyway) or, with ``remaps_cost`` (a translator
-        that remaps a changed page), only the tail differs. The returned :class:`CowCopy` list
+        that remaps a changed page), only the tail differs or the page holds no written byte
+        (keeping it copies nothing, and frees the page a row before it in a chain needs). The returned :class:`CowCopy` list
         says what the caller must copy (``src``, the taken page, into ``dst``, the row's own page,
         its written bytes; after it the row reads as if it had taken ``src``), in the order they
         must run: a page may be copied from and later into, never the reverse, so running them in

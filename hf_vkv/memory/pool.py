@@ -125,14 +125,6 @@ class PagePool:
         if self._undo is not None:
             self._undo.append(step)
 
-    def _set_ref(self, page: PageId, count: int) -> None:
-        old = self._refs.get(page, 0)
-        if count:
-            self._refs[page] = count
-        else:
-            del self._refs[page]
-        self._record(lambda: self._restore_ref(page, old))
-
     def _restore_ref(self, page: PageId, count: int) -> None:
         if count:
             self._refs[page] = count
@@ -191,17 +183,31 @@ class PagePool:
             )
         pages: list[PageId] = []
         created: list[PageId] = []
-        for wanted in hints:
-            page = self._take(wanted)
-            if page in self._resident_free:
-                self._set_resident_free(page, False)
-                self._bump("_recycled", 1)
-            else:
-                created.append(page)
-                self._bump("_created", 1)
-            self._set_ref(page, 1)
-            pages.append(page)
+        recycled: list[PageId] = []
+        try:
+            for wanted in hints:
+                page = self._take(wanted)
+                if page in self._resident_free:
+                    del self._resident_free[page]
+                    recycled.append(page)
+                else:
+                    created.append(page)
+                self._refs[page] = 1
+                pages.append(page)
+        finally:  # one undo step for every page (a prefill allocates thousands)
+            self._created += len(created)
+            self._recycled += len(recycled)
+            if pages:
+                self._record(lambda: self._undo_allocate(pages, created, recycled))
         return pages, created
+
+    def _undo_allocate(self, pages: list[PageId], created: list[PageId], recycled: list[PageId]) -> None:
+        for page in pages:
+            self._refs.pop(page, None)
+        for page in recycled:
+            self._resident_free[page] = None
+        self._created -= len(created)
+        self._recycled -= len(recycled)
 
     def _take(self, wanted: Sequence[PageId]) -> PageId:
         room = len(self._refs) + len(self._resident_free) < self.budget_pages
@@ -246,17 +252,31 @@ class PagePool:
             self._restore_ref(page, count)
 
     def decref(self, pages: Iterable[PageId]) -> list[PageId]:
-        """Drop one reference from each page; return the pages that became free (kept resident)."""
-        freed: list[PageId] = []
-        for page in pages:
-            count = self._refs.get(page, 0)
-            if count == 0:
-                raise InvariantError(f"decref of page {page}, which is not in use")
-            self._set_ref(page, count - 1)
-            if count == 1:
-                self._set_resident_free(page, True)
-                freed.append(page)
+        """Drop one reference from each page; return the pages that became free (kept resident).
+        One undo step for all of them, as :meth:`incref` (closing or clearing a long head-major
+        row drops thousands)."""
+        refs, old, freed = self._refs, [], []
+        try:
+            for page in pages:
+                count = refs.get(page, 0)
+                if count == 0:
+                    raise InvariantError(f"decref of page {page}, which is not in use")
+                old.append((page, count))
+                if count == 1:
+                    del refs[page]
+                    self._resident_free[page] = None
+                    freed.append(page)
+                else:
+                    refs[page] = count - 1
+        finally:
+            if old:
+                self._record(lambda: self._undo_decref(old, freed))
         return freed
+
+    def _undo_decref(self, old: list[tuple[PageId, int]], freed: list[PageId]) -> None:
+        for page in freed:
+            self._resident_free.pop(page, None)
+        self._restore_refs(old)
 
     def adjust(self, delta: Mapping[PageId, int]) -> None:
         """Add ``delta[p]`` references to each page ``p`` (negative: drop them), in one pass: what

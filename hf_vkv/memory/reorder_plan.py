@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from functools import partial
 from itertools import chain, repeat
-from operator import add, itemgetter
+from operator import itemgetter
 
 from .page_table import CowCopy, Row
 from .pool import PageId
@@ -101,7 +101,10 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
     its page may free the page another row needs: then ``mine`` is also the source of an
     earlier copy, which is why the copies run in order. Never the reverse: a page copied
     into was held by nobody when it was chosen, so no later copy reads it (a later source is
-    a page its row holds).
+    a page its row holds). With ``remaps_cost``, a row that took a page nobody else holds
+    (no copy) becomes a candidate too once an earlier row of a chain waits for that page: it
+    keeps its own instead, which frees the page for the row waiting (a copy for a remap and a
+    later copy-on-write).
 
     With ``gathered``, the rows left over (each one's page held by another of them: rows
     that take each other's tails) all keep their pages at once, when nobody else holds them."""
@@ -109,6 +112,7 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
     copies: list[CowCopy] = []
     pending: dict[tuple[int, int], tuple[PageId, PageId, int]] = {}  # (change, index) -> (mine, theirs, bytes)
     kept: dict[int, dict[int, PageId]] = {}  # change -> {index: the row's own page it keeps}
+    outright: dict[PageId, tuple[int, int, PageId, int]] = {}  # page taken unshared -> (change, index, mine, bytes)
     for n, (i, after, k) in enumerate(changes):  # type: ignore[misc]
         # (Row.end spelled out, and no min/max calls: this runs for every sub-row of every beam)
         before, a0, ap = entries[i], after.start, after.pages
@@ -126,9 +130,15 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
         whole = only_tail and hi - lo == 1 == a_end - tail and a0 == b0 and a_end == b_end and length == before.length
         for j in range(lo, hi):
             mine, theirs = bp[j - b0], ap[j - a0]
-            if mine == theirs or not (refs[theirs] + delta[theirs] > 1 or (remaps_cost and only_tail)):
-                continue
             nbytes = w - j * ps if w - j * ps < ps else ps
+            if mine == theirs:
+                continue
+            # with remaps_cost, a page past the written bytes is kept too: no copy and no remap (and a
+            # row that keeps it frees the page an earlier row of a chain needs: a static layout's pages)
+            if not (refs[theirs] + delta[theirs] > 1 or (remaps_cost and (only_tail or nbytes <= 0))):
+                if remaps_cost:
+                    outright[theirs] = (n, j, mine, nbytes)  # taken, not copied: unless a chain needs it
+                continue
             if refs[mine] + delta[mine]:
                 pending[n, j] = (mine, theirs, nbytes if nbytes > 0 else 0)  # held: maybe not after others' turns
                 continue
@@ -158,6 +168,10 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
             mine = pending[key][0]
             if not refs[mine] + delta[mine]:
                 keep(key)
+                again = True
+            elif mine in outright:  # a row took `mine` outright: it may keep its own page instead
+                n2, j2, own, nbytes = outright.pop(mine)
+                pending[n2, j2] = (own, mine, nbytes if nbytes > 0 else 0)
                 again = True
     if gathered and pending:
         cycle = dict(pending)
@@ -227,7 +241,9 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
     changes: list[Change] = []
     taken: list[tuple[PageId, ...]] = []  # page runs that gain a reference (one per row)
     dropped: list[tuple[PageId, ...]] = []  # page runs that lose one
-    expanded: dict[tuple[int, int], list[CowCopy]] = {}  # (group, tail index) -> its rows' copies
+    expanded: dict[tuple[int, int], tuple[list[CowCopy], list[PageId], list[PageId]]] = {}  # (group, tail
+    # index) -> its rows' copies, their source pages and their destination pages
+    whole_index = n_index == len(entries)  # (C lookups below instead of a comprehension per sub-row)
     for (g, after0, k), decision in zip(planned, decided):  # type: ignore[misc]
         before0, src_group = heads[g], head_index[g]
         targets = groups[g]
@@ -237,17 +253,19 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
         else:
             if len(sources) != len(targets):
                 return None
-            olds, news = [entries[t] for t in targets], [entries[u] for u in sources]
-        if [index[t] if t < n_index else None for t in targets] != list(sources) \
+            olds, news = list(map(entries.__getitem__, targets)), list(map(entries.__getitem__, sources))
+        took = list(map(index.__getitem__, targets)) if whole_index else \
+            [index[t] if t < n_index else None for t in targets]
+        if took != list(sources) \
                 or set(map(_SHAPE, olds)) != {_SHAPE(before0)} or set(map(_SHAPE, news)) != {_SHAPE(after0)}:
             return None  # (length, start) fix a table's page count: the same shape as the first row's
         bps, aps = list(map(_PAGES, olds)), list(map(_PAGES, news))
-        if k and [p[k - 1] for p in bps] != [p[k - 1] for p in aps]:
+        if k and list(map(itemgetter(k - 1), bps)) != list(map(itemgetter(k - 1), aps)):
             return None
         a0, b0 = after0.start, before0.start
         for j in copies_of.get(g, ()):  # the row's own page at index j takes the source's bytes
-            expanded[g, j] = list(map(_NEW_COPY, zip(targets, repeat(j), [p[j - a0] for p in aps],
-                                                     [p[j - b0] for p in bps])))
+            srcs, dsts = list(map(itemgetter(j - a0), aps)), list(map(itemgetter(j - b0), bps))
+            expanded[g, j] = (list(map(_NEW_COPY, zip(targets, repeat(j), srcs, dsts))), srcs, dsts)
         if decision is None:
             continue  # the row's table ends as it was: only bytes move
         final0 = decision[1]
@@ -272,10 +290,10 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
     copies = []
     written_into: set[PageId] = set()
     for c in head_copies:
-        batch = expanded[c.row, c.index]
-        dsts = [x.dst for x in batch]
-        srcs = [x.src for x in batch]
-        if set(map(add, map(refs.get, dsts, repeat(0)), map(get, dsts, repeat(0)))) != {1} \
+        batch, srcs, dsts = expanded[c.row, c.index]
+        # held by their rows alone before, and no reference moves for them: by their rows alone after
+        # (stricter than refs + delta == 1, in two C passes; a page it refuses is planned per row)
+        if max(map(refs.get, dsts, repeat(0))) != 1 or any(map(get, dsts)) \
                 or len(set(dsts)) != len(dsts) or not written_into.isdisjoint(dsts) \
                 or not (gathered or (written_into.isdisjoint(srcs) and set(dsts).isdisjoint(srcs))):
             return None  # a page copied into that another row holds, or reads after it is written

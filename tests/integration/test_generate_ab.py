@@ -97,7 +97,8 @@ def test_beam_search(layout: LayoutRun, arch: str) -> None:
                              do_sample=False, output_scores=True, vkv=SMALL)
     assert_same_tokens(ref.sequences, got.sequences)
     assert torch.equal(ref.sequences_scores, got.sequences_scores)
-    assert got.past_key_values.stats().cow_copies > 0
+    stats = got.past_key_values.stats()
+    assert stats.cow_copies + stats.tail_copies > 0  # beams shared pages, then copied them (at a write or a reorder)
     _check(got.past_key_values)
 
 

@@ -78,7 +78,8 @@ def test_beam_search_with_a_static_layout_matches_static_cache(arch: str) -> Non
     got = model.generate(**inputs, cache_implementation="vkv", cache_config={"layout": "static", "page_bytes": 4096},
                          compile_config=_compile_config(), return_dict_in_generate=True, **kwargs)
     assert_same_tokens(ref, got.sequences)
-    assert got.past_key_values.stats().cow_copies > 0  # beams did share, then copy, pages
+    stats = got.past_key_values.stats()
+    assert stats.cow_copies + stats.tail_copies > 0  # beams did share, then copy, pages (at a write or a reorder)
     got.past_key_values.check_invariants()
 
 

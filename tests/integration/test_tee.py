@@ -174,7 +174,7 @@ def test_tee_generate(layout: LayoutRun, tee: type[TeeCache], case: str) -> None
     assert cache.calls["get_mask_sizes"] >= 20
     if "num_beams" in kwargs:
         assert cache.calls["reorder_cache"] == 20
-        assert cache.stats().cow_copies > 0
+        assert cache.stats().cow_copies + cache.stats().tail_copies > 0  # copied at a write or a reorder
     cache.compare_all("generate")
     cache.check_invariants()
 

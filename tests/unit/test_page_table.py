@@ -354,6 +354,43 @@ def test_private_tails_leave_full_pages_shared():
     assert t.pool.resident_free_pages() == {4, 5}
 
 
+def test_a_chain_of_beams_keeps_its_pages_past_the_written_bytes_private():
+    """Beams [0, 0, 1, 2] over pages mapped ahead of the writes (a static layout): row 3 keeps its
+    own pages past the written bytes (nothing to copy), which frees row 2's for row 2, and so on
+    up the chain, so no page past the written bytes is shared and nothing is copied or remapped
+    there (taking them outright left row 1 sharing row 0's: a copy-on-write at the next write)."""
+    t = PageTable(PagePool(page_bytes=4096, budget_pages=64), rows=4, pages_per_row=8, page_size=4)
+    t.grow(0, 8)  # the shared prompt: two pages
+    for r in (1, 2, 3):
+        t.share(0, r)
+    for r in range(4):
+        t.grow(r, 20)  # each row's own pages 2 (written), 3 and 4 (mapped ahead)
+    assert [t.row(r).pages[2:] for r in range(4)] == [(2, 3, 4), (10, 11, 12), (18, 19, 20), (26, 27, 28)]
+    assert t.reorder([0, 0, 1, 2], private_tails=True, remaps_cost=True, gathered=True, written=12) == []
+    assert [ok(t).row(r).pages[2:] for r in range(4)] == [(2, 3, 4), (2, 11, 12), (10, 19, 20), (18, 27, 28)]
+    assert refs(t, 2, 10, 18) == [2, 1, 1] and refs(t, 3, 4, 11, 12, 19, 20, 27, 28) == [1] * 8
+    assert t.pool.resident_free_pages() == {26}
+
+
+def test_a_row_that_took_a_page_outright_keeps_its_own_when_a_chain_needs_it():
+    """Beams [0, 0, 1, 1] with a partly written tail page: row 3 could take row 1's tail outright
+    (nobody else holds it once row 2 keeps its own), but row 1 waits for that page to keep its
+    own; row 3 keeps its own instead (one copy), so row 1 can (one copy), and no tail is left
+    shared for a copy-on-write at the next write. The copies run in order: each page is read
+    before it is written."""
+    t = PageTable(PagePool(page_bytes=4096, budget_pages=64), rows=4, pages_per_row=8, page_size=4)
+    t.grow(0, 8)
+    for r in (1, 2, 3):
+        t.share(0, r)
+    for r in range(4):
+        t.grow(r, 20)  # own pages 2 (written), 3 (its first byte written) and 4 (mapped ahead)
+    copies = t.reorder([0, 0, 1, 1], private_tails=True, remaps_cost=True, gathered=True, written=13)
+    assert copies == [CowCopy(2, 3, P(11), P(19)), CowCopy(3, 3, P(11), P(27)), CowCopy(1, 3, P(3), P(11))]
+    assert [ok(t).row(r).pages[2:] for r in range(4)] == [(2, 3, 4), (2, 11, 12), (10, 19, 20), (10, 27, 28)]
+    shared_tails = [p for r in range(4) for p in t.row(r).pages[3:] if t.pool.refcount(p) > 1]
+    assert shared_tails == [] and t.pool.resident_free_pages() == {18, 26}
+
+
 def grouped_beams() -> PageTable:
     """Four rows of two parts each (table rows ``2r`` and ``2r + 1``), as :func:`beams` per part:
     the rows share their first page per part and each holds its own second page (row 0: pages 1
