@@ -29,6 +29,7 @@ as fast.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -141,21 +142,52 @@ def _cluster_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return merged.reshape(n, hkv * g, 1, -1)
 
 
+#: Fewest shared tokens in each part when :func:`_whole_batch` splits the prefix over threads
+MIN_SPLIT_TOKENS = 256
+
+
+def _prefix_splits(kv_heads: int, tokens: int, threads: int) -> int:
+    """Parts :func:`_whole_batch` cuts the prefix into along its tokens so that torch's CPU flash
+    kernel, which shares out (batch, head) pairs among its threads, has a multiple of ``threads``
+    of them: ``kv_heads`` key heads (3 in SmolLM2) over 2 threads leave one thread idle a third of
+    the time; 2 parts give 6 pairs. 1 at one thread, or when a part would hold fewer than
+    :data:`MIN_SPLIT_TOKENS` tokens or the tokens do not divide evenly."""
+    splits = threads // math.gcd(kv_heads, threads)
+    while splits > 1 and (tokens % splits or tokens // splits < MIN_SPLIT_TOKENS):
+        splits -= 1
+    return splits
+
+
 def _whole_batch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, p: int) -> torch.Tensor:
     """:func:`_cluster_decode` of one cluster of every row, float32 on the CPU without a mask,
     ``0 < p < T`` (a prompt's samples, beams: every decode step), in the fewest operations: the
     prefix and the suffix each in one call of torch's CPU flash kernel, one merge. ``[B, Hq, 1, Dv]``.
+
+    At several threads the prefix is read as :func:`_prefix_splits` parts of its tokens (one more
+    batch dim of the same call, the stacked queries broadcast over it), merged with the suffix in
+    one softmax over the parts' log-sum-exps.
     """
     n, hq, _, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
     q = query.reshape(n, hkv, g, d)
-    out_p, lse_p = _CPU_FLASH(q.transpose(0, 1).reshape(1, hkv, n * g, d), key[:1, :, :p], value[:1, :, :p],
-                              scale=scale)  # [1, Hkv, n*G, Dv], [1, Hkv, n*G]
+    stacked = q.transpose(0, 1).reshape(1, hkv, n * g, d)
     out_s, lse_s = _CPU_FLASH(q, key[:, :, p:], value[:, :, p:], scale=scale)  # [n, Hkv, G, Dv], [n, Hkv, G]
-    merged = merge_partials(out_p.view(hkv, n, g, -1).transpose(0, 1), lse_p.view(hkv, n, g).transpose(0, 1),
-                            out_s, lse_s, finite=True)  # both parts non-empty, no mask: no -inf
-    return merged.reshape(n, hq, 1, -1)
+    splits = _prefix_splits(hkv, p, torch.get_num_threads())
+    if splits == 1:
+        out_p, lse_p = _CPU_FLASH(stacked, key[:1, :, :p], value[:1, :, :p], scale=scale)  # [1, Hkv, n*G, Dv]
+        merged = merge_partials(out_p.view(hkv, n, g, -1).transpose(0, 1), lse_p.view(hkv, n, g).transpose(0, 1),
+                                out_s, lse_s, finite=True)  # both parts non-empty, no mask: no -inf
+        return merged.reshape(n, hq, 1, -1)
+    parts = (splits, p // splits)  # [Hkv, P, D] seen as [splits, Hkv, P / splits, D]: a view
+    out_p, lse_p = _CPU_FLASH(stacked.expand(splits, -1, -1, -1), key[0, :, :p].unflatten(1, parts).transpose(0, 1),
+                              value[0, :, :p].unflatten(1, parts).transpose(0, 1), scale=scale)
+    lse = torch.cat([lse_p.reshape(splits, hkv, n, g).transpose(1, 2), lse_s.unsqueeze(0)])  # [splits + 1, n, Hkv, G]
+    share = torch.softmax(lse, dim=0).unsqueeze_(-1)  # each part's share of the softmax
+    out = out_s * share[splits]
+    for i in range(splits):
+        out.addcmul_(out_p[i].view(hkv, n, g, -1).transpose(0, 1), share[i])
+    return out.reshape(n, hq, 1, -1)
 
 
 def cascade_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mask: torch.Tensor | None,
