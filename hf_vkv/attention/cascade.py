@@ -22,8 +22,10 @@ inputs. Float32 on the CPU without a mask reads each part in one fused pass (tor
 kernel, which returns the log-sum-exp the merge needs, as sdpa's own kernel); other inputs take a
 matmul-softmax-matmul in float32. The common step — one cluster of every row (a prompt's samples,
 beams), no mask, float32 on the CPU — is two calls of that kernel (the stacked prefix, the rows'
-suffixes) and one merge, returned as is. The cache tags a cluster only from the measured crossover of
-shared tokens by rows (:func:`~hf_vkv.devices.cascade_refusal`), below which the plain path is
+suffixes) and one merge, returned as is; at several threads the prefix goes into its call as parts
+of its tokens, so that the kernel's (batch, head) pairs spread evenly over the threads
+(:func:`_prefix_splits`). The cache tags a cluster only from the measured crossover of shared
+tokens by rows and threads (:func:`~hf_vkv.devices.cascade_refusal`), below which the plain path is
 as fast.
 """
 
