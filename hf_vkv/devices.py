@@ -38,9 +38,10 @@ __all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SHARED_TOKENS", "CUDA_CRE
 #:
 #: * 4 rows — the larger of 4 beams' whole decode steps (``benchmarks/results/cascade_beams_cpu.json``,
 #:   the cascade forced on every shared prefix; a beam's shared prefix is its full common pages)
-#:   and one layer's attention. The beams' steps set it: cascade / sdpa 1.03x at 1024 shared
-#:   tokens, 0.99x at 1536, 0.93x at 2048 at one thread; at two threads 0.98x, 1.16x, 1.02x (not
-#:   faster at the longest: ``None``), where one layer's attention alone pays from 512 / 1024;
+#:   and one layer's attention. The beams' steps set it: cascade / sdpa 0.99x at 512 shared
+#:   tokens (the shortest measured; within the rounds' spread), 0.98x at 1024, 0.89x at 1536 and
+#:   2048 at one thread; at two threads 0.98x, 0.98x, 0.93x, 0.92x (the prefix read in parts of
+#:   its tokens so that both threads work), where one layer's attention alone pays from 256 / 512;
 #: * 2 and 8 rows — one layer's decode attention in sampling's shape (``num_return_sequences``
 #:   rows of one prompt, a private suffix each: ``benchmarks/results/cascade_crossover.json`` at
 #:   one thread, ``cascade_crossover_t2.json`` at two).
@@ -48,8 +49,8 @@ __all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SHARED_TOKENS", "CUDA_CRE
 #: ``tests/unit/test_cascade_crossover.py`` derives this table from those files. Not yet measured
 #: on CUDA.
 CASCADE_MIN_SHARED_TOKENS: dict[int, dict[int, int | None]] = {
-    1: {2: 1024, 4: 1536, 8: 256},
-    2: {2: 2048, 4: None, 8: 512},
+    1: {2: 512, 4: 512, 8: 256},
+    2: {2: 1536, 4: 512, 8: 256},
 }
 
 

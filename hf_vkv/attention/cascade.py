@@ -20,13 +20,18 @@ This reorders the float sums of attention, so it is opt-in: ``attn_implementatio
 |Δlogit| against DynamicCache; tokens must stay identical. Sums run in float32 for half-precision
 inputs. Float32 on the CPU without a mask reads each part in one fused pass (torch's CPU flash
 kernel, which returns the log-sum-exp the merge needs, as sdpa's own kernel); other inputs take a
-matmul-softmax-matmul in float32. The cache tags a cluster only from the measured crossover of
-shared tokens by rows (:func:`~hf_vkv.devices.cascade_refusal`), below which the plain path is
+matmul-softmax-matmul in float32. The common step — one cluster of every row (a prompt's samples,
+beams), no mask, float32 on the CPU — is two calls of that kernel (the stacked prefix, the rows'
+suffixes) and one merge, returned as is; at several threads the prefix goes into its call as parts
+of its tokens, so that the kernel's (batch, head) pairs spread evenly over the threads
+(:func:`_prefix_splits`). The cache tags a cluster only from the measured crossover of shared
+tokens by rows and threads (:func:`~hf_vkv.devices.cascade_refusal`), below which the plain path is
 as fast.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -83,6 +88,13 @@ def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
             and query.shape[-1] == key.shape[-1] == value.shape[-1])
 
 
+def _flash_serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`_whole_batch` serves these ``[B, H, L, D]`` inputs: float32 on the CPU, one
+    head size (torch's CPU flash kernel; the query's heads a multiple of the keys')."""
+    return (_CPU_FLASH is not None and query.dtype == key.dtype == value.dtype == torch.float32
+            and query.device.type == "cpu" and query.shape[-1] == key.shape[-1] == value.shape[-1])
+
+
 def _fused_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend_part` without a mask, in one fused pass over the keys and values (torch's CPU
@@ -95,45 +107,89 @@ def _fused_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
     return out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, lse.shape[-1])
 
 
-def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *,
+                   finite: bool = False) -> torch.Tensor:
     """Attention over two disjoint parts of the keys, merged: ``[..., m, Dv]`` from each part's
-    ``(out [..., m, Dv], lse [..., m])`` (:func:`attend_part`). Rows with nothing to attend to
-    in either part give 0.
+    ``(out [..., m, Dv], lse [..., m])`` (:func:`attend_part`, any strides). Rows with nothing to
+    attend to in either part give 0.
 
     Part a's share of the softmax is ``exp(lse_a) / (exp(lse_a) + exp(lse_b)) =
     sigmoid(lse_a - lse_b)``, so the merge is one interpolation ``out_b + share * (out_a - out_b)``
-    (a part with ``lse = -inf`` gets share 0; both empty: share 1/2 of two zeros)."""
-    share = torch.sigmoid(torch.nan_to_num(lse_a - lse_b, nan=0.0)).unsqueeze(-1)
+    (a part with ``lse = -inf`` gets share 0; both empty: share 1/2 of two zeros).
+    ``finite``: the caller knows no ``lse`` is ``-inf`` (no mask, both parts non-empty), which
+    spares the guard against ``-inf - -inf``; the result is the same."""
+    diff = lse_a - lse_b
+    share = torch.sigmoid(diff if finite else diff.nan_to_num_(nan=0.0)).unsqueeze(-1)
     return torch.lerp(out_b, out_a, share)
-
-
-def _rows(tensor: torch.Tensor, cluster: Cluster) -> torch.Tensor:
-    """The cluster's rows of ``tensor`` (a view when they are consecutive)."""
-    if cluster.consecutive:
-        return tensor[cluster.index[0]:cluster.index[0] + len(cluster.index)]
-    return tensor[list(cluster.index)]
 
 
 def _cluster_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                     scale: float, cluster: Cluster) -> torch.Tensor:
-    """``[n, Hq, 1, Dv]`` attention of one cluster's ``n`` rows (see the module docstring)."""
+    """``[n, Hq, 1, Dv]`` float32 attention of one cluster's ``n`` rows (see the module docstring)."""
     n, p = len(cluster.index), cluster.tokens
-    q = _rows(query, cluster)  # [n, Hq, 1, D]
-    hkv = key.shape[1]
-    g = q.shape[1] // hkv
-    d = q.shape[-1]
     first = cluster.index[0]
+    rows: slice | list[int] = slice(first, first + n) if cluster.consecutive else list(cluster.index)
+    hkv, d = key.shape[1], query.shape[-1]
+    g = query.shape[1] // hkv
+    q = query[rows].reshape(n, hkv, g, d)  # [n, Hkv, G, D]
     # the prefix once: every row's query heads of a key head stacked, [Hkv, n*G, D] @ [Hkv, D, P]
-    stacked = q.reshape(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
     prefix_mask = None if mask is None else mask[first, 0, -1, :p]  # [P]: the cluster agrees on it
-    out_p, lse_p = attend_part(stacked, key[first, :, :p], value[first, :, :p], scale=scale, mask=prefix_mask)
-    out_p = out_p.reshape(hkv, n, g, -1).permute(1, 0, 2, 3)  # [n, Hkv, G, Dv]
-    lse_p = lse_p.reshape(hkv, n, g).permute(1, 0, 2)
+    out_p, lse_p = attend_part(q.transpose(0, 1).reshape(hkv, n * g, d), key[first, :, :p], value[first, :, :p],
+                               scale=scale, mask=prefix_mask)
     # each row's own suffix, [n, Hkv, G, D] @ [n, Hkv, D, T - P]
-    suffix_mask = None if mask is None else _rows(mask, cluster)[:, :, -1:, p:]  # [n, 1, 1, T - P]
-    out_s, lse_s = attend_part(q.reshape(n, hkv, g, d), _rows(key, cluster)[:, :, p:], _rows(value, cluster)[:, :, p:],
-                               scale=scale, mask=suffix_mask)
-    return merge_partials(out_p, lse_p, out_s, lse_s).reshape(n, hkv * g, 1, -1)
+    suffix_mask = None if mask is None else mask[rows][:, :, -1:, p:]  # [n, 1, 1, T - P]
+    out_s, lse_s = attend_part(q, key[rows][:, :, p:], value[rows][:, :, p:], scale=scale, mask=suffix_mask)
+    merged = merge_partials(out_p.reshape(hkv, n, g, -1).transpose(0, 1), lse_p.reshape(hkv, n, g).transpose(0, 1),
+                            out_s, lse_s, finite=mask is None and 0 < p < key.shape[2])
+    return merged.reshape(n, hkv * g, 1, -1)
+
+
+#: Fewest shared tokens in each part when :func:`_whole_batch` splits the prefix over threads
+MIN_SPLIT_TOKENS = 256
+
+
+def _prefix_splits(kv_heads: int, tokens: int, threads: int) -> int:
+    """Parts :func:`_whole_batch` cuts the prefix into along its tokens so that torch's CPU flash
+    kernel, which shares out (batch, head) pairs among its threads, has a multiple of ``threads``
+    of them: ``kv_heads`` key heads (3 in SmolLM2) over 2 threads leave one thread idle a third of
+    the time; 2 parts give 6 pairs. 1 at one thread, or when a part would hold fewer than
+    :data:`MIN_SPLIT_TOKENS` tokens or the tokens do not divide evenly."""
+    splits = threads // math.gcd(kv_heads, threads)
+    while splits > 1 and (tokens % splits or tokens // splits < MIN_SPLIT_TOKENS):
+        splits -= 1
+    return splits
+
+
+def _whole_batch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, p: int) -> torch.Tensor:
+    """:func:`_cluster_decode` of one cluster of every row, float32 on the CPU without a mask,
+    ``0 < p < T`` (a prompt's samples, beams: every decode step), in the fewest operations: the
+    prefix and the suffix each in one call of torch's CPU flash kernel, one merge. ``[B, Hq, 1, Dv]``.
+
+    At several threads the prefix is read as :func:`_prefix_splits` parts of its tokens (one more
+    batch dim of the same call, the stacked queries broadcast over it), merged with the suffix in
+    one softmax over the parts' log-sum-exps.
+    """
+    n, hq, _, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    q = query.reshape(n, hkv, g, d)
+    stacked = q.transpose(0, 1).reshape(1, hkv, n * g, d)
+    out_s, lse_s = _CPU_FLASH(q, key[:, :, p:], value[:, :, p:], scale=scale)  # [n, Hkv, G, Dv], [n, Hkv, G]
+    splits = _prefix_splits(hkv, p, torch.get_num_threads())
+    if splits == 1:
+        out_p, lse_p = _CPU_FLASH(stacked, key[:1, :, :p], value[:1, :, :p], scale=scale)  # [1, Hkv, n*G, Dv]
+        merged = merge_partials(out_p.view(hkv, n, g, -1).transpose(0, 1), lse_p.view(hkv, n, g).transpose(0, 1),
+                                out_s, lse_s, finite=True)  # both parts non-empty, no mask: no -inf
+        return merged.reshape(n, hq, 1, -1)
+    parts = (splits, p // splits)  # [Hkv, P, D] seen as [splits, Hkv, P / splits, D]: a view
+    out_p, lse_p = _CPU_FLASH(stacked.expand(splits, -1, -1, -1), key[0, :, :p].unflatten(1, parts).transpose(0, 1),
+                              value[0, :, :p].unflatten(1, parts).transpose(0, 1), scale=scale)
+    lse = torch.cat([lse_p.reshape(splits, hkv, n, g).transpose(1, 2), lse_s.unsqueeze(0)])  # [splits + 1, n, Hkv, G]
+    share = torch.softmax(lse, dim=0).unsqueeze_(-1)  # each part's share of the softmax
+    out = out_s * share[splits]
+    for i in range(splits):
+        out.addcmul_(out_p[i].view(hkv, n, g, -1).transpose(0, 1), share[i])
+    return out.reshape(n, hq, 1, -1)
 
 
 def cascade_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mask: torch.Tensor | None,
@@ -149,10 +205,17 @@ def cascade_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         prefix: the clusters (every row not in one is in ``prefix.alone``).
     Returns:
         ``[B, Hq, 1, Dv]`` in the query's dtype, rows in none of the clusters left as zeros (the
-        caller computes them).
+        caller computes them). One cluster of every row (a prompt's samples, beams) is returned
+        as computed, without a copy into a zeroed output.
     """
+    clusters = prefix.clusters
+    if len(clusters) == 1 and not prefix.alone and clusters[0].index[0] == 0 and clusters[0].consecutive:
+        p = clusters[0].tokens
+        if mask is None and 0 < p < key.shape[2] and _flash_serves(query, key, value):
+            return _whole_batch(query, key, value, scale, p)
+        return _cluster_decode(query, key, value, mask, scale, clusters[0]).to(query.dtype)
     out = query.new_zeros(*query.shape[:-1], value.shape[-1])
-    for cluster in prefix.clusters:
+    for cluster in clusters:
         result = _cluster_decode(query, key, value, mask, scale, cluster).to(query.dtype)
         if cluster.consecutive:
             out[cluster.index[0]:cluster.index[0] + len(cluster.index)] = result

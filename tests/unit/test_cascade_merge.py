@@ -104,3 +104,56 @@ def test_the_mask_is_checked_once_per_mask_object(monkeypatch: pytest.MonkeyPatc
     assert record.mask_agrees(mask) and len(compared) == 3
     mask[1, ..., 0] = False  # in place, inside the prefix: the cached verdict is not reused
     assert not record.mask_agrees(mask) and len(compared) == 4
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("prefix, suffix", [(1, 1), (PAGE_TOKENS, 3), (7 * PAGE_TOKENS, 5), (7 * PAGE_TOKENS, 0)])
+def test_one_cluster_of_every_row_against_reference(heads: int, kv_heads: int, prefix: int, suffix: int) -> None:
+    # the common step (a prompt's samples, beams): no mask, float32; keys at a cache's strides
+    query, key, value = _case(4, heads, kv_heads, prefix, suffix=suffix, dtype=torch.float32)
+    room = torch.zeros(4, kv_heads, prefix + suffix + 40, 64)
+    room_v = torch.zeros_like(room)
+    room[:, :, :prefix + suffix], room_v[:, :, :prefix + suffix] = key, value
+    key, value = room[:, :, :prefix + suffix], room_v[:, :, :prefix + suffix]
+    record = SharedPrefix(clusters=(Cluster(index=(0, 1, 2, 3), tokens=prefix),), alone=())
+    out = cascade_decode(query, key, value, mask=None, scale=0.125, prefix=record)
+    assert out.dtype == torch.float32 and out.shape == (4, heads, 1, 64)
+    assert torch.allclose(out.double(), _reference(query, key, value, None, 0.125), atol=2e-6, rtol=0)
+
+
+def test_the_finite_merge_skips_only_the_guard() -> None:
+    g = torch.Generator().manual_seed(2)
+    out_a, out_b = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 4, 8, generator=g)
+    lse_a, lse_b = torch.randn(2, 3, 4, generator=g) * 5, torch.randn(2, 3, 4, generator=g) * 5
+    assert torch.equal(merge_partials(out_a, lse_a, out_b, lse_b, finite=True),
+                       merge_partials(out_a, lse_a, out_b, lse_b))
+    # strided part a (the stacked prefix's [Hkv, n, G] seen as [n, Hkv, G]) as the cascade passes it
+    assert torch.equal(merge_partials(out_a.transpose(0, 1).contiguous().transpose(0, 1), lse_a, out_b, lse_b),
+                       merge_partials(out_a, lse_a, out_b, lse_b))
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_the_prefix_split_over_threads_against_reference(threads: int) -> None:
+    from hf_vkv.attention.cascade import _prefix_splits
+
+    assert _prefix_splits(3, 2048, threads) == {2: 2, 4: 4}[threads]  # 3 key heads: 6 / 12 (batch, head) pairs
+    query, key, value = _case(4, 9, 3, 2048, suffix=3, dtype=torch.float32)
+    record = SharedPrefix(clusters=(Cluster(index=(0, 1, 2, 3), tokens=2048),), alone=())
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cascade_decode(query, key, value, mask=None, scale=0.125, prefix=record)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.allclose(out.double(), _reference(query, key, value, None, 0.125), atol=2e-6, rtol=0)
+
+
+def test_prefix_splits_only_whole_parts_of_enough_tokens() -> None:
+    from hf_vkv.attention.cascade import MIN_SPLIT_TOKENS, _prefix_splits
+
+    assert _prefix_splits(3, 2048, 1) == 1  # one thread: one part
+    assert _prefix_splits(3, 2048, 3) == 1  # 3 heads over 3 threads: already even
+    assert _prefix_splits(4, 2048, 2) == 1
+    assert _prefix_splits(3, MIN_SPLIT_TOKENS, 2) == 1  # parts would be too short
+    assert _prefix_splits(3, 2 * MIN_SPLIT_TOKENS + 16, 2) == 2
+    assert _prefix_splits(3, 2 * MIN_SPLIT_TOKENS + 1, 2) == 1  # not whole parts
