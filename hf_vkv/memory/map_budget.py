@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from operator import sub
 
 from .errors import KVCacheOutOfMemory
 
@@ -162,6 +163,8 @@ def _inner_breaks(pages: Sequence[int | None]) -> int:
             return 0
     elif b is not None and b - a == n - 1 and list(pages) == list(range(a, a + n)):
         return 0
+    if None not in pages:  # mapped slots only (a row's pages): count the steps that are not +1, in C
+        return n - 1 - list(map(sub, pages[1:], pages[:-1])).count(1)
     return sum(1 for x, y in zip(pages, pages[1:]) if not _joined(x, y))
 
 

@@ -244,8 +244,9 @@ class PageTable:
         if table.end != need or table.start > need:
             raise ValueError(f"row table {table} does not cover its length")
         self._check_length(row, table.length)
-        free = [p for p in table.pages if self.pool.refcount(p) < 1]
-        if free:  # checked first: incref would stop at the first one, half done
+        refs = self.pool.refs
+        free = [p for p in table.pages if refs.get(p, 0) < 1] if 0 in map(refs.get, table.pages, repeat(0)) else []
+        if free:  # checked first (in C when all are in use): incref would stop at the first one, half done
             raise ValueError(f"row table {table} holds pages {free[:4]} that are not in use in this pool")
         self.pool.incref(table.pages)
         self.pool.decref(old.pages)

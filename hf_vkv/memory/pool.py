@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add
 from types import MappingProxyType
 from typing import NewType
 
@@ -235,7 +237,15 @@ class PagePool:
         """Add one reference to each page (all must be in use). One undo step for all of them:
         a closure per page made forking a long row trigger the cyclic garbage collector again and
         again (5x slower with a model's objects on the heap)."""
-        refs, old = self._refs, []
+        refs = self._refs
+        pages = pages if isinstance(pages, (list, tuple)) else list(pages)
+        counts = list(map(refs.get, pages, repeat(0)))
+        if 0 not in counts and len(set(pages)) == len(pages):  # the common case, in C: distinct pages in use
+            refs.update(zip(pages, map(add, counts, repeat(1))))
+            if pages:
+                self._record(lambda: refs.update(zip(pages, counts)))
+            return
+        old = []
         try:
             for page in pages:
                 count = refs.get(page, 0)
