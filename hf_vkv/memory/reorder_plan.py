@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from functools import partial
 from itertools import chain, repeat
-from operator import itemgetter
+from operator import add, itemgetter
 
 from .page_table import CowCopy, Row
 from .pool import PageId
@@ -271,7 +271,12 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
         final0 = decision[1]
         kept = [j for j in range(k, len(after0.pages)) if final0.pages[j] != after0.pages[j]] \
             if final0 is not after0 else []  # relative to after0.start: where the row keeps its own page
-        if kept:
+        if kept and kept[-1] - kept[0] == len(kept) - 1:  # one run of its own pages (the tail and after): in C
+            f, e, off = kept[0], kept[-1] + 1, a0 - b0
+            pages = map(add, map(add, map(itemgetter(slice(f)), aps), map(itemgetter(slice(f + off, e + off)), bps)),
+                        map(itemgetter(slice(e, None)), aps))
+            news = list(map(_NEW_ROW, zip(repeat(after0.length), repeat(a0), pages)))
+        elif kept:
             rows = []
             for bp, ap, after in zip(bps, aps, news):
                 pages = list(ap)
@@ -305,3 +310,4 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
 _SHAPE = itemgetter(0, 1)  # a Row's (length, start)
 _PAGES = itemgetter(2)  # a Row's pages
 _NEW_COPY = partial(tuple.__new__, CowCopy)  # CowCopy(*fields), called from C
+_NEW_ROW = partial(tuple.__new__, Row)  # Row(*fields), called from C
