@@ -16,7 +16,6 @@ current one for both (the earlier kernel reads the same shared prefixes).
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import subprocess
 import sys
@@ -25,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList
 
 import hf_vkv  # noqa: F401  (registers "vkv" and "vkv_cascade")
 import hf_vkv.attention.cascade as cascade_module
-from common import StepMarks, write_report
+from cascade_beams import run
+from common import write_report
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.default_model import load_default_model
 
@@ -45,16 +44,6 @@ def kernel_at(commit: str) -> Any:
     module.__package__ = "hf_vkv.attention"
     exec(compile(source, f"{commit}:hf_vkv/attention/cascade.py", "exec"), module.__dict__)
     return module.cascade_decode
-
-
-def run(model: Any, ids: torch.Tensor, new: int) -> tuple[float, torch.Tensor]:
-    """One 4-beam generate(): the median decode step (seconds) and the sequences."""
-    gc.collect()
-    marks = StepMarks()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation="vkv", num_beams=4,
-                         do_sample=False, max_new_tokens=new, min_new_tokens=new,
-                         logits_processor=LogitsProcessorList([marks]), return_dict_in_generate=True)
-    return marks.median_step(), out.sequences
 
 
 def main() -> None:
@@ -85,7 +74,7 @@ def main() -> None:
                     return __kernel(*a, **k)
 
                 cascade_module.cascade_decode = counted
-                step, seqs[name] = run(model, ids, args.new)
+                step, seqs[name] = run(model, ids, "vkv_cascade", args.new)
                 steps[name].append(step)
                 print(f"round {r} {name}: {step * 1e3:.1f} ms", flush=True)
     finally:

@@ -16,7 +16,7 @@ pages usually sit at consecutive physical offsets and the host backend maps them
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -239,23 +239,17 @@ class PagePool:
         again (5x slower with a model's objects on the heap)."""
         refs = self._refs
         pages = pages if isinstance(pages, (list, tuple)) else list(pages)
-        counts = list(map(refs.get, pages, repeat(0)))
-        if 0 not in counts and len(set(pages)) == len(pages):  # the common case, in C: distinct pages in use
+        counts = list(map(refs.get, pages, repeat(0)))  # checked first, in C: nothing changes on an error
+        if 0 in counts:
+            raise InvariantError(f"incref of page {pages[counts.index(0)]}, which is not in use")
+        if len(set(pages)) == len(pages):  # the common case: distinct pages
             refs.update(zip(pages, map(add, counts, repeat(1))))
             if pages:
                 self._record(lambda: refs.update(zip(pages, counts)))
             return
-        old = []
-        try:
-            for page in pages:
-                count = refs.get(page, 0)
-                if count == 0:
-                    raise InvariantError(f"incref of page {page}, which is not in use")
-                old.append((page, count))
-                refs[page] = count + 1
-        finally:
-            if old:
-                self._record(lambda: self._restore_refs(old))
+        old = {page: refs[page] for page in pages}  # a page more than once gains a reference each time
+        refs.update({page: old[page] + n for page, n in Counter(pages).items()})
+        self._record(lambda: refs.update(old))
 
     def _restore_refs(self, old: list[tuple[PageId, int]]) -> None:
         for page, count in reversed(old):
