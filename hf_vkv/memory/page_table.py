@@ -166,19 +166,7 @@ class PageTable:
 
         Returns the pages the backend must create (fresh memory) before they are used.
         """
-        old = self.entries[self._check_row(row)]
-        self._check_length(row, length)
-        if length <= old.length:
-            return []
-        need = _pages_for(length, self.page_size)
-        last = old.pages[-1] if old.pages else None
-        hints = []
-        for k, index in enumerate(range(old.end, need)):
-            wanted = [PageId(last + 1 + k)] if last is not None else []
-            hints.append([*wanted, self.home(row, index)] if self.hinted else [])
-        pages, created = self.pool.allocate(hints)
-        self._set(row, Row(length, old.start, old.pages + tuple(pages)))
-        return created
+        return self.grow_and_cow([row], length, length)[1]
 
     def extend_in_place(self, rows: Sequence[int], start: int, end: int) -> bool:
         """Make each of ``rows`` hold at least ``end`` units if that needs no page table change but
@@ -304,6 +292,64 @@ class PageTable:
         self.tail_copies += len(copies)
         return copies
 
+    def grow_and_cow(self, rows: Sequence[int], start: int, end: int
+                     ) -> tuple[list[CowCopy], list[PageId], list[int]]:
+        """:meth:`grow` each of ``rows`` to (at least) ``end`` bytes, then :meth:`cow` its bytes
+        ``[start, end)``: the same checks, pages, hints and order as those calls row by row, with
+        one allocation for all of them (a write that leaves the rows' last pages: every (layer,
+        K/V, head) sub-row of a head-major row at once). Everything is checked before anything
+        changes.
+
+        Returns ``(copies, created, nbytes)``: the copies the caller must perform (in order), the
+        pages the backend must create first, and each copy's bytes (what its row had written in
+        the source page before the grow: ``min(page, length - index * page)``, at least 0)."""
+        ps, home, hinted, refs = self.page_size, self.home, self.hinted, self.pool.refs
+        dropping: dict[PageId, int] = {}  # references the copies planned so far will drop
+        plans = []  # (row, old, its length after, grown pages' count, shared indices)
+        hints: list[list[PageId]] = []
+        for row in rows:
+            old = self.entries[self._check_row(row)]
+            self._check_length(row, end)
+            length = end if end > old.length else old.length
+            if start < 0 or start > end:
+                raise ValueError(f"write range [{start}, {end}) is outside row {row}'s 0..{length} bytes")
+            need = _pages_for(length, ps)
+            last = old.pages[-1] if old.pages else None
+            for k, index in enumerate(range(old.end, need)):
+                hints.append(([PageId(last + 1 + k)] if last is not None else []) + [home(row, index)] if hinted else [])
+            first, final = start // ps, (end - 1) // ps
+            if start < end and first < old.start:
+                raise ValueError(f"row {row} cannot write byte {start}: it was dropped behind the window")
+            # shared as the calls row by row see it: a copy drops its source's reference before the next row
+            shared = [i for i in range(first, min(final + 1, old.end))
+                      if refs.get(old.pages[i - old.start], 0) - dropping.get(old.pages[i - old.start], 0) > 1] \
+                if start < end else []
+            for i in shared:
+                dropping[old.pages[i - old.start]] = dropping.get(old.pages[i - old.start], 0) + 1
+            for i in shared:
+                hints.append(([PageId(old.pages[i - 1 - old.start] + 1)] if i > old.start else []) + [home(row, i)]
+                             if hinted else [])
+            plans.append((row, old, length, need - old.end, shared))
+        pages, created = self.pool.allocate(hints)
+        copies: list[CowCopy] = []
+        nbytes: list[int] = []
+        sources: list[PageId] = []
+        taken = 0
+        for row, old, length, grown, shared in plans:
+            table = list(old.pages) + pages[taken:taken + grown]
+            taken += grown
+            for i, page in zip(shared, pages[taken:taken + len(shared)]):
+                copies.append(CowCopy(row, i, table[i - old.start], page))
+                nbytes.append(max(0, min(ps, old.length - i * ps)))
+                sources.append(table[i - old.start])
+                table[i - old.start] = page
+            taken += len(shared)
+            if grown or shared or length != old.length:
+                self._set(row, Row(length, old.start, tuple(table)))
+        self.pool.decref(sources)
+        self.cow_copies += len(copies)
+        return copies, created, nbytes
+
     def cow(self, row: int, start: int, end: int) -> tuple[list[CowCopy], list[PageId]]:
         """Give ``row`` private copies of the shared pages that bytes ``[start, end)`` touch.
 
@@ -313,28 +359,7 @@ class PageTable:
         old = self.entries[self._check_row(row)]
         if not 0 <= start <= end <= old.length:
             raise ValueError(f"write range [{start}, {end}) is outside row {row}'s 0..{old.length} bytes")
-        if start == end:
-            return [], []
-        first = start // self.page_size
-        last = (end - 1) // self.page_size
-        if first < old.start:
-            raise ValueError(f"row {row} cannot write byte {start}: it was dropped behind the window")
-        shared = [i for i in range(first, last + 1) if self.pool.is_shared(old.page_at(i))]
-        if not shared:
-            return [], []
-        hints = []
-        for i in shared:
-            prev = [PageId(old.page_at(i - 1) + 1)] if i > old.start else []
-            hints.append([*prev, self.home(row, i)] if self.hinted else [])
-        fresh, created = self.pool.allocate(hints)
-        pages = list(old.pages)
-        copies = []
-        for i, page in zip(shared, fresh):
-            copies.append(CowCopy(row, i, pages[i - old.start], page))
-            pages[i - old.start] = page
-        self.pool.decref(c.src for c in copies)
-        self._set(row, Row(old.length, old.start, tuple(pages)))
-        self.cow_copies += len(copies)
+        copies, created, _ = self.grow_and_cow([row], start, end)
         return copies, created
 
     def truncate(self, row: int, length: int) -> None:

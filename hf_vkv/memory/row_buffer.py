@@ -198,7 +198,7 @@ class RowBuffer(ABC):
         """Make each row hold at least ``length`` items (new items are uninitialized)."""
         self._check_capacity(length)
         with self._transaction() as table:
-            self._create([p for t in self._expand(rows) for p in table.grow(t, length * self.item_bytes)])
+            self._create(table.grow_and_cow(self._expand(rows), length * self.item_bytes, length * self.item_bytes)[1])
 
     def prepare_write(self, rows: Iterable[int], start: int, end: int) -> None:
         """Get items ``[start, end)`` of each row ready to be written: grow the rows to ``end``
@@ -210,21 +210,11 @@ class RowBuffer(ABC):
         rows = list(rows)
         if end > start and self._open().extend_in_place(self._expand(rows), start * ib, end * ib):
             return  # inside the rows' own last pages: no page made, copied or mapped
-        with self._transaction() as table:
-            ib = self.item_bytes
-            page = self.store.page_bytes
-            pairs: list[tuple[PageId, PageId]] = []
-            nbytes: list[int] = []
-            for t in self._expand(rows):
-                written = table.row(t).length  # a CoW copies the bytes written so far, not whole pages
-                self._create(table.grow(t, end * ib))
-                copies, created = table.cow(t, start * ib, end * ib)
-                self._create(created)
-                for c in copies:
-                    pairs.append((c.src, c.dst))
-                    nbytes.append(min(page, max(0, written - c.index * page)))
-            if pairs:  # one call for every row (a gathered copy where the sizes agree)
-                self.store.copy(pairs, nbytes)
+        with self._transaction() as table:  # a CoW copies the bytes written so far, not whole pages
+            copies, created, nbytes = table.grow_and_cow(self._expand(rows), start * ib, end * ib)
+            self._create(created)
+            if copies:  # one call for every row (a gathered copy where the sizes agree)
+                self.store.copy([(c.src, c.dst) for c in copies], nbytes)
 
     def share(self, src: int, dsts: Iterable[int], *, length: int | None = None) -> None:
         """Make each row of ``dsts`` hold the first ``length`` items of ``src`` (all by default)

@@ -332,11 +332,11 @@ def test_out_of_memory_changes_nothing_and_the_same_call_succeeds_after_clearing
     buf.share(0, [1])
     before = buffer_snapshot(buf)
     with pytest.raises(KVCacheOutOfMemory) as info:
-        buf.grow([2, 3], 500)  # 3 pages a row: row 2 fits, row 3 does not, so neither grows
+        buf.grow([2, 3], 500)  # 3 pages a row: row 2 would fit, row 3 not, so neither grows
     assert isinstance(info.value, MemoryError)
-    # The error names the row that did not fit: 3 pages asked, 1 left after row 2, 6 in the budget.
+    # The error names what the call asked: 6 pages for the two rows, 4 free, 6 in the budget.
     assert (info.value.requested_bytes, info.value.free_bytes, info.value.budget_bytes) == (
-        3 * PAGE, 1 * PAGE, 6 * PAGE)
+        6 * PAGE, 4 * PAGE, 6 * PAGE)
     assert buffer_snapshot(buf) == before
     new.ok(buf)
     buf.grow([2], 500)

@@ -120,7 +120,7 @@ def test_operations_make_the_backend_calls_the_tests_count_on(faulty_backend):
         buf.close()
     assert made == {
         "grow": {"create": 1, "map": 4},
-        "prepare_write": {"create": 3, "copy": 1, "map": 2},  # row 1: grow + CoW (the one copy), row 0: nothing, row 3: grow
+        "prepare_write": {"create": 1, "copy": 1, "map": 2},  # one create for row 1's grow + CoW (the one copy) and row 3's grow
         "share": {"map": 3},
         "share_prefix": {"map": 2, "unmap": 2},
         "reorder": {"map": 4, "unmap": 3},
