@@ -78,21 +78,19 @@ def attend_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether :func:`_fused_part` serves these inputs: float32 on the CPU (its sums are float32;
-    a half-precision output would be rounded before the merge), batch dims of equal size, one head
-    size (the kernel's premise)."""
-    return (_CPU_FLASH is not None and query.device.type == "cpu" and query.dtype == torch.float32
-            and key.dtype == value.dtype == torch.float32 and 2 <= query.dim() <= 4
-            and query.dim() == key.dim() == value.dim() and query.shape[:-2] == key.shape[:-2] == value.shape[:-2]
-            and query.shape[-1] == key.shape[-1] == value.shape[-1])
-
-
 def _flash_serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether :func:`_whole_batch` serves these ``[B, H, L, D]`` inputs: float32 on the CPU, one
-    head size (torch's CPU flash kernel; the query's heads a multiple of the keys')."""
+    """Whether torch's CPU flash kernel serves these inputs as :func:`_whole_batch` passes them
+    (``[B, H, L, D]``, the query's heads a multiple of the keys'): float32 on the CPU (its sums
+    are float32; a half-precision output would be rounded before the merge), one head size."""
     return (_CPU_FLASH is not None and query.dtype == key.dtype == value.dtype == torch.float32
             and query.device.type == "cpu" and query.shape[-1] == key.shape[-1] == value.shape[-1])
+
+
+def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`_fused_part` serves these inputs: :func:`_flash_serves`, and 2-4 dims with
+    batch dims of equal size (the kernel's premise)."""
+    return (_flash_serves(query, key, value) and 2 <= query.dim() <= 4 and query.dim() == key.dim() == value.dim()
+            and query.shape[:-2] == key.shape[:-2] == value.shape[:-2])
 
 
 def _fused_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float

@@ -234,7 +234,7 @@ class PageTable:
         self._check_length(row, table.length)
         refs = self.pool.refs
         free = [p for p in table.pages if refs.get(p, 0) < 1] if 0 in map(refs.get, table.pages, repeat(0)) else []
-        if free:  # checked first (in C when all are in use): incref would stop at the first one, half done
+        if free:  # (in C when all are in use) named together, as a bad argument, before anything changes
             raise ValueError(f"row table {table} holds pages {free[:4]} that are not in use in this pool")
         self.pool.incref(table.pages)
         self.pool.decref(old.pages)
@@ -256,8 +256,8 @@ class PageTable:
         writes) where no row holds them afterwards and either the taken page would be shared
         (the next write would copy it on write anyway) or, with ``remaps_cost`` (a translator
         that remaps a changed page), only the tail differs or the page holds no written byte
-        (keeping it copies nothing, and frees the page a row before it in a chain needs). The returned :class:`CowCopy` list
-        says what the caller must copy (``src``, the taken page, into ``dst``, the row's own page,
+        (keeping it copies nothing, and frees the page a row before it in a chain needs). The
+        returned :class:`CowCopy` list says what the caller must copy (``src``, the taken page, into ``dst``, the row's own page,
         its written bytes; after it the row reads as if it had taken ``src``), in the order they
         must run: a page may be copied from and later into, never the reverse, so running them in
         order or all reads before any write is right.
@@ -320,12 +320,12 @@ class PageTable:
             first, final = start // ps, (end - 1) // ps
             if start < end and first < old.start:
                 raise ValueError(f"row {row} cannot write byte {start}: it was dropped behind the window")
-            # shared as the calls row by row see it: a copy drops its source's reference before the next row
-            shared = [i for i in range(first, min(final + 1, old.end))
-                      if refs.get(old.pages[i - old.start], 0) - dropping.get(old.pages[i - old.start], 0) > 1] \
-                if start < end else []
-            for i in shared:
-                dropping[old.pages[i - old.start]] = dropping.get(old.pages[i - old.start], 0) + 1
+            shared = []  # as the calls row by row see it: a copy drops its source's reference before the next row
+            for i in range(first, min(final + 1, old.end)) if start < end else ():
+                page = old.pages[i - old.start]
+                if refs.get(page, 0) - dropping.get(page, 0) > 1:
+                    shared.append(i)
+                    dropping[page] = dropping.get(page, 0) + 1
             for i in shared:
                 hints.append(([PageId(old.pages[i - 1 - old.start] + 1)] if i > old.start else []) + [home(row, i)]
                              if hinted else [])

@@ -16,7 +16,7 @@ from functools import partial
 from itertools import chain, repeat
 from operator import add, itemgetter
 
-from .page_table import CowCopy, Row
+from .page_table import _NEW_ROW, CowCopy, Row
 from .pool import PageId
 
 __all__ = ["Change", "common_prefix", "grouped_plan", "private_tails_plan", "table_changes"]
@@ -310,4 +310,3 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
 _SHAPE = itemgetter(0, 1)  # a Row's (length, start)
 _PAGES = itemgetter(2)  # a Row's pages
 _NEW_COPY = partial(tuple.__new__, CowCopy)  # CowCopy(*fields), called from C
-_NEW_ROW = partial(tuple.__new__, Row)  # Row(*fields), called from C
