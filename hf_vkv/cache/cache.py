@@ -349,7 +349,8 @@ class VKVCache(Cache):
         """Static layout, before a (compiled) step: make the next ``tokens`` tokens of every row
         writable — pages mapped and private — so the step writes only with ``index_copy_``
         (at least ``cache_config['map_ahead']``, default :data:`hf_vkv.devices.MAP_AHEAD_TOKENS`).
-        Called by ``generate`` before each step and after every row operation; a no-op for the
+        Called by ``generate`` before each step and after every row operation that changed a page
+        table (a reorder that moved only bytes left every page as it was); a no-op for the
         other layouts (:class:`~hf_vkv.cache.static_group.StaticGroup`)."""
         for group in self._groups:
             if isinstance(group, StaticGroup):

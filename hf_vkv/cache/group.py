@@ -255,19 +255,21 @@ class LayerGroup:
     def after_row_operation(self) -> None:
         """Called by the cache after each row operation (a subclass makes its layers follow)."""
 
-    def reorder(self, index: Sequence[int]) -> None:
+    def reorder(self, index: Sequence[int]) -> bool:
         """Row ``i`` takes row ``index[i]``'s pages (beam search, batch selection): only the pages
         where a row's table differs from its source's move, and a row that takes a partly written
         last page another row keeps gets its own copy now, in its own page where it can (the next
-        step writes there: :meth:`RowBuffer.reorder`)."""
+        step writes there: :meth:`RowBuffer.reorder`). Returns whether a row's table changed
+        (False: only bytes moved)."""
         if self.buffer is None:
-            return
+            return False
         bad = [i for i in index if not 0 <= i < self.batch]
         if bad:
             raise IndexError(f"row indices {bad[:4]} are out of range for a batch of {self.batch}")
-        self.buffer.reorder(index, private_tails=True, written=max(self.lengths))  # static: pages mapped ahead
+        moved = self.buffer.reorder(index, private_tails=True, written=max(self.lengths))  # static: mapped ahead
         self.batch = len(index)
         self._changed()
+        return moved
 
     def repeat_rows(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times, consecutively (shared pages, no copy)."""

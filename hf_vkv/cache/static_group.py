@@ -5,8 +5,11 @@ with ``index_copy_`` only, at the positions its layers' length tensors hold, int
 writable before it; it cannot run page-table code. So this group
 
 * maps ahead (:meth:`StaticGroup.map_ahead`, called by ``generate`` before each step through
-  :meth:`VKVCache.map_ahead`, and after every row operation): the next tokens of every row get
-  mapped, private pages;
+  :meth:`VKVCache.map_ahead`, and after every row operation that changed a page table): the next
+  tokens of every row get mapped, private pages. A beam reorder that only moved bytes (each row
+  kept its table, its tail's written bytes copied in) left every page, length and mapping as it
+  was, each page as shared as before: it has nothing to map ahead, and the check of every
+  sub-row's pages is left to the next step's call;
 * learns, before a row operation, the lengths compiled steps wrote (its layers' tensors), and
   afterwards makes its layers follow the rows and lengths it now holds.
 
@@ -15,6 +18,7 @@ Every other group's row operations pay nothing for this.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..memory.errors import InvariantError
@@ -35,6 +39,7 @@ class StaticGroup(LayerGroup):
         self.ahead = map_ahead
         self.static_layers: list[VKVStaticLayer] = []  # its layers, which keep the length compiled steps advance
         self._written: int | None = None  # tokens compiled steps had written, read before a row operation
+        self._moved = True  # whether the row operation running changed a page table
 
     def attach(self, layer: VKVStaticLayer) -> None:
         """``layer`` is one of this group's members (it registers when made, or twinned by a fork)."""
@@ -66,6 +71,7 @@ class StaticGroup(LayerGroup):
             self.prepare(self.batch, length, end)
 
     def before_row_operation(self) -> None:
+        self._moved = True  # every row operation but a reorder that moved only bytes maps ahead after it
         first = self._first()
         self._written = None if first is None else first.written_length()
         if self._written is not None:
@@ -80,7 +86,12 @@ class StaticGroup(LayerGroup):
                 if length != self._written:  # a reorder keeps every length: no tensor write
                     layer.set_length(length)
                 layer.follow_rows()
-        self.map_ahead()
+        if self._moved:
+            self.map_ahead()
+
+    def reorder(self, index: Sequence[int]) -> bool:
+        self._moved = super().reorder(index)
+        return self._moved
 
     def _twin_options(self) -> dict[str, Any]:
         return {"map_ahead": self.ahead}

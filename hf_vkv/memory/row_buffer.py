@@ -244,7 +244,7 @@ class RowBuffer(ABC):
                     raise ValueError(f"row {source_row}'s first {length} items were dropped behind its window")
                 table.assign(a, Row(units, held.start, held.pages[:end - held.start]) if units else Row())
 
-    def reorder(self, index: Sequence[int], *, private_tails: bool = False, written: int | None = None) -> None:
+    def reorder(self, index: Sequence[int], *, private_tails: bool = False, written: int | None = None) -> bool:
         """Row ``i`` takes row ``index[i]``'s pages (duplicates allowed); later rows are emptied.
 
         Only the rows whose table changes are touched, and only past the common prefix of their
@@ -254,7 +254,10 @@ class RowBuffer(ABC):
         row's mapping stays and the next write needs no copy-on-write; pages past the written
         items (``written``, default each row's length: a static layout maps pages ahead of its
         writes) stay the row's own with nothing copied. Those copies are the transaction's last
-        step, in one call (see :meth:`_transaction`)."""
+        step, in one call (see :meth:`_transaction`).
+
+        Returns whether any row's table changed. False: only bytes moved (or nothing), so every
+        row holds the pages, lengths and mappings it held, each page as shared as before."""
         if len(index) > self.rows:
             raise ValueError(f"index has {len(index)} entries but the buffer has {self.rows} rows")
         parts, n = self._parts, self.rows
@@ -271,6 +274,8 @@ class RowBuffer(ABC):
                                               gathered=self.store.gathered_copies, written=units,
                                               groups=self._parts if self.parts > 1 else None)
             self._late_written = units
+            moved = bool(table.changed_rows())
+        return moved
 
     def truncate(self, rows: Iterable[int], length: int) -> None:
         """Shrink each row to ``length`` items (rows already shorter are left alone)."""

@@ -117,6 +117,62 @@ def test_a_graph_captured_once_survives_beam_reorders_and_copy_on_write() -> Non
     vkv.check_invariants()
 
 
+def _ahead_pages_shared(cache: VKVCache) -> list[int]:
+    """Pages a compiled step may write (from the written length's page on) that a row of ``cache``
+    holds but does not own alone."""
+    written = int(cache.get_seq_length())
+    shared = []
+    for group in cache.groups:
+        buffer = group.buffer
+        first = written * buffer.item_bytes // buffer.table.page_size
+        for r in range(group.batch):
+            for t in buffer.table_rows(r):
+                row = buffer.table.row(t)
+                shared += [p for p in row.pages[max(first - row.start, 0):] if buffer.table.pool.refcount(p) > 1]
+    return shared
+
+
+@pytest.mark.parametrize(("prompt", "moves"), [(11, False), (70, True)])
+def test_a_reorder_maps_ahead_again_only_when_it_moved_page_references(monkeypatch: pytest.MonkeyPatch, prompt: int,
+                                                                      moves: bool) -> None:
+    """Row 1 takes row 0's history (64 tokens per 4096-byte page of a 16-wide head). Within one
+    page (11 tokens) row 1 keeps its table and gets the written bytes copied in: no page, length
+    or mapping changes, so the reorder does not check every sub-row's pages again (the next
+    step's ``map_ahead`` does). Past a page (70 tokens) row 1 takes row 0's first page: the
+    reorder maps ahead at once. Either way every page a compiled step may write is its row's own."""
+    from hf_vkv.cache.static_group import StaticGroup
+
+    calls: list[int | None] = []
+    original = StaticGroup.map_ahead
+
+    def counted(self: StaticGroup, tokens: int | None = None) -> None:
+        calls.append(tokens)
+        original(self, tokens)
+
+    monkeypatch.setattr(StaticGroup, "map_ahead", counted)
+    model = tiny("llama")
+    cache = VKVCache(model.config, layout="static", page_bytes=4096, batch_size=2, max_tokens=192)
+    ids = prompts(2, prompt, seed=38)["input_ids"]
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    cache.map_ahead(1)  # what generate does before each step
+    assert _ahead_pages_shared(cache) == []
+    before = [list(g.buffer.table.entries) for g in cache.groups]
+    calls.clear()
+    cache.reorder_cache(torch.tensor([0, 0]))
+    assert calls == ([None] * len(cache.groups) if moves else [])
+    assert ([list(g.buffer.table.entries) for g in cache.groups] != before) == moves
+    assert _ahead_pages_shared(cache) == []
+    cache.check_invariants()
+    # row 1 now reads row 0's tokens: the next step gives both rows the same logits
+    step = dict(position_ids=torch.full((2, 1), prompt), use_cache=True)
+    with torch.no_grad():
+        cache.map_ahead(1)
+        out = model(input_ids=ids[:1, :1].expand(2, 1), past_key_values=cache, **step).logits
+    assert torch.equal(out[0], out[1])
+    cache.check_invariants()
+
+
 def test_inductor_compiled_greedy_matches_static_cache() -> None:
     model = tiny("llama")
     inputs = prompts(2, 9, seed=34, left_pad=[0, 4])
