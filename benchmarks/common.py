@@ -58,3 +58,23 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def ideal_beam_cache(model: Any, ids: torch.Tensor, *, beams: int, new: int) -> Any:
+    """The benchmarks' ideal cache for a ``beams``-beam search of ``new`` tokens on the one-row
+    prompt ``ids`` (``[1, P]``): its ``[beams, H, P + new + 1, D]`` buffers hold the prompt's K/V
+    (from a DynamicCache prefill) in every row; ``generate`` continues from it."""
+    from transformers import DynamicCache
+
+    from hf_vkv.ab.decode import Prompt, load_prompt
+    from hf_vkv.ab.ideal import IdealCache
+
+    one = DynamicCache(config=model.config)
+    first = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=one, max_new_tokens=1,
+                           do_sample=False)
+    one.crop(-1)
+    prompt = Prompt(keys=tuple(layer.keys for layer in one.layers),
+                    values=tuple(layer.values for layer in one.layers), first_tokens=first[:, -1])
+    cache = IdealCache(model.config, capacity=ids.shape[1] + new + 1)
+    load_prompt({"ideal": cache}, prompt, beams)
+    return cache

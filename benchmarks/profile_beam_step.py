@@ -30,8 +30,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import hf_vkv
-from common import write_report
-from hf_vkv.ab.decode import Prompt, load_prompt
+from common import ideal_beam_cache, write_report
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.ab.ideal import IdealCache
 from hf_vkv.default_model import load_default_model
@@ -99,14 +98,7 @@ def run(model: Any, ids: torch.Tensor, name: str, steps: int) -> ProfiledSteps:
     if name == "vkv_cascade":  # before the cache is built: it tags shared prefixes for the attention it is built for
         model.set_attn_implementation("vkv_cascade")
     if name == "ideal":
-        one = DynamicCache(config=model.config)
-        first = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=one, max_new_tokens=1,
-                               do_sample=False)
-        one.crop(-1)
-        prompt = Prompt(keys=tuple(layer.keys for layer in one.layers),
-                        values=tuple(layer.values for layer in one.layers), first_tokens=first[:, -1])
-        cache = IdealCache(model.config, capacity=ids.shape[1] + new + 1)
-        load_prompt({"ideal": cache}, prompt, 4)
+        cache = ideal_beam_cache(model, ids, beams=4, new=new)
     elif name == "dynamic":
         cache = DynamicCache(config=model.config)
     else:

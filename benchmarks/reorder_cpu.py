@@ -6,8 +6,9 @@ call of ``reorder_cache`` after the first (which follows the prefill) is timed w
 ``perf_counter`` around the call, so each cache is timed on the beam indices and cache state its
 own search produced (the A/B tests check those searches are token-identical). Per run the median
 call; per cache the median over ``--rounds`` rounds, caches interleaved in one process (rotated by
-round), at each of ``--threads``. DynamicCache's reorder is the limit of the copy it avoids
-(``index_select`` of every layer); the ideal cache of the benchmarks reorders the same way.
+round), at each of ``--threads``. DynamicCache (``index_select`` of every layer) and the ideal
+cache of the benchmarks (its preallocated buffers, the prompt loaded into every row, reordered by
+copying the rows in place) pay the copy that vkv's page tables avoid.
 
 Also recorded per vkv layout: pages copied by reorders (tails copied in place) and rows that
 remapped, per call, read from the cache's page tables.
@@ -28,14 +29,17 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from common import write_report
+from common import ideal_beam_cache, write_report
 from hf_vkv import VKVCache
 from hf_vkv.ab.harness import describe_environment
+from hf_vkv.ab.ideal import IdealCache
 from hf_vkv.default_model import load_default_model
 
-#: Caches timed: DynamicCache and vkv in every layout (``None``: the default for the workload).
+#: Caches timed: DynamicCache, the ideal (``None`` both) and vkv in every layout (``{}``: the default
+#: for the workload).
 CACHES: dict[str, dict[str, Any] | None] = {
     "dynamic": None,
+    "ideal": None,
     "vkv_default": {},
     "vkv_head_major": {"layout": "head_major"},
     "vkv_token_major": {"layout": "token_major"},
@@ -78,10 +82,13 @@ def run(model: Any, ids: torch.Tensor, name: str, new: int, timer: _Timer) -> di
     """One beam-search generate() with cache ``name``: its reorder calls' median and counters."""
     options = CACHES[name]
     kwargs: dict[str, Any] = {} if options is None else {"cache_implementation": "vkv", "cache_config": options}
+    if name == "ideal":  # its buffers hold the prompt: generate's first call of reorder_cache is already a step's
+        kwargs = {"past_key_values": ideal_beam_cache(model, ids, beams=4, new=new)}
     model.set_attn_implementation("vkv_paged" if name == "vkv_paged" else "sdpa")
     timer.calls, timer.cache = [], None
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, num_beams=4,
-                   do_sample=False, **kwargs)
+    with torch.inference_mode():  # (load_prompt fills the ideal's buffers in it: every cache runs in it)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, num_beams=4,
+                       do_sample=False, **kwargs)
     calls = timer.calls[1:]  # the first follows the prefill
     copies, remapped = _counters(timer.cache)
     return {"median_ms": statistics.median(calls) * 1e3, "calls": len(timer.calls),
@@ -104,6 +111,7 @@ def main() -> None:
     timer = _Timer()
     timer.install(DynamicCache)
     timer.install(VKVCache)
+    timer.install(IdealCache)
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
