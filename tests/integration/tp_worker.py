@@ -43,4 +43,10 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    finally:
+        # gloo's threads must stop before the interpreter exits: a process group left to static
+        # destruction can abort a rank ("terminate called without an active exception")
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
