@@ -67,6 +67,7 @@ def test_compiled_generate_matches_static_cache(arch: str, mode: str) -> None:
     got.past_key_values.check_invariants()
 
 
+@pytest.mark.threads(1, 2)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_beam_search_with_a_static_layout_matches_static_cache(arch: str) -> None:
     """transformers' beam search does not compile the forward (5.23): the layout's beams run
@@ -83,6 +84,7 @@ def test_beam_search_with_a_static_layout_matches_static_cache(arch: str) -> Non
     got.past_key_values.check_invariants()
 
 
+@pytest.mark.threads(1, 2)
 def test_a_graph_captured_once_survives_beam_reorders_and_copy_on_write() -> None:
     """A forward compiled at the first decode step runs 16 steps with a reorder (rows taking other
     rows' pages, copy-on-write of shared tails) between each: the same logits as StaticCache, whose
@@ -132,6 +134,7 @@ def _ahead_pages_shared(cache: VKVCache) -> list[int]:
     return shared
 
 
+@pytest.mark.threads(1, 2)
 @pytest.mark.parametrize(("prompt", "moves"), [(11, False), (70, True)])
 def test_a_reorder_maps_ahead_again_only_when_it_moved_page_references(monkeypatch: pytest.MonkeyPatch, prompt: int,
                                                                       moves: bool) -> None:
