@@ -307,6 +307,7 @@ def _chat(tok, texts: list[str]) -> dict[str, torch.Tensor]:
 
 
 @needs_smollm2
+@pytest.mark.threads(1, 2)
 @pytest.mark.parametrize("mode", ["greedy", "padded", "beam"])
 def test_smollm2(layout: LayoutRun, smollm2, mode: str) -> None:
     model, tok = smollm2

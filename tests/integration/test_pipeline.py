@@ -81,6 +81,7 @@ def test_generation_config(counting: list[CountingCache]) -> None:
     assert len(counting) == 2
 
 
+@pytest.mark.threads(1, 2)
 @pytest.mark.parametrize("mode", ["sample", "beam"])
 def test_many_sequences_per_prompt(counting: list[CountingCache], mode: str) -> None:
     """num_return_sequences through the pipeline: the prompt's pages are stored once per prompt."""

@@ -124,6 +124,7 @@ def test_batch_with_left_padding_and_different_reused_lengths() -> None:
     store.check_invariants()
 
 
+@pytest.mark.threads(1, 2)
 def test_beams_and_samples_compose_with_prefill_once() -> None:
     model = tiny("llama")
     store = PrefixStore(model.config)
