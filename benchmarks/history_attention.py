@@ -59,9 +59,10 @@ def forward(model: Any, ids: torch.Tensor, cache: DynamicCache) -> tuple[float, 
     return time.perf_counter() - start, logits
 
 
-def flops(config: Any, model: Any, history: int, new: int) -> dict[str, float]:
+def flops(model: Any, history: int, new: int) -> dict[str, float]:
     """GFLOP of the new tokens' attention over the history and themselves, and of their linear
     layers (the output head for the last token only)."""
+    config = model.config
     heads, dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
     attention = 2 * 2 * new * (history + new) * dim * heads * config.num_hidden_layers
     decoder = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
@@ -104,7 +105,7 @@ def main() -> None:
                    "continued_vs_new_alone": median["continued"] / median["new_alone"],
                    "continued_gqa_vs_new_alone": median["continued_gqa"] / median["new_alone"],
                    "max_abs_dlogit_gqa": (logits["continued_gqa"] - logits["continued"]).abs().max().item(),
-                   **flops(model.config, model, history, args.new)}
+                   **flops(model, history, args.new)}
             rows.append(row)
             print(row, flush=True)
     model.set_attn_implementation("sdpa")
