@@ -5,7 +5,8 @@ still attend to the whole history: that attention is work no cache removes. On t
 SmolLM2-135M (fp32), for each ``--history`` length and ``--new`` new tokens, one forward
 (``logits_to_keep=1``) of the new tokens:
 
-* ``new_alone``: over an empty DynamicCache (no history: the bound of the reuse issue's target);
+* ``new_alone``: over an empty DynamicCache (no history: not a reused turn's computation, the
+  history's share);
 * ``continued``: over a DynamicCache holding the history (deep-copied before each call, not
   timed): what a reused turn computes, with transformers' ``sdpa`` (on the CPU with a mask it
   repeats each key/value head for its query heads, a copy of the history per layer);

@@ -7,7 +7,8 @@ computes the new tokens every time) is sent three ways, each under ``torch.profi
 * ``vkv_reuse``: ``generate(cache_implementation="vkv", cache_config={"prefix_store": store})``;
 * ``dynamic_continued``: DynamicCache continued from a deep copy (made outside the profile) of the
   last turn's cache: the same new tokens over the same history, no lookup, no pages;
-* ``new_alone``: DynamicCache on the new tokens alone, no history (the issue's bound).
+* ``new_alone``: DynamicCache on the new tokens alone, no history (not the turn's computation:
+  the history's share).
 
 Per call: the wall time to the first token, vkv's seconds before the model's prefill (lookup and
 ``take_rows``), and the profiler's self CPU time per operator group: ``linear`` (``aten::mm``:

@@ -7,6 +7,7 @@ call, so both the host and the CUDA backend split what they are given into such 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from operator import sub
 
 __all__ = ["consecutive_runs"]
 
@@ -17,10 +18,13 @@ def consecutive_runs(values: Sequence[int]) -> Iterator[tuple[int, int]]:
     ``consecutive_runs([3, 4, 5, 9, 2, 3])`` yields ``(3, 3), (9, 1), (2, 2)``; the runs' lengths
     add up to ``len(values)``, so a caller can track each run's position in ``values``.
     """
-    i = 0
-    while i < len(values):
-        j = i + 1
-        while j < len(values) and values[j] == values[j - 1] + 1:
-            j += 1
-        yield int(values[i]), j - i
-        i = j
+    n = len(values)
+    if not n:
+        return
+    # where a step is not +1, found in one pass over the differences (C-level map, no index loop)
+    breaks = [i for i, step in enumerate(map(sub, values[1:], values[:-1]), 1) if step != 1]
+    start = 0
+    for end in breaks:
+        yield int(values[start]), end - start
+        start = end
+    yield int(values[start]), n - start

@@ -116,7 +116,7 @@ def _model_refusal(model: Any, store: PrefixStore) -> str | None:
     if model.config.is_encoder_decoder:
         return ("an encoder-decoder model: the decoder's K/V depend on the encoder's input, which the store's "
                 "keys (decoder token ids) do not hold")
-    if config_fingerprint(model.config) != config_fingerprint(store.config):
+    if config_fingerprint(model.config) != store.config_fingerprint:
         return "the store was made for another model (config fingerprints differ)"
     return None
 

@@ -175,6 +175,12 @@ class PrefixStore:
         return VKVCache(self.config, memory_of=self.memory(kind), **{**self._options(kind), **kwargs})
 
     @property
+    def config_fingerprint(self) -> str:
+        """sha256 (hex) of the model config fields the store's entries depend on: a model whose
+        config fingerprints the same can reuse them."""
+        return self._fingerprint
+
+    @property
     def budget_bytes(self) -> int | None:
         """Most bytes the entries may hold (``None``: unbounded). Setting it evicts at once."""
         return self._budget

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hf_vkv.memory import Arena, BackendError, CacheClosedError, HostBackend, PageId, VirtualBuffer
+from hf_vkv.memory.runs import consecutive_runs
 
 PAGE = 4096
 P = PageId
@@ -213,3 +214,15 @@ def test_64_rows_of_10000_pages_stay_far_below_max_map_count():
     del buf, last
     gc.collect()
     assert not any("hf_vkv-test-many" in v[4] for v in vmas(0, 1 << 64))
+
+
+@pytest.mark.parametrize(("values", "runs"), [
+    ([], []),
+    ([7], [(7, 1)]),
+    ([3, 4, 5, 9, 2, 3], [(3, 3), (9, 1), (2, 2)]),
+    ((5, 5, 6), [(5, 1), (5, 2)]),  # a repeated id starts a new run
+    ([4, 3, 2], [(4, 1), (3, 1), (2, 1)]),
+    (range(10, 14), [(10, 4)]),
+])
+def test_consecutive_runs_are_maximal_in_order(values, runs) -> None:
+    assert list(consecutive_runs(values)) == runs
