@@ -239,7 +239,8 @@ def chat(model: Any, tok: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     columns = ("vkv_reuse", "vkv_reuse_64k", "ideal_continued", "dynamic_continued", "no_history", "dynamic_full")
     return {
-        "target": "each turn's TTFT <= 1.2x prefilling only its new tokens (ideal_continued)",
+        "target": ("each turn's TTFT <= 1.2x prefilling only its new tokens over the history as transformers does "
+                   "it (ttft_vs_dynamic_continued); ttft_vs_ideal_continued: against the limit"),
         "medians_turns_2_on": {
             "ttft_s": {c: over_turns(c, "ttft_s") for c in columns},
             "vkv_start_s": {c: over_turns(c, "vkv_start_s") for c in ("vkv_reuse", "vkv_reuse_64k")},

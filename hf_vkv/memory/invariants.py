@@ -29,11 +29,15 @@ class PageHolder(Protocol):
     def referenced_pages(self) -> Iterator[PageId]:
         """Every page held, once per table entry that holds it."""
 
+    def held_bytes(self) -> Iterator[tuple[PageId, int]]:
+        """``(page, bytes of it the entry holds)`` for every page held, once per table entry."""
+
 
 def check_pages(pool: PagePool, tables: Iterable[PageHolder]) -> None:
     """Raise :class:`InvariantError` unless ``pool`` and ``tables`` (all the page tables drawing
     pages from ``pool``) are consistent: the pool's and each table's own invariants hold, and
-    every page's refcount equals the number of table entries, over all ``tables``, that hold it."""
+    every page's refcount equals the number of table entries, over all ``tables``, that hold it,
+    and no entry holds more bytes of a page than its append mark (:attr:`PagePool.marks`)."""
     pool.check_invariants()
     seen: Counter[PageId] = Counter()
     for table in tables:
@@ -45,3 +49,10 @@ def check_pages(pool: PagePool, tables: Iterable[PageHolder]) -> None:
                  if refs.get(p, 0) != seen.get(p, 0)}
         raise InvariantError(f"refcount != occurrences in page tables (page: (refcount, seen)): "
                              f"{dict(list(wrong.items())[:8])}")
+    marks = pool.marks
+    if marks:
+        over = [(page, held, marks[page]) for table in tables for page, held in table.held_bytes()
+                if page in marks and held > marks[page]]
+        if over:
+            raise InvariantError(f"entries hold more bytes of a page than its append mark (page, held, mark): "
+                                 f"{over[:8]}")

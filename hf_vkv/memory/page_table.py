@@ -136,6 +136,13 @@ class PageTable:
     def __iter__(self) -> Iterator[Row]:
         return iter(self.entries)
 
+    def held_bytes(self) -> Iterator[tuple[PageId, int]]:
+        """``(page, bytes of it the row holds)`` for every page of every row."""
+        ps = self.page_size
+        for row in self.entries:
+            for index, page in enumerate(row.pages, row.start):
+                yield page, min(ps, row.length - index * ps)
+
     def home(self, row: int, index: int) -> PageId:
         """The id a row's page index prefers, so a row's pages are consecutive physical ids."""
         return PageId(self._base + row * self.pages_per_row + index)
@@ -178,13 +185,18 @@ class PageTable:
         out of range). The cheap path of a decode step that stays inside the rows' last pages (a
         head-major step calls it for every (layer, K/V, head) sub-row of every row).
 
+        A shared page is written in place only by an append right after its append mark
+        (:attr:`PagePool.marks`: one page, every row's length ``start``, one row per page); the
+        mark advances to ``end``. A private page written loses its mark. Hold the pool's lock
+        (several threads' tables share the marks).
+
         Outside a transaction only (it keeps no undo). It calls nothing, on purpose: it runs for
         every group at every decode step (``tests/unit/test_decode_depth.py``)."""
         if self._undo is not None:
             raise InvariantError("PageTable.extend_in_place() inside a transaction (it keeps no undo)")
         if not rows:
             return True
-        ps, n, entries, refs = self.page_size, self.rows, self.entries, self.pool.refs
+        ps, n, entries, refs, marks = self.page_size, self.rows, self.entries, self.pool.refs, self.pool.marks
         if min(rows) < 0 or max(rows) >= n:
             return False
         need = -(-end // ps)  # pages that hold `end` units
@@ -195,14 +207,31 @@ class PageTable:
         for length, s0, count in shapes:
             if s0 + count < need or start > length or first < s0:
                 return False
+        appended: list[PageId] = []  # shared pages written in place right after their marked bytes
+        unmarked: list[PageId] = []  # private pages written whose marks go
         for s0 in set(starts):  # every row at this start holds pages up to `need` (checked above)
             held = pages if len(shapes) == 1 else list(compress(pages, map(s0.__eq__, starts)))
             if first == last:  # one page (a decode step): shared means the write needs copy-on-write
-                touched: Iterable[PageId] = map(itemgetter(first - s0), held)
+                touched = list(map(itemgetter(first - s0), held))
             else:
-                touched = chain.from_iterable(map(itemgetter(slice(first - s0, last + 1 - s0)), held))
-            if max(map(refs.get, touched, repeat(0))) > 1:
+                touched = list(chain.from_iterable(map(itemgetter(slice(first - s0, last + 1 - s0)), held)))
+            counts = list(map(refs.get, touched, repeat(0)))
+            if max(counts) > 1:
+                # ... unless every shared one is an append right after its page's mark, in one page
+                if not marks or first != last or not start % ps or any(map(start.__ne__, lengths)):
+                    return False
+                shared = list(compress(touched, map((1).__lt__, counts)))
+                if any(map((start - first * ps).__ne__, map(marks.get, shared))):
+                    return False
+                appended += shared
+            if marks:
+                unmarked += [page for page, count in zip(touched, counts) if count <= 1 and page in marks]
+        if appended:
+            if len(set(appended)) != len(appended):  # two rows append to one page: the first only
                 return False
+            marks.update(dict.fromkeys(appended, min(ps, end - first * ps)))
+        for page in unmarked:
+            del marks[page]
         if any(map(end.__gt__, lengths)):
             for row, new in zip(rows, map(_NEW_ROW, zip(map(max, lengths, repeat(end)), starts, pages))):
                 entries[row] = new
@@ -289,6 +318,8 @@ class PageTable:
                 i, after, _ = change
                 self._set(i, after)
                 self.remapped_rows += i < len(index) and index[i] is not None and index[i] != i
+        if copies and self.pool.marks:  # their bytes are rewritten: whatever a mark said of them goes
+            self.pool.drop_marks([copy.dst for copy in copies])
         self.tail_copies += len(copies)
         return copies
 
@@ -300,11 +331,17 @@ class PageTable:
         K/V, head) sub-row of a head-major row at once). Everything is checked before anything
         changes.
 
+        A shared page is not copied when a row appends right after its append mark
+        (:attr:`PagePool.marks`: ``start`` is the row's length, inside the page); the first such
+        row writes in place and the mark advances, so a second one copies. A row that keeps a
+        marked last page and grows advances its mark.
+
         Returns ``(copies, created, nbytes)``: the copies the caller must perform (in order), the
         pages the backend must create first, and each copy's bytes (what its row had written in
         the source page before the grow: ``min(page, length - index * page)``, at least 0)."""
-        ps, home, hinted, refs = self.page_size, self.home, self.hinted, self.pool.refs
+        ps, home, hinted, refs, marks = self.page_size, self.home, self.hinted, self.pool.refs, self.pool.marks
         dropping: dict[PageId, int] = {}  # references the copies planned so far will drop
+        moved: dict[PageId, int] = {}  # append marks the rows planned so far advance
         plans = []  # (row, old, its length after, grown pages' count, shared indices)
         hints: list[list[PageId]] = []
         for row in rows:
@@ -324,8 +361,16 @@ class PageTable:
             for i in range(first, min(final + 1, old.end)) if start < end else ():
                 page = old.pages[i - old.start]
                 if refs.get(page, 0) - dropping.get(page, 0) > 1:
+                    if i == first and start == old.length and start % ps and \
+                            moved.get(page, marks.get(page)) == start - i * ps:
+                        continue  # an append right after the page's marked bytes: in place (the mark advances)
                     shared.append(i)
                     dropping[page] = dropping.get(page, 0) + 1
+            if old.pages and (marks or moved) and (not shared or shared[-1] != old.end - 1):
+                tail = old.pages[-1]  # the row keeps its last page: its mark covers the row's bytes there
+                mark = moved.get(tail, marks.get(tail))
+                if mark is not None and min(ps, length - (old.end - 1) * ps) > mark:
+                    moved[tail] = min(ps, length - (old.end - 1) * ps)
             for i in shared:
                 hints.append(([PageId(old.pages[i - 1 - old.start] + 1)] if i > old.start else []) + [home(row, i)]
                              if hinted else [])
@@ -347,6 +392,7 @@ class PageTable:
             if grown or shared or length != old.length:
                 self._set(row, Row(length, old.start, tuple(table)))
         self.pool.decref(sources)
+        self.pool.set_marks(moved)
         self.cow_copies += len(copies)
         return copies, created, nbytes
 

@@ -9,6 +9,13 @@ does. Each page is in exactly one of three states:
   (first-touching memory costs far more than mapping it, see ``docs/notes/vmm.md`` §6);
 * **not resident**: never created, or released (hole punched / handle released).
 
+A page in use may carry an **append mark** (:attr:`PagePool.marks`): no table entry holds more
+than that many bytes of the page, so the entry that holds exactly that many may write the bytes
+after them in place although the page is shared (nobody else holds them), and the mark advances.
+A shared page without a mark is copied on write. Page tables set and advance marks (a row that
+starts from a stored entry's page marks it, see :meth:`~hf_vkv.memory.row_buffer.RowBuffer.adopt`);
+freeing a page drops its mark.
+
 Ids live in an id space that grows by *segments*. A page table asks for pages with *hints* (the id
 after the row's previous page, then the page index's home id in its segment), so a row's consecutive
 pages usually sit at consecutive physical offsets and the host backend maps them with one call.
@@ -65,7 +72,9 @@ class PagePool:
 
     * every id is < ``id_space``; in-use and resident-free ids are disjoint;
     * ``refcount[p] >= 1`` for every in-use page;
-    * ``in_use + resident_free <= budget_pages``: resident memory never exceeds the budget.
+    * ``in_use + resident_free <= budget_pages``: resident memory never exceeds the budget;
+    * every append mark is of a page in use and in ``(0, page_bytes]``. That no entry holds more bytes of a page than
+      its mark spans the tables too: :func:`~hf_vkv.memory.invariants.check_pages` checks it.
 
     Mutations can run inside a transaction (:meth:`begin` / :meth:`commit` / :meth:`rollback`); a
     rollback restores every counter and set exactly, so a failed backend call leaves no trace.
@@ -94,6 +103,10 @@ class PagePool:
         self._recycled = 0
         self._released = 0
         self._undo: list[Callable[[], None]] | None = None
+        #: ``{page: append mark}`` (module docstring), read and advanced in place by a page table's
+        #: decode fast path (under its store's lock); elsewhere change it with :meth:`set_marks`.
+        #: Only pages in use have marks (a freed page's goes).
+        self.marks: dict[PageId, int] = {}
 
     # ----------------------------------------------------------------------------- transactions
     def begin(self) -> None:
@@ -203,6 +216,26 @@ class PagePool:
                 self._record(lambda: self._undo_allocate(pages, created, recycled))
         return pages, created
 
+    def set_marks(self, marks: Mapping[PageId, int]) -> None:
+        """Set the append marks of ``marks``' pages (one undo step)."""
+        if marks:
+            old = {page: self.marks.get(page) for page in marks}
+            self.marks.update(marks)
+            self._record(lambda: self._restore_marks(old))
+
+    def drop_marks(self, pages: Iterable[PageId]) -> None:
+        """Forget the append marks of ``pages`` (they are copied on write when shared again)."""
+        old = {page: self.marks.pop(page) for page in pages if page in self.marks}
+        if old:
+            self._record(lambda: self.marks.update(old))
+
+    def _restore_marks(self, old: Mapping[PageId, int | None]) -> None:
+        for page, mark in old.items():
+            if mark is None:
+                self.marks.pop(page, None)
+            else:
+                self.marks[page] = mark
+
     def _undo_allocate(self, pages: list[PageId], created: list[PageId], recycled: list[PageId]) -> None:
         for page in pages:
             self._refs.pop(page, None)
@@ -270,6 +303,7 @@ class PagePool:
                     del refs[page]
                     self._resident_free[page] = None
                     freed.append(page)
+                    self.marks.pop(page, None)  # (not restored by a rollback: no mark is always safe)
                 else:
                     refs[page] = count - 1
         finally:
@@ -300,6 +334,7 @@ class PagePool:
         for p in freed:
             del refs[p]
             self._resident_free[p] = None
+            self.marks.pop(p, None)
         self._record(lambda: self._undo_adjust(old, freed))
 
     def _undo_adjust(self, old: dict[PageId, int], freed: list[PageId]) -> None:
@@ -365,3 +400,6 @@ class PagePool:
                 f"{len(self._refs)} in use + {len(self._resident_free)} resident free pages exceed the "
                 f"budget of {self.budget_pages}"
             )
+        bad = [(p, m) for p, m in self.marks.items() if not 0 < m <= self.page_bytes or p not in self._refs]
+        if bad:
+            raise InvariantError(f"append marks outside (0, {self.page_bytes}] or of free pages: {bad[:8]}")

@@ -208,8 +208,11 @@ class RowBuffer(ABC):
             raise ValueError(f"invalid write range [{start}, {end})")
         ib = self.item_bytes
         rows = list(rows)
-        if end > start and self._open().extend_in_place(self._expand(rows), start * ib, end * ib):
-            return  # inside the rows' own last pages: no page made, copied or mapped
+        if end > start:
+            table = self._open()
+            with self.store.lock:  # append marks are shared by the store's tables (other threads')
+                if table.extend_in_place(self._expand(rows), start * ib, end * ib):
+                    return  # inside the rows' own last pages: no page made, copied or mapped
         with self._transaction() as table:  # a CoW copies the bytes written so far, not whole pages
             copies, created, nbytes = table.grow_and_cow(self._expand(rows), start * ib, end * ib)
             self._create(created)
@@ -229,20 +232,29 @@ class RowBuffer(ABC):
     def adopt(self, row: int, source: RowBuffer, source_row: int, *, length: int) -> None:
         """Make ``row`` hold the first ``length`` items of ``source``'s row ``source_row`` on the
         same pages (``source``: a buffer of the same store and item layout, e.g. a stored prefix's);
-        no bytes move. ``row``'s previous pages are dropped."""
+        no bytes move. ``row``'s previous pages are dropped.
+
+        Taking all of a source row whose partly written last page nobody else holds marks that
+        page (:attr:`~hf_vkv.memory.pool.PagePool.marks`): the first of the two to append writes
+        it in place; the other copies it when it writes (a stored prefix never does)."""
         if source.store is not self.store or source.item_bytes != self.item_bytes or source.parts != self.parts:
             raise ValueError("adopt takes a row of a buffer of the same store, item size and parts")
         if not 0 <= length <= source.length(source_row):
             raise ValueError(f"row {source_row} holds {source.length(source_row)} items, not {length}")
         self._check_capacity(length)
         units, page = length * self.item_bytes, self.store.page_bytes
+        pool = self.store.pool
         with self._transaction() as table:
+            marks = {}
             for a, b in zip(self.table_rows(row), source.table_rows(source_row)):
                 held = source.table.row(b)
                 end = -(-units // page)
                 if units and end <= held.start:
                     raise ValueError(f"row {source_row}'s first {length} items were dropped behind its window")
+                if units == held.length and units % page and pool.refcount(held.pages[-1]) == 1:
+                    marks[held.pages[-1]] = units % page  # the source alone holds its last page: it is all it holds
                 table.assign(a, Row(units, held.start, held.pages[:end - held.start]) if units else Row())
+            pool.set_marks(marks)
 
     def reorder(self, index: Sequence[int], *, private_tails: bool = False, written: int | None = None) -> bool:
         """Row ``i`` takes row ``index[i]``'s pages (duplicates allowed); later rows are emptied.

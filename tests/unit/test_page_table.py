@@ -228,6 +228,73 @@ def test_cow_of_a_recycled_page_creates_nothing():
     ok(t)
 
 
+def test_an_append_after_a_pages_mark_writes_in_place_once_and_the_next_row_copies():
+    t = make()
+    t.grow(0, 6)  # pages 0, 1: 2 bytes of page 1
+    t.share(0, 1)
+    t.share(0, 2)
+    t.pool.set_marks({P(1): 2})  # nobody holds more than 2 bytes of page 1
+    # Row 1 appends bytes 6..7 right after the mark: in place, the mark advances to 3.
+    assert t.grow_and_cow([1], 6, 7) == ([], [], [])
+    assert ok(t).row(1) == Row(7, 0, (0, 1)) and t.pool.marks == {P(1): 3} and t.cow_copies == 0
+    # Row 2 holds 2 bytes of page 1, no longer the mark: it copies (to its home 4 + 1 = 9).
+    copies, created, nbytes = t.grow_and_cow([2], 6, 7)
+    assert copies == [CowCopy(2, 1, P(1), P(9))] and created == [9] and nbytes == [2]
+    assert ok(t).row(2) == Row(7, 0, (0, 9)) and refs(t, 0, 1, 9) == [3, 2, 1] and P(9) not in t.pool.marks
+    # The fast path appends the same way: row 1 again (3 bytes held, the mark), row 0 (2 bytes) not.
+    assert t.extend_in_place([1], 7, 8) and t.row(1) == Row(8, 0, (0, 1)) and t.pool.marks == {P(1): 4}
+    assert not t.extend_in_place([0], 6, 7) and t.row(0) == Row(6, 0, (0, 1))
+    ok(t)
+
+
+def test_two_rows_at_a_pages_mark_in_one_write_the_first_appends_and_the_second_copies():
+    t = make()
+    t.grow(0, 5)  # pages 0, 1: 1 byte of page 1
+    t.share(0, 1)
+    t.pool.set_marks({P(1): 1})
+    assert not t.extend_in_place([0, 1], 5, 6)  # one page, two appenders: not the fast path
+    assert t.pool.marks == {P(1): 1} and t.row(0) == Row(5, 0, (0, 1))  # nothing changed
+    copies, created, _ = t.grow_and_cow([0, 1], 5, 6)
+    assert copies == [CowCopy(1, 1, P(1), P(5))] and created == [5]
+    assert ok(t).row(0) == Row(6, 0, (0, 1)) and t.row(1) == Row(6, 0, (0, 5)) and t.pool.marks == {P(1): 2}
+
+
+def test_marks_follow_rollbacks_private_writes_and_reorder_copies():
+    t = make()
+    t.grow(0, 5)
+    t.share(0, 1)
+    t.pool.set_marks({P(1): 1})
+    t.pool.begin()
+    t.begin()
+    t.grow_and_cow([1], 5, 6)
+    assert t.pool.marks == {P(1): 2}
+    t.rollback()
+    t.pool.rollback()
+    assert t.pool.marks == {P(1): 1} and ok(t).row(1) == Row(5, 0, (0, 1))
+    # A row growing in a marked page it holds alone keeps the mark over its bytes...
+    t.clear(1)
+    assert t.grow_and_cow([0], 5, 7) == ([], [], []) and t.pool.marks == {P(1): 3}
+    # ... the fast path drops it (a private page written: marked again when shared by a take)
+    assert t.extend_in_place([0], 7, 8) and t.pool.marks == {}
+    ok(t)
+
+
+def test_a_reorder_tail_copy_drops_its_destinations_mark():
+    t = beams()  # rows of 6 bytes: tails 1, 5, 9, 13
+    t.pool.set_marks({P(1): 2, P(13): 2})
+    copies = t.reorder([0, 0, 1, 0], private_tails=True)  # row 3 takes row 0's tail into its own page 13
+    assert CowCopy(3, 1, P(1), P(13)) in copies and t.pool.marks == {P(1): 2}
+    ok(t)
+
+
+def test_an_entry_holding_more_than_its_pages_mark_breaks_the_invariant():
+    t = make()
+    t.grow(0, 6)
+    t.pool.set_marks({P(1): 1})  # row 0 holds 2 bytes of page 1
+    with pytest.raises(InvariantError, match="append mark"):
+        ok(t)
+
+
 def test_cow_rejects_ranges_outside_the_live_bytes_with_nothing_changed():
     t = make()
     t.grow(0, 10)

@@ -65,6 +65,35 @@ def test_an_unpadded_row_shares_the_source_pages_and_a_padded_row_is_copied() ->
     dst.check_invariants()
 
 
+def test_rows_taking_all_of_a_source_append_into_its_last_page_one_at_a_time() -> None:
+    """A stored prefix's partly written last pages: the first row that takes all of the source
+    and writes appends into them in place (no copy, the same page ids), the second copies them,
+    and the source's tokens never change."""
+    root = VKVCache(CONFIG, layout="head_major", page_bytes=PAGE)
+    src = _filled(70, memory=root)  # each sub-row's last page holds 6 of its 64 tokens
+    first, second = (VKVCache(CONFIG, memory_of=root, layout="head_major", page_bytes=PAGE) for _ in range(2))
+    assert first.take_rows([RowSource(src)], length=70) == 0 and second.take_rows([RowSource(src)], length=70) == 0
+    tails = {p[-1] for p in _pages(src, 0)}
+    before = [(src.layers[layer].keys.clone(), src.layers[layer].values.clone()) for layer in range(2)]
+    new = {name: [_states(3, seed + layer) for layer in range(2)] for name, seed in (("first", 20), ("second", 30))}
+    for layer in range(2):
+        first.update(*new["first"][layer], layer)
+    assert {p[-1] for p in _pages(first, 0)} == tails and first.stats().cow_copies == 0  # in place
+    for layer in range(2):
+        second.update(*new["second"][layer], layer)
+    assert not {p[-1] for p in _pages(second, 0)} & tails and second.stats().cow_copies == len(tails)  # copied
+    first.update(*_states(1, 40), 0)  # the next step appends in place again
+    assert {p[-1] for p in _pages(first, 0)} == tails and first.stats().cow_copies == 0
+    for layer, (keys, values) in enumerate(before):
+        assert torch.equal(src.layers[layer].keys, keys) and torch.equal(src.layers[layer].values, values)
+        for cache, name in ((first, "first"), (second, "second")):
+            k, v = new[name][layer]
+            assert torch.equal(cache.layers[layer].keys[:, :, :73], torch.cat([keys, k], dim=2))
+            assert torch.equal(cache.layers[layer].values[:, :, :73], torch.cat([values, v], dim=2))
+    for cache in (src, first, second):
+        cache.check_invariants()
+
+
 def test_sources_in_another_memory_are_copied() -> None:
     src = _filled(70)  # its own arenas
     dst = VKVCache(CONFIG, layout="head_major", page_bytes=PAGE)
