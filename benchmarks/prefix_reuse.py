@@ -294,7 +294,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1, help="document: rounds")
-    parser.add_argument("--repeats", type=int, default=3, help="chat: timed calls per column and turn (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="chat: timed calls per column and turn (median)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--budget-mib", type=int, default=1024)
     parser.add_argument("--skip-dynamic", action="store_true", help="chat: no DynamicCache full re-prefill per turn")
