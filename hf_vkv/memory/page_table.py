@@ -187,8 +187,9 @@ class PageTable:
 
         A shared page is written in place only by an append right after its append mark
         (:attr:`PagePool.marks`: one page, every row's length ``start``, one row per page); the
-        mark advances to ``end``. A private page written loses its mark. Hold the pool's lock
-        (several threads' tables share the marks).
+        mark advances to ``end``. A private page written loses its mark. Call it holding the lock
+        of the pool's store (:meth:`RowBuffer.prepare_write` does): other threads' tables share
+        the marks.
 
         Outside a transaction only (it keeps no undo). It calls nothing, on purpose: it runs for
         every group at every decode step (``tests/unit/test_decode_depth.py``)."""
@@ -368,9 +369,9 @@ class PageTable:
                     dropping[page] = dropping.get(page, 0) + 1
             if old.pages and (marks or moved) and (not shared or shared[-1] != old.end - 1):
                 tail = old.pages[-1]  # the row keeps its last page: its mark covers the row's bytes there
-                mark = moved.get(tail, marks.get(tail))
-                if mark is not None and min(ps, length - (old.end - 1) * ps) > mark:
-                    moved[tail] = min(ps, length - (old.end - 1) * ps)
+                mark, held = moved.get(tail, marks.get(tail)), min(ps, length - (old.end - 1) * ps)
+                if mark is not None and held > mark:
+                    moved[tail] = held
             for i in shared:
                 hints.append(([PageId(old.pages[i - 1 - old.start] + 1)] if i > old.start else []) + [home(row, i)]
                              if hinted else [])

@@ -73,8 +73,8 @@ class PagePool:
     * every id is < ``id_space``; in-use and resident-free ids are disjoint;
     * ``refcount[p] >= 1`` for every in-use page;
     * ``in_use + resident_free <= budget_pages``: resident memory never exceeds the budget;
-    * every append mark is of a page in use and in ``(0, page_bytes]``. That no entry holds more bytes of a page than
-      its mark spans the tables too: :func:`~hf_vkv.memory.invariants.check_pages` checks it.
+    * every append mark is of a page in use and in ``(0, page_bytes]``. That no entry holds more
+      bytes of a page than its mark spans the tables: :func:`~hf_vkv.memory.invariants.check_pages`.
 
     Mutations can run inside a transaction (:meth:`begin` / :meth:`commit` / :meth:`rollback`); a
     rollback restores every counter and set exactly, so a failed backend call leaves no trace.
