@@ -4,7 +4,9 @@ module imports as ``common``)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import torch
 from transformers import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
-__all__ = ["StepClock", "StepMarks", "write_report"]
+__all__ = ["StepClock", "StepMarks", "dispatch", "ideal_beam_cache", "write_report"]
 
 
 class StepClock(BaseStreamer):
@@ -51,6 +53,16 @@ class StepMarks(LogitsProcessor):
         gaps = sorted(b - a for a, b in zip(self.times, self.times[1:]))
         mid = len(gaps) // 2
         return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
+
+
+def dispatch(argv: list[str] | None, default: Callable[[list[str]], Any],
+             subcommands: dict[str, Callable[[list[str]], Any]]) -> Any:
+    """A script's ``main``: ``subcommands[name](rest)`` when the first argument names a subcommand,
+    else ``default(argv)`` (the script's own measurement); ``argv`` defaults to ``sys.argv[1:]``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in subcommands:
+        return subcommands[argv[0]](argv[1:])
+    return default(argv)
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:

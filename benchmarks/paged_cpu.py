@@ -13,21 +13,33 @@ path), so its decode step carries a copy of the layer's K/V that the contiguous 
 the numbers say how much that costs and which block size costs least.
 
     python benchmarks/paged_cpu.py --prompts 512 2048 --batch 4 --blocks 16 64 256
+
+``kernels``: the paged attention kernels against sdpa on the same K/V, the Triton kernel on CUDA
+and the gather reference on the CPU (``kernels --help``)::
+
+    python benchmarks/paged_cpu.py kernels --device cpu --quick   # results/paged_attention_cpu.json
+    python benchmarks/paged_cpu.py kernels --device cuda          # the GPU grid
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import statistics
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from common import StepClock, write_report  # benchmarks/common.py
 from hf_vkv.ab.harness import describe_environment
 from hf_vkv.ab.probes import kv_bytes
+from hf_vkv.attention.kernels import gather_kv, paged_attention_reference
 from hf_vkv.default_model import load_default_model
+from hf_vkv.kv_records import PagedKV
+from common import StepClock, dispatch, write_report
 
 
 def run(model, ids, *, attn: str, cache_config: dict | None, new_tokens: int, beams: int) -> dict:
@@ -61,8 +73,8 @@ def run(model, ids, *, attn: str, cache_config: dict | None, new_tokens: int, be
                 kv_bytes=kv_bytes(cache), _sequences=out.sequences)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def default_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 256])
@@ -113,6 +125,176 @@ def main(argv: list[str] | None = None) -> int:
     )
     write_report(args.json, report)
     return 0 if all(r["tokens_identical"] for r in rows) else 1
+
+
+# ---------------------------------------- kernels (formerly benchmarks/paged_attention.py)
+KERNELS_DOC = """Paged attention kernels against contiguous sdpa on the same K/V (decode: one query token a row).
+
+For each (batch, context, block size) the K/V of every row is made once as contiguous
+``[batch, kv_heads, context, head_dim]`` tensors, then scattered into a pool of blocks in a random
+order (the paged view of the *same* values). Timed side by side:
+
+* on CUDA (fp16): the Triton paged kernel (``paged_attention_triton``) vs
+  ``F.scaled_dot_product_attention`` on the contiguous K/V (``enable_gqa``); the target is paged
+  <= 1.10x contiguous. Timed with CUDA events, median of ``--iters`` calls after warm-up;
+* on the CPU (fp32, one thread): the torch reference (``gather_kv`` copy + sdpa) vs sdpa on the
+  contiguous K/V, and the gather alone, median of ``--iters`` calls (``time.perf_counter``).
+
+Every run checks that the paged result matches the contiguous one (max abs difference in the JSON).
+Shapes: Llama-3-8B's attention on CUDA (32 query heads, 8 kv heads, head_dim 128); SmolLM2-135M's on
+the CPU (9 query heads, 3 kv heads, head_dim 64). Writes JSON with the device, library versions and
+the exact command to ``benchmarks/results/paged_attention_<device>.json``.
+
+    python benchmarks/paged_cpu.py kernels --device cpu --quick   # the committed CPU run (small grid)
+    python benchmarks/paged_cpu.py kernels --device cuda          # batch 1/8/32 x 1k/4k/16k x blocks 16/64/256
+"""
+
+
+GRIDS = {
+    # device: (batches, contexts, block sizes, (q_heads, kv_heads, head_dim), dtype)
+    "cuda": ((1, 8, 32), (1024, 4096, 16384), (16, 64, 256), (32, 8, 128), torch.float16),
+    "cpu": ((1, 8), (1024, 4096), (16, 64, 256), (9, 3, 64), torch.float32),
+}
+QUICK_CPU = ((1, 4), (1024, 4096), (16, 256))
+
+
+def make_problem(batch: int, context: int, block_size: int, heads: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device, seed: int = 0):
+    """Contiguous K/V ``[B, Hkv, S, D]``, the same values in a shuffled pool of blocks, a query."""
+    q_heads, kv_heads, head_dim = heads
+    gen = torch.Generator(device=device).manual_seed(seed)
+    keys = torch.randn(batch, kv_heads, context, head_dim, generator=gen, device=device, dtype=dtype)
+    values = torch.randn(batch, kv_heads, context, head_dim, generator=gen, device=device, dtype=dtype)
+    query = torch.randn(batch, q_heads, 1, head_dim, generator=gen, device=device, dtype=dtype)
+    per_row = -(-context // block_size)
+    padded = per_row * block_size
+    order = torch.randperm(batch * per_row, generator=gen, device=device)
+    tables = order.view(batch, per_row).to(torch.int32)  # row b's j-th block is pool block tables[b, j]
+    pool_k = torch.zeros(batch * per_row, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+    pool_v = torch.zeros_like(pool_k)
+    # [B, Hkv, S, D] -> [B * per_row, block_size, Hkv, D] in table order, then scattered to the pool
+    k_blocks = F.pad(keys, (0, 0, 0, padded - context)).transpose(1, 2).reshape(batch * per_row, block_size,
+                                                                                   kv_heads, head_dim)
+    v_blocks = F.pad(values, (0, 0, 0, padded - context)).transpose(1, 2).reshape(batch * per_row, block_size,
+                                                                                     kv_heads, head_dim)
+    pool_k[order.long()] = k_blocks
+    pool_v[order.long()] = v_blocks
+    return query, keys, values, pool_k, pool_v, tables
+
+
+def time_cuda(fn, iters: int) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls, each between CUDA events."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_cpu(fn, iters: int) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls (``time.perf_counter``)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench(device: torch.device, grid, iters: int) -> list[dict]:
+    batches, contexts, blocks, heads, dtype = grid
+    scale = heads[2] ** -0.5
+    results = []
+    for batch in batches:
+        for context in contexts:
+            for block_size in blocks:
+                query, keys, values, pool_k, pool_v, tables = make_problem(batch, context, block_size, heads, dtype,
+                                                                         device)
+                kv = PagedKV(pool_k, pool_v, tables, 0, context)
+
+                def contiguous():
+                    return F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True)
+
+                row = {"batch": batch, "context": context, "block_size": block_size, "dtype": str(dtype)}
+                if device.type == "cuda":
+                    from hf_vkv.attention.triton_paged import paged_attention_triton
+
+                    def paged():
+                        return paged_attention_triton(query, kv, scale=scale)
+
+                    row["paged_kernel"] = "triton"
+                    row["contiguous_ms"] = round(time_cuda(contiguous, iters), 4)
+                    row["paged_ms"] = round(time_cuda(paged, iters), 4)
+                else:
+                    def paged():
+                        return paged_attention_reference(query, kv, scale=scale)
+
+                    row["paged_kernel"] = "reference (gather_kv + sdpa)"
+                    row["contiguous_ms"] = round(time_cpu(contiguous, iters), 4)
+                    row["paged_ms"] = round(time_cpu(paged, iters), 4)
+                    row["gather_ms"] = round(time_cpu(lambda: gather_kv(kv), iters), 4)
+                row["paged_over_contiguous"] = round(row["paged_ms"] / row["contiguous_ms"], 3)
+                row["max_abs_diff"] = float((paged().float() - contiguous().float()).abs().max())
+                results.append(row)
+                print(f"batch {batch:>3} context {context:>6} block {block_size:>4}: contiguous "
+                      f"{row['contiguous_ms']:9.3f} ms  paged {row['paged_ms']:9.3f} ms  "
+                      f"ratio {row['paged_over_contiguous']:6.3f}  max|diff| {row['max_abs_diff']:.2e}", flush=True)
+                del query, keys, values, pool_k, pool_v, tables
+    return results
+
+
+def main_kernels(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="paged_cpu.py kernels", description=KERNELS_DOC,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="cuda: Triton vs sdpa; cpu: reference vs sdpa (auto: cuda when present)")
+    parser.add_argument("--quick", action="store_true", help="CPU only: a smaller grid (batch 1/4, blocks 16/256)")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 50 GPU, 10 CPU)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default: benchmarks/results/paged_attention_<device>.json)")
+    args = parser.parse_args(argv)
+    device_type = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    device = torch.device(device_type)
+    grid = GRIDS[device_type]
+    if args.quick and device_type == "cpu":
+        grid = (*QUICK_CPU, *grid[3:])
+    iters = args.iters or (50 if device_type == "cuda" else 10)
+    if device_type == "cpu":
+        torch.set_num_threads(1)  # a shared 2-core machine: one thread gives stable numbers
+
+    load_before = os.getloadavg()  # the CPU timings are only as quiet as the machine was
+    results = bench(device, grid, iters)
+    env = describe_environment(device=device)
+    report = {
+        "benchmark": "paged_attention",
+        "command": env["command"],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": env["device"],
+        "machine": {"platform": env["platform"], "cpu_count": int(env["cpu_count"]),
+                    "load_average_1_5_15_min": {"before": [round(x, 2) for x in load_before],
+                                                "after": [round(x, 2) for x in os.getloadavg()]}},
+        "versions": {k: env[k] for k in ("python", "torch", "hf_vkv", "triton") if k in env},
+        "torch_threads": int(env["torch_threads"]),
+        "heads": dict(zip(("q_heads", "kv_heads", "head_dim"), grid[3])),
+        "iters": iters,
+        "results": results,
+    }
+    out = args.out or Path(__file__).parent / "results" / f"paged_attention_{device_type}.json"
+    write_report(out, report)
+
+
+def main(argv: list[str] | None = None) -> int | None:
+    return dispatch(argv, default_main, {"kernels": main_kernels})
 
 
 if __name__ == "__main__":

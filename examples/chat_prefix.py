@@ -14,7 +14,6 @@ import hf_vkv
 from hf_vkv.ab.chat import FirstTokenClock
 from hf_vkv.ab.demo_text import DOCUMENT
 from hf_vkv.default_model import load_default_model
-from hf_vkv.prefix.reuse import last_report
 
 torch.set_num_threads(1)
 model, tok = load_default_model()
@@ -35,8 +34,8 @@ def first_token(ids, **kwargs):
 for turn, question in enumerate(questions, 1):
     chat.append({"role": "user", "content": question})
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    ttft, out = first_token(ids, **reuse)  # reuses the store: prefills only what is new
-    report = last_report()
+    ttft, result = first_token(ids, return_dict_in_generate=True, **reuse)  # prefills only what is new
+    report, out = hf_vkv.reuse_report(result), result.sequences  # what this call reused
     ttft_dynamic, want = first_token(ids)  # DynamicCache: the whole conversation again
     answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     chat.append({"role": "assistant", "content": answer})

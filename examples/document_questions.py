@@ -13,7 +13,6 @@ from transformers import pipeline
 import hf_vkv
 from hf_vkv.ab.demo_text import DOCUMENT
 from hf_vkv.default_model import load_default_model
-from hf_vkv.prefix.reuse import last_report
 
 torch.set_num_threads(1)
 model, tok = load_default_model()
@@ -26,9 +25,9 @@ tok.padding_side = "left"
 batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
 
 start = time.perf_counter()
-out = model.generate(**batch, max_new_tokens=20, do_sample=False, cache_implementation="vkv",
-                     cache_config={"prefix_store": store})
-report = last_report()
+result = model.generate(**batch, max_new_tokens=20, do_sample=False, cache_implementation="vkv",
+                        cache_config={"prefix_store": store}, return_dict_in_generate=True)
+report, out = hf_vkv.reuse_report(result), result.sequences  # what this call reused
 print(f"{len(questions)} questions in {time.perf_counter() - start:.1f} s: the shared document "
       f"({report.common_prefix_tokens} tokens) prefilled once, {report.computed_tokens:,} prompt tokens computed "
       f"of {report.prompt_tokens:,}; {report.copied_rows} left-padded rows copied their prefix")
@@ -38,6 +37,7 @@ for q, row in zip(questions, out):
 # the same store through a pipeline with chat messages: the document comes from the store
 pipe = pipeline("text-generation", model=model, tokenizer=tok)
 messages = [{"role": "user", "content": f"{DOCUMENT}\n\n{questions[0]}"}]
+lent = store.stats().tokens_reused  # a pipeline returns text: the store counts the tokens it lent
 reply = pipe(messages, max_new_tokens=20, do_sample=False, cache_implementation="vkv",
              cache_config={"prefix_store": store})
-print(f"pipeline: reused {last_report().reused_tokens} tokens -> {reply[0]['generated_text'][-1]['content']!r}")
+print(f"pipeline: reused {store.stats().tokens_reused - lent} tokens -> {reply[0]['generated_text'][-1]['content']!r}")

@@ -12,8 +12,9 @@ machinery stays importable from its modules (``hf_vkv.memory``, ``hf_vkv.cache``
 from typing import Any
 
 from .attention import UnsupportedModelError
-from .cache import CacheOptions, CacheStats, LayerCallError, LayerMismatchError, VKVCache, VKVGradientError
+from .cache import CacheOptions, CacheStats, LayerCallError, LayerMismatchError, ReuseReport, VKVCache, VKVGradientError
 from .cache.export import VKVExportError
+from .cache.hybrid import RecurrentRollbackError
 from .devices import UnsupportedDeviceError
 from .memory import (
     BackendError,
@@ -25,6 +26,7 @@ from .memory import (
     PageSizeError,
     VKVError,
 )
+from .memory.errors import CacheOptionError, CacheOptionTypeError
 from .prefix import (
     PrefixFileCorruptError,
     PrefixFileError,
@@ -35,9 +37,9 @@ from .prefix import (
     load_prefix,
     save_prefix,
 )
-from .registration import register
+from .generate import register, reuse_report
 
-__version__ = "0.1.0"
+from .version import __version__
 
 register()
 
@@ -45,14 +47,14 @@ __all__ = [
     # the cache
     "VKVCache", "CacheOptions", "CacheStats",
     # prefixes across calls
-    "PrefixStore", "PrefixStats", "save_prefix", "load_prefix",
+    "PrefixStore", "PrefixStats", "ReuseReport", "reuse_report", "save_prefix", "load_prefix",
     # checking it against DynamicCache
     "run_ab",
     # errors
-    "VKVError", "KVCacheOutOfMemory", "MappingLimitError", "CapacityError", "PageSizeError", "CacheClosedError",
-    "BackendError", "InvariantError", "LayerMismatchError", "LayerCallError", "VKVGradientError", "VKVExportError",
-    "UnsupportedModelError", "UnsupportedDeviceError", "PrefixFileError", "PrefixFileCorruptError",
-    "PrefixFormatError", "PrefixMismatchError",
+    "VKVError", "CacheOptionError", "CacheOptionTypeError", "KVCacheOutOfMemory", "MappingLimitError", "CapacityError",
+    "PageSizeError", "CacheClosedError", "BackendError", "InvariantError", "LayerMismatchError", "LayerCallError",
+    "VKVGradientError", "VKVExportError", "RecurrentRollbackError", "UnsupportedModelError", "UnsupportedDeviceError",
+    "PrefixFileError", "PrefixFileCorruptError", "PrefixFormatError", "PrefixMismatchError",
     # registration (done on import; idempotent)
     "register", "__version__",
 ]

@@ -114,7 +114,7 @@ def _write_json(target: str | Path, data: dict[str, Any]) -> None:
 
 
 def _threads(n: int | None) -> None:
-    if n:
+    if n is not None:
         import torch
 
         torch.set_num_threads(n)
@@ -188,7 +188,7 @@ def _ab_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dic
     """Generation arguments of ``--mode`` / ``--num-beams`` / ``--num-return-sequences``, checked."""
     kwargs: dict[str, Any] = dict(_MODE_KWARGS[args.mode])
     if args.mode == "beam":
-        kwargs["num_beams"] = args.num_beams or 4
+        kwargs["num_beams"] = 4 if args.num_beams is None else args.num_beams  # an explicit 0 is refused
         if kwargs["num_beams"] < 2:
             parser.error("--num-beams must be >= 2 with --mode beam")
         if args.num_return_sequences > kwargs["num_beams"]:
@@ -366,6 +366,9 @@ def doctor(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
+    from .ab.bench_args import add_arguments, add_shared_prompt_arguments, int_at_least
+
+    count = int_at_least(1)  # counts: an explicit 0 or negative is a usage error, not the default
     parser = argparse.ArgumentParser(prog="hf-vkv", description="A virtual-memory KV cache for transformers. "
                                      "Exit status: 0 identical to DynamicCache, 1 diverged (doctor: a check "
                                      "failed), 2 usage error, 3 vkv refused the run (one line says why).")
@@ -376,7 +379,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=DEMO_NEW_TOKENS, help="per row (default: %(default)s)")
     p.add_argument("--document-tokens", type=int, default=None, metavar="N",
                    help="cut the shared document to its first N tokens (default: all of it, ~1k)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=count, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress, no generated text: the tables only")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON (hf_vkv.demo/1); "
                    "'-': JSON on stdout instead of the tables")
@@ -397,7 +400,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="do not wrap prompts in the tokenizer's chat template")
     p.add_argument("--mode", choices=sorted(_MODE_KWARGS), default="greedy",
                    help="greedy search, seeded sampling or beam search (default: %(default)s)")
-    p.add_argument("--num-beams", type=int, default=None, help="beams of --mode beam (default 4)")
+    p.add_argument("--num-beams", type=count, default=None, help="beams of --mode beam (default 4)")
     p.add_argument("--num-return-sequences", type=int, default=1,
                    help="sequences returned per prompt (sampling: continuations sharing the prompt's pages; "
                         "default: %(default)s)")
@@ -409,13 +412,13 @@ def _parser() -> argparse.ArgumentParser:
                         "passes with identical tokens and float32 logits within 1e-4; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="torch seed before each of the two runs (default: %(default)s)")
     p.add_argument("--no-tee", action="store_true", help="compare tokens and logits only, not every layer's K/V")
-    p.add_argument("--reuse", type=int, default=0, metavar="TURNS",
+    p.add_argument("--reuse", type=int_at_least(0), default=0, metavar="TURNS",
                    help="a chat of TURNS turns whose vkv runs reuse a prefix store (DynamicCache prefills each turn "
                         "whole): tokens compared, max |Δlogit| reported (implies --no-tee)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON (hf_vkv.ab/1); "
                    "'-': JSON on stdout instead of the table")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="plot KV memory and step time")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=count, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=ab, command_parser=p)
 
@@ -427,9 +430,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--interactive", action="store_true", help="read user messages from stdin, one per line")
     p.add_argument("--system-file", default=None, help="the system prompt (default: the demo's ~1k-token handbook)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="per turn (default: %(default)s)")
-    p.add_argument("--budget-mib", type=int, default=1024, help="the store's budget (default: %(default)s MiB)")
+    p.add_argument("--budget-mib", type=count, default=1024, help="the store's budget (default: %(default)s MiB)")
     p.add_argument("--no-compare", action="store_true", help="no DynamicCache re-prefill beside each turn")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=count, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the turns as JSON (hf_vkv.chat/1)")
     p.set_defaults(func=chat, command_parser=p)
 
@@ -437,8 +440,6 @@ def _parser() -> argparse.ArgumentParser:
                        "(and optionally generate() A/B runs), as a table and JSON")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'default' or a local model folder (default: %(default)s)")
     p.add_argument("--json", default="hf-vkv-bench.json", metavar="OUT", help="default: %(default)s")
-    from .ab.bench_args import add_arguments, add_shared_prompt_arguments
-
     add_arguments(p, default="quick")
     add_shared_prompt_arguments(p, standalone=False)
     p.set_defaults(func=bench, command_parser=p)

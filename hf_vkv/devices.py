@@ -19,14 +19,15 @@ import torch
 
 from dataclasses import dataclass
 
+from .kv_records import PAGED_ATTENTION
 from .memory import Arena, HostBackend
-from .memory.errors import KVCacheOutOfMemory, VKVError
+from .memory.errors import CacheOptionError, KVCacheOutOfMemory, VKVError
 from .memory.limits import mem_available
 
 __all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SHARED_TOKENS", "CUDA_CREATE_AHEAD", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES",
            "DevicePolicy", "HEAD_MAJOR_PAGE_BYTES", "HOST_BUDGET_FRACTION", "HOST_PAGE_BYTES", "MAP_AHEAD_TOKENS",
            "MIN_COMMON_PREFIX", "PAGED_BLOCK_TOKENS", "PREFIX_STORE_PAGE_BYTES", "UnsupportedDeviceError",
-           "arena_for_device", "cascade_refusal", "default_cuda_budget", "default_host_budget", "layer_devices_of", "policy_for"]
+           "Workload", "arena_for_device", "cascade_refusal", "choose_layout", "default_cuda_budget", "default_host_budget", "layer_devices_of", "policy_for"]
 
 #: Fewest tokens a cluster of rows must share for the ``"vkv_cascade"`` attention to read them once,
 #: by intra-op threads, then by the rows in the cluster; ``None``: it did not pay at any length
@@ -104,7 +105,16 @@ PREFIX_STORE_PAGE_BYTES = 16 * 1024
 #: Tokens per block of the paged layout (``benchmarks/paged_cpu.py``, ``docs/paged.md``).
 PAGED_BLOCK_TOKENS = 16
 #: Longest prompt (tokens) for which CPU beam search gets the token-major layout (the longest
-#: measured: ``benchmarks/beam_layout_cpu.py``, the table in :mod:`hf_vkv.cache.workload`).
+#: measured). Head-major keeps a partly written tail page per (layer, K/V, head) of a row, so when
+#: beams diverge each beam copied one page per sub-row; token-major copies one page per row.
+#: Measured (``benchmarks/beam_layout_cpu.py``, SmolLM2-135M fp32, 4 beams, 16 new tokens, one
+#: thread, median of interleaved rounds, tokens identical to DynamicCache): prompt 45 tokens:
+#: DynamicCache 1.41 s, head-major 1.89 s, token-major 1.43 s; 512 tokens: 6.30 s, 6.86 s, 6.19 s.
+#: Since beam reorders copy a taken tail into the row's own page, the two layouts' decode steps
+#: are within the run-to-run spread (64 tokens: head-major 1.060x DynamicCache's step, token-major
+#: 1.065x; 512 tokens 0.970x and 0.968x; ``benchmarks/results/beam_layout_cpu_step_{64,512}.json``),
+#: so the rule stands on the wall times above. Longer prompts keep head-major (its decode steps
+#: read per-head rows); where the two cross between 512 and ~1k tokens is not measured.
 BEAM_TOKEN_MAJOR_MAX_PROMPT = 512
 #: Static layout: tokens of every row made writable ahead of the next compiled step when
 #: ``cache_config['map_ahead']`` says nothing (``docs/static_compile.md``).
@@ -129,8 +139,8 @@ class DevicePolicy:
       :func:`default_host_budget`) or ``"free-memory"``
       (:func:`default_cuda_budget`);
     * ``prefill_once``: whether ``generate``'s prefill runs each repeated prompt once by default
-      (:mod:`hf_vkv.prefill_once`): on the CPU, where every prefill proves its calls exact for its
-      shapes, dtype and thread count (:mod:`hf_vkv.row_exactness`, a cached probe) and steps aside
+      (:mod:`hf_vkv.generate.prefill_once`): on the CPU, where every prefill proves its calls exact for its
+      shapes, dtype and thread count (:mod:`hf_vkv.generate.row_exactness`, a cached probe) and steps aside
       where DynamicCache's own repeats differ; off on CUDA until a GPU run measures the probe's
       cost and verdicts there (the probe itself is device-neutral).
 
@@ -163,6 +173,54 @@ def policy_for(device: torch.device | str) -> DevicePolicy:
             f"move the model to 'cpu' or 'cuda', or use another cache_implementation"
         )
     return policy
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What a cache will serve, as far as it is known when the cache is made (``generate``
+    knows all of it; a cache made by hand knows its attention at most)."""
+
+    device_type: str | None = None  # None: not known until the first update
+    attention: str | None = None  # the model's attention implementation
+    num_beams: int = 1
+    prompt_tokens: int | None = None
+    compiling: bool = False  # generate(..., compile_config=...): the step is compiled
+    inherited: str | None = None  # the layout of the memory the cache draws from (a prefix store's; "contiguous": the device's default)
+
+
+def choose_layout(asked: str | None, workload: Workload) -> str | None:
+    """The one place a cache's layout is decided, called once per cache (at its first update
+    for a cache made by hand, whose device is not known before). ``None``: not decided yet
+    (the device is not known). The rule, first match wins:
+
+    1. ``asked`` (``cache_config['layout']``) names one: that one (``"contiguous"``: the device's
+       default contiguous layout); ``"paged"`` only under the ``"vkv_paged"`` attention, which is
+       the only reader of its block tables (:class:`~hf_vkv.CacheOptionError` otherwise);
+    2. a compiled step: ``"static"`` (fixed addresses, StaticLayer's contract);
+    3. the ``"vkv_paged"`` attention: ``"paged"``;
+    4. memory inherited from a prefix store: the store's layout (rows share its entries' pages);
+    5. CPU beam search over prompts of at most :data:`BEAM_TOKEN_MAJOR_MAX_PROMPT` tokens:
+       ``"token_major"``;
+    6. the device's default (:attr:`DevicePolicy.layout`)."""
+    if asked == "paged" and workload.attention != PAGED_ATTENTION:
+        raise CacheOptionError(
+            f"cache_config['layout']='paged' is read only by the 'vkv_paged' attention, but the model uses "
+            f"{workload.attention!r}: load it with attn_implementation='vkv_paged' (or call "
+            f"model.set_attn_implementation('vkv_paged')), or leave 'layout' unset")
+    if asked is None:
+        if workload.compiling:
+            return "static"
+        if workload.attention == PAGED_ATTENTION:
+            return "paged"
+        asked = workload.inherited  # a store's memory: its layout ("contiguous": the device's default)
+    if asked is not None and asked != "contiguous":
+        return asked
+    if workload.device_type is None:
+        return None
+    if asked is None and workload.device_type == "cpu" and workload.num_beams > 1 \
+            and workload.prompt_tokens is not None and workload.prompt_tokens <= BEAM_TOKEN_MAJOR_MAX_PROMPT:
+        return "token_major"
+    return policy_for(workload.device_type).layout
 
 
 def default_host_budget() -> int | None:

@@ -309,8 +309,8 @@ def check_registration() -> Check:
     """``import hf_vkv`` registered ``cache_implementation="vkv"`` and the ``"vkv_paged"`` attention."""
     from transformers.generation import configuration_utils
 
-    import hf_vkv  # noqa: F401  (registers)
-
+    # no ``import hf_vkv`` here: this module is hf_vkv's, so the package root has already run
+    # (and registered) before any of its code does; importing the root would be an upward arrow
     from .ab.harness import paged_attention_available
 
     missing = [name for name, ok in (("cache_implementation='vkv'", "vkv" in configuration_utils.ALL_CACHE_IMPLEMENTATIONS),

@@ -29,8 +29,24 @@ from .shared_prompt import (
     DEFAULT_PROMPTS, WORKLOADS, SharedPromptGrid, format_shared_prompt, run_shared_prompt, shared_prompt_report,
 )
 
-__all__ = ["add_arguments", "add_shared_prompt_arguments", "grid_from_args", "run_from_args", "run_shared_from_args",
-           "script_main", "shared_grid_from_args"]
+__all__ = ["add_arguments", "add_shared_prompt_arguments", "grid_from_args", "int_at_least", "run_from_args",
+           "run_shared_from_args", "script_main", "shared_grid_from_args"]
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int ``>= low``, else a usage error naming the option (an explicit 0
+    or negative count is refused, never taken for the option's default)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
 
 
 def _describe(grid: Grid) -> str:
@@ -57,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, default: Literal["quick", 
                         help=f"prefill budget: distinct prompts per cell = tokens // prompt "
                              f"(default {QUICK_GRID.distinct_tokens})")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the generate modes")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=int_at_least(1), default=None,
                         help="torch threads of the prefill and the generate modes (default: torch's); the "
                              "timed decode steps always run on one intra-op thread")
 
@@ -75,7 +91,7 @@ def run_from_args(args: argparse.Namespace, model: PreTrainedModel, *, grid: Gri
                   json_path: Path) -> int:
     """Run ``grid`` on ``model``, print the tables, write the JSON; 0 when every cache and run
     matched DynamicCache, else 1."""
-    if args.threads:
+    if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
@@ -113,7 +129,8 @@ def add_shared_prompt_arguments(parser: argparse.ArgumentParser, *, standalone: 
         parser.add_argument("--rounds", type=int, default=None, help="rounds per cell (default 3; the median is "
                             "reported)")
         parser.add_argument("--seed", type=int, default=1234, help="seed of every generate")
-        parser.add_argument("--threads", type=int, default=None, help="torch threads of the timed runs (default 1)")
+        parser.add_argument("--threads", type=int_at_least(1), default=None,
+                            help="torch threads of the timed runs (default 1)")
     else:
         parser.add_argument("--shared-prompt", action="store_true",
                             help="the shared-prompt grid instead: TTFT and decode step of generate() for "

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from ..generate import reuse_report
 from ..prefix import PrefixStore
-from ..prefix.reuse import last_report
 
 __all__ = ["FirstTokenClock", "Turn", "chat_turns", "format_turn"]
 
@@ -72,9 +72,9 @@ def chat_turns(model: Any, tokenizer: Any, messages: Iterable[str], *, store: Pr
                                             return_dict=True)["input_ids"].to(model.device)
         common = {"max_new_tokens": max_new_tokens, "do_sample": False}
         before = store.stats().prompt_tokens_computed
-        ttft, out = _first_token(model, ids, cache_implementation="vkv", cache_config={"prefix_store": store},
-                                 **common)
-        report = last_report()
+        ttft, result = _first_token(model, ids, cache_implementation="vkv", cache_config={"prefix_store": store},
+                                    return_dict_in_generate=True, **common)
+        report, out = reuse_report(result), result.sequences
         ttft_dyn = same = None
         if compare:
             ttft_dyn, want = _first_token(model, ids, **common)

@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
-from ..registration import cache_kwarg
+from ..generate import cache_kwarg
 
 __all__ = ["CacheTiming", "Prompt", "load_prompt", "prefill", "time_decode"]
 

@@ -1,7 +1,7 @@
 """``run_ab``: the same ``generate()`` with DynamicCache and with vkv, compared step by step.
 
 Both runs get a cache built here and passed under the running transformers' cache keyword
-(:func:`hf_vkv.registration.cache_kwarg`: ``cache``, or ``past_key_values`` before 5.24) (``DynamicCache(config=...)``
+(:func:`hf_vkv.generate.cache_kwarg`: ``cache``, or ``past_key_values`` before 5.24) (``DynamicCache(config=...)``
 and ``VKVCache(config, batch_size=rows, prompt_repeats=k)``, sized and configured as
 ``cache_implementation="vkv"`` would size it), the same seed, and a :class:`~.probes.StepProbe`
 in ``logits_processor``; with ``tee=True`` an :class:`~.probes.UpdateTee` on each cache. Logits
@@ -27,11 +27,11 @@ import torch
 from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
-from ..cache import CacheOptions, VKVCache
+from ..cache import CacheOptions, ReuseReport, VKVCache
+from ..generate import cache_kwarg, reuse
 from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
-from ..prefix import PrefixStore, reuse
-from ..prefix.reuse import ReuseReport
-from ..registration import cache_kwarg
+from ..prefix import PrefixStore
+from ..version import __version__
 from .progress import progress_bar
 from .probes import StepProbe, UpdateTee, kv_bytes
 from .records import ABReport, AttentionPath, Divergence, RunSummary, StepReport
@@ -141,7 +141,7 @@ def run_ab(
     def dynamic_cache() -> Cache:
         return DynamicCache(config=model.config)
 
-    made: list[tuple[VKVCache, ReuseReport]] = []
+    made: list[ReuseReport] = []
 
     def vkv_cache() -> Cache:  # as generate(cache_implementation="vkv") builds it
         options = dict(cache_config or {})
@@ -149,9 +149,11 @@ def run_ab(
         cache = factory.for_generate(model, batch_size=batch, expand=expand, max_length=prompt_len + max_new_tokens + 1,
                                      cache_config=options, num_beams=num_beams, prompt_tokens=prompt_len,
                                      memory_of=memory)
-        if prefix_store is not None:
+        if prefix_store is not None:  # the call's record, as generate's hook makes it: reuse, then insertion
             eos = generate_kwargs.get("eos_token_id", config.eos_token_id)
-            made.append((cache, reuse.attach(cache, prefix_store, model, num_beams=num_beams, eos_token_id=eos)))
+            reuse.attach(cache, prefix_store, model, owned=False, rows=rows, num_beams=num_beams, eos_token_id=eos)
+            assert cache.reuse is not None
+            made.append(cache.reuse)
         return cache
 
     common = dict(inputs, max_new_tokens=max_new_tokens, **generate_kwargs)
@@ -169,12 +171,7 @@ def run_ab(
     finally:
         if attention is not None:
             model.set_attn_implementation(previous)
-    reused = None
-    if made:
-        cache, reuse_report = made.pop()
-        reuse.insert_finished(cache, got.sequences)
-        reused = asdict(reuse_report)
-        del cache
+    reused = asdict(made.pop()) if made else None  # the call inserted its finished rows as it ended
     gc.collect()
 
     steps, first = _compare(ref, got, tee=tee)
@@ -429,8 +426,6 @@ def describe_environment(model: PreTrainedModel | None = None, *, device: torch.
     import sys
 
     import transformers
-
-    from .. import __version__
 
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")

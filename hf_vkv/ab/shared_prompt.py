@@ -52,7 +52,7 @@ from .bench import MODES, prompt_ids
 from .decode import Prompt, load_prompt
 from .ideal import IdealCache
 from ..kv_records import CASCADE_ATTENTION
-from ..registration import cache_kwarg
+from ..generate import cache_kwarg
 from .probes import StepProbe
 
 __all__ = [

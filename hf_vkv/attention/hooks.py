@@ -1,7 +1,7 @@
 """Refuse ``"vkv_paged"`` when a model is built or switched, not at its first forward.
 
 Two methods of ``PreTrainedModel`` are wrapped with these functions by
-:func:`hf_vkv.registration.register` (the one place that patches transformers):
+:func:`hf_vkv.generate.register` (the one place that patches transformers):
 
 * ``get_correct_attn_implementation`` (:func:`check_requested_attention`): transformers' validation
   of an attention name, called by ``PreTrainedModel.__init__`` (so by ``from_pretrained(...,

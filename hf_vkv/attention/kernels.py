@@ -59,7 +59,7 @@ def _gather(cache: Tensor, blocks: Tensor, in_block: Tensor) -> Tensor:
     When blocks and in-block positions flatten into one token axis (``stride(0) == block_size * stride(1)``, true
     of a contiguous pool and of the cache's token-major store views), one ``index_select`` of token
     rows and one transposing copy; otherwise one advanced index over all three axes (about 3x slower
-    on the CPU, measured with benchmarks/paged_attention.py's shapes).
+    on the CPU, measured with benchmarks/paged_cpu.py kernels's shapes).
     """
     num_blocks, block_size, kv_heads, head_dim = cache.shape
     batch, kv_len = blocks.shape

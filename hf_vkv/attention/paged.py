@@ -82,7 +82,7 @@ def register_attention() -> None:
     """Register ``"vkv_paged"`` and ``"vkv_cascade"`` (:mod:`hf_vkv.attention.cascade`) and their
     mask function (sdpa's) with transformers' attention interfaces (idempotent). The checks that
     refuse models the paged attention cannot serve (:mod:`hf_vkv.attention.hooks`) are installed
-    with the other patches by :func:`hf_vkv.registration.register`. The cascade attention reads
+    with the other patches by :func:`hf_vkv.generate.register`. The cascade attention reads
     ordinary tensors, so a model whose attention code is its own simply keeps computing it exactly."""
     for name, function in ((PAGED_ATTENTION, vkv_paged_attention), (CASCADE_ATTENTION, vkv_cascade_attention)):
         if AttentionInterface._global_mapping.get(name) is not function:

@@ -26,7 +26,7 @@ Interpreted (``TRITON_INTERPRET=1``), bfloat16 tiles are widened to fp32 before 
 Triton 3.9's interpreter multiplies bf16 tiles wrongly. Compiled code never widens.
 
 Tile sizes were chosen for an H100 without running on one (BLOCK_N = 64, 4 warps, query tiles of
-16 rows for decode and 64 for prefill); the GPU benchmark in ``benchmarks/paged_attention.py``
+16 rows for decode and 64 for prefill); the GPU benchmark in ``benchmarks/paged_cpu.py kernels``
 is where they get tuned.
 """
 

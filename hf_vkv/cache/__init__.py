@@ -1,14 +1,15 @@
 """The transformers-facing cache: layer groups in layouts over row buffers."""
 
-from .cache import VKVCache
+from .cache import RowSource, VKVCache
 from .geometry import GroupGeometry, LayerMismatchError
 from .grad import VKVGradientError
 from .group import LayerGroup
 from .layer import LayerCallError, VKVLayer, VKVSlidingLayer
 from .options import CacheOptions
-from .stats import CacheStats, GroupStats
+from .stats import CacheStats, GroupStats, PrefillCounts, ReuseReport
 
 __all__ = [
-    "CacheOptions", "CacheStats", "GroupGeometry", "GroupStats", "LayerCallError", "LayerGroup", "LayerMismatchError", "VKVCache",
+    "CacheOptions", "CacheStats", "GroupGeometry", "GroupStats", "LayerCallError", "LayerGroup", "LayerMismatchError",
+    "PrefillCounts", "ReuseReport", "RowSource", "VKVCache",
     "VKVGradientError", "VKVLayer", "VKVSlidingLayer",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -27,10 +28,8 @@ from .static_group import StaticGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
 from .options import CacheOptions, config_dict
-from .prefill_state import PrefillOnce
 from .sources import ArenaSource, LayoutMaker
-from .workload import layout_for_generate
-from .stats import CacheStats, GroupStats
+from .stats import CacheStats, GroupStats, PrefillCounts, ReuseReport
 
 __all__ = ["RowSource", "VKVCache"]
 
@@ -57,19 +56,6 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
     if isinstance(kwargs, dict):
         kwargs = [dict(kwargs) for _ in types]
     return list(types), list(kwargs)
-
-
-def _resolve_layout(options: CacheOptions, attn: str | None) -> str | None:
-    """The layout asked for (``None``: each device's default contiguous layout)."""
-    if options.layout is None:
-        return "paged" if attn == PAGED_ATTENTION else None
-    if options.layout == "paged" and attn != PAGED_ATTENTION:
-        raise ValueError(
-            f"cache_config['layout']='paged' is read only by the {PAGED_ATTENTION!r} attention, but the model uses "
-            f"{attn!r}: load it with attn_implementation={PAGED_ATTENTION!r} (or call "
-            f"model.set_attn_implementation({PAGED_ATTENTION!r})), or leave 'layout' unset"
-        )
-    return None if options.layout == "contiguous" else options.layout
 
 
 class VKVCache(Cache):
@@ -100,7 +86,17 @@ class VKVCache(Cache):
         layer_devices: each layer's device when accelerate spread the model over several.
         memory_of: take physical memory from this cache's arenas (their page size and budget), so
             rows of the two can share pages (:meth:`take_rows`); a prefix store passes its own.
+        workload: what the cache will serve (:class:`~hf_vkv.devices.Workload`: device, beams,
+            prompt length, compiling), from which :func:`hf_vkv.devices.choose_layout` picks the
+            layout when ``options`` name none (``generate`` passes it; default: unknown).
         **options: the fields of :class:`CacheOptions` (what ``cache_config`` holds).
+
+    Besides rows, layouts and page tables it carries three records, plain data: ``prefill_counts``
+    (:class:`~hf_vkv.cache.stats.PrefillCounts`, what generate's prefills of repeated prompts did),
+    ``reuse`` (:class:`~hf_vkv.cache.stats.ReuseReport`, what prefix reuse did in the last
+    ``generate`` call with a store) and ``call`` (the record of the ``generate`` call using the
+    cache right now, :class:`hf_vkv.generate.GenerateCall`, set and cleared by that call; ``None``
+    outside one). :meth:`stats` reports the first two.
     """
 
     def __init__(
@@ -111,6 +107,7 @@ class VKVCache(Cache):
         prompt_repeats: int = 1,
         layer_devices: Mapping[int, torch.device] | None = None,
         memory_of: VKVCache | None = None,
+        workload: devices.Workload | None = None,
         **options: Any,
     ) -> None:
         if config is None or not hasattr(config, "get_text_config"):
@@ -123,11 +120,16 @@ class VKVCache(Cache):
         text_config = config.get_text_config(decoder=True)
         self.config = text_config
         self.prompt_repeats = prompt_repeats
-        self.prefill = PrefillOnce(self)  # generate's prefills of repeated prompts: whether once, what they computed
-        self._layout_name = _resolve_layout(self.options, getattr(text_config, "_attn_implementation", None))
-        capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
+        self.prefill_counts = PrefillCounts()
+        self.reuse: ReuseReport | None = None
+        self.call: Any = None  # hf_vkv.generate.GenerateCall while a generate() call uses the cache
         if memory_of is not None and not isinstance(memory_of, VKVCache):
             raise TypeError(f"memory_of must be a VKVCache, got {type(memory_of).__name__}")
+        workload = dataclasses.replace(
+            workload or devices.Workload(), attention=getattr(text_config, "_attn_implementation", None),
+            inherited=None if memory_of is None else memory_of._layout_name or "contiguous")
+        self._layout_name = devices.choose_layout(self.options.layout, workload)
+        capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
         # memory_of: draw pages from that cache's arenas, so rows can share pages with it (a prefix store)
         self._arena_for = memory_of._arena_for if memory_of is not None else \
             ArenaSource(page_bytes=self.options.page_bytes, budget_bytes=self.options.budget_bytes)
@@ -183,27 +185,27 @@ class VKVCache(Cache):
     @classmethod
     def for_generate(cls, model: Any, *, batch_size: int, expand: int, max_length: int,
                      cache_config: Mapping[str, Any] | None, num_beams: int = 1,
-                     prompt_tokens: int | None = None, memory_of: VKVCache | None = None) -> VKVCache:
+                     prompt_tokens: int | None = None, compiling: bool = False,
+                     memory_of: VKVCache | None = None) -> VKVCache:
         """The cache ``generate(..., cache_implementation="vkv")`` builds (and the A/B harness).
 
         Rows: ``batch_size * expand`` (``expand = max(num_beams, num_return_sequences)``, the
         rows sharing each prompt). Tokens: ``cache_config['max_tokens']``, else room for the
         model's whole context and at least ``max_length`` — only address space, so the returned
-        cache can be passed back to ``generate()`` to continue. Layout: ``cache_config['layout']``,
-        else the one a measured workload (``num_beams``, ``prompt_tokens``) calls for
-        (:func:`~hf_vkv.cache.workload.layout_for_generate`), else the device's.
+        cache can be passed back to ``generate()`` to continue; in the static layout (whose
+        attention reads the whole capacity, as StaticCache's) ``max_length``. Layout:
+        :func:`hf_vkv.devices.choose_layout` of ``cache_config['layout']`` and the call's workload
+        (the model's device, ``num_beams``, ``prompt_tokens``, ``compiling``, the memory's).
         """
         options = config_dict(cache_config)
-        if options.get("layout") is None and getattr(model.config, "_attn_implementation", None) != PAGED_ATTENTION:
-            layout = layout_for_generate(device_type=model.device.type, num_beams=num_beams,
-                                         prompt_tokens=prompt_tokens)
-            if layout is not None:
-                options["layout"] = layout
+        workload = devices.Workload(device_type=model.device.type, num_beams=num_beams, prompt_tokens=prompt_tokens,
+                                    compiling=compiling)
         if options.get("max_tokens") is None:
+            static = options.get("layout") == "static" or (options.get("layout") is None and compiling)
             context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
-            options["max_tokens"] = max(max_length, context)
+            options["max_tokens"] = max_length - 1 if static else max(max_length, context)
         return cls.from_cache_config(model.config, options, batch_size=batch_size * expand, prompt_repeats=expand,
-                                     layer_devices=layer_devices_of(model), memory_of=memory_of)
+                                     layer_devices=layer_devices_of(model), memory_of=memory_of, workload=workload)
 
     @classmethod
     def from_cache_config(cls, config: PretrainedConfig, cache_config: Mapping[str, Any] | None,
@@ -253,13 +255,14 @@ class VKVCache(Cache):
                 layers=len(group.members), rows=group.batch,
                 resident_bytes=s.resident_bytes if s else 0, token_bytes=s.live_bytes if s else 0,
                 shared_pages=s.shared_pages if s else 0, cow_copies=s.cow_copies if s else 0,
-                shared_prompt_rows=group.prompt_sharing_rows, tail_copies=s.tail_copies if s else 0,
+                shared_prompt_rows=group.prompts.rows, tail_copies=s.tail_copies if s else 0,
             ))
         pool = sum(a.pool.stats().resident_bytes for a in self._arenas.values() if not a.closed)
         others = len(self.transformers_layers())
         return CacheStats(groups=tuple(out), pool_resident_bytes=pool, vkv_layers=self._vkv_layers(),
-                          transformers_layers=others, prompt_tokens_computed=self.prefill.computed,
-                          prompt_tokens_saved=self.prefill.saved, prefill_once=self.prefill.verdict,
+                          transformers_layers=others, prompt_tokens_computed=self.prefill_counts.computed,
+                          prompt_tokens_saved=self.prefill_counts.saved, prefill_once=self.prefill_counts.verdict,
+                          reuse=None if self.reuse is None else dataclasses.replace(self.reuse),
                           cascade=next((g.cascade for g in self._groups if isinstance(g, SharedPrefixGroup)), "not asked"))
 
     def __repr__(self) -> str:
@@ -292,19 +295,15 @@ class VKVCache(Cache):
     def prompts_alone(self) -> Iterator[None]:
         """Inside, a prefill's rows are distinct prompts (one row per prompt: no prompt sharing
         among them, whatever :attr:`prompt_repeats` says)."""
-        saved = [g.prompt_repeats for g in self._groups]
-        for group in self._groups:
-            group.prompt_repeats = 1
-        try:
+        with contextlib.ExitStack() as alone:
+            for group in self._groups:
+                alone.enter_context(group.prompts.alone())
             yield
-        finally:
-            for group, repeats in zip(self._groups, saved):
-                group.prompt_repeats = repeats
 
     def count_shared_prompt_rows(self, rows: int) -> None:
         """``rows`` more rows took their prompt from another row's pages (``stats()``)."""
         for group in self._groups:
-            group.shared_prompt_rows += rows
+            group.prompts.shared_rows += rows
 
     # ----------------------------------------------------------------------------- stored prefixes
     def take_rows(self, sources: Sequence[RowSource], *, length: int) -> int:
@@ -506,7 +505,9 @@ class VKVCache(Cache):
 
     def _fork(self) -> VKVCache:
         other = copy.copy(self)
-        other.prefill = self.prefill.copy_for(other)
+        other.prefill_counts = dataclasses.replace(self.prefill_counts)
+        other.reuse = None if self.reuse is None else dataclasses.replace(self.reuse)
+        other.call = None
         twins = {id(g): g.fork(other._arena_for) for g in self._groups}
         other._groups = [twins[id(g)] for g in self._groups]
         other.layers = []

@@ -24,6 +24,7 @@ from ..memory import Arena, BufferStats, RowBuffer
 from ..memory.errors import InvariantError
 from .geometry import GroupGeometry, LayerMismatchError
 from .layouts import Layout
+from .prompt_sharing import PromptSharing
 
 __all__ = ["LayerGroup", "LayoutFactory"]
 
@@ -56,8 +57,7 @@ class LayerGroup:
         self.member_of = {layer: k for k, layer in enumerate(self.members)}  # layer -> its member index
         self.sliding_window = sliding_window
         self.capacity = capacity
-        self.prompt_repeats = prompt_repeats
-        self.share_prompts = share_prompts
+        self.prompts = PromptSharing(repeats=prompt_repeats, enabled=share_prompts)
         self._make_layout = make_layout
         self._arena_for = arena_for
         self._rows_hint = rows_hint
@@ -68,10 +68,8 @@ class LayerGroup:
         self.lengths = [0] * len(self.members)  # tokens each member has cached
         self.record_past = False  # keep pages behind a window (assisted decoding may crop back)
         self._kept_from: int | None = None  # while recording: first token `keys` shows (as DynamicSlidingWindowLayer)
-        self.shared_prompt_rows = 0  # rows that took their prompt from another row's pages
         self.written_from = 0  # tokens before it were never written (a window restored by write_states)
         self._prepared: tuple[int, int, int] | None = None  # (batch, start, end) made writable since the last change
-        self._followers: dict[int, int] = {}  # prefill only: row -> leader row it shares pages with
         self.version = 0  # moves whenever a step is prepared or the rows change (what a step derives is keyed by it)
 
     # ----------------------------------------------------------------------------- set-up
@@ -143,8 +141,12 @@ class LayerGroup:
         end = start + key_states.shape[2]
         self.prepare(key_states.shape[0], start, end)
         rows = None
-        if self._followers:
-            rows = [r for r in range(self.batch) if not self._follows_leader(r, start, key_states, value_states)]
+        if self.prompts.following:
+            leavers = self.prompts.leavers(key_states, value_states)
+            if leavers:  # pages of their own (copies of the leader's, right for the layers written so far)
+                self._buf().prepare_write(leavers, start, end)
+                self._lay().invalidate()
+            rows = self.prompts.writes(self.batch)
         layout, buffer = self._lay(), self._buf()
         layout.write(buffer, batch=self.batch, member=member, start=start, key=key_states, value=value_states, rows=rows)
         self.lengths[member] = end
@@ -215,38 +217,15 @@ class LayerGroup:
                 f"create a new cache (or let generate() size it)"
             )
         rows = range(batch)
-        self._settle_followers()
+        self.prompts.settle()
         if self.sliding_window is not None and not self.record_past:
             buffer.drop_before(rows, self.window_start(start))
-        k = self.prompt_repeats
-        if start == 0 and end > 0 and self.share_prompts and k > 1 and batch % k == 0:
-            leaders = range(0, batch, k)
-            buffer.truncate(rows, 0)
-            buffer.prepare_write(leaders, 0, end)
-            for leader in leaders:
-                buffer.share(leader, range(leader + 1, leader + k), length=end)
-                self._followers.update({r: leader for r in range(leader + 1, leader + k)})
-        else:
+        if not self.prompts.start(buffer, batch=batch, start=start, end=end):
             buffer.prepare_write(rows, start, end)
         self.batch = batch
         self._lay().invalidate()
         self._prepared = (batch, start, end)
         self.version += 1
-
-    def _follows_leader(self, row: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
-        """Whether ``row`` still shares its prompt's pages with its leader: its states equal the
-        leader's. If not, the row gets its own pages (copies of the leader's, right for the layers
-        written so far, which all compared equal) and is written on its own from now on."""
-        leader = self._followers.get(row)
-        if leader is None:
-            return False
-        if torch.equal(key_states[row], key_states[leader]) and torch.equal(value_states[row], value_states[leader]):
-            return True
-        del self._followers[row]
-        end = start + key_states.shape[2]
-        self._buf().prepare_write([row], start, end)
-        self._lay().invalidate()
-        return False
 
     # ----------------------------------------------------------------------------- row operations
     def before_row_operation(self) -> None:
@@ -412,8 +391,8 @@ class LayerGroup:
         """A copy sharing every page (zero copy); both sides copy a page only when writing it."""
         other = type(self)(name=self.name, members=self.members, sliding_window=self.sliding_window,
                            make_layout=self._make_layout, arena_for=arena_for, rows_hint=self._rows_hint,
-                           capacity=self.capacity, prompt_repeats=self.prompt_repeats,
-                           share_prompts=self.share_prompts, **self._twin_options())
+                           capacity=self.capacity, prompt_repeats=self.prompts.repeats,
+                           share_prompts=self.prompts.enabled, **self._twin_options())
         other.geometry = self.geometry
         other.batch = self.batch
         other.lengths = list(self.lengths)
@@ -453,18 +432,8 @@ class LayerGroup:
             if r < self.batch and held and self.buffer.first_live(r) > self.window_start(min(self.lengths)):
                 raise InvariantError(f"group {self.name!r}: row {r} dropped tokens its window still needs")
 
-    @property
-    def prompt_sharing_rows(self) -> int:
-        """Rows that took their prompt from another row's pages (including a prefill in progress)."""
-        return self.shared_prompt_rows + len(self._followers)
-
-    def _settle_followers(self) -> None:
-        """The prefill's writes are over: rows still following a leader share its prompt."""
-        self.shared_prompt_rows += len(self._followers)
-        self._followers = {}
-
     def _changed(self) -> None:
-        self._settle_followers()
+        self.prompts.settle()
         self.version += 1
         if self.layout is not None:
             self.layout.invalidate()

@@ -38,7 +38,7 @@ from transformers.cache_utils import (
 
 from ..memory.errors import VKVError
 from .group import LayerGroup
-from .layer import VKVLayer, VKVSlidingLayer
+from .layer import LayerCallError, VKVLayer, VKVSlidingLayer
 
 __all__ = ["LinearState", "RecurrentRollbackError", "VKVHybridLayer", "VKVHybridSlidingLayer", "make_vkv_layer",
            "transformers_part"]
@@ -120,6 +120,7 @@ class _HybridParts:
     record_past = _OnLinear()  # Cache.is_recording_past and the models read it; 5.17 reads it on the layer
     supports_early_init = False  # as transformers' hybrid layers: the linear state has no K/V shapes to guess
     is_compileable = False
+    keeps_transformers_state = True  # VKVLayer's flag: the linear state (see transformers_part)
 
     def _init_parts(self, group: LayerGroup, layer_idx: int, number_of_states: int) -> None:
         # not VKVLayer.__init__: its super() would run transformers' hybrid __init__, which assigns
@@ -164,8 +165,6 @@ class _HybridParts:
         self.linear.prefetch()
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        from .layer import LayerCallError  # a RuntimeError too
-
         raise LayerCallError(
             f"layer {self.layer_idx}'s K/V rows are its group's, shared with the other members: move rows with the "
             f"VKVCache's method (cache.reorder_cache, crop, reset, ...), which moves the group once and this "

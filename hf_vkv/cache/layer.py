@@ -44,6 +44,9 @@ class VKVLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     is_compileable = False
+    #: Whether the layer keeps state of transformers' beside its group's K/V (a hybrid layer's
+    #: linear state, :mod:`hf_vkv.cache.hybrid`): the cache's row operations must move it too.
+    keeps_transformers_state = False
 
     def __init__(self, group: LayerGroup, layer_idx: int) -> None:
         self.group = group
@@ -135,10 +138,8 @@ class VKVLayer(CacheLayerMixin):
     # refused with the cache-level call (which changes every group once).
     def _alone(self, call: str) -> LayerGroup:
         """The group, if this layer may change its rows by itself; else :class:`LayerCallError`."""
-        from .hybrid import transformers_part  # hybrid builds on this module
-
         shared = len(self.group.members) > 1
-        if shared or self.is_compileable or transformers_part(self) is not None:
+        if shared or self.is_compileable or self.keeps_transformers_state:
             why = (f"its rows and pages are shared by the layers {list(self.group.members)} of its group"
                    if shared else "its cache keeps other state in step with it (a static length or a linear state)")
             raise LayerCallError(

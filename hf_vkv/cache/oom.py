@@ -23,8 +23,8 @@ def pages_for_step(group: object, batch: int, start: int, end: int) -> int:
     buffer = group.buffer  # type: ignore[attr-defined]
     table, page, item = buffer.table, buffer.store.page_bytes, buffer.item_bytes
     pool = buffer.store.pool
-    k = group.prompt_repeats  # type: ignore[attr-defined]
-    shared_prefill = start == 0 and group.share_prompts and k > 1 and batch % k == 0  # type: ignore[attr-defined]
+    k = group.prompts.repeats  # type: ignore[attr-defined]
+    shared_prefill = group.prompts.applies(batch=batch, start=start, end=end)  # type: ignore[attr-defined]
     rows = range(0, batch, k) if shared_prefill else range(min(batch, buffer.rows))
     need = 0
     for r in rows:

@@ -8,13 +8,14 @@ from dataclasses import dataclass, fields
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from ..memory.errors import CacheOptionError, CacheOptionTypeError
 from ..memory.limits import MIN_PAGE_BYTES, check_page_bytes
 from .layouts import LAYOUTS
 
 __all__ = ["CacheOptions", "LAYOUT_NAMES", "PREFIX_STORE_KEY", "TRANSFORMERS_KEYS", "config_dict", "from_transformers_keys"]
 
 #: The ``cache_config`` key of ``generate(cache_implementation="vkv")`` that turns on prefix reuse:
-#: a :class:`~hf_vkv.PrefixStore` (see :mod:`hf_vkv.prefix.reuse`).
+#: a :class:`~hf_vkv.PrefixStore` (see :mod:`hf_vkv.generate.reuse`).
 PREFIX_STORE_KEY = "prefix_store"
 
 Groups = Literal["kind", "layer"]
@@ -29,11 +30,11 @@ REMOVED_KEYS = {
 
 
 def config_dict(config: Any) -> dict[str, Any]:
-    """``cache_config`` as a new dict (``None``: empty); ``TypeError`` naming it for anything
-    that is not a mapping (a string such as ``"page_bytes=4096"``)."""
+    """``cache_config`` as a new dict (``None``: empty); :class:`~hf_vkv.CacheOptionTypeError`
+    naming it for anything that is not a mapping (a string such as ``"page_bytes=4096"``)."""
     if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"cache_config must be a dict such as {{'page_bytes': 4096}}, got {type(config).__name__} "
-                        f"{config!r}")
+        raise CacheOptionTypeError(f"cache_config must be a dict such as {{'page_bytes': 4096}}, got "
+                                   f"{type(config).__name__} {config!r}")
     return dict(config or {})
 
 
@@ -55,7 +56,7 @@ class CacheOptions:
       (beams, ``num_return_sequences``), after checking the rows really are equal.
     * ``prefill_once``: with ``share_prompts``, ``generate``'s prefill runs each expanded prompt
       through the model once (one row per prompt, not ``max(num_beams, num_return_sequences)``)
-      and the other rows take its pages (:mod:`hf_vkv.prefill_once`; each forward's calls are
+      and the other rows take its pages (:mod:`hf_vkv.generate.prefill_once`; each forward's calls are
       proven exact for their shapes and threads, else the prefill runs on every row). Default
       (``None``): on on the CPU, off on CUDA until a GPU measurement says so.
     * ``cascade_half_precision``: let the ``"vkv_cascade"`` attention read shared prefixes once in
@@ -71,7 +72,7 @@ class CacheOptions:
       compiled step (default 32).
 
     ``cache_config`` of ``generate`` also takes ``"prefix_store"`` (:data:`PREFIX_STORE_KEY`): a
-    :class:`~hf_vkv.PrefixStore` whose prefixes every call reuses (:mod:`hf_vkv.prefix.reuse`); it
+    :class:`~hf_vkv.PrefixStore` whose prefixes every call reuses (:mod:`hf_vkv.generate.reuse`); it
     is generate's, not a cache option (a cache built by hand starts from ``store.lookup``).
     """
 
@@ -90,30 +91,31 @@ class CacheOptions:
         for name in ("page_bytes", "budget_bytes", "block_tokens", "max_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"cache_config[{name!r}] must be a positive int, got {value!r}")
+                raise CacheOptionError(f"cache_config[{name!r}] must be a positive int, got {value!r}")
         if self.page_bytes is not None:
             check_page_bytes(self.page_bytes)  # the backend of the device checks its own range too
         if self.budget_bytes is not None and self.budget_bytes < (self.page_bytes or MIN_PAGE_BYTES):
-            raise ValueError(f"cache_config['budget_bytes']={self.budget_bytes:,} is smaller than one page "
-                             f"({self.page_bytes or MIN_PAGE_BYTES:,} bytes): give at least a page per layer group, "
-                             f"or leave it unset for the default")
+            raise CacheOptionError(f"cache_config['budget_bytes']={self.budget_bytes:,} is smaller than one page "
+                                   f"({self.page_bytes or MIN_PAGE_BYTES:,} bytes): give at least a page per layer "
+                                   f"group, or leave it unset for the default")
         if self.map_ahead is not None and (isinstance(self.map_ahead, bool) or not isinstance(self.map_ahead, int)
                                            or self.map_ahead < 0):
-            raise ValueError(f"cache_config['map_ahead'] must be an int >= 0, got {self.map_ahead!r}")
+            raise CacheOptionError(f"cache_config['map_ahead'] must be an int >= 0, got {self.map_ahead!r}")
         if self.layout is not None and self.layout not in LAYOUT_NAMES:
-            raise ValueError(f"cache_config['layout'] must be one of {list(LAYOUT_NAMES)}, got {self.layout!r}")
+            raise CacheOptionError(f"cache_config['layout'] must be one of {list(LAYOUT_NAMES)}, got {self.layout!r}")
         if self.groups not in ("kind", "layer"):
-            raise ValueError(f"cache_config['groups'] must be 'kind' or 'layer', got {self.groups!r}")
+            raise CacheOptionError(f"cache_config['groups'] must be 'kind' or 'layer', got {self.groups!r}")
         if not isinstance(self.share_prompts, bool):
-            raise TypeError(f"cache_config['share_prompts'] must be a bool, got {self.share_prompts!r}")
+            raise CacheOptionTypeError(f"cache_config['share_prompts'] must be a bool, got {self.share_prompts!r}")
         if self.prefill_once is not None and not isinstance(self.prefill_once, bool):
-            raise TypeError(f"cache_config['prefill_once'] must be a bool or None, got {self.prefill_once!r}")
+            raise CacheOptionTypeError(f"cache_config['prefill_once'] must be a bool or None, got {self.prefill_once!r}")
         if not isinstance(self.cascade_half_precision, bool):
-            raise TypeError(f"cache_config['cascade_half_precision'] must be a bool, got {self.cascade_half_precision!r}")
+            raise CacheOptionTypeError(f"cache_config['cascade_half_precision'] must be a bool, got "
+                                       f"{self.cascade_half_precision!r}")
         if self.block_tokens is not None and self.layout not in (None, "paged"):
-            raise ValueError(f"cache_config['block_tokens'] applies to the paged layout only, not {self.layout!r}")
+            raise CacheOptionError(f"cache_config['block_tokens'] applies to the paged layout only, not {self.layout!r}")
         if self.map_ahead is not None and self.layout != "static":
-            raise ValueError("cache_config['map_ahead'] applies to the static layout only")
+            raise CacheOptionError("cache_config['map_ahead'] applies to the static layout only")
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | None, *, given_to: str = "cache_config") -> CacheOptions:
@@ -124,11 +126,11 @@ class CacheOptions:
         config = from_transformers_keys(config_dict(config))
         removed = sorted(set(config) & set(REMOVED_KEYS))
         if removed:
-            raise ValueError(f"cache_config[{removed[0]!r}] is no longer an option: {REMOVED_KEYS[removed[0]]}")
+            raise CacheOptionError(f"cache_config[{removed[0]!r}] is no longer an option: {REMOVED_KEYS[removed[0]]}")
         if PREFIX_STORE_KEY in config:
-            raise ValueError(f"cache_config[{PREFIX_STORE_KEY!r}] is read by generate(cache_implementation='vkv', "
-                             f"cache_config={{{PREFIX_STORE_KEY!r}: store}}), not by VKVCache: a cache made by hand "
-                             f"starts from store.lookup(input_ids)")
+            raise CacheOptionError(f"cache_config[{PREFIX_STORE_KEY!r}] is read by "
+                                   f"generate(cache_implementation='vkv', cache_config={{{PREFIX_STORE_KEY!r}: store}}), "
+                                   f"not by VKVCache: a cache made by hand starts from store.lookup(input_ids)")
         known = sorted(f.name for f in fields(cls))
         unknown = sorted(set(config) - set(known))
         if unknown:
@@ -136,7 +138,7 @@ class CacheOptions:
             hints = "".join(f"; did you mean {match[0]!r} for {key!r}?" for key, match in close.items() if match)
             where = ("unknown keyword argument(s) {} for VKVCache()" if given_to == "VKVCache"
                      else "unknown cache_config key(s) {} for cache_implementation='vkv'")
-            raise ValueError(f"{where.format(unknown)}; known keys: {known}{hints}")
+            raise CacheOptionError(f"{where.format(unknown)}; known keys: {known}{hints}")
         return cls(**config)
 
 
@@ -172,7 +174,8 @@ def from_transformers_keys(config: dict[str, Any]) -> dict[str, Any]:
     with vkv's meaning becomes vkv's key (``max_cache_len`` -> ``max_tokens``; both given and
     different is an error), a value that asks for nothing (``offloading=False``;
     ``offload_only_non_sliding`` without offloading) is dropped, and anything else is a
-    ``ValueError`` naming the key, saying vkv does not offer it and what it offers instead."""
+    :class:`~hf_vkv.CacheOptionError` naming the key, saying vkv does not offer it and what it
+    offers instead."""
     out = dict(config)
     offloading = out.get("offloading", False)
     for key in [k for k in out if k in TRANSFORMERS_KEYS]:
@@ -180,12 +183,12 @@ def from_transformers_keys(config: dict[str, Any]) -> dict[str, Any]:
         vkv_key, meaning = TRANSFORMERS_KEYS[key]
         if vkv_key is not None:
             if out.get(vkv_key) not in (None, value):
-                raise ValueError(f"cache_config[{key!r}]={value!r} and cache_config[{vkv_key!r}]={out[vkv_key]!r} "
-                                 f"disagree: they mean the same ({meaning}); give one")
+                raise CacheOptionError(f"cache_config[{key!r}]={value!r} and cache_config[{vkv_key!r}]={out[vkv_key]!r} "
+                                       f"disagree: they mean the same ({meaning}); give one")
             out[vkv_key] = value
         elif value in _NO_OP_VALUES.get(key, ()) and not (key == "offload_only_non_sliding" and offloading):
             continue
         else:
-            raise ValueError(f"cache_config[{key!r}]={value!r} is a transformers cache option that "
-                             f"cache_implementation='vkv' does not offer: {meaning}")
+            raise CacheOptionError(f"cache_config[{key!r}]={value!r} is a transformers cache option that "
+                                   f"cache_implementation='vkv' does not offer: {meaning}")
     return out

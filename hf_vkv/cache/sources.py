@@ -37,15 +37,16 @@ def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> 
 
 @dataclass(frozen=True, slots=True)
 class LayoutMaker:
-    """Makes a group's layout from its geometry and member count: ``layout_name`` (``None``: the
-    device's default contiguous layout)."""
+    """Makes a group's layout from its geometry and member count: ``layout_name``, as
+    :func:`hf_vkv.devices.choose_layout` decided it (``None``: the cache did not know its device
+    then; the rule is asked again with the group's device at its first update)."""
 
     layout_name: str | None
     block_tokens: int | None
     config: PretrainedConfig
 
     def __call__(self, geometry: GroupGeometry, members: int) -> Layout:
-        name = self.layout_name or policy_for(geometry.device).layout
+        name = self.layout_name or devices.choose_layout("contiguous", devices.Workload(device_type=geometry.device.type))
         if name == "static":
             return StaticLayout(geometry, members=members, base=layout_class(policy_for(geometry.device).layout))
         if name == "paged":

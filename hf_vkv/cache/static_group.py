@@ -19,33 +19,47 @@ Every other group's row operations pay nothing for this.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..memory.errors import InvariantError
 from .group import LayerGroup
 
-if TYPE_CHECKING:
-    from .layer import VKVStaticLayer
+__all__ = ["StaticGroup", "StaticMember"]
 
-__all__ = ["StaticGroup"]
+
+class StaticMember(Protocol):
+    """What the group needs of a member layer (:class:`~hf_vkv.cache.layer.VKVStaticLayer`, which
+    builds on this module): the length compiled steps advance, kept by the layer."""
+
+    layer_idx: int
+    is_initialized: bool
+
+    def written_length(self) -> int:
+        """The tokens written so far, compiled steps included."""
+
+    def set_length(self, length: int) -> None:
+        """Follow the group after a row operation changed the length."""
+
+    def follow_rows(self) -> None:
+        """Follow the group after a row operation changed the batch."""
 
 
 class StaticGroup(LayerGroup):
-    """A :class:`LayerGroup` of :class:`~hf_vkv.cache.layer.VKVStaticLayer` members (see the
-    module docstring). ``map_ahead``: tokens made writable ahead of the next write."""
+    """A :class:`LayerGroup` of :class:`StaticMember` layers (see the module docstring).
+    ``map_ahead``: tokens made writable ahead of the next write."""
 
     def __init__(self, *, map_ahead: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.ahead = map_ahead
-        self.static_layers: list[VKVStaticLayer] = []  # its layers, which keep the length compiled steps advance
+        self.static_layers: list[StaticMember] = []  # its layers, which keep the length compiled steps advance
         self._written: int | None = None  # tokens compiled steps had written, read before a row operation
         self._moved = True  # whether the row operation running changed a page table
 
-    def attach(self, layer: VKVStaticLayer) -> None:
+    def attach(self, layer: StaticMember) -> None:
         """``layer`` is one of this group's members (it registers when made, or twinned by a fork)."""
         self.static_layers.append(layer)
 
-    def _first(self) -> VKVStaticLayer | None:
+    def _first(self) -> StaticMember | None:
         return next((layer for layer in self.static_layers if layer.is_initialized), None)
 
     def map_ahead(self, tokens: int | None = None) -> None:
@@ -65,7 +79,7 @@ class StaticGroup(LayerGroup):
                 f"ahead: a step ran without VKVCache.map_ahead() before it (a model whose "
                 f"prepare_inputs_for_generation does not call transformers' own?); its tokens are lost")
         end = min(length + max(tokens or 0, self.ahead), self.capacity)
-        self._settle_followers()
+        self.prompts.settle()
         self.lengths = [length] * len(self.members)
         if end > length:
             self.prepare(self.batch, length, end)

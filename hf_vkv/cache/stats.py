@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CacheStats", "GroupStats"]
+__all__ = ["CacheStats", "GroupStats", "PrefillCounts", "ReuseReport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,34 @@ class GroupStats:
         return self.token_bytes / self.resident_bytes if self.resident_bytes else 1.0
 
 
+@dataclass(slots=True)
+class PrefillCounts:
+    """What ``generate``'s prefills of repeated prompts did on one cache (prefill once,
+    :mod:`hf_vkv.generate.prefill_once` writes them; :meth:`VKVCache.stats` reports them).
+    Plain counters: they refer to no cache."""
+
+    computed: int = 0  # prompt tokens the prefills ran through the model (rows x tokens)
+    saved: int = 0  # prompt tokens spared by running each repeated prompt once
+    verdict: str = "no expanded prefill yet"  # "on", or why the last expanded prefill ran on every row
+
+
+@dataclass(slots=True)
+class ReuseReport:
+    """What prefix reuse did in the ``generate`` call that last used a cache with a prefix store
+    (``out.cache.stats().reuse``; :mod:`hf_vkv.generate.reuse` fills it)."""
+
+    refusal: str | None = None  # why reuse did not apply (None: it did)
+    rows: int = 0  # rows of the prefill (after num_beams / num_return_sequences expansion)
+    prompt_tokens: int = 0  # tokens of the prompts (padding excluded), every row
+    reused_tokens: int = 0  # of those, taken from the store (every row)
+    computed_tokens: int = 0  # prompt tokens the prefill computed (common prefixes included)
+    common_prefix_tokens: int = 0  # tokens of a prefix shared by the batch, prefilled once first
+    start_column: int = 0  # the column every row started from (C)
+    copied_rows: int = 0  # rows whose prefix was copied (left padding), not shared
+    inserted: int = 0  # rows inserted into the store afterwards
+    seconds_to_start: float = 0.0  # lookups, common prefix and take_rows, before the model's prefill
+
+
 @dataclass(frozen=True, slots=True)
 class CacheStats:
     """Memory of a :class:`~hf_vkv.cache.VKVCache`: per group and in total, and how many of the
@@ -39,6 +67,7 @@ class CacheStats:
     prompt_tokens_computed: int = 0  # prompt tokens generate's prefills ran through the model (rows x tokens)
     prompt_tokens_saved: int = 0  # prompt tokens not computed: rows that took a repeated prompt's pages instead
     prefill_once: str = "no expanded prefill yet"  # "on", or why the last expanded prefill ran on every row
+    reuse: ReuseReport | None = None  # prefix reuse in the last generate call with a store (None: no store)
     cascade: str = "not asked"  # under "vkv_cascade": "on", or why shared prefixes are not tagged (half precision, or the last step's rows share too few tokens)
 
     @property

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 __all__ = [
     "VKVError",
+    "CacheOptionError",
+    "CacheOptionTypeError",
     "KVCacheOutOfMemory",
     "CapacityError",
     "CacheClosedError",
@@ -19,6 +21,16 @@ __all__ = [
 
 class VKVError(Exception):
     """Base class of every error hf_vkv raises on purpose."""
+
+
+class CacheOptionError(VKVError, ValueError):
+    """A ``cache_config`` key or ``VKVCache`` keyword that is unknown, removed, out of range or does
+    not apply to the chosen layout (the message names the key and what to write instead)."""
+
+
+class CacheOptionTypeError(VKVError, TypeError):
+    """A ``cache_config`` that is not a dict, or an option whose value has the wrong type (the
+    message names the option and the type it takes)."""
 
 
 class KVCacheOutOfMemory(VKVError, MemoryError):

@@ -65,7 +65,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         flat = param.detach().reshape(-1)
-        index = torch.linspace(0, flat.numel() - 1, min(_SAMPLE, flat.numel())).long().to(flat.device)
+        n, count = flat.numel(), min(_SAMPLE, flat.numel())
+        # evenly spaced, in integers (a float32 linspace rounds past the end of a 28M-element tensor)
+        index = (torch.arange(count, dtype=torch.int64) * (n - 1) // max(count - 1, 1)).to(flat.device)
         sample = flat[index].float().cpu().contiguous()
         h.update(f"{name}:{tuple(param.shape)};".encode())
         h.update(sample.numpy().tobytes())

@@ -36,10 +36,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..cache import VKVCache
+from ..version import __version__
 from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
 from .checksums import checksums_of, verify_checksums, validate_meta
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
-from .store import token_list
+from .tokens import token_list
 
 __all__ = ["save_prefix", "load_prefix", "FORMAT", "VERSION", "LAYOUT"]
 
@@ -60,7 +61,7 @@ def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *
     tokens = token_list(token_ids)
     if not isinstance(cache, VKVCache):
         raise TypeError(f"save_prefix needs a hf_vkv.VKVCache, got {type(cache).__name__}")
-    kept = cache.stats().transformers_layers
+    kept = len(cache.transformers_layers())
     if kept:
         raise ValueError(f"save_prefix saves key/value states only, and {kept} layer(s) of this cache keep "
                          f"recurrent or linear-attention state in transformers' classes: a file without it would "
@@ -86,7 +87,7 @@ def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *
         layers.append({"start": n - keys.shape[2], "window": getattr(layer, "sliding_window", None)})
     assert dtype is not None
     meta = {
-        "format": FORMAT, "version": VERSION, "layout": LAYOUT, "writer": f"hf_vkv {_version()}",
+        "format": FORMAT, "version": VERSION, "layout": LAYOUT, "writer": f"hf_vkv {__version__}",
         "dtype": str(dtype).removeprefix("torch."), "length": n, "token_ids": tokens,
         "config_fingerprint": config_fingerprint(cache.config), "config_fields": config_fields(cache.config),
         "weights_fingerprint": None if model is None else weights_fingerprint(model), "layers": layers,
@@ -151,12 +152,6 @@ def load_prefix(
         raise
     assert cache.get_seq_length() == n
     return cache, list(tokens)
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -20,8 +20,9 @@ import itertools
 import json
 import os
 import threading
+import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,10 @@ from .. import devices
 from ..cache import VKVCache
 from ..memory.errors import InvariantError
 from .errors import PrefixMismatchError
-from .fingerprint import config_fields, config_fingerprint, describe_difference
+from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
+from .persist import load_prefix, save_prefix
 from .radix import RadixTree
+from .tokens import token_list
 
 __all__ = ["PrefixStore", "PrefixStats", "token_list"]
 
@@ -66,25 +69,6 @@ class _Entry:
     cache: VKVCache  # a batch-1 fork owned by the store; nobody writes into it
     min_reuse: int  # shortest prefix the cache can be cut back to (sliding windows)
     pages: dict[Hashable, int]  # physical pages it holds -> bytes (fixed: the cache never changes)
-
-
-def token_list(token_ids: Any, *, name: str = "token_ids") -> list[int]:
-    """Token ids of one sequence as ints: a ``[T]`` or ``[1, T]`` integer tensor, or a sequence."""
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() == 2 and token_ids.shape[0] == 1:
-            token_ids = token_ids[0]
-        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
-            raise TypeError(
-                f"{name} must be one sequence of integer token ids ([T] or [1, T]), got a {token_ids.dtype} "
-                f"tensor of shape {tuple(token_ids.shape)}; entries are batch-1: pass one row"
-            )
-        return [int(t) for t in token_ids.tolist()]
-    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-        raise TypeError(f"{name} must be a tensor or a sequence of int token ids, got {type(token_ids).__name__}")
-    out = list(token_ids)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
-        raise TypeError(f"{name} must hold ints only")
-    return out
 
 
 class PrefixStore:
@@ -138,6 +122,8 @@ class PrefixStore:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._ids = itertools.count()
         self._dtype: torch.dtype | None = None
+        self._weights: str | None = None  # weights fingerprint of the model the entries were computed with
+        self._weights_seen: tuple[Any, tuple, str] | None = None  # (model ref, parameters' key, its fingerprint)
         self._lookups = self._hits = self._reused = self._inserts = self._evictions = 0
         self._prompt_tokens = self._computed = 0
 
@@ -241,13 +227,16 @@ class PrefixStore:
                     return m
         return 0
 
-    def insert(self, token_ids: Any, cache: VKVCache, *, give: bool = False) -> bool:
+    def insert(self, token_ids: Any, cache: VKVCache, *, give: bool = False, weights: str | None = None) -> bool:
         """Keep a fork of ``cache``'s first ``len(token_ids)`` tokens, whose ids are ``token_ids``.
 
         After ``generate()``, the returned cache holds ``sequences[:, :cache.get_seq_length()]``
         (the last sampled token was never fed back). ``cache`` must be batch 1 and may be used on;
         the store's fork does not change when it is. ``give=True``: the store keeps ``cache``
         itself (no fork; it must hold exactly these tokens) and the caller must not use it again.
+        ``weights``: the fingerprint of the weights that computed it
+        (:func:`~hf_vkv.prefix.fingerprint.weights_fingerprint`; ``generate`` passes it): a store
+        holds one model's weights (:attr:`weights_fingerprint`).
 
         Returns whether the entry is held afterwards (``False``: it alone is over the budget).
         An identical or longer entry that already serves these tokens is kept instead (and
@@ -257,12 +246,41 @@ class PrefixStore:
             TypeError: ``cache`` is not a :class:`VKVCache`, or ``token_ids`` are not token ids.
             ValueError: ``cache`` holds more than one row, fewer tokens than ``token_ids``, or
                 cannot be cut back to them (sliding windows).
-            PrefixMismatchError: ``cache`` belongs to another model, or its dtype differs from
-                the entries' (``field`` says which).
+            PrefixMismatchError: ``cache`` belongs to another model, its dtype differs from
+                the entries', or ``weights`` from theirs (``field`` says which).
         """
         tokens = tuple(token_list(token_ids))
         with self._lock:
-            return self._insert(tokens, cache, give)
+            if weights is not None and self._entries and self._weights not in (None, weights):
+                raise PrefixMismatchError("weights", "the store's entries were computed with other weights (same "
+                                                     "config, weights fingerprints differ): use a store per model")
+            inserted = self._insert(tokens, cache, give)
+            if weights is not None and self._entries:
+                self._weights = weights
+            return inserted
+
+    def fingerprint(self, model: torch.nn.Module) -> str:
+        """:func:`~hf_vkv.prefix.fingerprint.weights_fingerprint` of ``model`` (tens of ms for a
+        135M model), remembered for the last model asked about while it is alive and its
+        parameters keep their storage and versions (an in-place update through ``torch`` bumps a
+        version; one through ``param.data`` does not and is not seen)."""
+        key = tuple((p.data_ptr(), p._version, tuple(p.shape)) for p in model.parameters())
+        with self._lock:
+            seen = self._weights_seen
+            if seen is not None and seen[0]() is model and seen[1] == key:
+                return seen[2]
+        digest = weights_fingerprint(model)
+        with self._lock:
+            self._weights_seen = (weakref.ref(model), key, digest)
+        return digest
+
+    @property
+    def weights_fingerprint(self) -> str | None:
+        """The weights fingerprint of the model the entries were computed with (``None``: no
+        entry, or entries inserted by hand without one). ``generate`` reuses the store only for
+        a model with these weights, and steps aside (``ReuseReport.refusal``) for any other."""
+        with self._lock:
+            return self._weights if self._entries else None
 
     def _insert(self, tokens: tuple[int, ...], cache: VKVCache, give: bool) -> bool:
         self._check_cache(cache, len(tokens))
@@ -298,12 +316,10 @@ class PrefixStore:
         :meth:`save`) with every check :func:`~hf_vkv.load_prefix` does (checksums, model, weights,
         dtype; a corrupted file raises :class:`~hf_vkv.PrefixFileError` and inserts nothing).
         Returns its tokens. The pages live in the store's memory, so requests share them."""
-        from .persist import load_prefix  # files build on the store's token ids
-
         cache, tokens = load_prefix(path, model=model, cache_config=self.cache_config, check_weights=check_weights,
                                     memory_of=self.memory(model.device), device=model.device)
         try:
-            self.insert(tokens, cache)
+            self.insert(tokens, cache, weights=weights_fingerprint(model) if check_weights else None)
         finally:
             cache.close()
         return len(tokens)
@@ -312,8 +328,6 @@ class PrefixStore:
         """Save every entry to ``directory`` as a prefix file named by a digest of its token ids
         (saving again overwrites the same names); with ``model`` its weights fingerprint too.
         Returns the paths, least recently used first."""
-        from .persist import save_prefix
-
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         with self._lock:
@@ -346,7 +360,7 @@ class PrefixStore:
 
     def count_prefill(self, *, prompt_tokens: int, computed: int) -> None:
         """A ``generate`` prefill brought ``prompt_tokens`` prompt tokens and computed ``computed``
-        of them (:mod:`hf_vkv.prefix.reuse` calls it; :meth:`stats` sums them)."""
+        of them (:mod:`hf_vkv.generate.reuse` calls it; :meth:`stats` sums them)."""
         with self._lock:
             self._prompt_tokens += prompt_tokens
             self._computed += computed

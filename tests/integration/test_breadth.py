@@ -33,7 +33,7 @@ from breadth_models import SPECS, ArchitectureMissing, build_with_attention, pro
 from transformers.cache_utils import EncoderDecoderCache, get_layer_types_and_kwargs
 
 import hf_vkv
-from hf_vkv.cache.workload import layout_for_generate
+from hf_vkv.devices import Workload, choose_layout
 from hf_vkv.devices import policy_for
 from hf_vkv.attention import UnsupportedModelError
 from hf_vkv.cache import LayerMismatchError
@@ -163,8 +163,8 @@ def assert_cache_holds_kv(model: Any, past: Any, *, paged: bool, num_beams: int 
     if isinstance(past, EncoderDecoderCache):
         past = past.self_attention_cache
     assert isinstance(past, hf_vkv.VKVCache), f"generate returned {type(past).__name__}, not a VKVCache"
-    workload = layout_for_generate(device_type="cpu", num_beams=num_beams, prompt_tokens=1)
-    assert past.layout == ("paged" if paged else workload or policy_for("cpu").layout)
+    assert past.layout == ("paged" if paged else choose_layout(None, Workload(device_type="cpu", num_beams=num_beams,
+                                                                              prompt_tokens=1)))
     assert stored_layers(past) == kv_layers(model), (
         f"VKVCache stores {stored_layers(past)} of the model's {kv_layers(model)} K/V layers")
     past.check_invariants()

@@ -26,7 +26,7 @@ import torch
 from models import SMALL_PAGE, assert_same_tokens, prompts, tiny
 from transformers.cache_utils import DynamicCache
 
-import hf_vkv.registration as registration
+import hf_vkv.generate.registry as registration
 from hf_vkv import VKVCache
 from hf_vkv.ab.probes import kv_bytes
 from hf_vkv.memory import Arena

@@ -163,13 +163,13 @@ def test_the_cache_tags_for_the_attention_it_was_built_for(monkeypatch: pytest.M
     ref = model.generate(**inputs, max_new_tokens=4, num_beams=3, do_sample=False)
     with cascade(model) as calls:
         got = model.generate(**inputs, max_new_tokens=4, num_beams=3, do_sample=False,
-                             **{hf_vkv.registration.cache_kwarg(): before})
+                             **{hf_vkv.generate.cache_kwarg(): before})
         assert_same_tokens(ref, got)
         assert len(calls) == 0 and before.stats().cascade == "not asked"
         after = hf_vkv.VKVCache.for_generate(model, batch_size=1, expand=3, max_length=160,
                                              cache_config={"page_bytes": SMALL_PAGE})
         got = model.generate(**inputs, max_new_tokens=4, num_beams=3, do_sample=False,
-                             **{hf_vkv.registration.cache_kwarg(): after})
+                             **{hf_vkv.generate.cache_kwarg(): after})
     assert_same_tokens(ref, got)
     assert len(calls) == 3 * 2 and after.stats().cascade == "on"
 

@@ -87,10 +87,37 @@ def test_ab_beam_search_from_a_prompts_file(model_dir: Path, tmp_path: Path,
     (("--mode", "beam", "--num-beams", "2", "--num-return-sequences", "3"), "cannot exceed --num-beams"),
     (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
     (("--mode", "topk"), "invalid choice: 'topk'"),
+    (("--mode", "beam", "--num-beams", "0"), "argument --num-beams: must be >= 1, got 0"),  # not 4 beams
+    (("--mode", "beam", "--num-beams", "-3"), "argument --num-beams: must be >= 1, got -3"),
+    (("--mode", "beam", "--num-beams", "x"), "argument --num-beams: must be an int >= 1, got 'x'"),
+    (("--mode", "beam", "--num-beams", "1"), "--num-beams must be >= 2 with --mode beam"),
+    (("--threads", "0"), "argument --threads: must be >= 1, got 0"),
+    (("--reuse", "-1"), "argument --reuse: must be >= 0, got -1"),
 ])
 def test_ab_usage_errors(model_dir: Path, capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
                          message: str) -> None:
     code, _, err = run_main(capsys, "ab", "--model", model_dir, *args)
+    assert code == 2 and message in err, err
+
+
+def test_ab_num_beams_defaults_to_4_only_when_absent() -> None:
+    parser = cli._parser()
+    for argv, beams in ((["ab", "--mode", "beam"], 4), (["ab", "--mode", "beam", "--num-beams", "2"], 2)):
+        args = parser.parse_args(argv)
+        assert cli._ab_kwargs(args, args.command_parser)["num_beams"] == beams
+
+
+@pytest.mark.parametrize("args, message", [
+    (("demo", "--threads", "0"), "argument --threads: must be >= 1, got 0"),
+    (("chat", "--threads", "-1"), "argument --threads: must be >= 1, got -1"),
+    (("chat", "--budget-mib", "0"), "argument --budget-mib: must be >= 1, got 0"),
+    (("bench", "--threads", "0"), "argument --threads: must be >= 1, got 0"),
+    (("bench", "--shared-prompt", "--threads", "0"), "argument --threads: must be >= 1, got 0"),
+])
+def test_an_explicit_zero_or_negative_count_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                                            args: tuple[str, ...], message: str) -> None:
+    """Counts are checked by argparse: an explicit 0 is refused, never read as "the default"."""
+    code, _, err = run_main(capsys, *args)
     assert code == 2 and message in err, err
 
 

@@ -72,6 +72,19 @@ def test_the_cli_reference_names_every_subcommand_and_option() -> None:
                     assert option in CLI_PAGE, f"hf-vkv {name} {option} is missing from docs/cli.md"
 
 
+def test_the_cli_reference_gives_each_subcommands_help_line() -> None:
+    """``hf-vkv --help``'s one line for each subcommand is the source: docs/cli.md's row for it says
+    it word for word (and may say more), so the two cannot describe a subcommand differently."""
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    page = " ".join(CLI_PAGE.split())
+    for choice in sub._choices_actions:
+        line = " ".join(choice.help.split())
+        row = next((r for r in page.split(" | `")[1:] if r.startswith(choice.dest + " ") or
+                    r.startswith(choice.dest + "`")), None)
+        assert row is not None, f"docs/cli.md has no table row for hf-vkv {choice.dest}"
+        assert line in row, f"docs/cli.md's row for hf-vkv {choice.dest} does not say its help line: {line!r}"
+
+
 def test_ab_json_dash_is_stdout(model_dir: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path,  # noqa: F811
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -52,7 +52,7 @@ def test_300_generate_calls_without_the_cycle_collector_hold_nothing() -> None:
             if i % 100 == 99:
                 assert _held() == before, f"after {i + 1} calls: (fds, mappings, memfd bytes) {_held()} != {before}"
         cache = hf_vkv.VKVCache(model.config, page_bytes=SMALL_PAGE)
-        model(**inputs, **{hf_vkv.registration.cache_kwarg(): cache})
+        model(**inputs, **{hf_vkv.generate.cache_kwarg(): cache})
         fork = cache.fork()
         assert _held() != before  # the check sees a live cache ...
         del cache, fork

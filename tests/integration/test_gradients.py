@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import DynamicCache, StaticCache
 
 import hf_vkv
-from hf_vkv.registration import cache_kwarg
+from hf_vkv.generate import cache_kwarg
 from models import VOCAB, tiny
 
 pytestmark = pytest.mark.integration

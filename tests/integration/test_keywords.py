@@ -1,6 +1,6 @@
 """The cache keyword of the running transformers (``cache`` from 5.24, ``past_key_values`` before).
 
-hf_vkv reads and writes the cache under :func:`hf_vkv.registration.cache_kwarg`, refuses a user
+hf_vkv reads and writes the cache under :func:`hf_vkv.generate.cache_kwarg`, refuses a user
 cache passed with ``cache_implementation="vkv"`` under either name (as transformers refuses it
 for its own implementations), and no deprecation warning comes from an hf_vkv frame.
 """
@@ -24,7 +24,7 @@ from transformers.generation.utils import GenerationMixin
 import hf_vkv
 from hf_vkv.ab import run_ab
 from hf_vkv.ab.decode import prefill
-from hf_vkv.registration import cache_kwarg
+from hf_vkv.generate import cache_kwarg
 from models import LayoutRun, prompts, tiny
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_vkv
-from hf_vkv.registration import cache_kwarg
+from hf_vkv.generate import cache_kwarg
 from models import prompts, tiny
 
 pytestmark = pytest.mark.integration

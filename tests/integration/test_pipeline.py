@@ -10,7 +10,7 @@ import torch
 from models import SMALL_PAGE, tiny, tokenizer, words
 from transformers import AutoModelForCausalLM, GenerationConfig, pipeline
 
-import hf_vkv.registration as registration
+import hf_vkv.generate.registry as registration
 from hf_vkv import VKVCache
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import torch
 import transformers
 from transformers import GenerationConfig
 
-import hf_vkv.row_exactness as row_exactness
+import hf_vkv.generate.row_exactness as row_exactness
 from models import BOS, EOS, PAD, VOCAB, prompts
 
 pytestmark = pytest.mark.integration

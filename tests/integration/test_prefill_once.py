@@ -1,4 +1,4 @@
-"""Prefill once (``hf_vkv.prefill_once``): generate's prefill runs each repeated prompt once, and
+"""Prefill once (``hf_vkv.generate.prefill_once``): generate's prefill runs each repeated prompt once, and
 tokens, scores and logits stay DynamicCache's (``torch.equal``)."""
 
 from __future__ import annotations

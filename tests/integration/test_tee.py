@@ -38,7 +38,7 @@ from models import (
 )
 from transformers.cache_utils import DynamicCache
 
-import hf_vkv.registration as registration
+import hf_vkv.generate.registry as registration
 from hf_vkv.devices import policy_for
 from hf_vkv import VKVCache
 from hf_vkv.attention.kernels import gather_kv

@@ -1,5 +1,7 @@
-"""The layout generate() picks when cache_config names none: token-major for CPU beam search with
-short prompts (measured: benchmarks/beam_layout_cpu.py), the device's default otherwise."""
+"""The layout is decided in one function, :func:`hf_vkv.devices.choose_layout`: what
+``cache_config`` names, else static when compiling, paged under "vkv_paged", a prefix store's,
+token-major for CPU beam search with short prompts (measured: benchmarks/beam_layout_cpu.py), the
+device's default otherwise."""
 
 from __future__ import annotations
 
@@ -7,10 +9,10 @@ import pytest
 
 import hf_vkv
 from hf_vkv.ab import run_ab
-from hf_vkv.cache.workload import layout_for_generate
 from hf_vkv.devices import BEAM_TOKEN_MAJOR_MAX_PROMPT
-from hf_vkv.devices import policy_for
-from hf_vkv.registration import cache_kwarg
+from hf_vkv.devices import Workload, choose_layout, policy_for
+from hf_vkv.memory.errors import CacheOptionError
+from hf_vkv.generate import cache_kwarg
 from models import assert_same_tokens, prompts, tiny
 
 pytestmark = pytest.mark.integration
@@ -18,11 +20,25 @@ pytestmark = pytest.mark.integration
 
 def test_the_rule() -> None:
     short, long = BEAM_TOKEN_MAJOR_MAX_PROMPT, BEAM_TOKEN_MAJOR_MAX_PROMPT + 1
-    assert layout_for_generate(device_type="cpu", num_beams=4, prompt_tokens=short) == "token_major"
-    assert layout_for_generate(device_type="cpu", num_beams=4, prompt_tokens=long) is None
-    assert layout_for_generate(device_type="cpu", num_beams=1, prompt_tokens=short) is None
-    assert layout_for_generate(device_type="cpu", num_beams=4, prompt_tokens=None) is None
-    assert layout_for_generate(device_type="cuda", num_beams=4, prompt_tokens=short) is None
+    cpu = policy_for("cpu").layout
+
+    def rule(asked=None, **workload):
+        return choose_layout(asked, Workload(**workload))
+
+    assert rule(device_type="cpu", num_beams=4, prompt_tokens=short) == "token_major"
+    assert rule(device_type="cpu", num_beams=4, prompt_tokens=long) == cpu
+    assert rule(device_type="cpu", num_beams=1, prompt_tokens=short) == cpu
+    assert rule(device_type="cpu", num_beams=4, prompt_tokens=None) == cpu
+    assert rule(device_type="cuda", num_beams=4, prompt_tokens=short) == policy_for("cuda").layout
+    assert rule(device_type=None) is None  # a cache made by hand decides at its first update
+    assert rule("head_major", device_type="cpu", num_beams=4, prompt_tokens=short) == "head_major"
+    assert rule("contiguous", device_type="cpu", num_beams=4, prompt_tokens=short) == cpu
+    assert rule(device_type="cpu", compiling=True) == "static"
+    assert rule(device_type="cpu", attention="vkv_paged", num_beams=4, prompt_tokens=short) == "paged"
+    assert rule(device_type="cpu", inherited="contiguous", num_beams=4, prompt_tokens=short) == cpu
+    assert rule(device_type="cpu", inherited="token_major") == "token_major"
+    with pytest.raises(CacheOptionError, match="vkv_paged"):
+        rule("paged", device_type="cpu", attention="sdpa")
 
 
 def _generate(**kwargs):

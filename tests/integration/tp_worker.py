@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_vkv  # noqa: F401  (registers "vkv")
-from hf_vkv.cache.workload import layout_for_generate
+from hf_vkv.devices import Workload, choose_layout
 from hf_vkv.devices import policy_for
 
 MODES = {"greedy": {}, "beams": {"num_beams": 4}}
@@ -32,8 +32,8 @@ def main(path: str) -> None:
     for mode, extra in MODES.items():
         ref = model.generate(**common, **extra)
         beams = extra.get("num_beams", 1)
-        default = layout_for_generate(device_type="cpu", num_beams=beams, prompt_tokens=ids.shape[1])
-        for layout in (default or policy_for("cpu").layout, "paged"):
+        default = choose_layout(None, Workload(device_type="cpu", num_beams=beams, prompt_tokens=ids.shape[1]))
+        for layout in (default, "paged"):
             model.set_attn_implementation("vkv_paged" if layout == "paged" else own)
             got = model.generate(**common, **extra, cache_implementation="vkv")  # the layout follows the attention
             model.set_attn_implementation(own)

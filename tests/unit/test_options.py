@@ -70,3 +70,51 @@ def test_the_removed_group_policy_is_refused_naming_its_replacement(policy: str)
         CacheOptions.from_dict({"group_policy": policy})
     with pytest.raises(TypeError):  # not a field any more
         CacheOptions(group_policy=policy)  # type: ignore[call-arg]
+
+
+# ------------------------------------------------------------------ every option refusal is a VKVError
+_BAD_VALUES = [({"layout": "ring"}, ValueError), ({"page_bytes": 0}, ValueError), ({"bad_key": 1}, ValueError),
+               ({"group_policy": "model"}, ValueError), ({"offloading": True}, ValueError),
+               ({"share_prompts": 1}, TypeError), ({"prefill_once": "yes"}, TypeError)]
+
+
+@pytest.mark.parametrize("bad, builtin", _BAD_VALUES, ids=lambda v: "-".join(v) if isinstance(v, dict) else None)
+def test_option_refusals_are_typed_vkv_errors_and_builtin_errors(bad: dict, builtin: type) -> None:
+    """``docs/usage.md``: every refusal is a ``hf_vkv.VKVError`` and the matching built-in type
+    (so ``except ValueError`` keeps working): :class:`hf_vkv.CacheOptionError` /
+    :class:`hf_vkv.CacheOptionTypeError`, through ``cache_config`` and ``VKVCache(...)`` keywords."""
+    import hf_vkv
+
+    typed = hf_vkv.CacheOptionError if builtin is ValueError else hf_vkv.CacheOptionTypeError
+    assert issubclass(typed, hf_vkv.VKVError) and issubclass(typed, builtin)
+    for error in (hf_vkv.VKVError, builtin, typed):
+        with pytest.raises(error):
+            CacheOptions.from_dict(bad)
+    with pytest.raises(typed):
+        CacheOptions.from_dict(bad, given_to="VKVCache")
+    with pytest.raises(hf_vkv.CacheOptionTypeError, match="cache_config must be a dict"):
+        CacheOptions.from_dict("page_bytes=4096")  # type: ignore[arg-type]
+
+
+def test_vkvcache_keywords_and_generate_cache_config_refusals_are_vkv_errors() -> None:
+    """The same, end to end: ``VKVCache(config, bad=...)`` and ``generate(cache_implementation="vkv",
+    cache_config={"bad_key": 1})`` on a tiny random Llama."""
+    import hf_vkv
+    from models import prompts, tiny
+
+    model = tiny("llama")
+    for error in (hf_vkv.VKVError, ValueError, hf_vkv.CacheOptionError):
+        with pytest.raises(error, match=r"unknown keyword argument\(s\) \['bad'\] for VKVCache\(\)"):
+            hf_vkv.VKVCache(model.config, bad=1)
+        with pytest.raises(error, match=r"cache_config\['layout'\] must be one of"):
+            hf_vkv.VKVCache(model.config, layout="ring")
+    with pytest.raises(hf_vkv.CacheOptionTypeError):
+        hf_vkv.VKVCache(model.config, share_prompts="yes")
+    inputs = prompts(1, 4)
+    for error in (hf_vkv.VKVError, ValueError, hf_vkv.CacheOptionError):
+        with pytest.raises(error, match=r"unknown cache_config key\(s\) \['bad_key'\] for cache_implementation='vkv'"):
+            model.generate(**inputs, max_new_tokens=2, do_sample=False, cache_implementation="vkv",
+                           cache_config={"bad_key": 1})
+    with pytest.raises(hf_vkv.VKVError):
+        model.generate(**inputs, max_new_tokens=2, do_sample=False, cache_implementation="vkv",
+                       cache_config={"budget_bytes": -1})

@@ -1,4 +1,4 @@
-"""transformers is patched in one place: :mod:`hf_vkv.registration`, whose :func:`patches` lists
+"""transformers is patched in one place: :mod:`hf_vkv.generate.registry`, whose :func:`patches` lists
 every wrapped method; nothing else in the package assigns into transformers, and ``import hf_vkv``
 changes nothing in transformers beyond that list and its registration entries."""
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hf_vkv import registration
+from hf_vkv.generate import registry as registration
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_vkv"
 
@@ -61,13 +61,13 @@ def test_the_scan_sees_a_patch() -> None:
 def test_only_registration_assigns_into_transformers() -> None:
     offenders = {}
     for path in PACKAGE.rglob("*.py"):
-        if path == PACKAGE / "registration.py":
+        if path == PACKAGE / "generate" / "registry.py":
             continue
         tree = ast.parse(path.read_text())
         found = _assignments_into(tree, _transformers_names(tree))
         if found:
             offenders[str(path.relative_to(PACKAGE))] = found
-    assert offenders == {}, f"only hf_vkv/registration.py patches transformers (add it to patches()): {offenders}"
+    assert offenders == {}, f"only hf_vkv/generate/registry.py patches transformers (add it to patches()): {offenders}"
 
 
 def test_registration_patches_what_it_lists() -> None:

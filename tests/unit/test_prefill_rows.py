@@ -1,6 +1,6 @@
 """Prefill once, unit specs: which rows repeat, where each input's rows are, cutting inputs to one
 row per prompt and expanding outputs back, and the row-exactness probe its exactness rests on
-(``hf_vkv.row_exactness``), at user thread counts (1, 2, and oversubscribed 8 and 16)."""
+(``hf_vkv.generate.row_exactness``), at user thread counts (1, 2, and oversubscribed 8 and 16)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-import hf_vkv.row_exactness as rx
-from hf_vkv.prefill_once import expand_rows, first_of_repeats, repeats_refusal
+import hf_vkv.generate.row_exactness as rx
+from hf_vkv.generate.prefill_once import expand_rows, first_of_repeats, repeats_refusal
 
 
 def _repeated(prompts: int, k: int, tokens: int = 5) -> torch.Tensor:

@@ -21,6 +21,22 @@ def test_every_public_name_exists_and_is_documented() -> None:
         assert getattr(hf_vkv, name) is not None
 
 
+def test_every_exported_error_is_a_vkv_error() -> None:
+    """``docs/usage.md``: every refusal is a ``hf_vkv.VKVError`` (and a built-in type): each error
+    a user can meet is exported, the recurrent-state rollback and the option errors included."""
+    errors = [name for name in hf_vkv.__all__ if name.endswith(("Error", "OutOfMemory"))]
+    assert {"RecurrentRollbackError", "CacheOptionError", "CacheOptionTypeError"} <= set(errors)
+    for name in errors:
+        error = getattr(hf_vkv, name)
+        assert issubclass(error, hf_vkv.VKVError), name
+        builtin = [c for c in error.__mro__ if c.__module__ == "builtins" and c not in (Exception, BaseException, object)]
+        assert name == "VKVError" or builtin, f"{name} refines no built-in type"
+    from hf_vkv.cache.hybrid import RecurrentRollbackError
+
+    assert hf_vkv.RecurrentRollbackError is RecurrentRollbackError and issubclass(RecurrentRollbackError, RuntimeError)
+    assert issubclass(hf_vkv.CacheOptionError, ValueError) and issubclass(hf_vkv.CacheOptionTypeError, TypeError)
+
+
 def test_internals_are_not_exported_but_stay_importable() -> None:
     for name in ("Arena", "HostBackend", "VirtualBuffer"):
         assert name not in hf_vkv.__all__ and not hasattr(hf_vkv, name)

@@ -1,6 +1,6 @@
-"""The package's shape, checked: subpackages import one another without cycles, the memory core
-imports no transformers, GPU code is imported only when asked for, and a beam step converts
-``beam_idx`` to Python once for every group."""
+"""The package's shape, checked: files import one another without cycles, layers point down and
+nothing imports the package root, the memory core imports no transformers, GPU code is imported
+only when asked for, and a beam step converts ``beam_idx`` to Python once for every group."""
 
 from __future__ import annotations
 
@@ -18,52 +18,180 @@ from transformers import LlamaConfig
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_vkv"
 
 
-def _subpackage_imports() -> dict[str, set[str]]:
-    """``{subpackage: subpackages it imports}`` from the relative imports of every module."""
+ROOT = "__init__.py"  # the package root, as a node of the import graph
+
+#: What each layer of the package may import besides itself and the leaf modules (top-level
+#: modules that import nothing of the package: ``kv_records``, ``version``): docs/architecture.md. Parts
+#: not listed (``generate``, ``ab``, the top-level tools) are not constrained here beyond (a), (b).
+LAYERS: dict[str, set[str]] = {
+    "memory": set(),
+    "cuda": {"memory"},
+    "attention": {"memory"},
+    "devices": {"memory", "cuda"},
+    "cache": {"memory", "devices"},
+    "prefix": {"cache", "memory", "devices"},  # devices: the store's page size (policy lives there)
+}
+
+
+def _module_file(parts: list[str]) -> str | None:
+    """The file of module ``hf_vkv.<parts>`` relative to the package (``"cache/layer.py"``,
+    ``"cache/__init__.py"``, ``"__init__.py"`` for the root), or None where there is none."""
+    base = PACKAGE.joinpath(*parts)
+    if parts and base.with_suffix(".py").is_file():
+        return "/".join(parts) + ".py"
+    if (base / "__init__.py").is_file():
+        return "/".join([*parts, ROOT])
+    return None
+
+
+def _import_targets(rel: Path, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The files of the package that one import statement of file ``rel`` loads. ``from .pkg
+    import name`` goes to ``pkg/name.py`` (or ``pkg/name/__init__.py``) where that is a module,
+    else to ``pkg``'s own file; an unresolvable import gives ``"<unresolved ...>"``."""
+    here = list(rel.parts[:-1])  # the package the file is in (an __init__.py is in its own)
+    if isinstance(node, ast.Import):
+        names = [a.name.split(".") for a in node.names if a.name.split(".")[0] == "hf_vkv"]
+        return [_module_file(n[1:]) or f"<unresolved import {'.'.join(n)}>" for n in names]
+    module = (node.module or "").split(".") if node.module else []
+    if node.level:
+        if node.level - 1 > len(here):
+            return [f"<unresolved from {'.' * node.level}{node.module or ''}>"]
+        mod = here[: len(here) - (node.level - 1)] + module
+    elif module[:1] == ["hf_vkv"]:
+        mod = module[1:]
+    else:
+        return []  # not the package
+    own = _module_file(mod)
+    return [_module_file([*mod, a.name]) or own or f"<unresolved from {'.'.join(['hf_vkv', *mod])}>"
+            for a in node.names]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """``{file: files of hf_vkv it imports}`` for every module of the package, top-level modules
+    and ``__init__.py`` files included. Every import statement counts wherever it stands: at module
+    level, inside a function (a deferred import is still an arrow, and a circle hidden in a
+    function is still a circle) and under ``if TYPE_CHECKING:`` (a module that must name a higher
+    one, even for annotations, is not below it)."""
     graph: dict[str, set[str]] = {}
-    for path in PACKAGE.rglob("*.py"):
+    for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
-        if len(rel.parts) < 2:
-            continue  # top-level modules (registration, devices, cli, ...) may import any subpackage
-        here = rel.parts[0]
-        deps = graph.setdefault(here, set())
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level >= 2:
-                target = (node.module or "").split(".")[0]
-                if node.level == len(rel.parts) and target and (PACKAGE / target).is_dir() and target != here:
-                    deps.add(target)
+        deps = graph.setdefault(rel.as_posix(), set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                deps.update(_import_targets(rel, node))
+        deps.discard(rel.as_posix())
     return graph
 
 
+def _part(file: str) -> str:
+    """The part of the package a file belongs to: its subpackage, or its own name at top level."""
+    return file.split("/")[0] if "/" in file else file.removesuffix(".py")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[tuple[list[str], list[str]]]:
+    """Every strongly connected component of more than one file (Tarjan), as ``(one shortest
+    circle through it, every arrow inside it)``: each is a set of files that import one another."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    out = []
+    for component in components:
+        members = set(component)
+        start = component[0]
+        previous: dict[str, str] = {}  # breadth first from start back to start, inside the component
+        frontier = [start]
+        while frontier and start not in previous:
+            following = []
+            for v in frontier:
+                for w in sorted(graph[v] & members):
+                    if w not in previous:
+                        previous[w] = v
+                        following.append(w)
+            frontier = following
+        circle = [start]
+        while len(circle) == 1 or circle[-1] != start:
+            circle.append(previous[circle[-1]])
+        arrows = [f"{a} -> {b}" for a in component for b in sorted(graph[a] & members)]
+        out.append((circle[::-1], arrows))
+    return out
+
+
+def test_every_package_import_resolves() -> None:
+    """The graph below is only as good as its resolver: every hf_vkv import names a file."""
+    bad = sorted(f"{a} -> {b}" for a, deps in _import_graph().items() for b in deps if b.startswith("<"))
+    assert not bad, "imports of hf_vkv that name no module:\n  " + "\n  ".join(bad)
+
+
+def test_files_import_without_cycles() -> None:
+    """(a) No circle of imports between files, anywhere in the package: one concept per module,
+    dependencies one way. A module inside a package imports its siblings directly, never through
+    its own package's ``__init__.py`` (which imports them: that is a circle)."""
+    cycles = _cycles(_import_graph())
+    report = "\n".join(
+        f"  cycle: {' -> '.join(circle)}\n    arrows inside it: " + "; ".join(arrows) for circle, arrows in cycles)
+    assert not cycles, f"{len(cycles)} file-level import cycle(s):\n{report}"
+
+
+def test_nothing_imports_the_package_root() -> None:
+    """(b) No arrow up to ``hf_vkv/__init__.py``: what a module needs of the root (the version)
+    comes from the leaf it comes from (:mod:`hf_vkv.version`)."""
+    graph = _import_graph()
+    bad = sorted(f"{a} -> {ROOT}" for a, deps in graph.items() if a != ROOT and ROOT in deps)
+    assert not bad, "modules that import the package root hf_vkv/__init__.py:\n  " + "\n  ".join(bad)
+
+
 def test_layers_point_one_way() -> None:
-    """``cache`` -> ``memory`` only (what it shares with ``attention`` lives in the neutral
-    :mod:`hf_vkv.kv_records`, which imports nothing of the package); ``attention`` -> ``memory``
-    (its errors are :class:`~hf_vkv.VKVError`); ``memory`` imports no other subpackage."""
-    graph = _subpackage_imports()
-    assert graph["cache"] == {"memory"}, graph["cache"]
-    assert graph["memory"] == set() and graph["attention"] <= {"memory"}, (graph["memory"], graph["attention"])
-    neutral = ast.parse((PACKAGE / "kv_records.py").read_text())
-    assert not [n for n in ast.walk(neutral) if isinstance(n, ast.ImportFrom) and n.level > 0]
-    assert not [a.name for n in ast.walk(neutral) if isinstance(n, ast.Import) for a in n.names
-                if a.name.split(".")[0] in ("hf_vkv", "transformers")]
+    """(c) The layers of docs/architecture.md, file by file: ``memory`` imports no other part of hf_vkv;
+    ``cuda`` and ``attention`` -> ``memory``; ``cache`` -> ``memory``, ``devices``; ``prefix``
+    -> ``cache``, ``memory`` (and ``devices``, as ``cache`` does); each may also import leaf
+    modules (top-level modules that import nothing of the package, such as :mod:`hf_vkv.kv_records`,
+    :mod:`hf_vkv.version`). So ``cache`` reaches neither ``prefix`` nor ``generate``, ``ab``,
+    ``registration`` or ``prefill_once``."""
+    graph = _import_graph()
+    leaves = {_part(f) for f, deps in graph.items() if "/" not in f and f != ROOT and not deps}
+    bad = sorted(
+        f"{a} -> {b}" for a, deps in graph.items() if _part(a) in LAYERS for b in deps
+        if _part(b) != _part(a) and _part(b) not in LAYERS[_part(a)] | leaves)
+    assert not bad, "imports against the layering (docs/architecture.md):\n  " + "\n  ".join(bad)
 
 
-def test_subpackages_import_without_cycles() -> None:
-    graph = _subpackage_imports()
-    state: dict[str, int] = {}
-
-    def visit(node: str, path: list[str]) -> None:
-        if state.get(node) == 1:
-            raise AssertionError(f"import cycle: {' -> '.join([*path, node])}")
-        if state.get(node) == 2:
-            return
-        state[node] = 1
-        for dep in sorted(graph.get(node, ())):
-            visit(dep, [*path, node])
-        state[node] = 2
-
-    for node in sorted(graph):
-        visit(node, [])
+def test_leaf_modules_import_nothing() -> None:
+    """``kv_records`` (what ``cache`` shares with ``attention``) and ``version`` import nothing of
+    the package, and ``kv_records`` nothing of transformers either."""
+    for name in ("kv_records", "version"):
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0], name
+        assert not [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+                    if a.name.split(".")[0] in ("hf_vkv", "transformers")], name
+        assert not [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0
+                    and (n.module or "").split(".")[0] in ("hf_vkv", "transformers")], name
 
 
 def test_memory_imports_no_transformers() -> None:

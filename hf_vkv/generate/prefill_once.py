@@ -2,14 +2,14 @@
 
 ``generate`` repeats every prompt ``k = max(num_beams, num_return_sequences)`` times *before* its
 prefill (``_expand_inputs_for_generation``), so a plain prefill computes ``k`` identical copies of
-each prompt. With a :class:`~hf_vkv.VKVCache` that shares prompts, :func:`prefill` (the wrapper of
-``GenerationMixin._prefill`` that :func:`hf_vkv.registration.register` installs) instead
+each prompt. With a :class:`~hf_vkv.VKVCache` that shares prompts, :func:`prefill` (called by the
+wrapper of ``GenerationMixin._prefill`` that :func:`hf_vkv.generate.registry.register` installs) instead
 
 1. checks that the rows really repeat: ``input_ids`` and every row-indexed input (attention mask,
    position ids, embeddings, encoder outputs, ...) equal in each group of ``k`` rows;
 2. runs transformers' own ``_prefill`` (plain or chunked) on one row per prompt, inside
-   :meth:`VKVCache.prefill.unique_prompts <hf_vkv.cache.prefill_state.PrefillOnce.unique_prompts>`, which then repeats each cache row ``k`` times — the
-   pages shared, nothing copied;
+   :func:`unique_prompts`, which then repeats each cache row ``k`` times — the pages shared,
+   nothing copied;
 3. hands ``generate`` the step's outputs expanded to ``k`` rows (``repeat_interleave`` of every
    batch-first tensor: logits, hidden states, attentions, ...).
 
@@ -22,7 +22,7 @@ catch calls that are not generate's prefill.
 
 Exact on this machine, not on one: a row of a batch-``B`` forward equals the same row of a
 batch-``B*k`` forward only where every kernel splits its work the same way for both, which depends
-on the shapes, the dtype and the thread count. :class:`~hf_vkv.row_exactness.RowExactness` checks
+on the shapes, the dtype and the thread count. :class:`~hf_vkv.generate.row_exactness.RowExactness` checks
 each matmul, attention and reduction of the prompt's forward against its expansion the first time
 its signature (shapes, strides, dtype, threads, ``B``, ``k``) is seen in the process: an exact one
 costs nothing afterwards; one whose unique result differs runs on the expanded rows and hands back
@@ -36,7 +36,8 @@ per row), mixture-of-experts models (an expert's matmul size depends on the batc
 row dimension this module cannot place (pixel values, image grids), a cache holding transformers' own
 layers (hybrid models: their state cannot be rolled back after an inexact call) — the prefill runs on every row
 as before and :meth:`VKVCache.stats` says why (``prefill_once``); calls that had to run on the
-expanded rows are counted there too.
+expanded rows are counted there too. The counts live on the cache as plain data
+(:class:`~hf_vkv.cache.stats.PrefillCounts`, ``cache.prefill_counts``): this module writes them.
 
 Thread count: verdicts are keyed by ``torch.get_num_threads()`` at the call, so a
 ``torch.set_num_threads`` between calls makes the next prefill probe its calls afresh.
@@ -45,17 +46,18 @@ Thread count: verdicts are keyed by ``torch.get_num_threads()`` at the call, so 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from .cache import VKVCache
-from .cache.encoder_decoder import VKVEncoderDecoderCache
-from .registration import CACHE_NAMES
+from ..cache import VKVCache
+from ..cache.encoder_decoder import VKVEncoderDecoderCache
+from ..devices import policy_for
+from .names import CACHE_NAMES
 from .row_exactness import InexactRows, RowExactness
 
-__all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim"]
+__all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim", "unique_prompts"]
 
 #: Keys of ``model_kwargs`` whose tensors are not indexed by row.
 _NOT_ROWS = frozenset({"cache_position", "logits_to_keep", "head_mask", "decoder_head_mask", "cross_attn_head_mask"})
@@ -205,15 +207,58 @@ def base_of(model: Any) -> torch.nn.Module | None:
     return base if isinstance(base, torch.nn.Module) and base is not model else None
 
 
+def _cache_refusal(cache: VKVCache, device: torch.device) -> str | None:
+    """Why ``generate``'s next prefill on ``device`` must run on every expanded row of ``cache``
+    (``None``: it may run once per prompt, see :func:`unique_prompts`)."""
+    if cache.prompt_repeats < 2:
+        return "no prompt is repeated"
+    if not (cache.options.share_prompts and cache.options.prefill_once is not False):
+        return "cache_config sets share_prompts or prefill_once to False"
+    if cache.options.prefill_once is None and not policy_for(device).prefill_once:
+        return (f"not measured exact on {device.type} yet: cache_config={{'prefill_once': True}} turns it on "
+                f"(a row of a batch-B forward may round differently from the same row in a batch-N one there)")
+    if cache.get_seq_length() and not cache.rows_repeat_prompts():
+        return "the cache already holds tokens, not the same ones in every row of a prompt"
+    fixed = [type(layer).__name__ for layer in cache.transformers_layers()
+             if not hasattr(layer, "batch_repeat_interleave")]
+    if fixed:
+        return f"transformers' {fixed[0]} layers this cache keeps cannot repeat rows"
+    return None
+
+
+@contextlib.contextmanager
+def unique_prompts(cache: VKVCache, *, prompts: int, tokens: int,
+                   repeat_rows: Callable[[int], None] | None = None) -> Iterator[None]:
+    """Run ``generate``'s prefill on one row per prompt: inside, ``cache`` takes ``prompts``
+    distinct rows as they are (no prompt sharing among them); on success each row is then repeated
+    :attr:`VKVCache.prompt_repeats` times (``repeat_rows``, default the cache's
+    ``batch_repeat_interleave``; an encoder-decoder cache passes its own), its pages shared and
+    nothing copied. Counts ``prompts x tokens`` computed and ``prompts x (k - 1) x tokens`` saved
+    (``tokens``: the whole prompt; tokens the cache holds already, from stored prefixes, are not)."""
+    k = cache.prompt_repeats
+    past = cache.get_seq_length()
+    if past:  # rows started from stored prefixes (take_rows), k per prompt on the same pages: keep one
+        cache.batch_select_indices(range(0, cache.rows, k))
+    tokens -= past
+    with cache.prompts_alone():
+        yield
+    (repeat_rows or cache.batch_repeat_interleave)(k)
+    cache.count_shared_prompt_rows(prompts * (k - 1))
+    counts = cache.prefill_counts
+    counts.computed += prompts * tokens
+    counts.saved += prompts * (k - 1) * tokens
+    counts.verdict = "on"
+
+
 def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, model_kwargs: dict) -> str | None:
-    reason = cache.prefill.refusal(input_ids.device)
+    reason = _cache_refusal(cache, input_ids.device)
     if reason is not None:
         return reason
     if model.training:
         return "the model is in training mode (dropout differs per row)"
     if base_of(model) is None:
         return f"{type(model).__name__} has no base model whose output rows the head reads"
-    if cache.stats().transformers_layers:
+    if cache.transformers_layers():
         return ("the cache keeps transformers' own layers (linear or recurrent state), which cannot be rolled back "
                 "if a call of the forward proves inexact midway")
     config = model.config.get_text_config(decoder=True)
@@ -284,7 +329,7 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
         repeat = outer.batch_repeat_interleave if outer is not cache else None
         try:
             # the check innermost: a forward it rejects leaves the cache's rows unrepeated and uncounted
-            with cache.prefill.unique_prompts(prompts=prompts, tokens=tokens, repeat_rows=repeat), \
+            with unique_prompts(cache, prompts=prompts, tokens=tokens, repeat_rows=repeat), \
                     _rows_checked(model, prompts, k) as mode:
                 outputs = original(model, input_ids[::k], generation_config, unique_kwargs, *args, **kwargs)
         except InexactRows as exc:
@@ -292,9 +337,11 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
             reason = str(exc)
         else:
             if mode.expanded:
-                cache.prefill.note(f"on; {mode.expanded} call(s) ran on every row (their one-row-per-prompt "
-                                        f"result differed at {torch.get_num_threads()} thread(s))")
+                cache.prefill_counts.verdict = (f"on; {mode.expanded} call(s) ran on every row (their "
+                                                f"one-row-per-prompt result differed at {torch.get_num_threads()} "
+                                                f"thread(s))")
             return expand_rows(outputs, prompts, k, keep=outer)  # the logits have `rows` rows already
-    if cache.prompt_repeats > 1:
-        cache.prefill.record_full(reason, rows=rows, tokens=tokens)
+    if cache.prompt_repeats > 1:  # the whole prompt, less what the cache holds already (stored prefixes)
+        cache.prefill_counts.computed += rows * (tokens - cache.get_seq_length())
+        cache.prefill_counts.verdict = reason
     return original(model, input_ids, generation_config, model_kwargs, *args, **kwargs)

@@ -1,4 +1,4 @@
-"""Registration with transformers, and the one place that patches it.
+"""The one place that patches transformers, and registration with it.
 
 ``import hf_vkv`` calls :func:`register`, which does what this docstring lists and nothing else
 (idempotent, no device work; ``docs/notes/transformers.md`` §0, §2). Through transformers' own
@@ -13,23 +13,30 @@ registration APIs:
 
 And every method of transformers that vkv wraps, each in :func:`patches` (installed by
 :func:`_install`, the one wrapper helper; a test fails if anything else in the package patches
-transformers):
+transformers). A ``generate`` call's state travels in one record,
+:class:`~hf_vkv.generate.call.GenerateCall`, which the first hook puts on the cache it builds and
+the others read from the cache transformers hands them (never from module state):
 
 1. ``GenerationMixin._prepare_cache_for_generation``: for ``"vkv"`` it builds a :class:`VKVCache`
    with :meth:`VKVCache.for_generate` (rows = batch x max(num_beams, num_return_sequences), the
-   options of ``cache_config``); an encoder-decoder model gets it as the self-attention part of a
-   :class:`~hf_vkv.cache.encoder_decoder.VKVEncoderDecoderCache`. Without it transformers would
-   silently build a ``DynamicCache`` for an unknown string. The cache is read and written under
-   :func:`cache_kwarg`; a user cache under any of :data:`CACHE_NAMES` together with
-   ``cache_implementation="vkv"`` is refused as transformers refuses it;
+   options of ``cache_config``, the layout :func:`hf_vkv.devices.choose_layout` picks for the
+   call) and the call's record; with a prefix store in ``cache_config`` the cache draws from the
+   store's memory (:mod:`hf_vkv.generate.reuse`). An encoder-decoder model gets it as the
+   self-attention part of a :class:`~hf_vkv.cache.encoder_decoder.VKVEncoderDecoderCache`. Without
+   it transformers would silently build a ``DynamicCache`` for an unknown string. A user cache
+   under any of :data:`CACHE_NAMES` together with ``cache_implementation="vkv"`` is refused as
+   transformers refuses it;
 2. ``GenerationMixin.prepare_inputs_for_generation``: before each forward, a static-layout cache
    maps the pages the step writes (a compiled step cannot run page-table code);
-3. ``GenerationMixin._prefill``: with a prefix store in ``cache_config`` rows start from their
-   stored prefixes (:mod:`hf_vkv.prefix.reuse`); with a :class:`VKVCache` whose rows repeat
-   prompts the prompt's forward runs once per prompt (:mod:`hf_vkv.prefill_once`, which adds
-   forward hooks to the model's base module for the length of that one call and removes them);
-4. ``GenerationMixin.generate``: after a call with a prefix store, its finished rows go into the
-   store (:func:`hf_vkv.prefix.reuse.generate`; without a store it only returns);
+3. ``GenerationMixin._prefill``: with a prefix store, rows start from their stored prefixes
+   (:func:`hf_vkv.generate.reuse.start`); with a :class:`VKVCache` whose rows repeat prompts the
+   prompt's forward runs once per prompt (:mod:`hf_vkv.generate.prefill_once`, which adds forward
+   hooks to the model's base module for the length of that one call and removes them);
+4. ``GenerationMixin._sample``, ``_beam_search`` and ``_assisted_decoding`` (the decoding loops
+   ``generate`` dispatches to, by name, in 5.17 - 5.24): when the loop returns, a call with a
+   prefix store inserts its finished rows (:func:`hf_vkv.generate.reuse.finish`); however it ends,
+   the record leaves the cache, and a cache the call built is closed if the loop raised (its pages
+   go back at once: an interrupted call holds nothing);
 5. ``PreTrainedModel.get_correct_attn_implementation``: transformers' validation of an attention
    name (``from_pretrained(..., attn_implementation=...)``, ``Model(config)``,
    ``set_attn_implementation``) refuses ``"vkv_paged"`` for a model it cannot serve, when the
@@ -50,32 +57,24 @@ from typing import Any
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.generation import configuration_utils
-from transformers.generation import utils as generation_utils
 from transformers.generation.utils import GenerationMixin
 
-from .attention import hooks, register_attention
-from .cache import VKVCache
-from .cache.encoder_decoder import VKVEncoderDecoderCache
-from .cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys
-from .cache.export import register_pytree
+from ..attention import hooks, register_attention
+from ..cache import VKVCache
+from ..cache.encoder_decoder import VKVEncoderDecoderCache
+from ..cache.export import register_pytree
+from ..cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys
+from ..memory.errors import CacheOptionError
+from . import prefill_once, reuse
+from .call import begin, end
+from .names import CACHE_IMPLEMENTATION, CACHE_NAMES, cache_kwarg
 
 __all__ = ["CACHE_IMPLEMENTATION", "CACHE_NAMES", "PATCH_MARK", "Patch", "cache_kwarg", "patches", "register"]
 
-CACHE_IMPLEMENTATION = "vkv"
-#: The names a cache has gone by in ``generate``'s model kwargs and the models' ``forward``
-#: (``"cache"`` from transformers 5.24, ``"past_key_values"`` before).
-CACHE_NAMES = ("cache", "past_key_values")
 #: Attribute marking a method :func:`_install` wrapped (so a second ``register`` wraps nothing).
 PATCH_MARK = "_hf_vkv_patch"
-
-
-def cache_kwarg() -> str:
-    """The keyword the running transformers passes the cache under: ``"cache"`` (5.24 and later:
-    ``generate``'s ``model_kwargs``, ``prepare_inputs_for_generation``, the models' ``forward`` and
-    their outputs) or ``"past_key_values"`` (5.17 - 5.23, deprecated since). Read from
-    ``transformers.generation.utils.ALL_CACHE_NAMES``, whose first entry is the default name."""
-    names = getattr(generation_utils, "ALL_CACHE_NAMES", None) or ("past_key_values",)
-    return "cache" if names[0] == "cache" else "past_key_values"
+#: ``generate``'s decoding loops (``GENERATION_MODES_MAPPING``'s values that are methods).
+DECODING_LOOPS = ("_sample", "_beam_search", "_assisted_decoding")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +89,11 @@ class Patch:
 def patches() -> tuple[Patch, ...]:
     """Every method of transformers vkv wraps, in the order (and for the reasons) this module's
     docstring gives."""
-    from .prefix import reuse  # imported here: it reads CACHE_NAMES and cache_kwarg from this module
-
     return (
         Patch(GenerationMixin, "_prepare_cache_for_generation", _prepare_cache),
         Patch(GenerationMixin, "prepare_inputs_for_generation", _prepare_inputs),
-        Patch(GenerationMixin, "_prefill", reuse.prefill),
-        Patch(GenerationMixin, "generate", reuse.generate),
+        Patch(GenerationMixin, "_prefill", _prefill),
+        *(Patch(GenerationMixin, name, _decoding_loop) for name in DECODING_LOOPS if hasattr(GenerationMixin, name)),
         Patch(PreTrainedModel, "get_correct_attn_implementation", hooks.check_requested_attention),
         Patch(PreTrainedModel, "set_attn_implementation", hooks.check_switched_attention),
     )
@@ -149,20 +146,36 @@ def _map_ahead(model_inputs: Any) -> None:
         past.map_ahead(ids.shape[-1] if ids is not None else None)
 
 
-def _prompt_tokens(generation_config: Any, max_cache_length: int) -> int | None:
-    """The prompt's tokens: generate sizes the cache ``max_length - 1`` = prompt + new tokens - 1."""
-    new = generation_config.max_new_tokens
-    return None if new is None else max(max_cache_length + 1 - new, 0)
+def _vkv_cache(cache: Any) -> VKVCache | None:
+    """The VKVCache in a cache ``generate`` holds (an encoder-decoder cache's self-attention part)."""
+    if isinstance(cache, VKVEncoderDecoderCache):
+        cache = cache.self_attention_cache
+    return cache if isinstance(cache, VKVCache) else None
+
+
+def _cache_in(model_kwargs: dict) -> Any:
+    return next((model_kwargs[name] for name in CACHE_NAMES if model_kwargs.get(name) is not None), None)
 
 
 def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwargs: dict, generation_mode: Any,
                    batch_size: int, max_cache_length: int, *args: Any, **kwargs: Any) -> Any:
-    if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
-        if isinstance(generation_config.cache_config, dict) and generation_config.cache_config.get(PREFIX_STORE_KEY) is not None:
-            raise ValueError(f"cache_config={{{PREFIX_STORE_KEY!r}: ...}} needs cache_implementation='vkv' (got "
-                             f"{generation_config.cache_implementation!r}): add cache_implementation='vkv'")
+    def transformers_own() -> Any:
         return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                         *args, **kwargs)
+
+    store_given = isinstance(generation_config.cache_config, dict) \
+        and generation_config.cache_config.get(PREFIX_STORE_KEY) is not None
+    if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
+        if store_given and generation_config.is_assistant:
+            # an assistant model's generate gets a copy of the main call's config with its cache
+            # implementation unset (it keeps its own cache): the store is the main model's
+            generation_config.cache_config = {k: v for k, v in generation_config.cache_config.items()
+                                              if k != PREFIX_STORE_KEY}
+        elif store_given:
+            raise CacheOptionError(
+                f"cache_config={{{PREFIX_STORE_KEY!r}: ...}} needs cache_implementation='vkv' (got "
+                f"{generation_config.cache_implementation!r}): add cache_implementation='vkv'")
+        return transformers_own()
     given = [name for name in CACHE_NAMES if model_kwargs.get(name) is not None]
     if given:
         past = model_kwargs[given[0]]
@@ -176,37 +189,68 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
             "Cache object) is unsupported. Please use only one of the two."
         )
     if generation_config.use_cache is False or not model._supports_default_dynamic_cache():
-        # transformers warns and ignores the string for models without Cache support
-        return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
-                        *args, **kwargs)
+        return transformers_own()  # transformers warns and ignores the string for models without Cache support
     if not VKVCache.stores_kv(model.config):
         warnings.warn(
             f"cache_implementation='vkv': a {model.config.model_type} model keeps no key/value states that vkv "
             f"stores (its layers hold recurrent or linear-attention state); generating with transformers' default "
             f"cache instead", UserWarning, stacklevel=4)
-        return original(model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
-                        *args, **kwargs)
+        return transformers_own()
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-    cache_config = from_transformers_keys(config_dict(generation_config.cache_config))  # a string: TypeError; max_cache_len: max_tokens
-    from .prefix import reuse  # see patches()
-
+    cache_config = from_transformers_keys(config_dict(generation_config.cache_config))  # max_cache_len: max_tokens
     store, cache_config = reuse.split_prefix_store(cache_config)
+    if store is not None and generation_config.is_assistant:
+        store = None  # an assistant's cache is its own (5.17 copies "vkv" to the assistant's config)
     memory = None if store is None else reuse.memory_for(model, store, cache_config)
-    if generation_config.compile_config is not None and cache_config.get("layout") is None:
-        cache_config["layout"] = "static"  # compiling: the layout StaticLayer's contract holds for
-    if cache_config.get("layout") == "static" and cache_config.get("max_tokens") is None:
-        # attention reads the whole capacity: StaticCache's, so the same keys (and sums) as it
-        cache_config["max_tokens"] = max_cache_length
-    cache: Any = VKVCache.for_generate(model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1,
-                                       cache_config=cache_config, num_beams=generation_config.num_beams or 1,
-                                       prompt_tokens=_prompt_tokens(generation_config, max_cache_length),
-                                       memory_of=memory)
+    new = generation_config.max_new_tokens  # generate sizes the cache max_length - 1 = prompt + new - 1
+    cache: Any = VKVCache.for_generate(
+        model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1, cache_config=cache_config,
+        num_beams=generation_config.num_beams or 1, compiling=generation_config.compile_config is not None,
+        prompt_tokens=None if new is None else max(max_cache_length + 1 - new, 0), memory_of=memory)
     if store is not None:
-        reuse.attach(cache, store, model, num_beams=generation_config.num_beams,
+        reuse.attach(cache, store, model, owned=True, rows=batch_size * expand, num_beams=generation_config.num_beams,
                      eos_token_id=generation_config.eos_token_id)
+    else:
+        begin(cache, owned=True, rows=batch_size * expand, num_beams=generation_config.num_beams)
     if model.config.is_encoder_decoder:
         cache = VKVEncoderDecoderCache(cache, DynamicCache(config=model.config.get_text_config(decoder=True)))
     model_kwargs[cache_kwarg()] = cache
     if generation_config.is_assistant:
         cache.activate_past_recording()
     return None
+
+
+def _prefill(original: Any, model: Any, input_ids: Any, generation_config: Any, model_kwargs: dict,
+             *args: Any, **kwargs: Any) -> Any:
+    """``GenerationMixin._prefill``: rows start from stored prefixes (a call with a store), then
+    the prompt's forward runs once per prompt where the rows repeat prompts (prefill once, which
+    runs ``original``)."""
+    cache = _vkv_cache(_cache_in(model_kwargs))
+    call = None if cache is None else cache.call
+    if call is not None:
+        reuse.start(call, cache, model, input_ids, model_kwargs)
+    outputs = prefill_once.prefill(original, model, input_ids, generation_config, model_kwargs, *args, **kwargs)
+    if call is not None:
+        reuse.count_prefill(call, cache)
+    return outputs
+
+
+def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **model_kwargs: Any) -> Any:
+    """A decoding loop of ``generate`` (``_sample``, ``_beam_search``, ``_assisted_decoding``):
+    when it returns, a call with a prefix store inserts its finished rows; however it ends, the
+    call's record leaves the cache, and a cache the call built is closed if the loop raised."""
+    outer = _cache_in(model_kwargs)
+    cache = _vkv_cache(outer)
+    call = None if cache is None else cache.call
+    if call is None:
+        return original(model, input_ids, *args, **model_kwargs)
+    try:
+        out = original(model, input_ids, *args, **model_kwargs)
+        reuse.finish(call, cache, out if hasattr(out, "shape") else getattr(out, "sequences", None))
+    except BaseException:
+        if call.owned:
+            cache.close()  # nobody can reach it after the error: its pages go back now
+        raise
+    finally:
+        end(cache)
+    return out

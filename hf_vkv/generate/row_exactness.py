@@ -1,6 +1,6 @@
 """Row exactness: proving, op by op, that a forward on one row per prompt computes DynamicCache's bits.
 
-Prefill once (:mod:`hf_vkv.prefill_once`) runs ``generate``'s prefill on ``B`` prompts where
+Prefill once (:mod:`hf_vkv.generate.prefill_once`) runs ``generate``'s prefill on ``B`` prompts where
 DynamicCache runs it on ``B*k`` rows (each prompt repeated ``k`` times). A row of a matmul is
 bit-identical across batch sizes only when the kernel splits the work the same way, and that
 depends on the rows, the operand shapes and strides, the dtype and the number of intra-op threads

@@ -1,0 +1,328 @@
+"""Prefix reuse inside ``generate()``, the per-call half: ``cache_config={"prefix_store": store}``.
+
+The store itself (radix tree, budget, files) is :mod:`hf_vkv.prefix`; this module is what one
+``generate(cache_implementation="vkv")`` call (and so every ``pipeline("text-generation")``
+call, chat messages included) does with it, on its :class:`~hf_vkv.generate.call.GenerateCall`:
+
+1. when generate makes its cache (:func:`memory_for`, :func:`attach`): the cache draws from the
+   store's memory (:meth:`PrefixStore.memory`, the store's layout), so rows can share the entries'
+   pages, and the call's record holds the store, the end-of-sequence ids and any reason reuse
+   cannot apply to this model (:func:`model_refusal`);
+2. at the prefill (:func:`start`): when two or more different prompts share a leading run of
+   tokens the store does not hold yet (a document and several questions), prefills that run once,
+   batch 1, and stores it; looks up each unique prompt's longest stored prefix (by exact token
+   ids, at most all but its last token); starts every row from it (:meth:`VKVCache.take_rows`: the
+   entry's pages, shared; a left-padded row's prefix sits at an unaligned offset and is copied);
+   transformers' own prefill (through prefill once) then computes only the rest. Rows with
+   different reused lengths start from the smallest common column ``C = min(padding + reused)``:
+   the longer ones compute a few stored tokens again;
+3. when the decoding loop ends (:func:`finish`): inserts each finished row (prompt and answer, up
+   to its first end-of-sequence token; beams: the prompt only) into the store, as a fork when the
+   row is not padded and as a copy when it is, within the store's budget.
+
+Where reuse cannot apply, the call runs exactly as without a store and the report
+(``cache.stats().reuse.refusal``, :class:`~hf_vkv.cache.stats.ReuseReport`) says why:
+encoder-decoder models (the decoder's K/V depend on the encoder's input, which the store's keys do
+not hold), a model with another config or other weights than the store's entries, sliding-window
+or recurrent layers, the static layout, ``inputs_embeds``, images and any other model input that
+token ids do not identify, explicit ``position_ids`` other than the ones transformers would use,
+an attention mask that is not left padding, assisted decoding (its first forward is not
+generate's prefill).
+
+Exactness: the reference is what transformers computes when a user reuses a cache by hand — a
+DynamicCache holding the same history, continued over the new tokens; the battery in
+``tests/integration/test_prefix_reuse.py`` checks tokens against DynamicCache's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from typing import Any
+
+import torch
+
+from .. import devices
+from ..cache import RowSource, VKVCache
+from ..cache.options import PREFIX_STORE_KEY
+from ..memory.errors import CacheOptionError, CacheOptionTypeError
+from ..prefix import PrefixStore
+from ..prefix.fingerprint import config_fingerprint
+from . import prefill_once
+from .call import GenerateCall, begin
+from .names import CACHE_NAMES, cache_kwarg
+
+__all__ = ["attach", "finish", "memory_for", "model_refusal", "split_prefix_store", "start"]
+
+#: Inputs of ``generate``'s prefill that token ids (and left padding) fully describe, or that
+#: change nothing the store holds: any other input that is set (pixel values, image features,
+#: ``mm_encoder_outputs``, ``inputs_embeds``, token type ids, ...) makes reuse step aside.
+_TEXT_INPUTS = frozenset({"attention_mask", "cache_position", "use_cache", "output_attentions",
+                          "output_hidden_states", "return_dict", "logits_to_keep", "position_ids"})
+
+
+# --------------------------------------------------------------------------------- generate's cache
+def split_prefix_store(config: dict[str, Any]) -> tuple[PrefixStore | None, dict[str, Any]]:
+    """``(the prefix store of cache_config or None, the other options)``; a ``prefix_store`` that
+    is not a :class:`~hf_vkv.PrefixStore` is a :class:`~hf_vkv.CacheOptionTypeError`."""
+    rest = dict(config)
+    store = rest.pop(PREFIX_STORE_KEY, None)
+    if store is not None and not isinstance(store, PrefixStore):
+        raise CacheOptionTypeError(
+            f"cache_config[{PREFIX_STORE_KEY!r}] must be a hf_vkv.PrefixStore, got {type(store).__name__}: "
+            f"store = hf_vkv.PrefixStore(model.config, budget_bytes=...)")
+    return store, rest
+
+
+def model_refusal(model: Any, store: PrefixStore) -> str | None:
+    """Why ``store``'s entries cannot serve ``model`` (``None``: they can)."""
+    if model.config.is_encoder_decoder:
+        return ("an encoder-decoder model: the decoder's K/V depend on the encoder's input, which the store's "
+                "keys (decoder token ids) do not hold")
+    if config_fingerprint(model.config) != store.config_fingerprint:
+        return "the store was made for another model (config fingerprints differ)"
+    return None
+
+
+def memory_for(model: Any, store: PrefixStore, cache_config: dict[str, Any]) -> VKVCache | None:
+    """The memory ``generate``'s cache for ``model`` draws from: the store's (its page size,
+    budget and layout), or ``None`` where reuse does not apply to ``model``. The memory options
+    are the store's: a call that names other ``page_bytes`` or ``budget_bytes`` is a
+    :class:`~hf_vkv.CacheOptionError` (its pages could not be the store's) naming where they go."""
+    if model_refusal(model, store) is not None:
+        return None
+    memory = store.memory(model.device)
+    for key in ("page_bytes", "budget_bytes"):
+        given, held = cache_config.get(key), getattr(memory.options, key)
+        if given is not None and given != held:
+            raise CacheOptionError(
+                f"cache_config[{key!r}]={given!r} with a prefix_store: a call's cache draws from the store's memory "
+                f"({key}={held!r}), so that its rows can share the stored pages. Give it to the store instead: "
+                f"hf_vkv.PrefixStore(model.config, cache_config={{{key!r}: {given!r}}}), or drop the prefix_store")
+    return memory
+
+
+def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows: int, num_beams: int,
+           eos_token_id: Any) -> GenerateCall:
+    """The record of a ``generate`` call whose ``cache`` (made with :func:`memory_for`'s memory)
+    reuses ``store``: put on the cache for the prefill (:func:`start`) and the end of the decoding
+    loop (:func:`finish`)."""
+    refusal = model_refusal(model, store)
+    weights = None
+    if refusal is None:
+        weights = store.fingerprint(model)
+        if store.weights_fingerprint not in (None, weights):
+            refusal = ("the store's entries were computed with other weights (same config, weights fingerprints "
+                       "differ): a store serves one model's weights; use a store per model")
+    return begin(cache, owned=owned, rows=rows, num_beams=num_beams, store=store, eos_token_id=eos_token_id, refusal=refusal, weights=weights)
+
+
+# --------------------------------------------------------------------------------- the prefill
+def start(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torch.Tensor, model_kwargs: dict) -> None:
+    """At ``generate``'s prefill: start ``cache``'s rows from the store (see the module
+    docstring), or write in the call's report why not. Once per call."""
+    if call.prefilled or call.report is None:
+        return
+    call.prefilled = True
+    started = time.perf_counter()
+    reason = call.report.refusal or _start_rows(call, cache, model, input_ids, model_kwargs)
+    call.report.seconds_to_start = time.perf_counter() - started
+    call.report.refusal = reason
+
+
+def count_prefill(call: GenerateCall, cache: VKVCache) -> None:
+    """After the prefill: count what it computed (in the report and the store's stats)."""
+    report = call.report
+    if report is None or call.input_ids is None or report.refusal is not None:
+        return
+    if cache.prompt_repeats > 1:  # prefill once counted what it computed
+        computed = cache.prefill_counts.computed
+    else:
+        computed = call.input_ids.shape[0] * (call.input_ids.shape[1] - report.start_column)
+    report.computed_tokens += computed
+    assert call.store is not None
+    call.store.count_prefill(prompt_tokens=report.prompt_tokens, computed=report.computed_tokens)
+
+
+def _pads(input_ids: torch.Tensor, model_kwargs: dict) -> list[int] | None:
+    """Each row's left padding, or ``None`` when the attention mask is not left padding."""
+    mask = model_kwargs.get("attention_mask")
+    rows, length = input_ids.shape
+    if mask is None:
+        return [0] * rows
+    if mask.dim() != 2 or tuple(mask.shape) != (rows, length):
+        return None
+    mask = mask.to("cpu").bool()
+    pads = (~mask).sum(dim=1)
+    if not torch.equal(mask, torch.arange(length)[None, :] >= pads[:, None]):
+        return None
+    return [int(p) for p in pads.tolist()]
+
+
+def _positions_refusal(position_ids: Any, pads: list[int], length: int) -> str | None:
+    """Why explicit ``position_ids`` differ from what the stored prefixes were computed at
+    (each row's tokens at ``0, 1, ...`` after its padding); ``None``: they do not."""
+    if position_ids is None:
+        return None
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 \
+            or tuple(position_ids.shape) != (len(pads), length):
+        return "explicit position_ids of another shape than [rows, tokens] (multimodal or custom positions)"
+    ids = position_ids.to("cpu")
+    for row, pad in enumerate(pads):
+        if not torch.equal(ids[row, pad:], torch.arange(length - pad, dtype=ids.dtype)):
+            return (f"explicit position_ids (row {row} does not count 0, 1, ... from its first token): the stored "
+                    f"prefixes were computed at other positions")
+    return None
+
+
+def _input_refusal(cache: VKVCache, model_kwargs: dict) -> str | None:
+    if cache.get_seq_length():
+        return "the cache already holds tokens"
+    if any(group.sliding_window is not None for group in cache.groups):
+        return "sliding-window layers: a stored prefix's window may be gone (reuse takes full-attention models)"
+    if cache.transformers_layers():
+        return "layers kept by transformers (recurrent or linear-attention state) cannot start from stored pages"
+    if cache.layout == "static":
+        return "the static layout (compiled steps)"
+    for key, value in model_kwargs.items():
+        if key in _TEXT_INPUTS or key in CACHE_NAMES or value is None or isinstance(value, (bool, int, float, str)):
+            continue
+        return f"the model input {key!r} is not identified by token ids"
+    return None
+
+
+def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torch.Tensor,
+                model_kwargs: dict) -> str | None:
+    """Fill ``cache`` from the store; return why it could not (``None``: it did)."""
+    store, report = call.store, call.report
+    assert store is not None and report is not None
+    rows, length = input_ids.shape
+    report.rows = rows
+    reason = _input_refusal(cache, model_kwargs)
+    if reason is not None:
+        return reason
+    pads = _pads(input_ids, model_kwargs)
+    if pads is None:
+        return "the attention mask is not left padding"
+    reason = _positions_refusal(model_kwargs.get("position_ids"), pads, length)
+    if reason is not None:
+        return reason
+    call.input_ids, call.pads = input_ids, pads
+    report.prompt_tokens = sum(length - p for p in pads)
+    k = cache.prompt_repeats
+    if k > 1 and prefill_once.repeats_refusal(input_ids, model_kwargs, k) is not None:
+        k = 1  # rows that do not repeat their prompt: each row is its own
+    unique = list(range(0, rows, k))
+    ids = input_ids.to("cpu")
+    tokens = {u: ids[u, pads[u]:].tolist() for u in unique}
+    if len(unique) > 1:
+        report.common_prefix_tokens = _store_common_prefix(model, store, [tokens[u] for u in unique], call.weights)
+        report.computed_tokens += report.common_prefix_tokens
+    with contextlib.ExitStack() as borrowed:  # the entries, read in place while the store is locked
+        found = {u: borrowed.enter_context(store.borrow(tokens[u])) for u in unique}
+        column = min(pads[u] + m for u, (_, m) in found.items())
+        report.start_column = column
+        if column == 0:
+            return None  # nothing stored yet: a full prefill, whose rows are stored afterwards
+        sources = []
+        for row in range(rows):
+            u = row - row % k
+            sources.append(RowSource(found[u][0] if column > pads[u] else None, offset=pads[u]))
+        report.copied_rows = cache.take_rows(sources, length=column)
+    report.reused_tokens = sum(max(column - p, 0) for p in pads)
+    return None
+
+
+def _common_length(sequences: list[list[int]]) -> int:
+    first = sequences[0]
+    n = min(len(s) for s in sequences)
+    for other in sequences[1:]:
+        i = 0
+        while i < n and other[i] == first[i]:
+            i += 1
+        n = i
+    return n
+
+
+def _store_common_prefix(model: Any, store: PrefixStore, prompts: list[list[int]], weights: str | None) -> int:
+    """Prefill the tokens every prompt starts with (at most all but the shortest's last) once,
+    batch 1, over what the store holds of them, and store them; return the tokens computed."""
+    shared = min(_common_length(prompts), min(len(p) for p in prompts) - 1)
+    if shared < devices.MIN_COMMON_PREFIX:
+        return 0
+    tokens = prompts[0][:shared]
+    if store.longest_prefix(tokens + [0]) >= shared:
+        return 0  # stored already
+
+    cache = store.lookup(tokens)
+    try:
+        held = cache.get_seq_length()
+        if shared - held < devices.MIN_COMMON_PREFIX:
+            cache.close()
+            return 0
+        device = model.device
+        kwargs: dict[str, Any] = {cache_kwarg(): cache, "use_cache": True}
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            kwargs["logits_to_keep"] = 1  # only the K/V are wanted
+        model(input_ids=torch.tensor([tokens[held:]], device=device),
+              position_ids=torch.arange(held, shared, device=device)[None], **kwargs)
+    except BaseException:
+        cache.close()
+        raise
+    store.insert(tokens, cache, give=True, weights=weights)
+    return shared - held
+
+
+# --------------------------------------------------------------------------------- after decoding
+def finish(call: GenerateCall, cache: VKVCache, sequences: Any) -> int:
+    """When the decoding loop returned ``sequences``: insert ``cache``'s finished rows into the
+    store; return how many (0 where reuse did not apply)."""
+    report = call.report
+    if report is None:
+        return 0
+    if not call.prefilled and report.refusal is None:
+        report.refusal = "assisted decoding: its first forward is not generate's prefill, which reuse starts"
+    if report.refusal is None and call.input_ids is not None and isinstance(sequences, torch.Tensor):
+        report.inserted = _insert_rows(call, cache, sequences)
+    return report.inserted
+
+
+def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor) -> int:
+    """Insert the finished rows of ``cache`` (their ids in ``sequences``); return how many."""
+    store, ids = call.store, call.input_ids
+    assert store is not None and ids is not None
+    held = cache.get_seq_length()
+    prompt = ids.shape[1]
+    if call.num_beams > 1:  # rows were reordered by beams: store each prompt, which all its beams share
+        k = cache.prompt_repeats
+        rows = [(r, ids[r].tolist(), prompt) for r in range(0, ids.shape[0], k)]
+    elif sequences.shape[0] == cache.rows:
+        seq = sequences.to("cpu")
+        rows = []
+        for r in range(cache.rows):
+            row = seq[r].tolist()
+            end = held
+            for i in range(prompt, held):
+                if row[i] in call.eos:
+                    end = i + 1
+                    break
+            rows.append((r, row, end))
+    else:
+        return 0
+    inserted = 0
+    for r, row, end in rows:
+        pad = call.pads[r]
+        if end - pad < 1:
+            continue
+        if pad == 0 and cache.rows == 1:
+            inserted += bool(store.insert(row[:end], cache, weights=call.weights))  # a fork of the cache itself
+            continue
+        one = store.new_cache(batch_size=1)
+        try:
+            one.take_rows([RowSource(cache, row=r, start=pad)], length=end - pad)
+        except BaseException:
+            one.close()
+            raise
+        inserted += bool(store.insert(row[pad:end], one, give=True, weights=call.weights))  # the store keeps it
+    return inserted

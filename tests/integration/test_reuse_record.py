@@ -1,0 +1,220 @@
+"""One call, one record: prefix reuse decides on the call's own record, never gives a wrong token,
+never leaks.
+
+Each case a new user hit: a store reused by a model with the same config and other weights,
+explicit ``position_ids``, an interrupted call, an out-of-memory error during beams, a call's own
+``page_bytes`` / ``budget_bytes`` beside a store, assisted decoding with a store, and two threads
+reading their own call's report. The oracle is DynamicCache on the same model and inputs."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import PAD, assert_same_tokens, assistant, tiny
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_vkv
+from hf_vkv import CacheOptionError, KVCacheOutOfMemory, PrefixStore, VKVCache, reuse_report
+
+pytestmark = pytest.mark.integration
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hf_vkv"
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 500, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _call(model: Any, ids: torch.Tensor, store: PrefixStore | None, **kwargs: Any) -> Any:
+    extra = {"cache_implementation": "vkv", "cache_config": {"prefix_store": store}} if store is not None else {}
+    kwargs.setdefault("max_new_tokens", 6)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=PAD,
+                          return_dict_in_generate=True, **kwargs, **extra)
+
+
+def _in_use(store: PrefixStore) -> int:
+    """Pages referenced in the store's memory (its entries' and live calls')."""
+    memory = store.memory("cpu")
+    return sum(a.pool.stats().in_use for a in memory._arena_for.arenas.values() if not a.closed)
+
+
+def _live_caches() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, VKVCache))
+
+
+@pytest.mark.threads(1, 2)
+def test_a_model_with_other_weights_steps_aside() -> None:
+    """A base model fills the store; a fine-tune (same config, other weights) gets its own
+    DynamicCache's tokens, the store stays as it was, and the base model still reuses it."""
+    base, tuned = tiny("llama", seed=0), tiny("llama", seed=5)
+    assert base.config.to_dict() == tuned.config.to_dict()
+    store = PrefixStore(base.config)
+    history = _ids(40)
+    _call(base, history, store)
+    entries = store.prefixes()
+    ids = torch.cat([history, _ids(5, 1)], dim=1)
+    got = _call(tuned, ids, store)
+    assert_same_tokens(_call(tuned, ids, None).sequences, got.sequences)
+    report = reuse_report(got)
+    assert report is not None and "other weights" in report.refusal and report.reused_tokens == 0
+    assert store.prefixes() == entries
+    again = _call(base, ids, store)
+    assert_same_tokens(_call(base, ids, None).sequences, again.sequences)
+    assert reuse_report(again).reused_tokens > 0
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_explicit_position_ids_are_honoured(arch: str) -> None:
+    """Positions shifted by 40 make reuse step aside (the tokens are DynamicCache's with those
+    positions); the positions transformers would use anyway keep reuse on."""
+    model = tiny(arch)
+    store = PrefixStore(model.config)
+    history = _ids(30)
+    _call(model, history, store)
+    ids = torch.cat([history, _ids(4, 2)], dim=1)
+    shifted = torch.arange(ids.shape[1])[None] + 40
+    got = _call(model, ids, store, position_ids=shifted)
+    assert_same_tokens(_call(model, ids, None, position_ids=shifted).sequences, got.sequences)
+    assert "position_ids" in reuse_report(got).refusal
+    plain = torch.arange(ids.shape[1])[None]
+    got = _call(model, ids, store, position_ids=plain)
+    assert_same_tokens(_call(model, ids, None, position_ids=plain).sequences, got.sequences)
+    report = reuse_report(got)
+    assert report.refusal is None and report.reused_tokens > 0
+
+
+class _Interrupt(StoppingCriteria):
+    def __init__(self, at: int, error: type[BaseException]) -> None:
+        self.at, self.error, self.calls = at, error, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.error("interrupted")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_call_holds_nothing(error: type[BaseException]) -> None:
+    """Nine calls interrupted mid-decoding: no cache of theirs stays alive, the store's memory
+    holds only its entries' pages (also after ``clear``), and the next call is served."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    _call(model, _ids(30), store)
+    held, caches = _in_use(store), _live_caches()
+    for k in range(9):
+        try:
+            _call(model, torch.cat([_ids(30), _ids(3 + k, k)], dim=1), store,
+                  stopping_criteria=StoppingCriteriaList([_Interrupt(2, error)]))
+        except error:
+            pass
+        else:
+            raise AssertionError("the call was not interrupted")
+    assert _live_caches() == caches
+    assert _in_use(store) == held
+    store.clear()
+    assert _in_use(store) == 0
+    ids = torch.cat([_ids(30), _ids(4, 3)], dim=1)
+    assert_same_tokens(_call(model, ids, None).sequences, _call(model, ids, store).sequences)
+    store.check_invariants()
+
+
+def test_out_of_memory_during_beams_leaves_the_store_usable() -> None:
+    """Beams that outgrow the store's memory budget raise :class:`KVCacheOutOfMemory`; their
+    pages go back at once and the next (smaller) call runs and reuses."""
+    model = tiny("llama")
+    store = PrefixStore(model.config, cache_config={"budget_bytes": 384 * 1024})
+    history = _ids(30)
+    _call(model, history, store)
+    held = _in_use(store)
+    with pytest.raises(KVCacheOutOfMemory):
+        _call(model, torch.cat([history, _ids(8, 4)], dim=1), store, num_beams=8, max_new_tokens=200,
+              min_new_tokens=200)
+    assert _in_use(store) == held
+    ids = torch.cat([history, _ids(4, 5)], dim=1)
+    got = _call(model, ids, store)
+    assert_same_tokens(_call(model, ids, None).sequences, got.sequences)
+    assert reuse_report(got).reused_tokens > 0
+    store.check_invariants()
+
+
+def test_memory_options_beside_a_store_are_refused_with_where_they_go() -> None:
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    ids = _ids(10)
+    for key, value in (("page_bytes", 64 * 1024), ("budget_bytes", 1 << 20)):
+        with pytest.raises(CacheOptionError, match=f"PrefixStore.*{key}"):
+            model.generate(ids, max_new_tokens=2, cache_implementation="vkv",
+                           cache_config={"prefix_store": store, key: value})
+    same = store.memory("cpu").options.page_bytes  # the store's own values are no conflict
+    got = model.generate(ids, max_new_tokens=2, cache_implementation="vkv", return_dict_in_generate=True,
+                         cache_config={"prefix_store": store, "page_bytes": same})
+    assert reuse_report(got).refusal is None
+    store.check_invariants()
+
+
+def test_assisted_decoding_with_a_store_steps_aside_and_says_why() -> None:
+    model, helper = tiny("llama"), assistant("llama")
+    store = PrefixStore(model.config)
+    ids = _ids(20)
+    got = _call(model, ids, store, assistant_model=helper)
+    assert_same_tokens(_call(model, ids, None, assistant_model=helper).sequences, got.sequences)
+    assert "assisted decoding" in reuse_report(got).refusal
+    store.check_invariants()
+
+
+def test_two_threads_read_their_own_reports() -> None:
+    """Two threads at once through one store, prompts of different lengths: each call's report
+    is its own (read from the cache it returned)."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    lengths = {0: 20, 1: 33}
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            for i in range(4):
+                out = _call(model, _ids(lengths[k], 10 * k + i), store)
+                seen[k].append(reuse_report(out).prompt_tokens)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert seen == {0: [20] * 4, 1: [33] * 4}
+    store.check_invariants()
+
+
+def test_no_call_state_in_module_globals() -> None:
+    """Nothing in the package keeps per-call state in a thread-local, a context variable or a
+    weak dictionary (the hidden channels a call's state used to travel through). The one
+    thread-local left is the CUDA driver's count of open context blocks per thread: state of the
+    thread, not of a call."""
+    banned = {("threading", "local"), ("contextvars", "ContextVar"), ("weakref", "WeakKeyDictionary"),
+              ("weakref", "WeakValueDictionary")}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "cuda" / "driver.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and (node.value.id, node.attr) in banned:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+            if isinstance(node, ast.ImportFrom) and node.module in ("threading", "contextvars", "weakref") \
+                    and any((node.module, a.name) in banned for a in node.names):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, found
+    assert not hasattr(hf_vkv, "last_report")
