@@ -13,52 +13,19 @@ and the caller (a :class:`~hf_vkv.memory.row_buffer.RowBuffer`) does it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from functools import partial
-from itertools import chain, compress, repeat
-from operator import itemgetter
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from itertools import repeat
 
 from .errors import CapacityError, InvariantError
 from .pool import PageId, PagePool
+from .reorder_plan import grouped_plan, private_tails_plan, table_changes
+from .table_records import CowCopy, Row
 
-__all__ = ["Row", "PageTable", "CowCopy"]
+__all__ = ["Row", "PageTable", "CowCopy"]  # Row and CowCopy are table_records's (the reorder plan builds them too)
 
 
 def _pages_for(length: int, page_size: int) -> int:
     return -(-length // page_size)
-
-
-class Row(NamedTuple):
-    """One row's table. Immutable: every operation replaces the record, so undo is a reference
-    (a named tuple: a decode step replaces one per sub-row, and a tuple is the cheapest record)."""
-
-    length: int = 0  # bytes held
-    start: int = 0  # page index of pages[0]; earlier pages were dropped behind a window
-    pages: tuple[PageId, ...] = ()  # pages[k] holds page index start + k
-
-    @property
-    def end(self) -> int:
-        """One past the last page index held."""
-        return self.start + len(self.pages)
-
-    def page_at(self, index: int) -> PageId:
-        """The page holding page index ``index`` (must be live)."""
-        return self.pages[index - self.start]
-
-
-_LENGTH, _START, _ROW_PAGES = itemgetter(0), itemgetter(1), itemgetter(2)  # a Row's fields, read from C
-_NEW_ROW = partial(tuple.__new__, Row)  # Row(*fields), called from C
-
-
-class CowCopy(NamedTuple):
-    """A copy the caller must perform: copy ``src`` to ``dst``, now at ``row``'s ``index``
-    (a named tuple: a reorder makes one per sub-row of a beam)."""
-
-    row: int
-    index: int
-    src: PageId
-    dst: PageId
 
 
 class PageTable:
@@ -191,51 +158,52 @@ class PageTable:
         of the pool's store (:meth:`RowBuffer.prepare_write` does): other threads' tables share
         the marks.
 
-        Outside a transaction only (it keeps no undo). It calls nothing, on purpose: it runs for
-        every group at every decode step (``tests/unit/test_decode_depth.py``)."""
+        Outside a transaction only (it keeps no undo). It runs for every group at every decode
+        step: its cost per step is part of ``benchmarks/update_overhead.py``'s budget
+        (``docs/benchmarks.md``, "Per-step overhead budget")."""
         if self._undo is not None:
             raise InvariantError("PageTable.extend_in_place() inside a transaction (it keeps no undo)")
-        if not rows:
-            return True
         ps, n, entries, refs, marks = self.page_size, self.rows, self.entries, self.pool.refs, self.pool.marks
-        if min(rows) < 0 or max(rows) >= n:
-            return False
-        need = -(-end // ps)  # pages that hold `end` units
+        need = _pages_for(end, ps)
         first, last = start // ps, (end - 1) // ps
-        olds = list(map(entries.__getitem__, rows))  # (no comprehension: a frame deeper on the decode path)
-        lengths, starts, pages = list(map(_LENGTH, olds)), list(map(_START, olds)), list(map(_ROW_PAGES, olds))
-        shapes = set(zip(lengths, starts, map(len, pages)))  # one per row position, not per row
-        for length, s0, count in shapes:
-            if s0 + count < need or start > length or first < s0:
+        olds: list[Row] = []
+        touched: list[PageId] = []  # the pages the write touches, of every row
+        for row in rows:
+            if not 0 <= row < n:
                 return False
+            old = entries[row]
+            length, s0, pages = old
+            if s0 + len(pages) < need or start > length or first < s0:
+                return False
+            olds.append(old)
+            if first == last:  # one page (a decode step)
+                touched.append(pages[first - s0])
+            else:
+                touched += pages[first - s0:last + 1 - s0]
         appended: list[PageId] = []  # shared pages written in place right after their marked bytes
         unmarked: list[PageId] = []  # private pages written whose marks go
-        for s0 in set(starts):  # every row at this start holds pages up to `need` (checked above)
-            held = pages if len(shapes) == 1 else list(compress(pages, map(s0.__eq__, starts)))
-            if first == last:  # one page (a decode step): shared means the write needs copy-on-write
-                touched = list(map(itemgetter(first - s0), held))
-            else:
-                touched = list(chain.from_iterable(map(itemgetter(slice(first - s0, last + 1 - s0)), held)))
-            counts = list(map(refs.get, touched, repeat(0)))
-            if max(counts) > 1:
-                # ... unless every shared one is an append right after its page's mark, in one page
-                if not marks or first != last or not start % ps or any(map(start.__ne__, lengths)):
+        appendable = None  # whether a shared page may take an append in place (decided at the first one)
+        for page in touched:
+            if refs.get(page, 0) > 1:  # shared: the write needs copy-on-write ...
+                if appendable is None:  # ... unless every row appends in one page, right after its length
+                    appendable = bool(marks) and first == last and start % ps != 0 \
+                        and all(old.length == start for old in olds)
+                if not appendable or marks.get(page) != start - first * ps:  # ... and the page's mark
                     return False
-                shared = list(compress(touched, map((1).__lt__, counts)))
-                if any(map((start - first * ps).__ne__, map(marks.get, shared))):
-                    return False
-                appended += shared
-            if marks:
-                unmarked += [page for page, count in zip(touched, counts) if count <= 1 and page in marks]
+                appended.append(page)
+            elif page in marks:
+                unmarked.append(page)
         if appended:
             if len(set(appended)) != len(appended):  # two rows append to one page: the first only
                 return False
-            marks.update(dict.fromkeys(appended, min(ps, end - first * ps)))
+            mark = min(ps, end - first * ps)
+            for page in appended:
+                marks[page] = mark
         for page in unmarked:
             del marks[page]
-        if any(map(end.__gt__, lengths)):
-            for row, new in zip(rows, map(_NEW_ROW, zip(map(max, lengths, repeat(end)), starts, pages))):
-                entries[row] = new
+        for row, (length, s0, pages) in zip(rows, olds):
+            if length < end:
+                entries[row] = Row(end, s0, pages)
         return True
 
     def share(self, src: int, dst: int, *, length: int | None = None) -> None:
@@ -301,8 +269,6 @@ class PageTable:
         index = [i if i is None or (type(i) is int and 0 <= i < rows) else self._check_row(int(i)) for i in index]
         if len(index) > rows:
             raise ValueError(f"index has {len(index)} entries but the table has {rows} rows")
-        from .reorder_plan import grouped_plan, private_tails_plan, table_changes  # it builds this module's records
-
         plan = grouped_plan(self.entries, index, groups, self.pool.refs, self.page_size, private_tails=private_tails,
                             remaps_cost=remaps_cost, gathered=gathered, written=written) \
             if groups is not None and len(groups) < rows else None

@@ -16,8 +16,8 @@ from functools import partial
 from itertools import chain, repeat
 from operator import add, itemgetter
 
-from .page_table import _NEW_ROW, CowCopy, Row
 from .pool import PageId
+from .table_records import CowCopy, Row
 
 __all__ = ["Change", "common_prefix", "grouped_plan", "private_tails_plan", "table_changes"]
 
@@ -26,6 +26,7 @@ __all__ = ["Change", "common_prefix", "grouped_plan", "private_tails_plan", "tab
 Change = tuple[int, Row, int]
 
 _EMPTY = Row()
+_NEW_ROW = partial(tuple.__new__, Row)  # Row(*fields), called from C (grouped_plan's rows that keep one run)
 
 
 def _copy(fields: tuple[int, int, PageId, PageId]) -> CowCopy:

@@ -21,8 +21,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import repeat
-from operator import itemgetter, mul, sub
 from typing import TypeVar
 
 from .errors import CacheClosedError, CapacityError, InvariantError
@@ -344,8 +342,7 @@ class RowBuffer(ABC):
         all of it before raising on failure."""
 
     def _expand(self, rows: Iterable[int]) -> list[int]:
-        """The table rows of ``rows``' parts, in order. A loop over the list built at construction,
-        calling nothing: it is on every decode step's path."""
+        """The table rows of ``rows``' parts, in order (each row's, built once at construction)."""
         parts, n, out = self._parts, self.rows, []
         for r in rows:
             if not 0 <= r < n:
@@ -415,14 +412,14 @@ class RowBuffer(ABC):
         """Run ``_late_copies`` (their written bytes, in one call); if that fails, roll the table
         and pool back and re-sync the translation of the ``changed`` rows before raising."""
         copies, page, entries, written = self._late_copies, self.store.page_bytes, table.entries, self._late_written
-        # each copy's bytes: its row's written bytes in its page, min(page, end - index * page) (mapped in
-        # C: a reorder of head-major rows copies one page per sub-row)
-        ends = map(itemgetter(0), map(entries.__getitem__, map(itemgetter(0), copies)))
-        if written is not None:
-            ends = map(min, ends, repeat(written))
-        nbytes = list(map(min, repeat(page), map(sub, ends, map(mul, map(itemgetter(1), copies), repeat(page)))))
+        nbytes = []  # each copy's bytes: its row's written bytes in its page
+        for copy in copies:
+            end = entries[copy.row].length
+            if written is not None and written < end:
+                end = written
+            nbytes.append(min(page, end - copy.index * page))
         try:
-            self.store.copy(list(map(itemgetter(2, 3), copies)), nbytes)
+            self.store.copy([(copy.src, copy.dst) for copy in copies], nbytes)
         except BaseException:
             now = {r: entries[r] for r in changed}
             table.rollback()

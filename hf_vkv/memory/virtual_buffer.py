@@ -129,8 +129,8 @@ class VirtualBuffer(RowBuffer):
         len(rows), heads, (end - start) * item_bytes]``. Valid until the next operation that
         changes those rows' pages (a write after copy-on-write goes to the new page only).
 
-        Raises ``ValueError`` unless the items are mapped in every row. It calls nothing on the
-        way (a decode step takes a view of every group: ``tests/unit/test_decode_depth.py``)."""
+        Raises ``ValueError`` unless the items are mapped in every row. A decode step takes a view
+        of every group: its cost is in the per-step overhead budget (``docs/benchmarks.md``)."""
         if self._closed:
             raise CacheClosedError(_CLOSED)
         if not isinstance(rows, range) or rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.rows:

@@ -79,8 +79,8 @@ class Layout(ABC):
     def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``update`` returns after writing ``key``/``value``: the cached tokens ``[start, end)``
-        (``kv_length`` of the mask) as attention reads them — views (head-major makes this its
-        :meth:`cached` itself: one call less on every decode step), copies where a view would change
+        (``kv_length`` of the mask) as attention reads them — views (head-major returns its
+        :meth:`cached` views), copies where a view would change
         the arithmetic (token-major), full-capacity views (static) or the tagged new states
         (paged)."""
 

@@ -81,11 +81,11 @@ class HeadMajorLayout(Layout):
             keys[row].copy_(key[row])
             values[row].copy_(value[row])
 
-    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
-               key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the tokens; ``key``/``value`` (as :meth:`attention_inputs` gets them) are not
-        needed: the views hold them."""
+    def cached(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._pick(self._tokens(buffer, batch, start, end), member)
 
-    # update returns the cached tokens' views: cached itself (a wrapper would be one call more per step)
-    attention_inputs = cached  # type: ignore[assignment]
+    def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
+                         key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The views of the cached tokens, as :meth:`cached` (they hold ``key``/``value``, just written)."""
+        return self._pick(self._tokens(buffer, batch, start, end), member)
