@@ -337,8 +337,8 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
             reason = str(exc)
         else:
             if mode.expanded:
-                cache.prefill_counts.verdict = (f"on; {mode.expanded} call(s) ran on every row (their "
-                                                f"one-row-per-prompt result differed at {torch.get_num_threads()} "
+                cache.prefill_counts.verdict = (f"on; {mode.expanded} call(s) ran on every row (not admitted "
+                                                f"as exact on one row per prompt at {torch.get_num_threads()} "
                                                 f"thread(s))")
             return expand_rows(outputs, prompts, k, keep=outer)  # the logits have `rows` rows already
     if cache.prompt_repeats > 1:  # the whole prompt, less what the cache holds already (stored prefixes)

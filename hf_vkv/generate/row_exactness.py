@@ -1,34 +1,45 @@
-"""Row exactness: proving, op by op, that a forward on one row per prompt computes DynamicCache's bits.
+"""Row exactness: admitting, op by op, a forward on one row per prompt where it computes DynamicCache's bits.
 
-Prefill once (:mod:`hf_vkv.generate.prefill_once`) runs ``generate``'s prefill on ``B`` prompts where
-DynamicCache runs it on ``B*k`` rows (each prompt repeated ``k`` times). A row of a matmul is
-bit-identical across batch sizes only when the kernel splits the work the same way, and that
-depends on the rows, the operand shapes and strides, the dtype and the number of intra-op threads
-(oneDNN / MKL split a small matmul along the reduction at >= 2 threads: with 2 threads an fp32
-``F.linear`` on 5, 6, 7 or 9 rows differs from the same rows inside a matmul 8x taller). No fixed
-row count proves anything, so :class:`RowExactness` checks every call that reduces (matmuls,
-attention, norms, softmax; :func:`probed_functions`) while the forward runs:
+Prefill once (:mod:`hf_vkv.generate.prefill_once`) runs ``generate``'s prefill on ``B`` prompts
+where DynamicCache runs it on ``B*k`` rows (each prompt repeated ``k`` times). A row computed alone
+equals the same row inside the taller tensor only where the kernel computes it the same way, and
+that is decided by what the kernel branches on — shapes, strides, alignment, dtype, the number of
+intra-op threads, the CPU's vector width — never by the values. So :class:`RowExactness` admits a
+call (runs it on the ``B`` rows only) by a rule on those, never by a sample of values:
 
-* the first time a call's *signature* is seen — the function, every operand's shape, strides,
-  storage offset and dtype, the other arguments, ``B``, ``k`` and ``torch.get_num_threads()`` —
-  it also runs the call on its operands expanded to ``B*k`` rows as DynamicCache would hold them
-  (same strides, each prompt's rows repeated ``k`` times in a row), and compares;
-* **exact** (every repeat equals the unique result, ``torch.equal``): the verdict is cached for
-  the process and later calls of that signature cost nothing;
-* **expanded**: the repeats agree with each other but not with the unique result: this call runs
-  on the expanded rows from now on and hands back one repeat per prompt — DynamicCache's bits, at
-  the cost of that one call on ``k`` times the rows (counted in :attr:`RowExactness.expanded`);
-* **inexact**: the repeats differ among themselves (DynamicCache's own copies of a prompt would
-  differ), or the expansion fails: :class:`InexactRows` is raised and the caller prefills every row.
+* **elementwise transcendental math and activations** (``silu``, ``gelu``, ``exp``, ``tanh``,
+  ``rsqrt``, ``pow``, ...; :func:`lane_functions`): torch runs them as one loop over the
+  contiguous elements of each thread's chunk, ``2 x`` a vector register at a time, and a scalar
+  loop over the chunk's last ``n mod 2V`` elements; the vector and scalar paths round
+  differently (SLEEF vs libm). A call is admitted when every operand and the result are
+  contiguous and each element takes the same path alone as in DynamicCache's tensor and in each
+  of its repeats (:func:`same_lanes`), for every vector width torch builds (16, 32, 64 bytes);
+  with row lengths a multiple of 32 float32 (64 bfloat16) elements that is every call;
+* **matmuls, attention, reductions and norms** (:func:`proved_functions`: BLAS / oneDNN split a
+  small matmul along the reduction at >= 2 threads, a reduction splits its input when it has one
+  output, ...): a call is admitted when its *signature* — the function, every operand's shape,
+  strides, storage offset modulo 64, dtype and device, the other arguments, ``B``, ``k``, the
+  thread count, the CPU capability and the matmul settings — is proved exact on synthetic
+  operands of that layout: :data:`PROOF_DRAWS` draws (normal values; magnitudes from subnormal to
+  large with random signs; normal values with zeros, subnormals and extremes mixed in), each
+  compared bit for bit with its expansion to ``B*k`` rows. The proof depends only on the key, so
+  its verdict is kept for the process (:func:`clear_verdicts`): a later call, in another layer or
+  another ``generate``, finds the verdict the proof would give again;
+* **anything not admitted** runs on DynamicCache's rows (the operands expanded to ``B*k`` rows,
+  as DynamicCache holds them), every time: when the repeats of each prompt are equal bit for bit
+  the call hands back one per prompt — DynamicCache's bits — (:attr:`RowExactness.expanded`
+  counts them); when they differ among themselves (DynamicCache's own copies of a prompt differ),
+  :class:`InexactRows` is raised and the caller prefills every row.
 
-A kernel's split is a function of shapes, strides, dtype and threads, not of the values, so one
-comparison on real operands stands for every later call of the signature. Elementwise ops and
-gathers compute each element alone and are not checked. A change of ``torch.set_num_threads``
-between calls changes the signature: the new thread count is probed afresh, never assumed.
+Other elementwise math (``+``, ``*``, comparisons, casts, gathers, ...) is correctly rounded or
+exact, so the same bits whatever path computes an element: it is not watched. Where a rule or a
+proof cannot decide (a non-contiguous operand, an operand whose rows it cannot place, a call that
+fails on synthetic operands), the call runs on DynamicCache's rows.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,15 +47,25 @@ from typing import Any, Literal
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["InexactRows", "RowExactness", "Verdict", "expand_operand", "probed_functions", "clear_verdicts"]
+__all__ = ["InexactRows", "PROOF_DRAWS", "RowExactness", "Verdict", "clear_verdicts", "expand_operand",
+           "lane_functions", "probed_functions", "proved_functions", "same_lanes"]
 
 Verdict = Literal["exact", "expanded", "inexact"]
 
-#: Signatures kept per process (the oldest forgotten first); a signature includes the prompt's
-#: length, so a long-running server sees many.
+#: Proofs kept per process (the oldest forgotten first); a signature includes the prompt's length,
+#: so a long-running server sees many. A forgotten proof is made again, with the same verdict.
 _MAX_VERDICTS = 4096
 _VERDICTS: OrderedDict[tuple, Verdict] = OrderedDict()
-_PROBED: frozenset | None = None
+_LANE_FUNCTIONS: frozenset | None = None
+_PROVED_FUNCTIONS: frozenset | None = None
+
+#: Synthetic draws a signature's proof compares (see the module docstring).
+PROOF_DRAWS = 3
+#: Elements per thread below which torch runs an elementwise loop on one thread
+#: (``at::internal::GRAIN_SIZE``).
+GRAIN_SIZE = 32768
+#: Vector register widths (bytes) torch's CPU kernels are built for: SSE/NEON/VSX, AVX2, AVX-512.
+VECTOR_BYTES = (16, 32, 64)
 
 
 class InexactRows(Exception):
@@ -54,7 +75,7 @@ class InexactRows(Exception):
 
 
 def clear_verdicts() -> None:
-    """Forget every cached verdict (tests; a process that swaps its BLAS)."""
+    """Forget every kept proof (tests; a process that swaps its BLAS)."""
     _VERDICTS.clear()
 
 
@@ -62,34 +83,91 @@ def clear_verdicts() -> None:
 #: element's bits depend on where the tensor's size puts it): transcendental math and activations.
 _TRANSCENDENTAL = ("exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "sin", "cos", "tan", "tanh", "sigmoid",
                    "erf", "erfc", "erfinv", "atan", "asin", "acos", "sinh", "cosh", "pow", "rsqrt", "float_power")
-_ACTIVATIONS = ("gelu", "silu", "mish", "softplus", "elu", "selu", "celu", "logsigmoid", "tanh", "sigmoid", "glu",
-                "normalize")
+_ACTIVATIONS = ("gelu", "silu", "mish", "softplus", "elu", "selu", "celu", "logsigmoid", "tanh", "sigmoid")
 
 
-def probed_functions() -> frozenset:
-    """The torch functions whose result for a row may depend on how many rows the call has:
-    matmuls (BLAS / oneDNN split them by shape and threads), attention, reductions (norms,
-    softmax), and elementwise transcendental math and activations (a vectorized body and a scalar
-    tail round differently, and the tensor's size decides which computes an element: BART's GELU
-    on 5 rows differed from the same rows among 15)."""
-    global _PROBED
-    if _PROBED is None:
+def lane_functions() -> frozenset:
+    """The elementwise functions admitted by :func:`same_lanes` (transcendental math and
+    activations, plain and in place, and ``**``)."""
+    global _LANE_FUNCTIONS
+    if _LANE_FUNCTIONS is None:
         F = torch.nn.functional
         T = torch.Tensor
         named = {getattr(owner, f"{name}{suffix}", None) for owner in (torch, T) for name in _TRANSCENDENTAL
                  for suffix in ("", "_")}
-        named |= {getattr(F, name, None) for name in _ACTIVATIONS} | {T.__pow__, T.__rpow__}
-        named |= {
+        named |= {getattr(F, name, None) for name in _ACTIVATIONS} | {T.__pow__, T.__rpow__, T.__ipow__}
+        _LANE_FUNCTIONS = frozenset(named - {None})
+    return _LANE_FUNCTIONS
+
+
+def proved_functions() -> frozenset:
+    """The functions admitted by a proof on synthetic operands: matmuls, attention, convolutions,
+    reductions, norms and softmax (and the activations that reduce or split: ``glu``,
+    ``normalize``)."""
+    global _PROVED_FUNCTIONS
+    if _PROVED_FUNCTIONS is None:
+        F = torch.nn.functional
+        T = torch.Tensor
+        named = {
             F.linear, F.bilinear, F.scaled_dot_product_attention, F.conv1d, F.conv2d, F.conv3d,
             torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__, torch.mm, T.mm, torch.bmm, T.bmm,
             torch.addmm, T.addmm, torch.baddbmm, T.baddbmm, torch.einsum, torch.tensordot,
             F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax, T.softmax,
             torch.log_softmax, T.log_softmax, torch.mean, T.mean, torch.sum, T.sum, torch.var, T.var,
             torch.std, T.std, torch.norm, T.norm, torch.logsumexp, T.logsumexp, torch.cumsum, T.cumsum,
-            getattr(F, "rms_norm", None),
+            getattr(F, "rms_norm", None), F.glu, F.normalize,
         }
-        _PROBED = frozenset(named - {None})
-    return _PROBED
+        _PROVED_FUNCTIONS = frozenset(named - {None})
+    return _PROVED_FUNCTIONS
+
+
+def probed_functions() -> frozenset:
+    """Every function :class:`RowExactness` watches (:func:`lane_functions` and
+    :func:`proved_functions`)."""
+    return lane_functions() | proved_functions()
+
+
+def _tails(numel: int, block: int, threads: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of a contiguous elementwise loop over ``numel`` elements that
+    the scalar tail computes: torch splits the range among ``min(threads, ceil(numel / GRAIN))``
+    threads in chunks of ``ceil(numel / n)`` and each chunk runs ``block`` elements at a time."""
+    n = max(1, min(threads, -(-numel // GRAIN_SIZE))) if threads > 1 and numel >= GRAIN_SIZE else 1
+    chunk = -(-numel // n)
+    out = []
+    for begin in range(0, numel, chunk):
+        length = min(chunk, numel - begin)
+        if length % block:
+            out.append((begin + length - length % block, begin + length))
+    return out
+
+
+def _tail_offsets(tails: list[tuple[int, int]], rows: int, row: int) -> list[frozenset[int]]:
+    """For each of ``rows`` rows of ``row`` elements laid end to end: the offsets within it that a
+    scalar tail computes."""
+    out: list[set[int]] = [set() for _ in range(rows)]
+    for start, end in tails:
+        for i in range(start, end):
+            out[i // row].add(i % row)
+    return [frozenset(o) for o in out]
+
+
+def same_lanes(numel: int, itemsize: int, *, prompts: int, repeats: int, threads: int) -> bool:
+    """Whether an elementwise loop over a contiguous ``numel`` elements laid out as ``prompts``
+    rows computes each element on the same path (vector body or scalar tail) as the loop over the
+    ``prompts * repeats`` rows of DynamicCache's tensor (each prompt's row ``repeats`` times in a
+    row) computes each of its repeats, for every vector width in :data:`VECTOR_BYTES` — so the
+    call gives DynamicCache's bits whatever the values."""
+    if numel % prompts:
+        return False
+    row = numel // prompts
+    for width in VECTOR_BYTES:
+        block = max(1, 2 * width // itemsize)
+        alone = _tail_offsets(_tails(numel, block, threads), prompts, row)
+        tall = _tail_offsets(_tails(numel * repeats, block, threads), prompts * repeats, row)
+        for p in range(prompts):
+            if any(tall[p * repeats + i] != alone[p] for i in range(repeats)):
+                return False
+    return True
 
 
 def expand_operand(t: torch.Tensor, prompts: int, k: int) -> torch.Tensor:
@@ -136,16 +214,17 @@ class _Counts:
 
 class RowExactness(TorchFunctionMode):
     """While active (``with RowExactness(prompts=B, repeats=k):`` around a forward on ``B`` rows)
-    and :attr:`watching` is set, every probed call (:func:`probed_functions`) is checked against
-    its expansion to ``B*k`` rows (module docstring).
+    and :attr:`watching` is set, every watched call (:func:`probed_functions`) runs on the ``B``
+    rows where the module docstring's rule admits it, else on DynamicCache's ``B*k`` rows.
 
     Row-indexed operands are the tensors whose dim 0 is a multiple of ``prompts`` and that are not
     ``nn.Parameter``s (weights and biases are shared by all rows). A call with none, or whose
-    result is not indexed by row, is not checked: the base model's activations have their rows
+    result is not indexed by row, is not watched: the base model's activations have their rows
     first; a tensor with its rows elsewhere (multimodal rotary position ids ``[3, B, T]``, used
     in an outer product of one term, exact at any size) is not expanded along them.
 
-    Invariant: a signature's cached verdict was measured on this process with its thread count.
+    Invariant: a kept proof's verdict is the one its proof gives for its key; no verdict comes
+    from the values of a call.
     """
 
     def __init__(self, *, prompts: int, repeats: int) -> None:
@@ -158,7 +237,7 @@ class RowExactness(TorchFunctionMode):
 
     @property
     def expanded(self) -> int:
-        """Calls that ran on DynamicCache's rows because their unique-row result differed."""
+        """Calls that ran on DynamicCache's rows (not admitted by the rule or a proof)."""
         return self.counts.expanded
 
     def _rows(self, value: Any) -> bool:
@@ -179,32 +258,75 @@ class RowExactness(TorchFunctionMode):
         operands = [a for a in (*args, *kwargs.values()) for a in (a if isinstance(a, (tuple, list)) else (a,))]
         if not any(self._rows(a) for a in operands):
             return func(*args, **kwargs)
-        key = (func, _describe(args), _describe(kwargs), self.prompts, self.repeats, torch.get_num_threads())
-        verdict = _VERDICTS.get(key)
-        if verdict == "exact":
+        if self._admitted(func, args, kwargs, operands):
             return func(*args, **kwargs)
-        # the expansion first: an in-place function (``exp_``) changes its operand
-        big = self._expanded_call(func, args, kwargs)
-        if verdict == "expanded":
-            self.counts.expanded += 1
-            # the unique call still runs, for its output's layout (DynamicCache's call lays its output out
-            # the same way, and later calls may take another path for another layout) and an in-place operand
-            out = func(*args, **kwargs)
-            return out.copy_(self._first_repeats(big))
-        out = func(*args, **kwargs)
-        if not self._rows(out):  # a result not indexed by row: no row to compare
-            return out
+        return self._on_dynamic_rows(func, args, kwargs)
+
+    # ----------------------------------------------------------------------------- the rule
+    def _admitted(self, func: Any, args: tuple, kwargs: dict, operands: list[Any]) -> bool:
+        if func in lane_functions():
+            return self._same_lanes(operands)
+        key = (func, _describe(args), _describe(kwargs), self.prompts, self.repeats, torch.get_num_threads(),
+               _machine(), _fixed_values(func, args, kwargs))
+        verdict = _VERDICTS.get(key)
         if verdict is None:
             self.counts.probed += 1
-            verdict = self._judge(out, big)
+            verdict = self._prove(func, args, kwargs)
             _remember(key, verdict)
-            if verdict == "exact":
-                return out
-        if verdict == "inexact":
+        return verdict == "exact"
+
+    def _same_lanes(self, operands: list[Any]) -> bool:
+        """An elementwise call: every row operand contiguous and of one shape, every other tensor
+        operand one element, and :func:`same_lanes` for its loop."""
+        rows = [a for a in operands if self._rows(a)]
+        others = [a for a in operands if isinstance(a, torch.Tensor) and not self._rows(a)]
+        first = rows[0]
+        if any(not t.is_contiguous() or t.shape != first.shape or t.dtype != first.dtype for t in rows) \
+                or any(t.numel() != 1 for t in others):
+            return False
+        return same_lanes(first.numel(), first.element_size(), prompts=self.prompts, repeats=self.repeats,
+                          threads=torch.get_num_threads())
+
+    def _prove(self, func: Any, args: tuple, kwargs: dict) -> Verdict:
+        """The verdict of :data:`PROOF_DRAWS` synthetic draws of the call's operands (same layout,
+        other values), each run on the ``B`` rows and on their expansion to ``B*k``."""
+        generator = torch.Generator().manual_seed(0)
+        for draw in range(PROOF_DRAWS):
+            def fake(value: Any) -> Any:
+                return _synthetic(value, generator, draw, keep=_real_operands(func, args, kwargs))
+
+            try:
+                fake_args = tuple(fake(a) for a in args)
+                fake_kwargs = {name: fake(v) for name, v in kwargs.items()}
+                big = func(*self._expand(fake_args), **{name: self._expand(v) for name, v in fake_kwargs.items()})
+                out = func(*fake_args, **fake_kwargs)
+            except Exception:  # noqa: BLE001 - a call the synthetic operands do not fit: DynamicCache's rows
+                return "expanded"
+            if not self._rows(out):
+                return "exact"  # a result not indexed by row: nothing per row to compare
+            if not self._same_as_first_repeats(out, big):
+                return "expanded"
+        return "exact"
+
+    # ----------------------------------------------------------------------------- DynamicCache's rows
+    def _on_dynamic_rows(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The call on its operands expanded to ``B*k`` rows; one repeat per prompt handed back,
+        in the unique call's layout, when the repeats are equal (else :class:`InexactRows`)."""
+        big = self._expanded_call(func, args, kwargs)  # first: an in-place function changes its operand
+        # the unique call still runs, for its output's layout (DynamicCache's call lays its output out the
+        # same way, and later calls may take another path for another layout) and an in-place operand
+        out = func(*args, **kwargs)
+        if not self._rows(out):  # a result not indexed by row: no row to hand back
+            return out
+        if not (isinstance(big, torch.Tensor) and big.shape[1:] == out.shape[1:]
+                and big.shape[0] == out.shape[0] * self.repeats):
+            raise InexactRows(f"{_name(func)} did not return one tensor of the expanded rows")
+        grouped = self._grouped(big)
+        if not _bits_equal(grouped, grouped[:, :1].expand_as(grouped)):
             raise InexactRows(f"{_name(func)} computes a prompt's repeats differently from each other at "
                               f"{torch.get_num_threads()} thread(s)")
         self.counts.expanded += 1
-        return out.copy_(self._first_repeats(big))  # DynamicCache's bits, in the unique call's layout
+        return out.copy_(grouped[:, 0].reshape(-1, *big.shape[1:]))  # DynamicCache's bits
 
     def _expanded_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         try:
@@ -215,22 +337,87 @@ class RowExactness(TorchFunctionMode):
     def _grouped(self, big: torch.Tensor) -> torch.Tensor:
         return big.reshape(self.prompts, self.repeats, -1, *big.shape[1:])
 
-    def _first_repeats(self, big: Any) -> torch.Tensor:
-        if not isinstance(big, torch.Tensor):
-            raise InexactRows("a probed call did not return one tensor")
-        return self._grouped(big)[:, 0].reshape(-1, *big.shape[1:])
-
-    def _judge(self, out: Any, big: Any) -> Verdict:
+    def _same_as_first_repeats(self, out: Any, big: Any) -> bool:
+        """Whether every repeat in ``big`` equals ``out``'s row bit for bit."""
         if not (isinstance(out, torch.Tensor) and isinstance(big, torch.Tensor) and out.dim() > 0
-                and big.shape[1:] == out.shape[1:] and big.shape[0] == out.shape[0] * self.repeats
-                and out.shape[0] % self.prompts == 0):
-            return "inexact"
+                and big.shape[1:] == out.shape[1:] and big.shape[0] == out.shape[0] * self.repeats):
+            return False
         grouped = self._grouped(big)  # [B, k, r, ...]
-        if torch.equal(grouped, out.reshape(self.prompts, 1, -1, *out.shape[1:]).expand_as(grouped)):
-            return "exact"
-        if torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
-            return "expanded"
-        return "inexact"
+        return _bits_equal(grouped, out.reshape(self.prompts, 1, -1, *out.shape[1:]).expand_as(grouped))
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` hold the same bits (NaNs of one pattern compare equal, ``-0.0`` and ``0.0`` not)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+    return torch.equal(a, b)
+
+
+def _machine() -> tuple:
+    """What a kernel's choice depends on besides the call: the CPU capability and matmul settings."""
+    return (torch.backends.cpu.get_cpu_capability(), torch.get_float32_matmul_precision(),
+            torch.backends.mkldnn.enabled, torch.are_deterministic_algorithms_enabled())
+
+
+def _real_operands(func: Any, args: tuple, kwargs: dict) -> frozenset[int]:
+    """Ids of the operands a proof keeps as they are: an attention's mask (its values decide which
+    keys a query reads) and every tensor that is not floating point (indices, boolean masks)."""
+    keep = {id(v) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and not v.is_floating_point()}
+    if func is torch.nn.functional.scaled_dot_product_attention:
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        if isinstance(mask, torch.Tensor):
+            keep.add(id(mask))
+    return frozenset(keep)
+
+
+def _fixed_values(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """The values of the operands a proof keeps (:func:`_real_operands`): part of its key."""
+    keep = _real_operands(func, args, kwargs)
+    out = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor) and id(v) in keep:
+            flat = v.detach().cpu().reshape(-1).clone()
+            if flat.is_floating_point():
+                flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+            out.append((tuple(v.shape), hash(flat.numpy().tobytes())))
+    return tuple(out)
+
+
+def _synthetic(value: Any, generator: torch.Generator, draw: int, *, keep: frozenset[int]) -> Any:
+    """``value`` with every floating-point tensor (not in ``keep``) replaced by one of the same
+    shape, strides, storage offset, dtype and device holding draw ``draw``'s values."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_synthetic(v, generator, draw, keep=keep) for v in value)
+    if not isinstance(value, torch.Tensor) or id(value) in keep or not value.is_floating_point():
+        return value
+    span = 1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride())) if value.numel() else 0
+    storage = _draw(value.storage_offset() + span, value.dtype, generator, draw).to(value.device)
+    out = storage.as_strided(value.shape, value.stride(), value.storage_offset())
+    return torch.nn.Parameter(out, requires_grad=False) if isinstance(value, torch.nn.Parameter) else out
+
+
+def _draw(n: int, dtype: torch.dtype, generator: torch.Generator, draw: int) -> torch.Tensor:
+    """``n`` values in ``dtype``: draw 0 normal; 1 magnitudes log-uniform from below the smallest
+    normal number to large, random signs; 2 normal with zeros, subnormals and extremes mixed in."""
+    info = torch.finfo(dtype)
+    large = 2.0 ** (math.log2(info.max) / 4)  # products and sums of a few thousand stay finite
+    normal = torch.randn(n, generator=generator, dtype=torch.float64)
+    if draw == 0:
+        values = normal
+    elif draw == 1:
+        low, high = math.log10(info.tiny) - 2, math.log10(large)
+        magnitude = 10 ** (low + (high - low) * torch.rand(n, generator=generator, dtype=torch.float64))
+        values = torch.where(torch.rand(n, generator=generator) < 0.5, -magnitude, magnitude)
+    else:
+        pick = torch.rand(n, generator=generator, dtype=torch.float64)
+        values = torch.where(pick < 0.1, 0.0, normal)
+        values = torch.where((pick >= 0.1) & (pick < 0.15), info.tiny * torch.rand(n, generator=generator,
+                                                                                    dtype=torch.float64), values)
+        values = torch.where((pick >= 0.15) & (pick < 0.2), large * normal.sign(), values)
+    return values.to(dtype)
 
 
 def _remember(key: tuple, verdict: Verdict) -> None:

@@ -53,7 +53,7 @@ def test_sampling_computes_each_prompt_once(layout: LayoutRun, arch: str) -> Non
     dynamic_prefill, vkv_prefill = counts[0], counts[NEW]
     assert (dynamic_prefill, vkv_prefill) == (64, 16)
     stats = got.past_key_values.stats()
-    assert (stats.prompt_tokens_computed, stats.prompt_tokens_saved, stats.prefill_once) == (16, 48, "on")
+    assert (stats.prompt_tokens_computed, stats.prompt_tokens_saved) == (16, 48) and stats.prefill_once.startswith("on")
     assert all(g.shared_prompt_rows == 6 for g in stats.groups)
     got.past_key_values.check_invariants()
 
@@ -100,7 +100,7 @@ def test_static_layout_prefills_once() -> None:
         static = model.generate(**inputs, cache_implementation="vkv", cache_config={"layout": "static", **SMALL},
                                 **kwargs)
     _same(ref, static)
-    assert counts[0] == 16 and static.past_key_values.stats().prefill_once == "on"
+    assert counts[0] == 16 and static.past_key_values.stats().prefill_once.startswith("on")
 
 
 def test_pipeline_num_return_sequences() -> None:

@@ -141,7 +141,7 @@ def test_beams_and_samples_compose_with_prefill_once() -> None:
         want = _generate(model, ids, mask, None, return_dict_in_generate=True, **kwargs)
         got = _generate(model, ids, mask, store, return_dict_in_generate=True, **kwargs)
         assert_same_tokens(want.sequences, got.sequences)
-        assert got.past_key_values.stats().prefill_once == "on"
+        assert got.past_key_values.stats().prefill_once.startswith("on")
         report = reuse_report(got)
         assert report.reused_tokens > 0 and report.refusal is None
         store.check_invariants()

@@ -110,7 +110,7 @@ def test_verdicts_are_keyed_by_thread_count() -> None:
         torch.set_num_threads(threads)
         _linear_through_probe(x, weight, 1, 4)
     keys = [key for key in rx._VERDICTS if key[0] is torch.nn.functional.linear]
-    assert sorted(key[-1] for key in keys) == [1, 2]
+    assert sorted(key[5] for key in keys) == [1, 2]  # (func, args, kwargs, prompts, repeats, threads, ...)
     rx.clear_verdicts()
 
 
@@ -128,7 +128,7 @@ def test_expand_operand_keeps_the_layout() -> None:
 
 @pytest.mark.parametrize("threads", [1, 2, 8, 16])
 def test_norms_softmax_and_activations_are_probed(threads: int) -> None:
-    """Reductions and transcendental elementwise functions are probed too: their results equal
+    """Reductions and transcendental elementwise functions are watched too: their results equal
     the expanded call's first repeat."""
     torch.set_num_threads(threads)
     rx.clear_verdicts()
@@ -142,5 +142,5 @@ def test_norms_softmax_and_activations_are_probed(threads: int) -> None:
         with mode:
             got = call(x)
         assert torch.equal(got, ref)
-    assert mode.counts.probed == 6  # pow and mean are two calls
+    assert mode.counts.probed == 3  # mean, layer_norm, softmax are proved; gelu, pow, tanh take the lane rule
     rx.clear_verdicts()
