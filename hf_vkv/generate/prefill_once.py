@@ -158,20 +158,31 @@ def _map_rows(value: Any, rows: int, fn: Any, keep: Any) -> Any:
     return value
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the strides a contiguous tensor of its shape has, as DynamicCache's expanded
+    inputs have them (``contiguous()`` keeps a view whose size-1 dims carry the strides of the
+    tensor it was cut from: a kernel may take another path for them)."""
+    dense, step = [], 1
+    for n in reversed(t.shape):
+        dense.append(step)
+        step *= max(n, 1)
+    return t if t.stride() == tuple(reversed(dense)) else t.clone(memory_format=torch.contiguous_format)
+
+
 def first_of_repeats(model_kwargs: dict, rows: int, k: int, *, keep: Any = None) -> dict:
     """``model_kwargs`` with every row-indexed tensor cut to the first row of each ``k`` along its
     row dimension (:func:`row_dim`; nested in containers for row-first keys), the rest as it is.
     Cut tensors are contiguous, as DynamicCache's expanded ones (a kernel may take another path for
-    a strided operand). Call after :func:`repeats_refusal` said ``None``."""
+    a strided operand; :func:`_dense`). Call after :func:`repeats_refusal` said ``None``."""
     out = copy_mapping(model_kwargs)
     for key, value in model_kwargs.items():
         if value is keep or key in _NOT_ROWS:
             continue
         if isinstance(value, torch.Tensor) and key in _ROWS_BEFORE_TOKENS:
             dim = row_dim(key, value, rows)
-            out[key] = value if dim is None else value.unflatten(dim, (rows // k, k)).select(dim + 1, 0).contiguous()
+            out[key] = value if dim is None else _dense(value.unflatten(dim, (rows // k, k)).select(dim + 1, 0))
         elif key in _ROWS_FIRST:
-            out[key] = _map_rows(value, rows, lambda t: t[::k].contiguous(), keep)
+            out[key] = _map_rows(value, rows, lambda t: _dense(t[::k]), keep)
     return out
 
 
