@@ -59,15 +59,16 @@ def default_main(argv: list[str]) -> int:
 # ---------------------------------------- probe-cost (formerly benchmarks/prefill_probe_cost.py)
 PROBE_COST_DOC = """What prefill once's row-exactness check costs, against the prefill it saves.
 
-Prefill once (``hf_vkv.generate.prefill_once``) checks every matmul, attention, reduction and
-transcendental call of the prompt's forward against its expansion to DynamicCache's rows the first
-time the call's signature is seen in the process (``hf_vkv.generate.row_exactness``). On the embedded
+Prefill once (``hf_vkv.generate.prefill_once``) admits each call of the prompt's forward by a rule
+(``hf_vkv.generate.row_exactness``): elementwise transcendental calls by the vector loop's
+structure (no probe), matmuls, attention and reductions by a proof on synthetic operands of the
+call's layout, made the first time the call's signature is seen in the process. On the embedded
 SmolLM2 (fp32, n=8 sampling, one new token) this times, per prompt length and thread count:
 
-* ``cold``: vkv's TTFT with no verdict cached (the first prompt of that length in the process:
-  every signature probed on 8x the rows);
-* ``warm``: the median of ``--rounds`` later calls (verdicts cached: only the dispatch of the
-  torch function mode);
+* ``cold``: vkv's TTFT with no proof kept (the first prompt of that length in the process: every
+  signature proved, three synthetic draws each on 1x and 8x the rows);
+* ``warm``: the median of ``--rounds`` later calls (proofs kept: the rule's checks and the
+  dispatch of the torch function mode);
 * ``unchecked``: the same prefill once with the check switched off (no torch function mode, the
   head still on every row) - what the proof costs when warm is ``warm - unchecked``;
 * ``dynamic``: DynamicCache's TTFT (one call): the prefill prefill once saves is ``dynamic - warm``.

@@ -340,7 +340,7 @@ class VKVCache(Cache):
                                       for s in sources], length)
         for layer in self.layers:
             if isinstance(layer, VKVLayer):
-                layer.is_initialized = True
+                layer.adopt_group()
         return copied
 
     # ----------------------------------------------------------------------------- static layout

@@ -90,6 +90,13 @@ class VKVLayer(CacheLayerMixin):
         self.group.init_layer(self.layer_idx, key_states, value_states)
         self.is_initialized = True
 
+    def adopt_group(self) -> None:
+        """The group was filled with rows taken from other caches (:meth:`VKVCache.take_rows`,
+        which made its geometry and buffer): the layer holds its tokens from now on."""
+        if self.group.geometry is None:
+            raise ValueError(f"layer {self.layer_idx}: its group holds no rows to adopt")
+        self.is_initialized = True
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ from ..cache.stats import ReuseReport
 if TYPE_CHECKING:
     from ..prefix import PrefixStore
 
-__all__ = ["GenerateCall", "begin", "call_of", "end", "reuse_report"]
+__all__ = ["GenerateCall", "begin", "end", "reuse_report"]
 
 
 @dataclass(slots=True, eq=False)
@@ -68,11 +68,6 @@ def begin(cache: VKVCache, *, owned: bool, rows: int, num_beams: int = 1, store:
     cache.reuse = report if report is not None else cache.reuse
     cache.call = call
     return call
-
-
-def call_of(cache: Any) -> GenerateCall | None:
-    """The record on ``cache`` (a VKVCache; ``None`` for any other cache or none)."""
-    return cache.call if isinstance(cache, VKVCache) else None
 
 
 def end(cache: VKVCache) -> None:

@@ -53,7 +53,7 @@ from . import prefill_once
 from .call import GenerateCall, begin
 from .names import CACHE_NAMES, cache_kwarg
 
-__all__ = ["attach", "finish", "memory_for", "model_refusal", "split_prefix_store", "start"]
+__all__ = ["attach", "count_prefill", "finish", "memory_for", "model_refusal", "split_prefix_store", "start"]
 
 #: Inputs of ``generate``'s prefill that token ids (and left padding) fully describe, or that
 #: change nothing the store holds: any other input that is set (pixel values, image features,
