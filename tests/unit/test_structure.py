@@ -182,6 +182,39 @@ def test_layers_point_one_way() -> None:
     assert not bad, "imports against the layering (docs/architecture.md):\n  " + "\n  ".join(bad)
 
 
+def _architecture_table() -> dict[str, set[str]]:
+    """``{part: parts it imports}`` as the table of docs/architecture.md ("| part | imports | why |")
+    states it (the backquoted names of its second column)."""
+    import re
+
+    table: dict[str, set[str]] = {}
+    lines = (PACKAGE.parent / "docs" / "architecture.md").read_text().splitlines()
+    start = lines.index("| part | imports | why |") + 2  # past the header and its rule
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        table[cells[0].strip("`").removesuffix(".py")] = set(re.findall(r"`([\w.]+)`", cells[1]))
+    return table
+
+
+def test_the_architecture_table_is_the_import_graph() -> None:
+    """docs/architecture.md's table of what each part imports is the import graph, part by part:
+    every import it lists exists, and every one that exists is listed."""
+    table = _architecture_table()
+    assert {"memory", "cache", "prefix", "generate", "__init__"} <= set(table), sorted(table)
+    actual: dict[str, set[str]] = {}
+    for a, deps in _import_graph().items():
+        part = "__init__" if a == ROOT else _part(a)
+        if part in table:
+            actual.setdefault(part, set()).update(
+                "__init__" if b == ROOT else _part(b) for b in deps if (_part(b) if b != ROOT else "__init__") != part)
+    wrong = {part: {"listed, not imported": sorted(table[part] - actual.get(part, set())),
+                    "imported, not listed": sorted(actual.get(part, set()) - table[part])}
+             for part in table if table[part] != actual.get(part, set())}
+    assert not wrong, f"docs/architecture.md's import table differs from the code: {wrong}"
+
+
 def test_leaf_modules_import_nothing() -> None:
     """``kv_records`` (what ``cache`` shares with ``attention``) and ``version`` import nothing of
     the package, and ``kv_records`` nothing of transformers either."""
