@@ -388,14 +388,17 @@ def _fixed_values(func: Any, args: tuple, kwargs: dict) -> tuple:
 
 def _synthetic(value: Any, generator: torch.Generator, draw: int, *, keep: frozenset[int]) -> Any:
     """``value`` with every floating-point tensor (not in ``keep``) replaced by one of the same
-    shape, strides, storage offset, dtype and device holding draw ``draw``'s values."""
+    shape, strides, dtype and device, and the same storage offset modulo 64 elements (what the
+    proof's key holds of it: the alignment; a view into a cache's reservation sits far into it),
+    holding draw ``draw``'s values."""
     if isinstance(value, (tuple, list)):
         return type(value)(_synthetic(v, generator, draw, keep=keep) for v in value)
     if not isinstance(value, torch.Tensor) or id(value) in keep or not value.is_floating_point():
         return value
     span = 1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride())) if value.numel() else 0
-    storage = _draw(value.storage_offset() + span, value.dtype, generator, draw).to(value.device)
-    out = storage.as_strided(value.shape, value.stride(), value.storage_offset())
+    offset = value.storage_offset() % 64
+    storage = _draw(offset + span, value.dtype, generator, draw).to(value.device)
+    out = storage.as_strided(value.shape, value.stride(), offset)
     return torch.nn.Parameter(out, requires_grad=False) if isinstance(value, torch.nn.Parameter) else out
 
 
@@ -404,7 +407,8 @@ def _draw(n: int, dtype: torch.dtype, generator: torch.Generator, draw: int) -> 
     normal number to large, random signs; 2 normal with zeros, subnormals and extremes mixed in."""
     info = torch.finfo(dtype)
     large = 2.0 ** (math.log2(info.max) / 4)  # products and sums of a few thousand stay finite
-    normal = torch.randn(n, generator=generator, dtype=torch.float64)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32  # subnormals of float32 and narrower fit
+    normal = torch.randn(n, generator=generator, dtype=wide)
     if draw == 0:
         values = normal
     elif draw == 1:
@@ -412,10 +416,10 @@ def _draw(n: int, dtype: torch.dtype, generator: torch.Generator, draw: int) -> 
         magnitude = 10 ** (low + (high - low) * torch.rand(n, generator=generator, dtype=torch.float64))
         values = torch.where(torch.rand(n, generator=generator) < 0.5, -magnitude, magnitude)
     else:
-        pick = torch.rand(n, generator=generator, dtype=torch.float64)
+        pick = torch.rand(n, generator=generator, dtype=wide)
         values = torch.where(pick < 0.1, 0.0, normal)
         values = torch.where((pick >= 0.1) & (pick < 0.15), info.tiny * torch.rand(n, generator=generator,
-                                                                                    dtype=torch.float64), values)
+                                                                                    dtype=torch.float64).to(wide), values)
         values = torch.where((pick >= 0.15) & (pick < 0.2), large * normal.sign(), values)
     return values.to(dtype)
 
