@@ -20,8 +20,8 @@ call (runs it on the ``B`` rows only) by a rule on those, never by a sample of v
   output, ...): a call is admitted when its *signature* — the function, every operand's shape,
   strides, storage offset modulo 64, dtype and device, the other arguments, ``B``, ``k``, the
   thread count, the CPU capability and the matmul settings — is proved exact on synthetic
-  operands of that layout: :data:`PROOF_DRAWS` draws (normal values; magnitudes from subnormal to
-  large with random signs; normal values with zeros, subnormals and extremes mixed in), each
+  operands of that layout: :data:`PROOF_DRAWS` draws (normal values; magnitudes over many decades
+  with random signs; normal values with zeros, extremes and a few subnormals mixed in), each
   compared bit for bit with its expansion to ``B*k`` rows. The proof depends only on the key, so
   its verdict is kept for the process (:func:`clear_verdicts`): a later call, in another layer or
   another ``generate``, finds the verdict the proof would give again;
@@ -403,8 +403,10 @@ def _synthetic(value: Any, generator: torch.Generator, draw: int, *, keep: froze
 
 
 def _draw(n: int, dtype: torch.dtype, generator: torch.Generator, draw: int) -> torch.Tensor:
-    """``n`` values in ``dtype``: draw 0 normal; 1 magnitudes log-uniform from below the smallest
-    normal number to large, random signs; 2 normal with zeros, subnormals and extremes mixed in."""
+    """``n`` values in ``dtype``: draw 0 normal; 1 magnitudes log-uniform over up to 12 decades
+    (products stay normal numbers), random signs; 2 normal with zeros (10 %), extremes (0.5 %) and
+    subnormals (0.02 %: a few per row) mixed in. Subnormals are few on purpose: an operation on one
+    costs the CPU ~100 cycles, and a matmul over many took 10x its real call."""
     info = torch.finfo(dtype)
     large = 2.0 ** (math.log2(info.max) / 4)  # products and sums of a few thousand stay finite
     wide = torch.float64 if dtype == torch.float64 else torch.float32  # subnormals of float32 and narrower fit
@@ -412,15 +414,15 @@ def _draw(n: int, dtype: torch.dtype, generator: torch.Generator, draw: int) -> 
     if draw == 0:
         values = normal
     elif draw == 1:
-        low, high = math.log10(info.tiny) - 2, math.log10(large)
-        magnitude = 10 ** (low + (high - low) * torch.rand(n, generator=generator, dtype=torch.float64))
+        decades = min(6.0, math.log10(large) / 2)
+        magnitude = 10 ** (decades * (2 * torch.rand(n, generator=generator, dtype=wide) - 1))
         values = torch.where(torch.rand(n, generator=generator) < 0.5, -magnitude, magnitude)
     else:
         pick = torch.rand(n, generator=generator, dtype=wide)
         values = torch.where(pick < 0.1, 0.0, normal)
-        values = torch.where((pick >= 0.1) & (pick < 0.15), info.tiny * torch.rand(n, generator=generator,
-                                                                                    dtype=torch.float64).to(wide), values)
-        values = torch.where((pick >= 0.15) & (pick < 0.2), large * normal.sign(), values)
+        subnormal = info.tiny * torch.rand(n, generator=generator, dtype=torch.float64)
+        values = torch.where((pick >= 0.1) & (pick < 0.1002), subnormal.to(wide), values)
+        values = torch.where((pick >= 0.1002) & (pick < 0.105), large * normal.sign(), values)
     return values.to(dtype)
 
 
