@@ -234,6 +234,9 @@ class RowExactness(TorchFunctionMode):
         self.watching = False
         self.base_calls = 0  # forwards of the watched module (the caller switches ``watching``)
         self.counts = _Counts()
+        # the digests of the kept operands seen in this forward (an attention mask is one tensor passed to
+        # every layer): tensor id -> (the tensor, kept alive so its id is not reused; its version; digest)
+        self._digests: dict[int, tuple[torch.Tensor, int, tuple]] = {}
 
     @property
     def expanded(self) -> int:
@@ -267,7 +270,7 @@ class RowExactness(TorchFunctionMode):
         if func in lane_functions():
             return self._same_lanes(operands)
         key = (func, _describe(args), _describe(kwargs), self.prompts, self.repeats, torch.get_num_threads(),
-               _machine(), _fixed_values(func, args, kwargs))
+               _machine(), self._fixed_values(func, args, kwargs))
         verdict = _VERDICTS.get(key)
         if verdict is None:
             self.counts.probed += 1
@@ -307,6 +310,19 @@ class RowExactness(TorchFunctionMode):
             if not self._same_as_first_repeats(out, big):
                 return "expanded"
         return "exact"
+
+    def _fixed_values(self, func: Any, args: tuple, kwargs: dict) -> tuple:
+        """The values of the operands a proof keeps (:func:`_real_operands`): part of its key
+        (each tensor hashed once per forward while its version stands)."""
+        keep = _real_operands(func, args, kwargs)
+        out = []
+        for v in (*args, *kwargs.values()):
+            if isinstance(v, torch.Tensor) and id(v) in keep:
+                seen = self._digests.get(id(v))
+                if seen is None or seen[0] is not v or seen[1] != v._version:
+                    seen = self._digests[id(v)] = (v, v._version, _digest(v))
+                out.append(seen[2])
+        return tuple(out)
 
     # ----------------------------------------------------------------------------- DynamicCache's rows
     def _on_dynamic_rows(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -373,17 +389,12 @@ def _real_operands(func: Any, args: tuple, kwargs: dict) -> frozenset[int]:
     return frozenset(keep)
 
 
-def _fixed_values(func: Any, args: tuple, kwargs: dict) -> tuple:
-    """The values of the operands a proof keeps (:func:`_real_operands`): part of its key."""
-    keep = _real_operands(func, args, kwargs)
-    out = []
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor) and id(v) in keep:
-            flat = v.detach().cpu().reshape(-1).clone()
-            if flat.is_floating_point():
-                flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-            out.append((tuple(v.shape), hash(flat.numpy().tobytes())))
-    return tuple(out)
+def _digest(t: torch.Tensor) -> tuple:
+    """``t``'s shape and a hash of its bytes."""
+    flat = t.detach().cpu().reshape(-1).clone()
+    if flat.is_floating_point():
+        flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    return tuple(t.shape), hash(flat.numpy().tobytes())
 
 
 def _synthetic(value: Any, generator: torch.Generator, draw: int, *, keep: frozenset[int]) -> Any:
