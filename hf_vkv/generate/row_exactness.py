@@ -236,7 +236,7 @@ class RowExactness(TorchFunctionMode):
         self.counts = _Counts()
         # the digests of the kept operands seen in this forward (an attention mask is one tensor passed to
         # every layer): tensor id -> (the tensor, kept alive so its id is not reused; its version; digest)
-        self._digests: dict[int, tuple[torch.Tensor, int, tuple]] = {}
+        self._digests: dict[int, tuple[torch.Tensor, int | None, tuple]] = {}
 
     @property
     def expanded(self) -> int:
@@ -318,9 +318,10 @@ class RowExactness(TorchFunctionMode):
         out = []
         for v in (*args, *kwargs.values()):
             if isinstance(v, torch.Tensor) and id(v) in keep:
+                version = _version_of(v)
                 seen = self._digests.get(id(v))
-                if seen is None or seen[0] is not v or seen[1] != v._version:
-                    seen = self._digests[id(v)] = (v, v._version, _digest(v))
+                if seen is None or seen[0] is not v or version is None or seen[1] != version:
+                    seen = self._digests[id(v)] = (v, version, _digest(v))
                 out.append(seen[2])
         return tuple(out)
 
@@ -387,6 +388,15 @@ def _real_operands(func: Any, args: tuple, kwargs: dict) -> frozenset[int]:
         if isinstance(mask, torch.Tensor):
             keep.add(id(mask))
     return frozenset(keep)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place change), or ``None`` for an inference
+    tensor, which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _digest(t: torch.Tensor) -> tuple:

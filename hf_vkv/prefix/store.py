@@ -264,14 +264,18 @@ class PrefixStore:
         135M model), remembered for the last model asked about while it is alive and its
         parameters keep their storage and versions (an in-place update through ``torch`` bumps a
         version; one through ``param.data`` does not and is not seen)."""
-        key = tuple((p.data_ptr(), p._version, tuple(p.shape)) for p in model.parameters())
+        try:
+            key: tuple | None = tuple((p.data_ptr(), p._version, tuple(p.shape)) for p in model.parameters())
+        except RuntimeError:  # parameters made under torch.inference_mode keep no version: nothing remembered
+            key = None
         with self._lock:
             seen = self._weights_seen
-            if seen is not None and seen[0]() is model and seen[1] == key:
+            if key is not None and seen is not None and seen[0]() is model and seen[1] == key:
                 return seen[2]
         digest = weights_fingerprint(model)
-        with self._lock:
-            self._weights_seen = (weakref.ref(model), key, digest)
+        if key is not None:
+            with self._lock:
+                self._weights_seen = (weakref.ref(model), key, digest)
         return digest
 
     @property
