@@ -57,7 +57,8 @@ from ..devices import policy_for
 from .names import CACHE_NAMES
 from .row_exactness import InexactRows, RowExactness
 
-__all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim", "unique_prompts"]
+__all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim", "unique_prompts",
+           "vkv_cache_of"]
 
 #: Keys of ``model_kwargs`` whose tensors are not indexed by row.
 _NOT_ROWS = frozenset({"cache_position", "logits_to_keep", "head_mask", "decoder_head_mask", "cross_attn_head_mask"})
@@ -79,7 +80,7 @@ class _Unplaced(Exception):
     """An input whose row dimension this module does not know."""
 
 
-def _vkv_cache(model_kwargs: dict) -> tuple[Any, VKVCache] | None:
+def vkv_cache_of(model_kwargs: dict) -> tuple[Any, VKVCache] | None:
     """``(the cache generate passes, its VKVCache part)`` or ``None`` for any other cache."""
     for name in CACHE_NAMES:
         outer = model_kwargs.get(name)
@@ -325,7 +326,7 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
             *args: Any, **kwargs: Any) -> Any:
     """``GenerationMixin._prefill`` (``original``) run once per prompt where exact (see the module
     docstring); any other cache, or a prefill it cannot serve, goes to ``original`` unchanged."""
-    found = _vkv_cache(model_kwargs)
+    found = vkv_cache_of(model_kwargs)
     if found is None:
         return original(model, input_ids, generation_config, model_kwargs, *args, **kwargs)
     outer, cache = found

@@ -146,17 +146,6 @@ def _map_ahead(model_inputs: Any) -> None:
         past.map_ahead(ids.shape[-1] if ids is not None else None)
 
 
-def _vkv_cache(cache: Any) -> VKVCache | None:
-    """The VKVCache in a cache ``generate`` holds (an encoder-decoder cache's self-attention part)."""
-    if isinstance(cache, VKVEncoderDecoderCache):
-        cache = cache.self_attention_cache
-    return cache if isinstance(cache, VKVCache) else None
-
-
-def _cache_in(model_kwargs: dict) -> Any:
-    return next((model_kwargs[name] for name in CACHE_NAMES if model_kwargs.get(name) is not None), None)
-
-
 def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwargs: dict, generation_mode: Any,
                    batch_size: int, max_cache_length: int, *args: Any, **kwargs: Any) -> Any:
     def transformers_own() -> Any:
@@ -225,7 +214,8 @@ def _prefill(original: Any, model: Any, input_ids: Any, generation_config: Any, 
     """``GenerationMixin._prefill``: rows start from stored prefixes (a call with a store), then
     the prompt's forward runs once per prompt where the rows repeat prompts (prefill once, which
     runs ``original``)."""
-    cache = _vkv_cache(_cache_in(model_kwargs))
+    found = prefill_once.vkv_cache_of(model_kwargs)
+    cache = None if found is None else found[1]
     call = None if cache is None else cache.call
     if call is not None:
         reuse.start(call, cache, model, input_ids, model_kwargs)
@@ -239,8 +229,8 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
     """A decoding loop of ``generate`` (``_sample``, ``_beam_search``, ``_assisted_decoding``):
     when it returns, a call with a prefix store inserts its finished rows; however it ends, the
     call's record leaves the cache, and a cache the call built is closed if the loop raised."""
-    outer = _cache_in(model_kwargs)
-    cache = _vkv_cache(outer)
+    found = prefill_once.vkv_cache_of(model_kwargs)
+    cache = None if found is None else found[1]
     call = None if cache is None else cache.call
     if call is None:
         return original(model, input_ids, *args, **model_kwargs)

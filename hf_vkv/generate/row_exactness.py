@@ -39,6 +39,7 @@ fails on synthetic operands), the call runs on DynamicCache's rows.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -151,6 +152,7 @@ def _tail_offsets(tails: list[tuple[int, int]], rows: int, row: int) -> list[fro
     return [frozenset(o) for o in out]
 
 
+@functools.lru_cache(maxsize=1024)
 def same_lanes(numel: int, itemsize: int, *, prompts: int, repeats: int, threads: int) -> bool:
     """Whether an elementwise loop over a contiguous ``numel`` elements laid out as ``prompts``
     rows computes each element on the same path (vector body or scalar tail) as the loop over the
@@ -234,6 +236,7 @@ class RowExactness(TorchFunctionMode):
         self.watching = False
         self.base_calls = 0  # forwards of the watched module (the caller switches ``watching``)
         self.counts = _Counts()
+        self._machine = _machine()  # read once: settings do not change inside one forward
         # the digests of the kept operands seen in this forward (an attention mask is one tensor passed to
         # every layer): tensor id -> (the tensor, kept alive so its id is not reused; its version; digest)
         self._digests: dict[int, tuple[torch.Tensor, int | None, tuple]] = {}
@@ -270,7 +273,7 @@ class RowExactness(TorchFunctionMode):
         if func in lane_functions():
             return self._same_lanes(operands)
         key = (func, _describe(args), _describe(kwargs), self.prompts, self.repeats, torch.get_num_threads(),
-               _machine(), self._fixed_values(func, args, kwargs))
+               self._machine, self._fixed_values(func, args, kwargs))
         verdict = _VERDICTS.get(key)
         if verdict is None:
             self.counts.probed += 1
@@ -294,9 +297,10 @@ class RowExactness(TorchFunctionMode):
         """The verdict of :data:`PROOF_DRAWS` synthetic draws of the call's operands (same layout,
         other values), each run on the ``B`` rows and on their expansion to ``B*k``."""
         generator = torch.Generator().manual_seed(0)
+        keep = _real_operands(func, args, kwargs)
         for draw in range(PROOF_DRAWS):
             def fake(value: Any) -> Any:
-                return _synthetic(value, generator, draw, keep=_real_operands(func, args, kwargs))
+                return _synthetic(value, generator, draw, keep=keep)
 
             try:
                 fake_args = tuple(fake(a) for a in args)
