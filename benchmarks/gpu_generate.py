@@ -33,6 +33,7 @@ The JSON says which one ran.
 
     python benchmarks/gpu_generate.py                        # the full grid
     python benchmarks/gpu_generate.py --contexts 1024 --batches 1 8 --new-tokens 64 --repeats 1  # quick
+    python benchmarks/gpu_generate.py --dry-run ...          # the cells these arguments run, no GPU needed
 
 Writes ``benchmarks/results/gpu_generate.json``. Exits with a message on a machine without a GPU.
 """
@@ -248,6 +249,14 @@ def describe(r: dict) -> str:
     return (f"{head} {speed} kv {r['kv_bytes'] / 2**20:9.1f} MiB{extra} identical {r.get('tokens_identical')}")
 
 
+def cells_of(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """(context, batch, beams) of every cell, in the order they run."""
+    cells = [(c, b, 1) for c in args.contexts for b in args.batches]
+    if args.beam_context:
+        cells.append((args.beam_context, 1, 4))
+    return cells
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -260,7 +269,17 @@ def main() -> int:
     parser.add_argument("--model", choices=("auto", "smollm2", "smollm2-random"), default="auto")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "gpu_generate.json")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the cells these arguments would run and exit (no GPU needed)")
     args = parser.parse_args()
+    if args.dry_run:
+        for context, batch, beams in cells_of(args):
+            caches = args.caches if beams == 1 else [c for c in args.caches if c != "static"]
+            new = args.new_tokens if beams == 1 else args.beam_new_tokens
+            print(f"ctx {context:6d} batch {batch:3d} beams {beams} new {new:4d} caches {' '.join(caches)}"
+                  f" x {args.repeats}")
+        print(f"model {args.model}, {args.dtype}; JSON {args.json}")
+        return 0
     if not torch.cuda.is_available():
         sys.exit("gpu_generate.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
 
@@ -282,10 +301,7 @@ def main() -> int:
     warm = torch.randint(10, vocab, (1, 256), generator=torch.Generator().manual_seed(1)).to(device)
     for cache in args.caches:  # untimed: lazy CUDA, cuBLAS and allocator initialization
         run_cell(model, warm, cache=cache, new_tokens=8, log=log, repeats=1)
-    cells = [(c, b, 1) for c in args.contexts for b in args.batches]
-    if args.beam_context:
-        cells.append((args.beam_context, 1, 4))
-    for context, batch, beams in cells:
+    for context, batch, beams in cells_of(args):
         gen = torch.Generator().manual_seed(context * 31 + batch)
         ids = torch.randint(10, vocab, (batch, context), generator=gen).to(device)
         caches = args.caches if beams == 1 else [c for c in args.caches if c != "static"]

@@ -364,6 +364,46 @@ def doctor(args: argparse.Namespace) -> int:
     return doctor_exit_code(checks)
 
 
+# ---------------------------------------------------------------------------------------- serve
+def serving_default_mib() -> int:
+    from .generate.serving import DEFAULT_STORE_BYTES
+
+    return DEFAULT_STORE_BYTES >> 20
+
+
+SERVE_EPILOG = """Every other argument is transformers serve's own (`transformers serve --help`), passed as it is:
+the model to preload ('default': the embedded SmolLM2), --host, --port, --continuous-batching, ...
+Each model the server loads generates with cache_implementation="vkv" and one prefix store, so a
+conversation prefills only what no earlier request computed (docs/serve.md)."""
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``hf-vkv serve``: transformers' own server, each model generating with vkv and its prefix store."""
+    from .generate import serving
+    from .generate.registry import register_serving
+
+    os.environ[serving.STORE_BYTES_ENV] = str(args.prefix_store_mib << 20)
+    rest = list(args.serve_args)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    if rest and rest[0] == DEFAULT_MODEL:
+        from .default_model import default_model_dir, load_default_model
+
+        load_default_model()  # converts the embedded GGUF to a model folder on first use
+        rest[0] = str(default_model_dir())
+    try:
+        register_serving()
+    except ImportError as exc:
+        parser.error(str(exc))
+    from transformers.cli.transformers import app
+
+    try:
+        app(["serve", *rest], prog_name="hf-vkv serve")
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
 # ----------------------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
     from .ab.bench_args import add_arguments, add_shared_prompt_arguments, int_at_least
@@ -435,6 +475,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=count, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the turns as JSON (hf_vkv.chat/1)")
     p.set_defaults(func=chat, command_parser=p)
+
+    p = sub.add_parser("serve", help="transformers' own OpenAI-compatible server (`transformers serve`), every model "
+                       "generating with vkv and one prefix store: a chat turn prefills only its new tokens",
+                       epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefix-store-mib", type=count, default=serving_default_mib(),
+                   help="each model's prefix store budget, least recently used evicted first (default: %(default)s)")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="transformers serve's arguments")
+    p.set_defaults(func=serve, command_parser=p)
 
     p = sub.add_parser("bench", help="decode-step benchmark grid: DynamicCache, an ideal cache and each vkv layout "
                        "(and optionally generate() A/B runs), as a table and JSON")

@@ -1,7 +1,19 @@
 #!/usr/bin/env bash
 # The GPU verification of hf_vkv's CUDA path, in stages that each fit one device-tool call.
 #
-#   scripts/gpu_check.sh STAGE        (STAGE = 1 .. 6, or "list")
+#   scripts/gpu_check.sh quick        the first thing to run when a GPU is at hand: <= 7 minutes
+#   scripts/gpu_check.sh quick --plan its parts, in the order they run, with their time budgets
+#   scripts/gpu_check.sh STAGE        (STAGE = 1 .. 6, or "list"): the long stages, for spare time
+#
+#   quick  in one call, each part bounded by its own timeout, most valuable first: the bindings and
+#      backend on the device (tests/gpu/test_gpu_backend.py, gpu_vmm.py --pages 64); token identity
+#      with DynamicCache of greedy / beams / sampling in fp16 and bf16 on a SmolLM2-shaped llama
+#      whose rows cross 2 MiB pages; a decode table (vkv, DynamicCache, StaticCache at 1k and 4k x
+#      batch 1 and 8, 128 new tokens) with KV bytes; then the fake-driver unit tests of the CUDA
+#      path. Without a GPU it runs the CPU-side parts (the pytest selections and the benchmarks'
+#      arguments resolve, the fake-driver tests), names what it skipped, and exits 0 if they pass.
+#      Writes gpu_check_quick.{log,json} (the JSON rewritten after every part) and the benchmark
+#      JSONs gpu_vmm_quick.json, gpu_generate_quick.json into benchmarks/results/ and $OUT.
 #
 #   1  bindings, driver rules, backend, DLPack on the device + driver-latency benchmark (gpu_vmm.py)
 #   2  generate() token identity: fp16/bf16 x sdpa/eager x greedy/beams/sampling, tiny models and
@@ -22,8 +34,167 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage="${1:-list}"
+
+# ------------------------------------------------------------------------------------ quick
+# Parts, most valuable first: "name|budget_s|what|JSONs it writes into $results|command" (the
+# command runs under `timeout` in bash -c, with $results and $progress set). Device parts run
+# where torch sees a CUDA GPU; the CPU parts run where it does not (the fake-driver tests run in
+# both). The budgets add up to 390 s; QUICK_BUDGET (400 s) bounds
+# the whole stage: a part gets min(its budget, what is left - 10 s of kill grace), and a part left
+# with under 5 s is skipped and said so. Environment (for tests and reruns): GPU_CHECK_PARTS
+# (names to run, default all), GPU_CHECK_RESULTS (default benchmarks/results), QUICK_BUDGET,
+# GPU_CHECK_FORCE_MODE (device or cpu: the flow of that mode whatever torch says, for the tests).
+QUICK_IDENTITY=(  # modes and dtypes interleaved: a part cut short still saw each mode and dtype
+  "tests/gpu/test_gpu_generate.py::test_smollm2_shape_rows_cross_several_pages[fp16-sdpa-greedy]"
+  "tests/gpu/test_gpu_generate.py::test_smollm2_shape_rows_cross_several_pages[bf16-sdpa-beams]"
+  "tests/gpu/test_gpu_generate.py::test_smollm2_shape_rows_cross_several_pages[fp16-sdpa-sampling]"
+  "tests/gpu/test_gpu_generate.py::test_smollm2_shape_rows_cross_several_pages[bf16-sdpa-greedy]"
+  "tests/gpu/test_gpu_generate.py::test_smollm2_shape_rows_cross_several_pages[fp16-sdpa-beams]"
+  "tests/gpu/test_gpu_generate.py::test_smollm2_shape_rows_cross_several_pages[bf16-sdpa-sampling]"
+  "tests/gpu/test_gpu_generate.py::test_pages_go_back_after_generate"
+)
+QUICK_BINDINGS=(tests/gpu/test_gpu_backend.py)
+QUICK_CPU_UNIT=(tests/unit/test_cuda_dlpack.py tests/unit/test_cuda_driver_rules.py tests/unit/test_cuda_memory.py
+                tests/unit/test_cuda_backend.py tests/unit/test_cuda_no_holes.py)
+QUICK_TABLE=(--model smollm2-random --dtype bf16 --contexts 1024 4096 --batches 1 8 --caches dynamic static vkv
+             --repeats 1 --new-tokens 128 --beam-context 0)
+QUICK_VMM=(--pages 64)
+QUICK_DEVICE_PARTS=(
+  "bindings|55|the CUDA bindings and backend on the device: tests/gpu/test_gpu_backend.py (maps, zero-copy views, aliasing, copy-on-write, the unmap wait and its negative control, the readable reservation, memory given back)||quick_pytest bindings -m gpu \"\${QUICK_BINDINGS[@]}\""
+  "bindings-vmm|25|per-call latency of the driver's VMM calls and the backend's map/unmap: gpu_vmm.py --pages 64|gpu_vmm_quick.json|python3 benchmarks/gpu_vmm.py \"\${QUICK_VMM[@]}\" --out \"\$results/gpu_vmm_quick.json\""
+  "identity|140|token identity with DynamicCache, greedy / beams (3, 2 returned) / sampling (3 returned) x fp16 / bf16 (sdpa) on a SmolLM2-shaped llama (30 layers x 3 KV heads x 64, ~91 tokens a 2 MiB page; 150 + 130 tokens, rows over 2-4 pages), then pages given back after generate||quick_pytest identity -m gpu \"\${QUICK_IDENTITY[@]}\""
+  "table|135|decode table: gpu_generate.py, vkv vs DynamicCache vs StaticCache (no compile), 1k and 4k tokens x batch 1 and 8, 128 new tokens, bf16, SmolLM2's shape: decode tokens/s, KV bytes, mapping share, token identity|gpu_generate_quick.json|python3 benchmarks/gpu_generate.py \"\${QUICK_TABLE[@]}\" --json \"\$results/gpu_generate_quick.json\""
+  "cpu-unit|35|the fake-driver / CPU tests of the CUDA path (tests/unit/test_cuda_*.py) on this torch and transformers||quick_pytest cpu-unit \"\${QUICK_CPU_UNIT[@]}\""
+)
+QUICK_CPU_PARTS=(
+  "preflight-collect|60|the quick stage's pytest selections resolve (collect-only: the bindings, identity and fake-driver tests)||python3 -m pytest -q --collect-only -p no:cacheprovider \"\${QUICK_BINDINGS[@]}\" \"\${QUICK_IDENTITY[@]}\" \"\${QUICK_CPU_UNIT[@]}\""
+  "preflight-table|40|the decode table's arguments parse and name its cells: gpu_generate.py --dry-run||python3 benchmarks/gpu_generate.py \"\${QUICK_TABLE[@]}\" --json \"\$results/gpu_generate_quick.json\" --dry-run"
+  "preflight-vmm|40|gpu_vmm.py imports and parses its arguments, then stops for want of a GPU||quick_expect_no_gpu python3 benchmarks/gpu_vmm.py \"\${QUICK_VMM[@]}\" --out \"\$results/gpu_vmm_quick.json\""
+  "cpu-unit|120|the fake-driver / CPU tests of the CUDA path (tests/unit/test_cuda_*.py)||quick_pytest cpu-unit \"\${QUICK_CPU_UNIT[@]}\""
+)
+QUICK_SKIPPED_WITHOUT_GPU=(bindings bindings-vmm identity table)
+
+quick_pytest() {  # NAME ARGS...: pytest with each test's outcome appended to $progress as it ends
+  local name=$1; shift
+  PYTHONPATH="$PWD/tests/gpu:$PYTHONPATH" GPU_CHECK_PROGRESS="$progress" \
+    python3 -m pytest -q -rs -p no:cacheprovider -p gpu_check_report "$@"
+}
+
+quick_expect_no_gpu() {  # CMD...: passes when CMD exits 1 saying it needs a CUDA GPU (its imports and arguments are fine)
+  local out rc
+  out=$("$@" 2>&1); rc=$?
+  echo "$out"
+  [[ $rc == 1 && "$out" == *"needs a CUDA GPU"* ]]
+}
+
+quick_plan() {  # MODE: "MODE NAME BUDGET WHAT" per part, in the order they run
+  local mode=$1 spec name budget what writes rest
+  local -n specs=$2
+  for spec in "${specs[@]}"; do
+    IFS='|' read -r name budget what writes rest <<<"$spec"
+    printf '%s\t%s\t%s\t%s\n' "$mode" "$name" "$budget" "$what"
+  done
+}
+
+quick_stage() {
+  if [[ "${1:-}" == --plan ]]; then
+    quick_plan device QUICK_DEVICE_PARTS
+    quick_plan cpu QUICK_CPU_PARTS
+    printf 'budget\t%s\n' "${QUICK_BUDGET:-400}"
+    return 0
+  fi
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+  results="${GPU_CHECK_RESULTS:-benchmarks/results}"
+  mkdir -p "$results"
+  local budget="${QUICK_BUDGET:-400}" start=$SECONDS report="$results/gpu_check_quick.json"
+  local log="$results/gpu_check_quick.log" scratch rc=0
+  scratch=$(mktemp -d)
+  local logs=("$log")
+  if [[ -n "${OUT:-}" ]]; then mkdir -p "$OUT"; logs+=("$OUT/gpu_check_quick.log"); fi
+  : >"$log"
+  exec 3>&1 4>&2
+  exec > >(tee -a "${logs[@]}") 2>&1  # the log reaches $OUT as it is written
+  local tee_pid=$!
+
+  local probe device mode
+  [[ -n "${GPU_CHECK_FORCE_MODE:-}" ]] && probe="$GPU_CHECK_FORCE_MODE|torch not asked" ||
+  probe=$(timeout 60 python3 - <<'PY' 2>/dev/null
+import importlib.util
+import torch
+if not torch.cuda.is_available():
+    print("cpu|torch.cuda.is_available() is False")
+else:
+    try:
+        bindings = importlib.util.find_spec("cuda.bindings") is not None
+    except ModuleNotFoundError:
+        bindings = False
+    print(f"device|{torch.cuda.get_device_name()}, torch {torch.__version__}, cuda-bindings {'found' if bindings else 'MISSING (the device tests will skip: scripts/gpu_wheels.sh)'}")
+PY
+  ) || probe="cpu|torch could not be asked (python3 -c 'import torch' failed or hung)"
+  mode=${probe%%|*}; device=${probe#*|}
+  [[ -n "${GPU_CHECK_FORCE_MODE:-}" ]] && device="$device: mode $mode forced by GPU_CHECK_FORCE_MODE"
+  echo "gpu_check quick: $mode mode: $device; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi')"
+  echo "gpu_check quick: budget ${budget} s in all, each part bounded by its own timeout; results in $results${OUT:+ and $OUT}"
+  python3 tests/gpu/gpu_check_report.py start "$report" "$mode" "$device" "$budget"
+
+  if [[ $mode == device ]]; then local -n parts=QUICK_DEVICE_PARTS; else local -n parts=QUICK_CPU_PARTS; fi
+  local wanted=" ${GPU_CHECK_PARTS:-} " spec name part_budget what writes cmd left limit t0 prc files f
+  if [[ $mode != device ]]; then
+    local skipped=() s
+    for spec in "${QUICK_DEVICE_PARTS[@]}"; do
+      IFS='|' read -r name part_budget what writes cmd <<<"$spec"
+      [[ " ${QUICK_SKIPPED_WITHOUT_GPU[*]} " == *" $name "* ]] || continue
+      skipped+=("$name")
+      python3 tests/gpu/gpu_check_report.py skip "$report" "$name" "$what" "no CUDA GPU here ($device)"
+    done
+    echo "gpu_check quick: SKIPPED, no CUDA GPU here ($device): the device parts ${skipped[*]}:"
+    for spec in "${QUICK_DEVICE_PARTS[@]}"; do
+      IFS='|' read -r name part_budget what writes cmd <<<"$spec"
+      [[ " ${skipped[*]} " == *" $name "* ]] && echo "  - $name: $what"
+    done
+    echo "gpu_check quick: running the CPU-side parts only"
+  fi
+  for spec in "${parts[@]}"; do
+    IFS='|' read -r name part_budget what writes cmd <<<"$spec"
+    if [[ -n "${GPU_CHECK_PARTS:-}" && "$wanted" != *" $name "* ]]; then
+      python3 tests/gpu/gpu_check_report.py skip "$report" "$name" "$what" "not in GPU_CHECK_PARTS"
+      echo "== $name: skipped (not in GPU_CHECK_PARTS)"; continue
+    fi
+    left=$(( budget - (SECONDS - start) - 10 ))
+    limit=$(( part_budget < left ? part_budget : left ))
+    if (( limit < 5 )); then
+      python3 tests/gpu/gpu_check_report.py skip "$report" "$name" "$what" "no time left in the stage's ${budget} s"
+      echo "== $name: SKIPPED, no time left in the stage's ${budget} s"; continue
+    fi
+    echo "== $name (timeout ${limit} s): $what"
+    progress="$scratch/$name.jsonl"
+    t0=$SECONDS
+    timeout -s INT -k 10 "$limit" bash -c "$(declare -p QUICK_IDENTITY QUICK_BINDINGS QUICK_CPU_UNIT QUICK_TABLE QUICK_VMM)
+      $(declare -f quick_pytest quick_expect_no_gpu); results='$results'; progress='$progress'; $cmd"
+    prc=$?
+    (( prc == 124 || prc == 137 )) && echo "== $name: TIMED OUT after ${limit} s (what it measured is kept)"
+    files=()
+    for f in $writes; do files+=("$results/$f"); done
+    python3 tests/gpu/gpu_check_report.py part "$report" "$name" "$what" "$part_budget" "$limit" \
+      "$(( SECONDS - t0 ))" "$prc" "$progress" "${files[@]}"
+    (( prc != 0 && rc == 0 )) && rc=$prc
+    if [[ -n "${OUT:-}" ]]; then cp "$report" "${files[@]}" "$OUT/" 2>/dev/null; fi
+  done
+  python3 tests/gpu/gpu_check_report.py finish "$report" "$rc" "$(( SECONDS - start ))"
+  [[ -n "${OUT:-}" ]] && cp "$report" "$OUT/"
+  echo "gpu_check quick: $mode mode, exit $rc after $(( SECONDS - start )) s; $report"
+  rm -rf "$scratch"
+  exec 1>&3 2>&4 3>&- 4>&-
+  wait "$tee_pid" 2>/dev/null  # the log complete before the device tool collects $OUT
+  return "$rc"
+}
+
+if [[ "$stage" == quick ]]; then
+  quick_stage "${@:2}"
+  exit $?
+fi
 if [[ "$stage" == list || ! "$stage" =~ ^[1-6]$ ]]; then
-  sed -n '2,20p' "$0"; exit 2
+  sed -n '2,33p' "$0"; exit 2
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 results=benchmarks/results

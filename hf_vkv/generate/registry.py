@@ -44,6 +44,16 @@ the others read from the cache transformers hands them (never from module state)
 6. ``PreTrainedModel.set_attn_implementation``: transformers only warns for a model whose
    attention bypasses the attention interface; for ``"vkv_paged"`` every sub-model is checked
    first, so such a model raises instead.
+
+:func:`register_serving` (called by ``hf-vkv serve``, not by ``import hf_vkv``: it imports
+transformers' server, an extra) adds :func:`serving_patches`:
+
+7. ``GenerateManager.generate_streaming`` and ``generate_non_streaming`` of
+   ``transformers.cli.serving.utils`` (the server's default path, one ``model.generate()`` per
+   request): the request's config generates with vkv and the model's prefix store
+   (:mod:`hf_vkv.generate.serving`);
+8. ``transformers.cli.serving.server.build_server`` (a function of that module): the app it builds
+   answers an hf_vkv error with an HTTP 400 naming the problem.
 """
 
 from __future__ import annotations
@@ -64,12 +74,13 @@ from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..cache.export import register_pytree
 from ..cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys
-from ..memory.errors import CacheOptionError
-from . import prefill_once, reuse
+from ..memory.errors import CacheOptionError, VKVError
+from . import prefill_once, reuse, serving
 from .call import begin, end
 from .names import CACHE_IMPLEMENTATION, CACHE_NAMES, cache_kwarg
 
-__all__ = ["CACHE_IMPLEMENTATION", "CACHE_NAMES", "PATCH_MARK", "Patch", "cache_kwarg", "patches", "register"]
+__all__ = ["CACHE_IMPLEMENTATION", "CACHE_NAMES", "PATCH_MARK", "Patch", "cache_kwarg", "patches", "register",
+           "register_serving", "serving_patches"]
 
 #: Attribute marking a method :func:`_install` wrapped (so a second ``register`` wraps nothing).
 PATCH_MARK = "_hf_vkv_patch"
@@ -81,7 +92,7 @@ DECODING_LOOPS = ("_sample", "_beam_search", "_assisted_decoding")
 class Patch:
     """``owner.name`` becomes a method calling ``around(original, self, *args, **kwargs)``."""
 
-    owner: type
+    owner: Any  # a class (or a module: its function is patched the same way)
     name: str
     around: Callable[..., Any]
 
@@ -109,6 +120,27 @@ def register() -> None:
             *configuration_utils.ALL_CACHE_IMPLEMENTATIONS, CACHE_IMPLEMENTATION
         )
     for patch in patches():
+        _install(patch)
+
+
+def serving_patches() -> tuple[Patch, ...]:
+    """The methods of transformers' server vkv wraps (item 7 of this module's docstring); imports
+    the server, which needs ``pip install "hf_vkv[serve]"``."""
+    try:
+        from transformers.cli.serving import server
+        from transformers.cli.serving.utils import GenerateManager
+    except ImportError as exc:
+        raise ImportError('hf-vkv serve needs transformers\' server (transformers >= 5.24 with its serving extra): '
+                          'pip install "hf_vkv[serve]"') from exc
+    return (Patch(GenerateManager, "generate_streaming", _serve_request),
+            Patch(GenerateManager, "generate_non_streaming", _serve_request),
+            Patch(server, "build_server", _serve_app))
+
+
+def register_serving() -> None:
+    """:func:`register`, and transformers' server generating with vkv (safe to call many times)."""
+    register()
+    for patch in serving_patches():
         _install(patch)
 
 
@@ -244,3 +276,18 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
     finally:
         end(cache)
     return out
+
+
+def _serve_request(original: Any, manager: Any, model: Any, processor: Any, inputs: Any, gen_config: Any,
+                     *args: Any, **kwargs: Any) -> Any:
+    """The server's ``generate`` of a request (streaming, or non-streaming as a coroutine): the
+    request's config with vkv and the model's store (a bad request raises before anything runs)."""
+    serving.prepare_request(model, inputs, gen_config)
+    return original(manager, model, processor, inputs, gen_config, *args, **kwargs)
+
+
+def _serve_app(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """The server's app, answering an hf_vkv error with an HTTP 400 naming it."""
+    app = original(*args, **kwargs)
+    app.add_exception_handler(VKVError, serving.error_response)
+    return app

@@ -53,13 +53,16 @@ from . import prefill_once
 from .call import GenerateCall, begin
 from .names import CACHE_NAMES, cache_kwarg
 
-__all__ = ["attach", "count_prefill", "finish", "memory_for", "model_refusal", "split_prefix_store", "start"]
+__all__ = ["attach", "count_prefill", "finish", "memory_conflict", "memory_for", "model_refusal", "split_prefix_store", "start"]
 
 #: Inputs of ``generate``'s prefill that token ids (and left padding) fully describe, or that
 #: change nothing the store holds: any other input that is set (pixel values, image features,
 #: ``mm_encoder_outputs``, ``inputs_embeds``, token type ids, ...) makes reuse step aside.
 _TEXT_INPUTS = frozenset({"attention_mask", "cache_position", "use_cache", "output_attentions",
-                          "output_hidden_states", "return_dict", "logits_to_keep", "position_ids"})
+                          "output_hidden_states", "return_dict", "logits_to_keep", "position_ids",
+                          # generate's own helpers, kept in its model kwargs, never read by the forward
+                          # (stop strings' tokenizer: what transformers' server passes with every request)
+                          "tokenizer", "assistant_tokenizer"})
 
 
 # --------------------------------------------------------------------------------- generate's cache
@@ -93,14 +96,24 @@ def memory_for(model: Any, store: PrefixStore, cache_config: dict[str, Any]) -> 
     if model_refusal(model, store) is not None:
         return None
     memory = store.memory(model.device)
+    conflict = memory_conflict(memory, cache_config)
+    if conflict is not None:
+        key, given, held = conflict
+        raise CacheOptionError(
+            f"cache_config[{key!r}]={given!r} with a prefix_store: a call's cache draws from the store's memory "
+            f"({key}={held!r}), so that its rows can share the stored pages. Give it to the store instead: "
+            f"hf_vkv.PrefixStore(model.config, cache_config={{{key!r}: {given!r}}}), or drop the prefix_store")
+    return memory
+
+
+def memory_conflict(memory: VKVCache, cache_config: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """``(key, given, the store's)`` for a memory option of ``cache_config`` that differs from the
+    store's ``memory`` (``None``: the call can draw from it)."""
     for key in ("page_bytes", "budget_bytes"):
         given, held = cache_config.get(key), getattr(memory.options, key)
         if given is not None and given != held:
-            raise CacheOptionError(
-                f"cache_config[{key!r}]={given!r} with a prefix_store: a call's cache draws from the store's memory "
-                f"({key}={held!r}), so that its rows can share the stored pages. Give it to the store instead: "
-                f"hf_vkv.PrefixStore(model.config, cache_config={{{key!r}: {given!r}}}), or drop the prefix_store")
-    return memory
+            return key, given, held
+    return None
 
 
 def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows: int, num_beams: int,

@@ -218,3 +218,23 @@ def test_no_call_state_in_module_globals() -> None:
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not found, found
     assert not hasattr(hf_vkv, "last_report")
+
+
+@pytest.mark.threads(1, 2)
+def test_generates_own_helpers_in_its_kwargs_do_not_stop_reuse() -> None:
+    """``generate(tokenizer=...)`` (what transformers' server passes with every request, for stop
+    strings) keeps the tokenizer in the model kwargs; the forward never reads it, so reuse applies,
+    with DynamicCache's tokens."""
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+    model = tiny("llama", seed=0)
+    store = PrefixStore(model.config)
+    history = _ids(40)
+    _call(model, history, store, tokenizer=tokenizer)
+    follow = torch.cat([history, _ids(5, seed=1)], dim=1)
+    out = _call(model, follow, store, tokenizer=tokenizer)
+    report = reuse_report(out)
+    assert report.refusal is None and report.reused_tokens >= 40
+    assert_same_tokens(out.sequences, _call(model, follow, None).sequences)

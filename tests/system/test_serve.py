@@ -1,0 +1,311 @@
+"""``hf-vkv serve``: transformers' own server generating with vkv and one prefix store per model,
+talked to by real clients (the ``openai`` package, ``transformers chat``) over 127.0.0.1.
+
+Two servers on the embedded SmolLM2, both started here and stopped at the end (bounded in time):
+``hf-vkv serve`` in this process (so the tests can read the model's store) and stock
+``transformers serve`` in a subprocess, the reference: every greedy or seeded answer through vkv's
+server must be the stock server's text.
+"""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+serve_utils = pytest.importorskip("transformers.cli.serving.utils")
+if not hasattr(serve_utils, "GenerateManager"):
+    pytest.skip("this transformers' server has no GenerateManager (hf-vkv serve needs transformers >= 5.24)",
+                allow_module_level=True)
+
+from hf_vkv import PrefixStore  # noqa: E402
+from hf_vkv.default_model import default_model_dir, load_default_model  # noqa: E402
+from hf_vkv.generate import serving  # noqa: E402
+from hf_vkv.generate.registry import register_serving  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+STARTUP_S = 120  # a server that does not answer /health by then fails the test
+REQUEST_S = 120  # per request
+SYSTEM = ("You are the assistant of a small bakery. The bakery opens at seven and closes at six. It sells bread, "
+          "croissants, cakes and coffee. Answer in one short sentence. ") * 3
+QUESTIONS = ["When do you open?", "What do you sell?", "Is there coffee?", "When do you close?"]
+STORE_MIB = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(base: str, deadline: float, proc: subprocess.Popen | None = None) -> None:
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base} did not answer /health within {STARTUP_S} s")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    load_default_model()  # converts the embedded GGUF on first use
+    return str(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def vkv_server(model_dir: str) -> Iterator[dict]:
+    """``hf-vkv serve`` in this process (what ``hf-vkv serve`` runs: register_serving, then
+    transformers' Serve), on a free port of 127.0.0.1."""
+    from transformers.cli.serve import Serve
+
+    register_serving()
+    os.environ[serving.STORE_BYTES_ENV] = str(STORE_MIB << 20)
+    port = _free_port()
+    server = Serve(force_model=model_dir, host="127.0.0.1", port=port, non_blocking=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base, time.monotonic() + STARTUP_S)
+        yield {"base": base, "server": server}
+    finally:
+        server.kill_server()
+
+
+@pytest.fixture(scope="module")
+def stock_server(model_dir: str) -> Iterator[str]:
+    """Stock ``transformers serve`` in a subprocess (no hf_vkv imported), one intra-op thread as here."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop(serving.STORE_BYTES_ENV, None)
+    code = ("import sys, torch; torch.set_num_threads(1); from transformers.cli.transformers import app; "
+            "app(sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", model_dir, "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base, time.monotonic() + STARTUP_S, proc)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=REQUEST_S, max_retries=0)
+
+
+def _store(vkv_server: dict, model_dir: str) -> PrefixStore:
+    """The store of the served model (read through the server's model manager: a test's view)."""
+    manager = vkv_server["server"]._model_manager
+    (timed,) = [m for key, m in manager.loaded_models.items() if key.startswith(model_dir)]
+    store = timed.model.generation_config.cache_config["prefix_store"]
+    assert isinstance(store, PrefixStore)
+    return store
+
+
+def _chat(base: str, model: str, questions: list[str], *, stream: bool = False, **options) -> list[str]:
+    """A multi-turn chat: each answer goes back into the history before the next question."""
+    client = _client(base)
+    messages = [{"role": "system", "content": SYSTEM}]
+    answers = []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        if stream:
+            parts = client.chat.completions.create(model=model, messages=messages, stream=True, **options)
+            answer = "".join(chunk.choices[0].delta.content or "" for chunk in parts if chunk.choices)
+        else:
+            answer = client.chat.completions.create(model=model, messages=messages, **options).choices[0].message.content
+        answers.append(answer)
+        messages.append({"role": "assistant", "content": answer})
+    return answers
+
+
+def test_greedy_chat_is_stock_serves_text_and_each_turn_reuses(vkv_server, stock_server, model_dir):
+    store = _store_after_first_request(vkv_server, model_dir)
+    before = store.stats()
+    ours = _chat(vkv_server["base"], model_dir, QUESTIONS, temperature=0, max_tokens=12)
+    stock = _chat(stock_server, model_dir, QUESTIONS, temperature=0, max_tokens=12)
+    assert ours == stock
+    after = store.stats()
+    assert after.lookups - before.lookups == len(QUESTIONS)
+    # from turn 2 on, the history up to the last answer is in the store
+    assert after.hits - before.hits >= len(QUESTIONS) - 1
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed < (after.prompt_tokens - before.prompt_tokens) / 2
+    store.check_invariants()
+
+
+def _store_after_first_request(vkv_server: dict, model_dir: str) -> PrefixStore:
+    _client(vkv_server["base"]).chat.completions.create(
+        model=model_dir, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0)
+    return _store(vkv_server, model_dir)
+
+
+def test_streaming_seeded_sampling_stop_strings_and_max_tokens_match_stock(vkv_server, stock_server, model_dir):
+    questions = QUESTIONS[:2]
+    for options in ({"temperature": 0, "max_tokens": 10},
+                    {"temperature": 0.8, "max_tokens": 10, "seed": 7},
+                    {"temperature": 0, "max_tokens": 24, "stop": ["."]}):
+        extra = {"extra_body": {"seed": options.pop("seed")}} if "seed" in options else {}
+        ours = _chat(vkv_server["base"], model_dir, questions, stream=True, **options, **extra)
+        stock = _chat(stock_server, model_dir, questions, stream=True, **options, **extra)
+        assert ours == stock, options
+        assert ours == _chat(vkv_server["base"], model_dir, questions, **options, **extra), "streamed != whole"
+    _store(vkv_server, model_dir).check_invariants()
+
+
+def test_a_requests_generation_config_json_with_vkv_options(vkv_server, model_dir):
+    store = _store_after_first_request(vkv_server, model_dir)
+    client = _client(vkv_server["base"])
+
+    def ask(config: dict) -> str:
+        return client.chat.completions.create(
+            model=model_dir, messages=[{"role": "user", "content": QUESTIONS[0]}],
+            extra_body={"generation_config": json.dumps(config)}).choices[0].message.content
+
+    shared = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "vkv",
+              "cache_config": {"prefill_once": True, "share_prompts": True, "max_tokens": 4096}}
+    lookups = store.stats().lookups
+    answer = ask(shared)
+    assert answer and store.stats().lookups == lookups + 1  # the request's own config got the model's store
+    # memory options other than the store's: a cache of the request's own (no lookup), same answer
+    own = {**shared, "cache_config": {"page_bytes": 64 << 10}}
+    assert ask(own) == answer and store.stats().lookups == lookups + 1
+    # another cache named: transformers' own, same answer
+    assert ask({**shared, "cache_implementation": "dynamic", "cache_config": None}) == answer
+    assert store.stats().lookups == lookups + 1
+
+
+def test_bad_requests_are_http_errors_and_the_server_keeps_serving(vkv_server, model_dir):
+    client = _client(vkv_server["base"])
+    store = _store_after_first_request(vkv_server, model_dir)
+    expected = _chat(vkv_server["base"], model_dir, QUESTIONS[:1], temperature=0, max_tokens=8)
+    bad_config = {"max_new_tokens": 4, "cache_config": {"pagebytes": 4096}}
+    with pytest.raises(openai.BadRequestError, match="unknown cache_config key.*pagebytes"):
+        client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body={"generation_config": json.dumps(bad_config)})
+    with pytest.raises(openai.BadRequestError, match="CacheOptionError.*budget_bytes.*smaller than one page"):
+        client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body={"generation_config": json.dumps(
+                                           {"cache_config": {"budget_bytes": 100}})})
+    # more KV than the request's budget: refused when its pages are asked for, nothing kept
+    long_prompt = "Tell me about bread. " * 120
+    tight = {"max_new_tokens": 4, "do_sample": False, "cache_config": {"budget_bytes": 1 << 20}}
+    with pytest.raises(openai.BadRequestError, match="KVCacheOutOfMemory"):
+        client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": long_prompt}],
+                                       extra_body={"generation_config": json.dumps(tight)})
+    with pytest.raises(openai.APIError) as streamed:  # streamed: the server's own error event, after the stream began
+        list(client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": long_prompt}],
+                                            stream=True, extra_body={"generation_config": json.dumps(tight)}))
+    assert "budget" in str(streamed.value.body)
+    # a context over the model's length (SmolLM2: 8192 positions)
+    with pytest.raises(openai.BadRequestError, match="ContextTooLongError.*max_position_embeddings"):
+        client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": "bread " * 9000}],
+                                       max_tokens=2)
+    # a client that goes away mid-stream
+    body = {"model": model_dir, "stream": True, "max_tokens": 200, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count from one to one hundred."}]}
+    host, port = vkv_server["base"].removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=REQUEST_S)
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                       headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    for _ in range(3):
+        response.readline()
+    connection.close()  # gone mid-stream: the server cancels the generation
+    store.check_invariants()
+    assert store.stats().bytes_held <= store.budget_bytes
+    assert _chat(vkv_server["base"], model_dir, QUESTIONS[:1], temperature=0, max_tokens=8) == expected
+
+
+def test_four_concurrent_conversations_each_as_if_alone(vkv_server, model_dir):
+    conversations = [[QUESTIONS[i], QUESTIONS[(i + 1) % 4]] for i in range(4)]
+    alone = [_chat(vkv_server["base"], model_dir, c, temperature=0, max_tokens=8) for c in conversations]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda c: _chat(vkv_server["base"], model_dir, c, temperature=0, max_tokens=8),
+                                 conversations))
+    assert together == alone
+    store = _store(vkv_server, model_dir)
+    store.check_invariants()
+    assert store.stats().bytes_held <= store.budget_bytes == STORE_MIB << 20
+
+
+def test_the_store_survives_the_servers_deep_copy_of_the_generation_config(vkv_server, model_dir):
+    store = _store_after_first_request(vkv_server, model_dir)
+    manager = vkv_server["server"]._model_manager
+    (timed,) = [m for key, m in manager.loaded_models.items() if key.startswith(model_dir)]
+    copied = copy.deepcopy(timed.model.generation_config)
+    assert copied.cache_implementation == "vkv"
+    assert copied.cache_config["prefix_store"] is store
+
+
+def _chat_env() -> dict[str, str]:
+    """``transformers chat``'s client (huggingface_hub's) refuses every URL, 127.0.0.1 too, while
+    HF_HUB_OFFLINE is set: it runs without it, with the hub's endpoint pointed at a closed local
+    port, so that nothing can reach the hub."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    return {**env, "HF_ENDPOINT": "http://127.0.0.1:9", "COLUMNS": "200"}
+
+
+def test_transformers_chat_talks_to_it(vkv_server, model_dir, tmp_path: Path):
+    store = _store_after_first_request(vkv_server, model_dir)
+    lookups = store.stats().lookups
+    code = "import sys; from transformers.cli.transformers import app; app(sys.argv[1:])"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "chat", model_dir, f"{vkv_server['base']}/v1", "max_new_tokens=8",
+         "--save-folder", str(tmp_path)],
+        # "n": do not continue past max_new_tokens
+        input="When do you open?\nn\nAnd close?\nn\n!exit\n", capture_output=True, text=True, timeout=240,
+        env=_chat_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert store.stats().lookups >= lookups + 2, done.stdout[-3000:] + done.stderr[-3000:]
+    store.check_invariants()
+
+
+def test_prepare_request_refuses_before_anything_runs(model_dir):
+    """The request hook alone: a malformed option is a typed error and the model's config keeps its store."""
+    from transformers import GenerationConfig
+
+    from hf_vkv import CacheOptionError
+
+    model, _ = load_default_model()
+    config = GenerationConfig(max_new_tokens=2, cache_config={"layout": "diagonal"})
+    import torch
+
+    inputs = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+    with pytest.raises(CacheOptionError, match="layout"):
+        serving.prepare_request(model, inputs, config)
+    store = serving.store_of(model)
+    assert store is not None and serving.store_of(model) is store
+    good = GenerationConfig(max_new_tokens=2)
+    serving.prepare_request(model, inputs, good)
+    assert good.cache_implementation == "vkv" and good.cache_config["prefix_store"] is store
+    dynamic = GenerationConfig(max_new_tokens=2, cache_implementation="dynamic")
+    serving.prepare_request(model, inputs, dynamic)
+    assert dynamic.cache_implementation == "dynamic" and not dynamic.cache_config
+    with pytest.raises(serving.ContextTooLongError):
+        serving.prepare_request(model, {"input_ids": torch.ones(1, 9000, dtype=torch.long)}, good)
