@@ -23,11 +23,12 @@ from .kv_records import PAGED_ATTENTION
 from .memory import Arena, HostBackend
 from .memory.errors import CacheOptionError, KVCacheOutOfMemory, VKVError
 from .memory.limits import mem_available
+from .memory.map_budget import PROCESS_MAP_BUDGET
 
 __all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SHARED_TOKENS", "CUDA_CREATE_AHEAD", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES",
-           "DevicePolicy", "HEAD_MAJOR_PAGE_BYTES", "HOST_BUDGET_FRACTION", "HOST_PAGE_BYTES", "MAP_AHEAD_TOKENS",
+           "DevicePolicy", "HEAD_MAJOR_BEAM_SUBROW_MAPPINGS", "HEAD_MAJOR_PAGE_BYTES", "HEAD_MAJOR_SUBROW_MAPPINGS", "HOST_BUDGET_FRACTION", "HOST_PAGE_BYTES", "MAP_AHEAD_TOKENS",
            "MIN_COMMON_PREFIX", "PAGED_BLOCK_TOKENS", "PREFIX_STORE_PAGE_BYTES", "UnsupportedDeviceError",
-           "Workload", "arena_for_device", "cascade_refusal", "choose_layout", "default_cuda_budget", "default_host_budget", "layer_devices_of", "policy_for"]
+           "Workload", "WorkloadError", "arena_for_device", "cascade_refusal", "choose_layout", "default_cuda_budget", "head_major_mappings", "default_host_budget", "layer_devices_of", "policy_for"]
 
 #: Fewest tokens a cluster of rows must share for the ``"vkv_cascade"`` attention to read them once,
 #: by intra-op threads, then by the rows in the cluster; ``None``: it did not pay at any length
@@ -116,6 +117,29 @@ PAGED_BLOCK_TOKENS = 16
 #: so the rule stands on the wall times above. Longer prompts keep head-major (its decode steps
 #: read per-head rows); where the two cross between 512 and ~1k tokens is not measured.
 BEAM_TOKEN_MAJOR_MAX_PROMPT = 512
+#: Kernel mappings (``vm.max_map_count``) the layout rule counts per (layer, K/V, head) sub-row of
+#: a head-major row without beams: its run of shared prompt pages, its own pages (a copy of the
+#: prompt's partly written last page, then the pages it grows) and the unmapped rest of its slots,
+#: which no neighbour can merge with. A run of own pages breaks where the pool cannot give the
+#: next consecutive id (a recycled page, an id another row took), so this is the common count, not
+#: a bound. Measured with ``PROCESS_MAP_BUDGET.held`` at every step:
+#:
+#: * SmolLM2-135M, n=96 sampled rows of a 2048-token prompt, 6 new tokens: 51,660 mappings, 2.99
+#:   per sub-row (``benchmarks/results/map_budget_step_2048x96_t1.json``);
+#: * a 4-layer, 4-KV-head tiny Llama (32 sub-rows a row, 64-token pages;
+#:   ``benchmarks/map_budget_layout.py count``, ``benchmarks/results/map_budget_count.json``):
+#:   greedy 2.0, n=8 sampling 2.0 / 3.18 / 2.88 at prompts 20 / 100 / 130 with 6 / 60 / 120 new
+#:   tokens, 4 and 8 beams up to 4.0 (:data:`HEAD_MAJOR_BEAM_SUBROW_MAPPINGS`); token-major at most
+#:   2.0 per row of a group in every case.
+#:
+#: 3, not the 3.18 seen once: a larger count would move rows that run on head-major today to
+#: token-major, whose step is ~1.5x head-major's there (below); a workload that fragments past it
+#: near the limit gets a :class:`~hf_vkv.memory.map_budget.MappingLimitError` before anything
+#: changes, as it did before the rule.
+HEAD_MAJOR_SUBROW_MAPPINGS = 3
+#: The same count under beam search, whose reorders share and drop pages in more runs: 4.0 per
+#: sub-row measured (4 and 8 beams, prompt 100, 60 new tokens, the tiny Llama above).
+HEAD_MAJOR_BEAM_SUBROW_MAPPINGS = 4
 #: Static layout: tokens of every row made writable ahead of the next compiled step when
 #: ``cache_config['map_ahead']`` says nothing (``docs/static_compile.md``).
 MAP_AHEAD_TOKENS = 32
@@ -126,6 +150,10 @@ MIN_COMMON_PREFIX = 32
 
 class UnsupportedDeviceError(VKVError, ValueError):
     """Key/value states arrived on a device no backend of this installation serves."""
+
+
+class WorkloadError(VKVError, ValueError):
+    """A :class:`Workload` field out of range (rows, sub-rows or beams below one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +214,15 @@ class Workload:
     prompt_tokens: int | None = None
     compiling: bool = False  # generate(..., compile_config=...): the step is compiled
     inherited: str | None = None  # the layout of the memory the cache draws from (a prefix store's; "contiguous": the device's default)
+    rows: int | None = None  # rows the cache holds: batch x max(num_beams, num_return_sequences) (None: not known)
+    subrows: int | None = None  # (layer, K/V, head) sub-rows of one row: 2 x the KV heads of every layer vkv stores
+    mappings_free: int | None = None  # mappings vkv may still add (None: the process's MapBudget.available(), read by the rule)
+
+    def __post_init__(self) -> None:
+        for name in ("num_beams", "rows", "subrows"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise WorkloadError(f"Workload.{name} must be a positive int, got {value!r}")
 
 
 def choose_layout(asked: str | None, workload: Workload) -> str | None:
@@ -201,7 +238,37 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
     4. memory inherited from a prefix store: the store's layout (rows share its entries' pages);
     5. CPU beam search over prompts of at most :data:`BEAM_TOKEN_MAJOR_MAX_PROMPT` tokens:
        ``"token_major"``;
-    6. the device's default (:attr:`DevicePolicy.layout`)."""
+    6. rows are limited by memory, never by mappings: where the device's default is head-major
+       and its rows would need more kernel mappings than the process has free
+       (:func:`head_major_mappings` > ``mappings_free``, by default
+       ``PROCESS_MAP_BUDGET.available()``: ``vm.max_map_count`` less its headroom, the rest of
+       the process and what vkv holds), ``"token_major"``, which maps at most ~2 ranges per row
+       of a group instead of ~3 per (layer, K/V, head) sub-row;
+    7. the device's default (:attr:`DevicePolicy.layout`).
+
+    Rule 6, measured (``benchmarks/map_budget_layout.py``, SmolLM2-135M: 30 layers x K/V x 3 KV
+    heads = 180 sub-rows a row, 540 mappings a row by :data:`HEAD_MAJOR_SUBROW_MAPPINGS`, 720
+    under beams; with ``vm.max_map_count`` 65530 the budget leaves vkv 56,406 in a process that
+    loaded the model, so head-major serves up to 104 sampled rows, 78 beam rows, token-major
+    above, whatever the prompt's length):
+
+    * n=128 of an 8192-token prompt, bfloat16, 4 new tokens, default options (before: head-major,
+      ``MappingLimitError`` at the first decode step, holding 46,080 and needing 22,862 more):
+      token-major, 255 mappings held, 212 MiB of KV pages (``stats().resident_bytes``; a
+      DynamicCache would hold 22.5 GiB), wall 349 s, time to first token 302 s, decode step 13.6 s
+      (2 threads shared with other work; ``benchmarks/results/map_budget_real_8192x128_bf16.json``);
+    * what token-major costs where it replaces head-major: n=96 of a 2048-token prompt, float32,
+      6 new tokens, one thread, the layouts interleaved over 3 rounds (each run's median step,
+      then the median): head-major 1.90 s a step holding 51,660 mappings, token-major 3.17 s
+      holding 287 (1.51x; per round 1.79x, 1.51x, 1.43x), the same tokens
+      (``benchmarks/results/map_budget_step_2048x96_t1.json``). So the rule switches only where
+      head-major cannot run: at 96 rows head-major keeps its step.
+
+    Nothing else moves: a workload head-major serves within its mappings keeps it, so its decode
+    step is the one it had. Applies only where nothing was asked or inherited (a prefix store's
+    rows must share its entries' layout; a layout named in ``cache_config`` is the user's: past
+    the limit it raises :class:`~hf_vkv.memory.map_budget.MappingLimitError`, naming
+    token-major)."""
     if asked == "paged" and workload.attention != PAGED_ATTENTION:
         raise CacheOptionError(
             f"cache_config['layout']='paged' is read only by the 'vkv_paged' attention, but the model uses "
@@ -220,7 +287,26 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
     if asked is None and workload.device_type == "cpu" and workload.num_beams > 1 \
             and workload.prompt_tokens is not None and workload.prompt_tokens <= BEAM_TOKEN_MAJOR_MAX_PROMPT:
         return "token_major"
-    return policy_for(workload.device_type).layout
+    policy = policy_for(workload.device_type)
+    if asked is None and policy.layout == "head_major" and policy.backend == "host":
+        needed = head_major_mappings(workload)
+        if needed is not None:
+            free = PROCESS_MAP_BUDGET.available() if workload.mappings_free is None else workload.mappings_free
+            if needed > free:
+                return "token_major"
+    return policy.layout
+
+
+def head_major_mappings(workload: Workload) -> int | None:
+    """Kernel mappings the head-major layout's rows may hold for ``workload``: rows x sub-rows x
+    :data:`HEAD_MAJOR_SUBROW_MAPPINGS` (:data:`HEAD_MAJOR_BEAM_SUBROW_MAPPINGS` under beam
+    search); ``None`` when rows or sub-rows are not known. An estimate from measured counts, not
+    a bound: the buffers count exactly and refuse a change past the limit
+    (:class:`~hf_vkv.memory.map_budget.MappingLimitError`)."""
+    if workload.rows is None or workload.subrows is None:
+        return None
+    per_subrow = HEAD_MAJOR_BEAM_SUBROW_MAPPINGS if workload.num_beams > 1 else HEAD_MAJOR_SUBROW_MAPPINGS
+    return workload.rows * workload.subrows * per_subrow
 
 
 def default_host_budget() -> int | None:

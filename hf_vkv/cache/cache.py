@@ -58,6 +58,19 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
     return list(types), list(kwargs)
 
 
+def _subrows(config: PretrainedConfig) -> int | None:
+    """(layer, K/V, head) sub-rows of one row in the head-major layout: 2 x the key/value heads of
+    every layer vkv stores (``None`` where the config names no head count). What the layout rule
+    counts mappings by (:func:`hf_vkv.devices.head_major_mappings`); read from the config, before
+    any states are seen."""
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        return None
+    types, _ = _layer_types(config)
+    layers = sum(1 for kind in types if kind in _VKV_KINDS)
+    return 2 * heads * layers if layers else None
+
+
 class VKVCache(Cache):
     """A KV cache in virtual memory with pages mapped on demand and shared between rows.
 
@@ -125,9 +138,12 @@ class VKVCache(Cache):
         self.call: Any = None  # hf_vkv.generate.GenerateCall while a generate() call uses the cache
         if memory_of is not None and not isinstance(memory_of, VKVCache):
             raise TypeError(f"memory_of must be a VKVCache, got {type(memory_of).__name__}")
+        workload = workload or devices.Workload()
         workload = dataclasses.replace(
-            workload or devices.Workload(), attention=getattr(text_config, "_attn_implementation", None),
-            inherited=None if memory_of is None else memory_of._layout_name or "contiguous")
+            workload, attention=getattr(text_config, "_attn_implementation", None),
+            inherited=None if memory_of is None else memory_of._layout_name or "contiguous",
+            rows=workload.rows if workload.rows is not None else batch_size,
+            subrows=workload.subrows if workload.subrows is not None else _subrows(text_config))
         self._layout_name = devices.choose_layout(self.options.layout, workload)
         capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
         # memory_of: draw pages from that cache's arenas, so rows can share pages with it (a prefix store)
@@ -256,6 +272,7 @@ class VKVCache(Cache):
                 resident_bytes=s.resident_bytes if s else 0, token_bytes=s.live_bytes if s else 0,
                 shared_pages=s.shared_pages if s else 0, cow_copies=s.cow_copies if s else 0,
                 shared_prompt_rows=group.prompts.rows, tail_copies=s.tail_copies if s else 0,
+                mappings=s.mappings if s else 0,
             ))
         pool = sum(a.pool.stats().resident_bytes for a in self._arenas.values() if not a.closed)
         others = len(self.transformers_layers())

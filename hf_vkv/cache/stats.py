@@ -21,6 +21,7 @@ class GroupStats:
     cow_copies: int  # pages copied on write so far
     shared_prompt_rows: int  # rows that took their prompt from another row's pages
     tail_copies: int = 0  # partly written pages beam reorders copied into a row's own page (no later CoW)
+    mappings: int = 0  # kernel mappings (vm.max_map_count) its reservation holds on the host (0 elsewhere)
 
     @property
     def utilization(self) -> float:
@@ -93,3 +94,8 @@ class CacheStats:
     @property
     def tail_copies(self) -> int:
         return sum(g.tail_copies for g in self.groups)
+
+    @property
+    def mappings(self) -> int:
+        """Kernel mappings the groups' reservations hold (what counts against ``vm.max_map_count``)."""
+        return sum(g.mappings for g in self.groups)

@@ -49,6 +49,7 @@ class BufferStats:
     live_bytes: int  # bytes of live items in those pages, each shared page counted once
     cow_copies: int  # pages copied on write over the buffer's life
     tail_copies: int = 0  # partly written pages reorders copied into a row's own page (instead of a later CoW)
+    mappings: int = 0  # kernel mappings (vm.max_map_count) the buffer's reservation holds (0: none counted)
 
     @property
     def utilization(self) -> float:

@@ -13,6 +13,7 @@ a backend with a mapping budget (the host's ``vm.max_map_count``) checks that th
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,6 +157,11 @@ class VirtualBuffer(RowBuffer):
             raise TypeError("only a readable buffer (readable=True) may be viewed beyond its mapped items")
         self._open()
         return self._storage.view(self.rows * self.parts, self.row_stride)
+
+    def stats(self) -> BufferStats:
+        """:meth:`RowBuffer.stats`, with the kernel mappings the reservation holds now (the count
+        charged to the mapping budget; one for an empty reservation)."""
+        return dataclasses.replace(super().stats(), mappings=self._reservation.mappings)
 
     # ----------------------------------------------------------------------------- internals
     def _sibling(self, rows: int) -> VirtualBuffer:

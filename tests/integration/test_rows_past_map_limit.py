@@ -1,0 +1,68 @@
+"""Rows are limited by memory, never by mappings: a ``generate`` whose rows' bytes fit but whose
+head-major sub-rows would pass ``vm.max_map_count`` runs on the default options (the layout rule,
+:func:`hf_vkv.devices.choose_layout` rule 6, gives it token-major) and gives DynamicCache's tokens
+and logits (``torch.equal``, every step; the K/V of every layer too). The limit is injected (a few
+hundred mappings above what the process holds), never the machine's."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from models import assert_same_tokens, prompts, tiny
+
+import hf_vkv  # noqa: F401
+from hf_vkv.ab import run_ab
+from hf_vkv.devices import HEAD_MAJOR_SUBROW_MAPPINGS
+from hf_vkv.generate import cache_kwarg
+from hf_vkv.memory.map_budget import PROCESS_MAP_BUDGET, MappingLimitError, process_mappings
+
+pytestmark = pytest.mark.integration
+
+ROWS = 24  # n=24 samples of one prompt
+SUBROWS = 4 * 2 * 4  # 4 layers x K/V x 4 KV heads
+
+
+def _model():
+    return tiny("llama", layers=4, kv_heads=4)
+
+
+def _limit() -> int:
+    """Room for ~400 more mappings: head-major's 24 rows hold >= 2 per sub-row (1,536; the rule
+    counts 3: 2,304), token-major's a few per row."""
+    gc.collect()
+    return process_mappings() + 400  # its lines count vkv's own already
+
+
+def test_many_rows_past_the_mapping_limit_generate_with_dynamic_caches_tokens_and_logits():
+    model = _model()
+    inputs = prompts(1, 40)
+    kwargs = dict(max_new_tokens=12, do_sample=True, num_return_sequences=ROWS, pad_token_id=0)
+    assert ROWS * SUBROWS * HEAD_MAJOR_SUBROW_MAPPINGS > 400
+    with PROCESS_MAP_BUDGET.override(limit=_limit(), headroom=0):
+        with pytest.raises(MappingLimitError):  # the limit bites: head-major's rows do not fit
+            model.generate(**inputs, cache_implementation="vkv", cache_config={"layout": "head_major"}, **kwargs)
+        gc.collect()
+        report = run_ab(model, inputs, **kwargs)  # default options, the cache built as generate builds it
+        assert report.identical, report.first_divergence
+        assert report.rows == ROWS and all(step.tokens_equal for step in report.steps)
+        assert all(step.max_abs_logit_diff == 0.0 for step in report.steps)
+        torch.manual_seed(7)
+        out = model.generate(**inputs, cache_implementation="vkv", return_dict_in_generate=True, **kwargs)
+        cache = out[cache_kwarg()]
+        assert cache.layout == "token_major"
+        stats = cache.stats()
+        assert 0 < stats.mappings <= 3 * ROWS  # a few per row, not per (layer, K/V, head)
+        assert stats.groups[0].shared_prompt_rows > 0  # prefill once: the rows share the prompt's pages
+    torch.manual_seed(7)
+    assert_same_tokens(model.generate(**inputs, **kwargs), out.sequences)  # DynamicCache, the same draws
+
+
+def test_rows_within_the_mapping_limit_keep_head_major():
+    model = _model()
+    out = model.generate(**prompts(1, 40), max_new_tokens=4, do_sample=True, num_return_sequences=4, pad_token_id=0,
+                         cache_implementation="vkv", return_dict_in_generate=True)
+    cache = out[cache_kwarg()]
+    assert cache.layout == "head_major"
+    assert cache.stats().mappings >= 4 * SUBROWS  # one run (at least) per sub-row of every row
