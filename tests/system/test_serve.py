@@ -177,6 +177,19 @@ def test_streaming_seeded_sampling_stop_strings_and_max_tokens_match_stock(vkv_s
     _store(vkv_server, model_dir).check_invariants()
 
 
+def test_beam_search_through_a_generation_config_matches_stock(vkv_server, stock_server, model_dir):
+    """Chat completions refuse ``n``; beams come through a request's generation_config (non-streaming:
+    generate streams only one row), and prefill once computes the prompt once for them."""
+    config = json.dumps({"num_beams": 3, "do_sample": False, "max_new_tokens": 8})
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[1]}]
+
+    def ask(base: str) -> str:
+        return _client(base).chat.completions.create(
+            model=model_dir, messages=messages, extra_body={"generation_config": config}).choices[0].message.content
+
+    assert ask(vkv_server["base"]) == ask(stock_server)
+
+
 def test_a_requests_generation_config_json_with_vkv_options(vkv_server, model_dir):
     store = _store_after_first_request(vkv_server, model_dir)
     client = _client(vkv_server["base"])

@@ -1,0 +1,235 @@
+"""A chat through transformers' server: stock ``transformers serve`` against ``hf-vkv serve``
+(and ``--continuous-batching`` where it runs), time to first token per turn, with the ``openai``
+client, streaming, greedy.
+
+Each server runs alone in a subprocess on 127.0.0.1 with ``--threads`` intra-op threads (started,
+played one chat of ``--turns`` turns over a ``--system-tokens`` system prompt, stopped), the
+client in this process. A turn's TTFT is the time from the request to the first streamed chunk
+with text. The reference the issue sets is computed here, in process, on the same model and
+threads: a DynamicCache holding the conversation so far (the previous turn's cache, cut to the
+tokens the new prompt shares with it), continued over the turn's new tokens - transformers'
+documented idiom for reusing a cache by hand (``dynamic_continued``); its TTFT is the model's work
+only (no HTTP, template or tokenizer), so the servers' ratios to it include what serving adds.
+Every server's answers are compared with stock serve's (text, per turn).
+
+    HF_HUB_OFFLINE=1 python benchmarks/serve_chat.py --turns 20 --system-tokens 2048 --threads 1 2 \\
+        --json benchmarks/results/serve_chat.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_vkv.ab.harness import describe_environment
+from hf_vkv.default_model import default_model_dir, load_default_model
+from hf_vkv.generate import cache_kwarg
+from common import write_report
+from prefix_reuse import USER_TURNS, long_text
+
+SERVERS = {
+    "stock": ("transformers serve", "from transformers.cli.transformers import app; app(['serve', *sys.argv[2:]])"),
+    "vkv": ("hf-vkv serve", "from hf_vkv.cli import main; sys.exit(main(['serve', *sys.argv[2:]]))"),
+    "cb": ("transformers serve --continuous-batching",
+           "from transformers.cli.transformers import app; app(['serve', '--continuous-batching', *sys.argv[2:]])"),
+}
+STARTUP_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(kind: str, model_dir: str, threads: int, port: int) -> subprocess.Popen:
+    code = f"import sys, torch; torch.set_num_threads(int(sys.argv[1])); {SERVERS[kind][1]}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(threads), model_dir, "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{SERVERS[kind][0]} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return proc
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{SERVERS[kind][0]} did not answer within {STARTUP_S} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def play(kind: str, model_dir: str, *, threads: int, system: str, turns: int, new_tokens: int) -> dict[str, Any]:
+    """One chat through one server: per turn the TTFT, the whole turn's time and the answer."""
+    import openai
+
+    port = _free_port()
+    started = time.perf_counter()
+    proc = _start(kind, model_dir, threads, port)
+    startup = time.perf_counter() - started
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600, max_retries=0)
+    messages = [{"role": "system", "content": system}]
+    rows = []
+    try:
+        for turn in range(turns):
+            messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
+            start = time.perf_counter()
+            first = None
+            parts = []
+            for chunk in client.chat.completions.create(model=model_dir, messages=messages, stream=True,
+                                                        temperature=0, max_tokens=new_tokens):
+                text = chunk.choices[0].delta.content if chunk.choices else None
+                if text:
+                    first = first if first is not None else time.perf_counter() - start
+                    parts.append(text)
+            answer = "".join(parts)
+            rows.append({"turn": turn + 1, "ttft_s": first, "turn_s": time.perf_counter() - start, "answer": answer})
+            messages.append({"role": "assistant", "content": answer})
+            print(f"  {kind} {threads}t turn {turn + 1}: TTFT {first:.3f} s", file=sys.stderr, flush=True)
+    except Exception as exc:  # a server that cannot run the chat (CB on this machine): recorded, not fatal
+        return {"server": SERVERS[kind][0], "error": f"{type(exc).__name__}: {exc}"[:2000], "turns": rows}
+    finally:
+        _stop(proc)
+    return {"server": SERVERS[kind][0], "startup_s": startup, "turns": rows}
+
+
+def _median_play(plays: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first chat's answers, each turn's median TTFT over the chats (each chat's in ``ttft_runs_s``)."""
+    result = dict(plays[0])
+    if len(plays) == 1 or any("error" in p for p in plays):
+        return result
+    result["turns"] = [{**row, "ttft_runs_s": [p["turns"][i]["ttft_s"] for p in plays],
+                        "ttft_s": statistics.median(p["turns"][i]["ttft_s"] for p in plays),
+                        "answers_agree_across_runs": len({p["turns"][i]["answer"] for p in plays}) == 1}
+                       for i, row in enumerate(plays[0]["turns"])]
+    return result
+
+
+def dynamic_continued(model: Any, tok: Any, system: str, answers: list[str], *, repeats: int = 1) -> list[dict]:
+    """Per turn: the TTFT of a DynamicCache holding the conversation so far, continued (the
+    previous turn's cache deep-copied and cut to the shared tokens outside the timed call), the
+    median of ``repeats`` timings."""
+    from transformers import DynamicCache
+
+    messages = [{"role": "system", "content": system}]
+    previous: list[int] = []
+    cache = None
+    rows = []
+    for turn, answer in enumerate(answers):
+        messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = ids["input_ids"]
+        prompt = ids[0].tolist()
+        shared = 0
+        while shared < min(len(prompt), len(previous)) and prompt[shared] == previous[shared]:
+            shared += 1
+        shared = min(shared, len(prompt) - 1)
+        if cache is None or not shared:
+            shared = 0
+        times = []
+        for _ in range(repeats):
+            held = DynamicCache(config=model.config)
+            if shared:
+                held = copy.deepcopy(cache)
+                held.crop(shared - held.get_seq_length())  # transformers 5.24: tokens to remove, as a negative count
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(): held}, max_new_tokens=1,
+                                 do_sample=False, return_dict_in_generate=True)
+            times.append(time.perf_counter() - start)
+        rows.append({"turn": turn + 1, "ttft_s": statistics.median(times), "ttft_runs_s": times,
+                     "new_tokens": len(prompt) - shared, "prompt_tokens": len(prompt)})
+        # the conversation's cache for the next turn: this prompt and the answer the servers gave
+        messages.append({"role": "assistant", "content": answer})
+        full = tok.apply_chat_template(messages, return_tensors="pt", return_dict=True)["input_ids"]
+        cache = out.past_key_values
+        model.generate(full, attention_mask=torch.ones_like(full), **{cache_kwarg(): cache}, max_new_tokens=1,
+                       do_sample=False)
+        previous = full[0].tolist()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--system-tokens", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=16, help="max_tokens per answer (default: %(default)s)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--servers", nargs="+", choices=sorted(SERVERS), default=["stock", "vkv", "cb"])
+    parser.add_argument("--repeats", type=int, default=1, help="chats per server (a fresh server each) and timings per "
+                        "turn of dynamic_continued; the median per turn (default: %(default)s)")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/serve_chat.json"))
+    args = parser.parse_args(argv)
+    model, tok = load_default_model()
+    model_dir = str(default_model_dir())
+    system = long_text(tok, args.system_tokens)
+    report: dict[str, Any] = {
+        "schema": "hf_vkv.serve_chat/1", "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+        "environment": describe_environment(), "model": "SmolLM2-135M-Instruct (embedded), float32, CPU",
+        "turns": args.turns, "system_tokens": args.system_tokens, "new_tokens": args.new_tokens,
+        "method": "each server alone in a subprocess with the given torch threads; the openai client streams a greedy "
+                  "chat; TTFT = request to the first chunk with text; dynamic_continued: in process, the same "
+                  "threads, a DynamicCache of the conversation so far continued over the turn's new tokens",
+        "runs": [],
+    }
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        run: dict[str, Any] = {"threads": threads, "servers": {}}
+        for kind in args.servers:
+            plays = [play(kind, model_dir, threads=threads, system=system, turns=args.turns, new_tokens=args.new_tokens)
+                     for _ in range(args.repeats)]
+            run["servers"][kind] = _median_play(plays)
+        stock = run["servers"].get("stock", {}).get("turns") or run["servers"]["vkv"]["turns"]
+        answers = [row["answer"] for row in stock]
+        run["dynamic_continued"] = dynamic_continued(model, tok, system, answers, repeats=args.repeats)
+        _summarize(run)
+        report["runs"].append(run)
+        write_report(args.json, report)
+    return 0
+
+
+def _summarize(run: dict[str, Any]) -> None:
+    """Per server: answers equal to stock's per turn; TTFT ratios to dynamic_continued and stock."""
+    reference = {row["turn"]: row["ttft_s"] for row in run["dynamic_continued"]}
+    stock = {row["turn"]: row for row in run["servers"].get("stock", {}).get("turns", [])}
+    for name, result in run["servers"].items():
+        rows = result.get("turns", [])
+        for row in rows:
+            row["vs_dynamic_continued"] = row["ttft_s"] / reference[row["turn"]] if row["ttft_s"] else None
+            if row["turn"] in stock and stock[row["turn"]]["ttft_s"]:
+                row["vs_stock"] = row["ttft_s"] / stock[row["turn"]]["ttft_s"]
+                row["answer_equals_stock"] = row["answer"] == stock[row["turn"]]["answer"]
+        later = [row["vs_dynamic_continued"] for row in rows if row["turn"] >= 2 and row["vs_dynamic_continued"]]
+        result["summary"] = {
+            "answers_equal_stock": all(row.get("answer_equals_stock", True) for row in rows) if rows else None,
+            "max_vs_dynamic_continued_from_turn_2": max(later) if later else None,
+            "median_vs_dynamic_continued_from_turn_2": statistics.median(later) if later else None,
+            "turn_10_vs_stock": next((row.get("vs_stock") for row in rows if row["turn"] == 10), None),
+        }
+        print(f"{run['threads']}t {name}: {json.dumps(result['summary'])}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
