@@ -25,8 +25,11 @@ Decisions, in one place:
   extends another makes the shorter one redundant: it is dropped at insert.
 * **Files** (``persist.py``): safetensors, per-layer K/V plus JSON metadata (format version,
   layout ``"contiguous"``, dtype, token ids, config fingerprint and fields, optional weights
-  fingerprint). A file loads onto any device the cache has a backend for: the host (CPU) backend,
-  or the CUDA backend on a CUDA device (``hf_vkv[cuda]``; not yet run on a GPU).
+  fingerprint: the store's when it saves its entries). ``PrefixStore.save(folder)`` writes one file
+  per entry and an index (``prefix_store.json``, least recently used first) that
+  ``PrefixStore.load(folder)`` reads back, all or nothing. A file loads onto any device the
+  cache has a backend for: the host (CPU) backend, or the CUDA backend on a CUDA device
+  (``hf_vkv[cuda]``; not yet run on a GPU).
 """
 
 from .errors import PrefixFileCorruptError, PrefixFileError, PrefixFormatError, PrefixMismatchError

@@ -3,7 +3,9 @@
 A prefix file's ``checksums`` (metadata) hold a BLAKE2b digest of each tensor's bytes
 (``"layers.{i}.keys"`` / ``"layers.{i}.values"``), of its token ids (``"token_ids"``) and of the
 rest of the metadata (``"metadata"``: every other key, as canonical JSON), so that a flipped bit
-anywhere — K/V, ids, fingerprints, layer starts — is refused at load, naming what differs.
+anywhere — K/V, ids, fingerprints, layer starts — is refused at load as a file that is not whole
+(:class:`PrefixFileCorruptError`), naming what differs. Metadata that lacks a key or has one of
+the wrong type is not a prefix this version reads (:class:`PrefixFormatError`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import PrefixFormatError
+from .errors import PrefixFileCorruptError, PrefixFormatError
 
 __all__ = ["checksums_of", "validate_meta", "verify_checksums"]
 
@@ -46,19 +48,22 @@ def checksums_of(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict
 
 
 def verify_checksums(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """Raise :class:`PrefixFormatError` naming the first part whose checksum differs."""
+    """Raise :class:`PrefixFileCorruptError` (the file is not whole) naming the first part whose
+    checksum differs; :class:`PrefixFormatError` if the checksums do not cover the file's parts."""
     sums = meta["checksums"]
     expected = set(tensors) | {"token_ids", "metadata"}
     if set(sums) != expected:
         raise PrefixFormatError(f"{path}: checksums cover {sorted(set(sums) ^ expected)[:4]} wrongly")
     if sums["metadata"] != _meta_digest(meta):
-        raise PrefixFormatError(f"{path}: the metadata does not match its checksum (the file was changed or damaged)")
+        raise PrefixFileCorruptError(f"{path} is not whole: the metadata does not match its checksum (the file was "
+                                     f"changed or damaged)")
     if sums["token_ids"] != _digest(json.dumps(meta["token_ids"]).encode()):
-        raise PrefixFormatError(f"{path}: the token ids do not match their checksum (the file was changed or damaged)")
+        raise PrefixFileCorruptError(f"{path} is not whole: the token ids do not match their checksum (the file was "
+                                     f"changed or damaged)")
     for name in sorted(tensors):
         if sums[name] != tensor_digest(tensors[name]):
-            raise PrefixFormatError(f"{path}: tensor {name!r} does not match its checksum (the file was changed or "
-                                    f"damaged)")
+            raise PrefixFileCorruptError(f"{path} is not whole: tensor {name!r} does not match its checksum (the file "
+                                         f"was changed or damaged)")
 
 
 def _is_int(value: Any) -> bool:

@@ -12,12 +12,17 @@ class PrefixFileError(VKVError, ValueError):
 
 
 class PrefixFileCorruptError(PrefixFileError):
-    """The file is not a whole safetensors file (truncated, cut short, or not safetensors at all)."""
+    """The prefix file is not whole: truncated or cut short, its safetensors header damaged, or
+    its content (a tensor's bytes, the token ids, the metadata) no longer matching its checksums,
+    e.g. a flipped bit. Its message says "not whole"."""
 
 
 class PrefixFormatError(PrefixFileError):
-    """The file is valid safetensors but not an hf_vkv prefix this version reads (no or broken
-    metadata, an unknown format version or layout, tensors that contradict the metadata)."""
+    """The file is not an hf_vkv prefix this version reads: not safetensors at all (a text file,
+    another format), safetensors without hf_vkv metadata, an unknown format version or layout,
+    metadata with missing or wrong-typed keys, tensors that contradict the metadata, token ids
+    outside the model's vocabulary. A file that is no prefix at all is refused as "not an hf_vkv
+    prefix"."""
 
 
 class PrefixMismatchError(VKVError, ValueError):

@@ -16,7 +16,11 @@ Loading checks, before it builds anything: the metadata's every key and type, ea
 (naming the tensor, the ids or the metadata that differ), the token ids against the model's
 vocabulary, and the weights fingerprint (a file without one is refused unless
 ``check_weights=False``). Every refusal is a :class:`PrefixFileError` or
-:class:`PrefixMismatchError`; nothing is left half-loaded.
+:class:`PrefixMismatchError`; nothing is left half-loaded. Of the file errors,
+:class:`PrefixFileCorruptError` is a file that is not whole (truncated, a damaged header, content
+that differs from its checksums: a flipped bit) and :class:`PrefixFormatError` one that is not an
+hf_vkv prefix this version reads (not safetensors, e.g. a text file; no prefix metadata; another
+format version or layout; malformed metadata).
 
 Loading rebuilds a :class:`~hf_vkv.VKVCache` with :meth:`~hf_vkv.VKVCache.write_states`: a
 sliding layer holds its saved window only (tokens ``[start, length)``), so the rebuilt cache
@@ -48,6 +52,7 @@ FORMAT = "hf_vkv.prefix"
 VERSION = 2  # 2: content checksums (files of version 1 are refused: save them again)
 LAYOUT = "contiguous"
 _META_KEY = "hf_vkv_prefix"
+_MAX_HEADER = 100_000_000  # safetensors' own bound on a header's bytes
 
 
 def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *,
@@ -58,6 +63,12 @@ def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *
     With ``model``, a fingerprint of its weights is stored too, and :func:`load_prefix` given a
     model rejects one with other weights. Returns the path.
     """
+    return _save(path, cache, token_ids, model=model, weights=None if model is None else weights_fingerprint(model))
+
+
+def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, model: torch.nn.Module | None,
+          weights: str | None) -> Path:
+    """:func:`save_prefix` with the weights fingerprint given (``None``: the file carries none)."""
     tokens = token_list(token_ids)
     if not isinstance(cache, VKVCache):
         raise TypeError(f"save_prefix needs a hf_vkv.VKVCache, got {type(cache).__name__}")
@@ -90,7 +101,7 @@ def save_prefix(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *
         "format": FORMAT, "version": VERSION, "layout": LAYOUT, "writer": f"hf_vkv {__version__}",
         "dtype": str(dtype).removeprefix("torch."), "length": n, "token_ids": tokens,
         "config_fingerprint": config_fingerprint(cache.config), "config_fields": config_fields(cache.config),
-        "weights_fingerprint": None if model is None else weights_fingerprint(model), "layers": layers,
+        "weights_fingerprint": weights, "layers": layers,
     }
     meta["checksums"] = checksums_of(meta, tensors)
     path = Path(path)
@@ -123,19 +134,34 @@ def load_prefix(
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        PrefixFileCorruptError: the file is truncated or not safetensors.
-        PrefixFormatError: it is not an hf_vkv prefix of this format version and layout, its
-            metadata is malformed, a checksum differs (naming the tensor, the ids or the
-            metadata) or a token id is outside the model's vocabulary.
+        PrefixFileCorruptError: the file is not whole: truncated, its safetensors header damaged,
+            or a checksum differs (naming the tensor, the ids or the metadata: a flipped bit).
+        PrefixFormatError: it is not an hf_vkv prefix this version reads: not safetensors (a text
+            file), no prefix metadata, another format version or layout, malformed metadata, or
+            a token id outside the model's vocabulary.
         PrefixMismatchError: it was saved for another model (``field="config"``), other weights
-            (``"weights"``) or another dtype (``"dtype"``).
+            (``"weights"``; also a file saved without ``model=`` unless ``check_weights=False``)
+            or another dtype (``"dtype"``).
     """
+    return _load(path, model=model, config=config, dtype=dtype, device=device, cache_config=cache_config,
+                 check_weights=check_weights, memory_of=memory_of)
+
+
+def _load(
+    path: str | os.PathLike[str], *, model: torch.nn.Module | None = None, config: Any = None,
+    dtype: torch.dtype | None = None, device: str | torch.device = "cpu", cache_config: dict[str, Any] | None = None,
+    check_weights: bool = True, memory_of: VKVCache | None = None, weights: str | None = None,
+) -> tuple[VKVCache, list[int]]:
+    """:func:`load_prefix`; ``weights``: the model's weights fingerprint if already known."""
     if (model is None) == (config is None):
         raise TypeError("load_prefix needs exactly one of model=... or config=...")
     config = model.config if model is not None else config
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder, not a prefix file: a folder written by PrefixStore.save(folder) "
+                                f"is read by PrefixStore.load(folder, model=model)")
     meta, tensors = _read(path)
-    _check_model(path, meta, config, model, dtype, check_weights=check_weights)
+    _check_model(path, meta, config, model, dtype, check_weights=check_weights, weights=weights)
     n, tokens = meta["length"], meta["token_ids"]
     cache = VKVCache.from_cache_config(config, cache_config, batch_size=1, memory_of=memory_of)
     if len(meta["layers"]) != len(cache.layers):
@@ -156,36 +182,48 @@ def load_prefix(
 
 def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The metadata and the tensors of a prefix file, checked against each other."""
-    with open(path, "rb") as f:  # FileNotFoundError / PermissionError as they are
+    with open(path, "rb") as f:  # FileNotFoundError / PermissionError / IsADirectoryError as they are
         size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise PrefixFileCorruptError(f"{path} has {size} bytes: too short for a safetensors file")
-        header_len = int.from_bytes(head, "little")
+        head = f.read(9)
+        header_len = int.from_bytes(head[:8], "little")
+        # safetensors: the header's length (8 bytes, little-endian, at most _MAX_HEADER), then its JSON ("{")
+        if any(head[4:8]) or (len(head) == 9 and (header_len > _MAX_HEADER or head[8:9] != b"{")):
+            raise PrefixFormatError(f"{path} is not an hf_vkv prefix: it is not a safetensors file (it does not "
+                                    f"start with a safetensors header)")
+        if len(head) < 9:
+            raise PrefixFileCorruptError(f"{path} is not whole (truncated): {size} bytes, too short for a "
+                                         f"safetensors file")
         if header_len > size - 8:
-            raise PrefixFileCorruptError(f"{path} is truncated or not safetensors: its header claims "
-                                         f"{header_len:,} bytes, the file has {size:,}")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise PrefixFileCorruptError(f"{path} is not safetensors (its header is not JSON: {e})") from None
-    meta_raw = header.pop("__metadata__", None) or {}
+            raise PrefixFileCorruptError(f"{path} is not whole (truncated): its header claims {header_len:,} bytes, "
+                                         f"the file has {size:,}")
+        f.seek(8)
+        raw = f.read(header_len)
     try:
-        end = max((info["data_offsets"][1] for info in header.values()), default=0)
-    except (TypeError, KeyError, IndexError):
-        raise PrefixFileCorruptError(f"{path} is not safetensors (malformed tensor header)") from None
-    if 8 + header_len + end != size:
-        raise PrefixFileCorruptError(f"{path} is truncated: its header describes {8 + header_len + end:,} bytes, "
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PrefixFileCorruptError(f"{path} is not whole: its safetensors header is damaged (not JSON: {e})") from None
+    meta_raw = (header.pop("__metadata__", None) or {}) if isinstance(header, dict) else None
+    try:
+        ends = [info["data_offsets"][1] for info in header.values()]  # type: ignore[union-attr]
+        if not isinstance(meta_raw, dict) or not all(isinstance(e, int) for e in ends):
+            raise TypeError
+    except (TypeError, KeyError, IndexError, AttributeError):
+        raise PrefixFileCorruptError(f"{path} is not whole: its safetensors header is damaged (malformed)") from None
+    described = 8 + header_len + max(ends, default=0)
+    if described != size:
+        how = "truncated" if size < described else "bytes appended"
+        raise PrefixFileCorruptError(f"{path} is not whole ({how}): its header describes {described:,} bytes, "
                                      f"the file has {size:,}")
     if _META_KEY not in meta_raw:
         raise PrefixFormatError(f"{path} is a safetensors file but not an hf_vkv prefix (no {_META_KEY!r} metadata)")
     try:
         meta = json.loads(meta_raw[_META_KEY])
-    except json.JSONDecodeError as e:
-        raise PrefixFormatError(f"{path}: the {_META_KEY!r} metadata is not JSON ({e})") from None
+    except (TypeError, json.JSONDecodeError) as e:
+        raise PrefixFileCorruptError(f"{path} is not whole: its {_META_KEY!r} metadata is damaged (not JSON: {e})"
+                                     ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise PrefixFormatError(f"{path}: metadata format is {meta.get('format') if isinstance(meta, dict) else meta!r}"
-                                f", expected {FORMAT!r}")
+        raise PrefixFormatError(f"{path} is not an hf_vkv prefix: metadata format is "
+                                f"{meta.get('format') if isinstance(meta, dict) else meta!r}, expected {FORMAT!r}")
     if meta.get("version") != VERSION:
         raise PrefixFormatError(f"{path} has prefix format version {meta.get('version')!r}; this hf_vkv reads "
                                 f"version {VERSION}: save it again with this version")
@@ -195,7 +233,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     try:
         tensors = load_file(str(path))
     except SafetensorError as e:
-        raise PrefixFileCorruptError(f"{path} cannot be read as safetensors: {e}") from None
+        raise PrefixFileCorruptError(f"{path} is not whole: it cannot be read as safetensors ({e})") from None
     _check_tensors(path, meta, tensors)
     verify_checksums(path, meta, tensors)
     return meta, tensors
@@ -219,7 +257,7 @@ def _check_tensors(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Te
 
 
 def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.Module | None,
-                 dtype: torch.dtype | None, *, check_weights: bool = True) -> None:
+                 dtype: torch.dtype | None, *, check_weights: bool = True, weights: str | None = None) -> None:
     if meta["config_fingerprint"] != config_fingerprint(config):
         detail = describe_difference(meta.get("config_fields") or {}, config_fields(config), a_name="file",
                                      b_name="model")
@@ -242,6 +280,6 @@ def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.
         raise PrefixMismatchError("weights", f"{path} was saved without a weights fingerprint, so it cannot be checked "
                                   f"against this model's weights: save it again with save_prefix(..., model=model), "
                                   f"or pass check_weights=False to load it unchecked")
-    if model is not None and saved_weights is not None and saved_weights != weights_fingerprint(model):
+    if model is not None and saved_weights is not None and saved_weights != (weights or weights_fingerprint(model)):
         raise PrefixMismatchError("weights", f"{path} was saved for a model of the same architecture with other "
                                   f"weights (weights fingerprints differ)")

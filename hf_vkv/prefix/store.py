@@ -32,14 +32,18 @@ import torch
 from .. import devices
 from ..cache import VKVCache
 from ..memory.errors import InvariantError
-from .errors import PrefixMismatchError
+from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
-from .persist import load_prefix, save_prefix
+from .persist import _load, _save
 from .radix import RadixTree
 from .tokens import token_list
 
-__all__ = ["PrefixStore", "PrefixStats", "token_list"]
+__all__ = ["PrefixStore", "PrefixStats", "token_list", "STORE_INDEX"]
 
+#: The index :meth:`PrefixStore.save` writes into its folder: the files it saved, least recently used first.
+STORE_INDEX = "prefix_store.json"
+STORE_FORMAT = "hf_vkv.prefix_store"
+STORE_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +255,8 @@ class PrefixStore:
         """
         tokens = tuple(token_list(token_ids))
         with self._lock:
-            if weights is not None and self._entries and self._weights not in (None, weights):
-                raise PrefixMismatchError("weights", "the store's entries were computed with other weights (same "
-                                                     "config, weights fingerprints differ): use a store per model")
+            if weights is not None:
+                self._check_weights(weights)
             inserted = self._insert(tokens, cache, give)
             if weights is not None and self._entries:
                 self._weights = weights
@@ -316,34 +319,103 @@ class PrefixStore:
 
     # ----------------------------------------------------------------------------- files
     def load(self, path: str | os.PathLike[str], *, model: torch.nn.Module, check_weights: bool = True) -> int:
-        """Warm start: insert the prefix saved in ``path`` (:func:`~hf_vkv.save_prefix`, or
-        :meth:`save`) with every check :func:`~hf_vkv.load_prefix` does (checksums, model, weights,
-        dtype; a corrupted file raises :class:`~hf_vkv.PrefixFileError` and inserts nothing).
-        Returns its tokens. The pages live in the store's memory, so requests share them."""
-        cache, tokens = load_prefix(path, model=model, cache_config=self.cache_config, check_weights=check_weights,
-                                    memory_of=self.memory(model.device), device=model.device)
+        """Warm start: insert the prefix saved in ``path`` (:func:`~hf_vkv.save_prefix`), or every
+        prefix of a folder :meth:`save` wrote (in the order it lists them, least recently used
+        first), with every check :func:`~hf_vkv.load_prefix` does (checksums, model, weights,
+        dtype). Returns the tokens loaded (summed over a folder's files). The pages live in the
+        store's memory, so requests share them.
+
+        All or nothing: every file is read and checked, and checked against the store's entries
+        (model, dtype, weights), before any is inserted; a refusal inserts nothing and leaves the
+        store as it was. A file saved without a weights fingerprint (``save_prefix`` without
+        ``model=``, or :meth:`save` of a store whose weights were never given) is refused with a
+        :class:`~hf_vkv.PrefixMismatchError` (``field="weights"``) unless ``check_weights=False``:
+        then the caller vouches that it was computed by ``model``, and the store records
+        ``model``'s weights fingerprint for it (:attr:`weights_fingerprint`).
+
+        Raises:
+            PrefixFileCorruptError: a file is not whole (truncated, a flipped bit), or the folder
+                lacks a file its index lists.
+            PrefixFormatError: a file is not an hf_vkv prefix (or the folder holds none, or its
+                index is not :meth:`save`'s).
+            PrefixMismatchError: a file (or the store's entries) belongs to another model,
+                other weights or another dtype (``field`` says which).
+        """
+        path = Path(path)
+        self._check_model(model)
+        files = _saved_files(path) if path.is_dir() else [path]
+        weights = self.fingerprint(model)
+        memory = self.memory(model.device)
+        loaded: list[tuple[VKVCache, list[int]]] = []
         try:
-            self.insert(tokens, cache, weights=weights_fingerprint(model) if check_weights else None)
+            for file in files:
+                loaded.append(_load(file, model=model, cache_config=self.cache_config, check_weights=check_weights,
+                                    memory_of=memory, device=model.device, weights=weights))
+            with self._lock:
+                for cache, tokens in loaded:  # what insert would refuse, before inserting any
+                    self._check_cache(cache, len(tokens))
+                    self._check_weights(weights)
+                for cache, tokens in loaded:
+                    self.insert(tokens, cache, weights=weights)
         finally:
-            cache.close()
-        return len(tokens)
+            for cache, _ in loaded:
+                cache.close()
+        return sum(len(tokens) for _, tokens in loaded)
 
     def save(self, directory: str | os.PathLike[str], *, model: torch.nn.Module | None = None) -> list[Path]:
         """Save every entry to ``directory`` as a prefix file named by a digest of its token ids
-        (saving again overwrites the same names); with ``model`` its weights fingerprint too.
-        Returns the paths, least recently used first."""
+        (saving again overwrites the same names), and an index (``prefix_store.json``) listing
+        them, least recently used first: :meth:`load` of the folder reads back exactly these
+        entries (files of earlier saves that the index does not list are left alone and not
+        read). Every file carries the weights fingerprint of the model that computed the entries:
+        the store's (:attr:`weights_fingerprint`, recorded by ``generate`` and :meth:`load`), or
+        ``model``'s when given. Returns the paths, least recently used first.
+
+        Raises:
+            PrefixMismatchError: ``model`` is not the store's model (another config, or other
+                weights than those that computed the entries).
+        """
         out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
+        if model is not None:
+            self._check_model(model)
+        weights = None if model is None else self.fingerprint(model)
         with self._lock:
+            if weights is not None:
+                self._check_weights(weights, doing="saved with")
+            weights = weights or (self._weights if self._entries else None)
             entries = [(e.tokens, e.cache.fork()) for e in self._entries.values()]
         paths = []
-        for tokens, cache in entries:
-            try:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            for tokens, cache in entries:
                 digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:20]
-                paths.append(save_prefix(out / f"prefix-{digest}.safetensors", cache, list(tokens), model=model))
-            finally:
+                paths.append(_save(out / f"prefix-{digest}.safetensors", cache, list(tokens), model=model,
+                                   weights=weights))
+        finally:
+            for _, cache in entries:
                 cache.close()
+        index = {"format": STORE_FORMAT, "version": STORE_VERSION, "files": [p.name for p in paths]}
+        tmp = out / f".{STORE_INDEX}.tmp-{os.getpid()}"
+        try:
+            tmp.write_text(json.dumps(index, indent=1))
+            os.replace(tmp, out / STORE_INDEX)
+        finally:
+            tmp.unlink(missing_ok=True)
         return paths
+
+    def _check_model(self, model: torch.nn.Module) -> None:
+        """Refuse a model of another config than the store's (``PrefixMismatchError``)."""
+        if config_fingerprint(model.config) != self._fingerprint:
+            detail = describe_difference(config_fields(model.config), config_fields(self.config), a_name="model",
+                                         b_name="store")
+            raise PrefixMismatchError("config", f"the model is not this store's ({detail}): use a store per model")
+
+    def _check_weights(self, weights: str, *, doing: str = "inserted with") -> None:
+        """Refuse other weights than those that computed the entries (``PrefixMismatchError``)."""
+        if self._entries and self._weights not in (None, weights):
+            raise PrefixMismatchError("weights", f"the store's entries were computed with other weights than the model "
+                                                 f"they are {doing} (same config, weights fingerprints differ): a "
+                                                 f"store serves one model's weights; use a store per model")
 
     # ----------------------------------------------------------------------------- accounting
     def bytes_held(self) -> int:
@@ -457,3 +529,29 @@ def _dtype_of(cache: VKVCache) -> torch.dtype | None:
         if dtype is not None:
             return dtype
     return None
+
+
+def _saved_files(folder: Path) -> list[Path]:
+    """The prefix files of a folder: those its :data:`STORE_INDEX` lists, in its order, or without
+    an index every ``*.safetensors`` file in it, by name."""
+    index = folder / STORE_INDEX
+    if not index.exists():
+        files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+        if not files:
+            raise PrefixFormatError(f"{folder} holds no hf_vkv prefix: no {STORE_INDEX} (written by PrefixStore.save) "
+                                    f"and no .safetensors file")
+        return files
+    try:
+        data = json.loads(index.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PrefixFileCorruptError(f"{index} is not whole: it is not JSON ({e})") from None
+    names = data.get("files") if isinstance(data, dict) else None
+    if (not isinstance(data, dict) or data.get("format") != STORE_FORMAT or data.get("version") != STORE_VERSION
+            or not isinstance(names, list)
+            or not all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..") for n in names)):
+        raise PrefixFormatError(f"{index} is not an hf_vkv prefix store index of version {STORE_VERSION} (format "
+                                f"{STORE_FORMAT!r}, a list of file names)")
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise PrefixFileCorruptError(f"{folder} is not whole: its {STORE_INDEX} lists {missing[:3]}, which it lacks")
+    return [folder / n for n in names]

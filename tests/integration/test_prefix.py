@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -392,3 +393,91 @@ def test_smollm2_two_turn_chat_matches_a_full_prefill() -> None:
         answer = tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         chat += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And another one?"}]
     assert store.stats().hits == 1
+
+
+def test_smollm2_prefix_files_and_store_folders(tmp_path: Path) -> None:
+    """What a new user hit on the embedded SmolLM2 (issue 37, item 8): ``store.save(folder,
+    model=model)`` and ``save_prefix(..., model=model)`` work (its 28M-value embedding once broke
+    the weights fingerprint), a file saved with ``model=`` loads with ``model=``, a folder loads
+    with ``store.load(folder)``, a file saved without ``model=`` is refused naming
+    ``check_weights=False`` and loads with it, and a copy with other k/v weights is refused."""
+    import copy
+
+    model, tok = _smollm2()
+    ids = tok("The capital of France is", return_tensors="pt")["input_ids"]
+    store = PrefixStore(model.config)
+    first = _generate(model, ids, store.lookup(ids), new=4)
+    tokens, cache = _cached(first)
+    store.insert(tokens, cache, weights=store.fingerprint(model))
+    paths = store.save(tmp_path / "prefixes", model=model)
+    file = save_prefix(tmp_path / "p.safetensors", cache, tokens, model=model)
+    assert len(paths) == 1
+    loaded, got = load_prefix(file, model=model)
+    assert got == tokens.tolist() and all(torch.equal(a, b) for a, b in zip(_kv(loaded), _kv(cache)))
+    loaded.close()
+    warm = PrefixStore(model.config)
+    assert warm.load(tmp_path / "prefixes", model=model) == len(tokens)
+    assert warm.weights_fingerprint == store.fingerprint(model)
+    query = torch.cat([first.sequences, tok(" and that of Italy is", return_tensors="pt")["input_ids"]], dim=1)
+    fork = warm.lookup(query)
+    assert fork.get_seq_length() == len(tokens)
+    assert_same_tokens(_generate(model, query, None, new=4).sequences, _generate(model, query, fork, new=4).sequences)
+    warm.check_invariants()
+    # a file saved without model=: refused, naming the way on; accepted with check_weights=False
+    bare = save_prefix(tmp_path / "bare.safetensors", cache, tokens)
+    cold = PrefixStore(model.config)
+    with pytest.raises(PrefixMismatchError, match="check_weights=False") as err:
+        cold.load(bare, model=model)
+    assert err.value.field == "weights" and len(cold) == 0
+    with pytest.raises(PrefixMismatchError, match="check_weights=False"):
+        load_prefix(bare, model=model)
+    assert cold.load(bare, model=model, check_weights=False) == len(tokens)
+    assert cold.weights_fingerprint == store.fingerprint(model)  # the caller vouched for this model
+    cold.check_invariants()
+    # the same config with other k/v weights: every file and the folder are refused
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.mul_(1.01)
+    for source in (tmp_path / "prefixes", paths[0], file):
+        fresh = PrefixStore(other.config)
+        with pytest.raises(PrefixMismatchError, match="other weights") as err:
+            fresh.load(source, model=other)
+        assert err.value.field == "weights" and len(fresh) == 0
+        fresh.check_invariants()
+    with pytest.raises(PrefixMismatchError, match="other weights") as err:
+        warm.save(tmp_path / "mislabelled", model=other)  # its entries are SmolLM2's, not the copy's
+    assert err.value.field == "weights" and not (tmp_path / "mislabelled").exists()
+    assert len(warm) == 1
+
+
+def test_error_types_match_the_api_table(tmp_path: Path) -> None:
+    """docs/api.md: ``PrefixFileCorruptError`` is a prefix file that is not whole (a flipped bit in
+    its tensor data, a truncation), ``PrefixFormatError`` a file that is not an hf_vkv prefix (a
+    text file): so say ``load_prefix`` and ``PrefixStore.load``, and the store stays usable."""
+    table = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    assert re.search(r"^\| `PrefixFileCorruptError` \|[^\n]*not whole", table, re.M)
+    assert re.search(r"^\| `PrefixFormatError` \|[^\n]*not an hf_vkv prefix", table, re.M)
+    model = tiny("llama")
+    tokens, cache = _cached(_generate(model, _ids(12, seed=4), VKVCache(model.config, **SMALL), new=4))
+    path = save_prefix(tmp_path / "p.safetensors", cache, tokens, model=model)
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    flipped = bytearray(data)
+    flipped[8 + n + 5] ^= 0x10  # a bit of the first tensor's data
+    (tmp_path / "flip.safetensors").write_bytes(bytes(flipped))
+    (tmp_path / "cut.safetensors").write_bytes(data[:-7])
+    (tmp_path / "notes.txt").write_text("You are a helpful assistant. Answer briefly.\n")
+    store = PrefixStore(model.config, cache_config=SMALL)
+    for name, error, words in (("flip.safetensors", PrefixFileCorruptError, "not whole.*checksum"),
+                               ("cut.safetensors", PrefixFileCorruptError, "not whole.*truncated"),
+                               ("notes.txt", PrefixFormatError, "not an hf_vkv prefix")):
+        with pytest.raises(error, match=words):
+            load_prefix(tmp_path / name, model=model)
+        with pytest.raises(error, match=words):
+            store.load(tmp_path / name, model=model)
+        assert len(store) == 0
+        store.check_invariants()
+    with pytest.raises(IsADirectoryError, match="PrefixStore.load"):
+        load_prefix(tmp_path, model=model)
+    assert store.load(path, model=model) == len(tokens)
+    store.check_invariants()

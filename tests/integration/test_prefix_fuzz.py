@@ -15,7 +15,7 @@ import torch
 from models import prompts, tiny
 
 from hf_vkv import VKVCache, load_prefix, save_prefix
-from hf_vkv.prefix.errors import PrefixFileError, PrefixFormatError, PrefixMismatchError
+from hf_vkv.prefix.errors import PrefixFileCorruptError, PrefixFileError, PrefixFormatError, PrefixMismatchError
 
 REFUSED = (PrefixFileError, PrefixMismatchError)
 
@@ -77,7 +77,9 @@ def test_a_bit_flip_in_each_tensor_is_refused_naming_it(saved, tmp_path):
             bad = bytearray(data)
             bad[at] ^= 1 << rng.randrange(8)
             err = refused(model, tmp_path / "t.safetensors", bytes(bad))
-            assert isinstance(err, PrefixFormatError) and repr(name) in str(err), str(err)
+            # a checksum that differs: the file is not whole (docs/api.md), not "not an hf_vkv prefix"
+            assert isinstance(err, PrefixFileCorruptError) and repr(name) in str(err), str(err)
+            assert "not whole" in str(err), str(err)
 
 
 def test_bit_flips_across_the_header_are_refused(saved, tmp_path):
@@ -169,3 +171,22 @@ def test_a_file_without_weights_fingerprint_needs_the_opt_out(saved, tmp_path):
     assert info.value.field == "weights"
     loaded, got = load_prefix(path, model=model, check_weights=False)
     assert got == ids[0].tolist() and loaded.get_seq_length() == 6
+
+
+def test_truncations_are_not_whole(saved, tmp_path):
+    """docs/api.md: a truncated file is a ``PrefixFileCorruptError`` ("not whole"), wherever it is cut."""
+    model, _, data = saved
+    for cut in (0, 4, 8, 9, 100, len(data) // 2, len(data) - 1):
+        err = refused(model, tmp_path / "c.safetensors", data[:cut])
+        assert isinstance(err, PrefixFileCorruptError) and "not whole" in str(err), (cut, str(err))
+
+
+def test_files_that_are_no_prefix_are_format_errors(saved, tmp_path):
+    """docs/api.md: a file that is not an hf_vkv prefix (text, JSON, another binary) is a
+    ``PrefixFormatError`` ("not an hf_vkv prefix"), never "not whole"."""
+    model, _, _ = saved
+    for name, content in (("notes.txt", b"These are my notes about the system prompt.\n" * 20),
+                          ("short.txt", b"hello"), ("cfg.json", b'{"model_type": "llama"}'),
+                          ("noise.bin", bytes(random.Random(2).randrange(1, 256) for _ in range(4096)))):
+        err = refused(model, tmp_path / name, content)
+        assert isinstance(err, PrefixFormatError) and "not an hf_vkv prefix" in str(err), (name, str(err))

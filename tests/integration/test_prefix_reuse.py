@@ -8,6 +8,7 @@ steps), so the contract is the cascade's: the very same tokens on a battery of m
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from models import EOS, PAD, assert_same_tokens, tiny, tokenizer, words
 import hf_vkv
 from hf_vkv import PrefixFileError, PrefixStore, VKVCache
 from hf_vkv.devices import MIN_COMMON_PREFIX
+from hf_vkv.prefix.store import STORE_INDEX
 from hf_vkv import ReuseReport, reuse_report
 
 pytestmark = pytest.mark.integration
@@ -255,6 +257,95 @@ def test_warm_start_from_files_and_save_back(tmp_path: Path) -> None:
         fresh.load(bad, model=model)
     assert len(fresh) == 0
     fresh.check_invariants()
+
+
+def _kv(cache: VKVCache) -> list[torch.Tensor]:
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def test_store_folder_round_trip(tmp_path: Path) -> None:
+    """``store.save(folder)`` writes what ``store.load(folder)`` reads back (it used to raise a raw
+    ``IsADirectoryError``): the same entries in the same order, the same K/V, the weights
+    fingerprint; generate with the loaded store gives the original store's tokens, reusing as
+    much. A folder with one damaged file inserts nothing."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    g = torch.Generator().manual_seed(21)
+    system = _rand(40, g)
+    chats = [system + _rand(5, g), _rand(30, g), system + _rand(7, g)]
+    for prompt in chats:
+        _generate(model, *_batch([prompt]), store)
+    assert len(store) == 3
+    folder = tmp_path / "prefixes"
+    paths = store.save(folder)  # no model=: the files carry the store's weights fingerprint
+    warm = PrefixStore(model.config)
+    assert warm.load(folder, model=model) == sum(map(len, store.prefixes()))
+    assert len(paths) == 3 and (folder / STORE_INDEX).is_file()
+    assert warm.prefixes() == store.prefixes()  # least recently used first, as saved
+    assert warm.weights_fingerprint == store.weights_fingerprint == store.fingerprint(model)
+    warm.check_invariants()
+    for tokens in store.prefixes():
+        a, b = store.lookup([*tokens, 7]), warm.lookup([*tokens, 7])
+        assert a.get_seq_length() == b.get_seq_length() == len(tokens)
+        assert all(torch.equal(x, y) for x, y in zip(_kv(a), _kv(b)))
+        a.close()
+        b.close()
+    for prompt in (system + _rand(6, g), chats[1] + _rand(4, g), _rand(20, g)):
+        ids, mask = _batch([prompt])
+        want, want_report = _reuse(model, ids, mask, store)
+        got, report = _reuse(model, ids, mask, warm)
+        assert_same_tokens(want, got)
+        assert report.reused_tokens == want_report.reused_tokens
+        assert_same_tokens(_generate(model, ids, mask, None), got)
+    assert warm.stats().tokens_reused > 0 and warm.prefixes() == store.prefixes()
+    warm.check_invariants()
+    # all or nothing: one damaged file refuses the folder and inserts nothing
+    data = bytearray(paths[-1].read_bytes())
+    data[-3] ^= 0x01
+    paths[-1].write_bytes(bytes(data))
+    fresh = PrefixStore(model.config)
+    with pytest.raises(hf_vkv.PrefixFileCorruptError, match="not whole"):
+        fresh.load(folder, model=model)
+    assert len(fresh) == 0
+    fresh.check_invariants()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(hf_vkv.PrefixFormatError, match="no hf_vkv prefix"):
+        fresh.load(tmp_path / "empty", model=model)
+
+
+def test_a_saved_store_carries_its_weights_fingerprint(tmp_path: Path) -> None:
+    """A store filled by ``generate`` and saved without ``model=``: its files carry the weights
+    fingerprint, so opening them for a model with the same config and other weights is refused
+    (``PrefixMismatchError``, ``field="weights"``), from a folder or a file, into a new store or
+    one holding the other model's entries, ``check_weights=False`` or not."""
+    model, other = tiny("llama"), tiny("llama", seed=1)
+    g = torch.Generator().manual_seed(22)
+    store, other_store = PrefixStore(model.config), PrefixStore(other.config)
+    ids, mask = _batch([_rand(30, g)])
+    _generate(model, ids, mask, store)
+    _generate(other, ids, mask, other_store)
+    paths = store.save(tmp_path / "mine")
+    theirs = other_store.save(tmp_path / "theirs")
+    from safetensors import safe_open
+
+    with safe_open(str(paths[0]), "pt") as f:
+        assert json.loads(f.metadata()["hf_vkv_prefix"])["weights_fingerprint"] == store.fingerprint(model)
+    for source in (tmp_path / "mine", paths[0]):
+        for check_weights in (True, False):
+            fresh = PrefixStore(other.config)
+            with pytest.raises(hf_vkv.PrefixMismatchError, match="other weights") as err:
+                fresh.load(source, model=other, check_weights=check_weights)
+            assert err.value.field == "weights" and len(fresh) == 0
+            fresh.check_invariants()
+    for check_weights in (True, False):  # the store's entries are the first model's
+        with pytest.raises(hf_vkv.PrefixMismatchError, match="other weights") as err:
+            store.load(theirs[0], model=other, check_weights=check_weights)
+        assert err.value.field == "weights"
+    with pytest.raises(hf_vkv.PrefixMismatchError, match="other weights"):
+        store.save(tmp_path / "mislabelled", model=other)
+    assert len(store) == 1 and store.weights_fingerprint == store.fingerprint(model)
+    store.check_invariants()
+    assert PrefixStore(model.config).load(tmp_path / "mine", model=model) == len(store.prefixes()[0])
 
 
 def test_pipeline_with_chat_messages() -> None:
