@@ -10,7 +10,12 @@ threads: a DynamicCache holding the conversation so far (the previous turn's cac
 tokens the new prompt shares with it), continued over the turn's new tokens - transformers'
 documented idiom for reusing a cache by hand (``dynamic_continued``); its TTFT is the model's work
 only (no HTTP, template or tokenizer), so the servers' ratios to it include what serving adds.
-Every server's answers are compared with stock serve's (text, per turn).
+Every server's answers are compared with stock serve's (text, per turn). ``vkv_in_process``: the
+same turns through ``generate(cache_implementation="vkv")`` with a prefix store in this process,
+so a server's TTFT splits into vkv's (``vkv_in_process`` against ``dynamic_continued``) and the
+server's (``serving_s``: the server's TTFT less ``vkv_in_process``'s: HTTP, the request's
+validation, the chat template and tokenizer over the whole history, the hop to the inference
+thread, the streamer).
 
     HF_HUB_OFFLINE=1 python benchmarks/serve_chat.py --turns 20 --system-tokens 2048 --threads 1 2 \\
         --json benchmarks/results/serve_chat.json
@@ -128,6 +133,34 @@ def _median_play(plays: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def vkv_in_process(model: Any, tok: Any, system: str, answers: list[str], *, repeats: int = 1) -> list[dict]:
+    """Per turn: the TTFT of ``generate(cache_implementation="vkv")`` with a prefix store holding
+    the conversation so far (``repeats`` stores, each given the same history, one timing each):
+    what vkv costs without the server, beside :func:`dynamic_continued`."""
+    from hf_vkv import PrefixStore
+
+    stores = [PrefixStore(model.config, budget_bytes=1 << 30) for _ in range(repeats)]
+    messages = [{"role": "system", "content": system}]
+    rows = []
+    for turn, answer in enumerate(answers):
+        messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = ids["input_ids"]
+        times = []
+        for store in stores:
+            start = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                           cache_implementation="vkv", cache_config={"prefix_store": store})
+            times.append(time.perf_counter() - start)
+        rows.append({"turn": turn + 1, "ttft_s": statistics.median(times), "ttft_runs_s": times})
+        messages.append({"role": "assistant", "content": answer})
+        full = tok.apply_chat_template(messages, return_tensors="pt", return_dict=True)["input_ids"]
+        for store in stores:  # the answer into the store, as the server's request inserts it
+            model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=1, do_sample=False,
+                           cache_implementation="vkv", cache_config={"prefix_store": store})
+    return rows
+
+
 def dynamic_continued(model: Any, tok: Any, system: str, answers: list[str], *, repeats: int = 1) -> list[dict]:
     """Per turn: the TTFT of a DynamicCache holding the conversation so far, continued (the
     previous turn's cache deep-copied and cut to the shared tokens outside the timed call), the
@@ -204,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         stock = run["servers"].get("stock", {}).get("turns") or run["servers"]["vkv"]["turns"]
         answers = [row["answer"] for row in stock]
         run["dynamic_continued"] = dynamic_continued(model, tok, system, answers, repeats=args.repeats)
+        run["vkv_in_process"] = vkv_in_process(model, tok, system, answers, repeats=args.repeats)
         _summarize(run)
         report["runs"].append(run)
         write_report(args.json, report)
@@ -222,12 +256,23 @@ def _summarize(run: dict[str, Any]) -> None:
                 row["vs_stock"] = row["ttft_s"] / stock[row["turn"]]["ttft_s"]
                 row["answer_equals_stock"] = row["answer"] == stock[row["turn"]]["answer"]
         later = [row["vs_dynamic_continued"] for row in rows if row["turn"] >= 2 and row["vs_dynamic_continued"]]
+        in_process = {row["turn"]: row["ttft_s"] for row in run.get("vkv_in_process", [])}
+        for row in rows:
+            if row["turn"] in in_process and row["ttft_s"]:
+                row["serving_s"] = row["ttft_s"] - in_process[row["turn"]]  # the server's share of the turn's TTFT
         result["summary"] = {
             "answers_equal_stock": all(row.get("answer_equals_stock", True) for row in rows) if rows else None,
             "max_vs_dynamic_continued_from_turn_2": max(later) if later else None,
             "median_vs_dynamic_continued_from_turn_2": statistics.median(later) if later else None,
             "turn_10_vs_stock": next((row.get("vs_stock") for row in rows if row["turn"] == 10), None),
+            "median_serving_s_from_turn_2": statistics.median(r["serving_s"] for r in rows if r["turn"] >= 2)
+            if any("serving_s" in r for r in rows) else None,
         }
+    if run.get("vkv_in_process"):
+        ratios = [row["ttft_s"] / reference[row["turn"]] for row in run["vkv_in_process"] if row["turn"] >= 2]
+        run["vkv_in_process_summary"] = {"max_vs_dynamic_continued_from_turn_2": max(ratios),
+                                         "median_vs_dynamic_continued_from_turn_2": statistics.median(ratios)}
+        print(f"{run['threads']}t vkv in process: {json.dumps(run['vkv_in_process_summary'])}", file=sys.stderr)
         print(f"{run['threads']}t {name}: {json.dumps(result['summary'])}", file=sys.stderr, flush=True)
 
 
