@@ -268,7 +268,8 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
         return original(model, input_ids, *args, **model_kwargs)
     try:
         out = original(model, input_ids, *args, **model_kwargs)
-        reuse.finish(call, cache, out if hasattr(out, "shape") else getattr(out, "sequences", None))
+        returned = not hasattr(out, "shape")  # a dict output carries the cache back to the caller
+        reuse.finish(call, cache, getattr(out, "sequences", None) if returned else out, returned=returned)
     except BaseException:
         if call.owned:
             cache.close()  # nobody can reach it after the error: its pages go back now

@@ -288,20 +288,23 @@ def _store_common_prefix(model: Any, store: PrefixStore, prompts: list[list[int]
 
 
 # --------------------------------------------------------------------------------- after decoding
-def finish(call: GenerateCall, cache: VKVCache, sequences: Any) -> int:
+def finish(call: GenerateCall, cache: VKVCache, sequences: Any, *, returned: bool = True) -> int:
     """When the decoding loop returned ``sequences``: insert ``cache``'s finished rows into the
-    store; return how many (0 where reuse did not apply)."""
+    store; return how many (0 where reuse did not apply). ``returned=False``: ``generate`` hands
+    the cache to nobody (its result is the sequences alone: the server's, a pipeline's), so a
+    one-row cache the call built goes into the store itself, cut to the row's end, instead of a
+    fork of it (no fork to map, no cache left to release)."""
     report = call.report
     if report is None:
         return 0
     if not call.prefilled and report.refusal is None:
         report.refusal = "assisted decoding: its first forward is not generate's prefill, which reuse starts"
     if report.refusal is None and call.input_ids is not None and isinstance(sequences, torch.Tensor):
-        report.inserted = _insert_rows(call, cache, sequences)
+        report.inserted = _insert_rows(call, cache, sequences, give=call.owned and not returned)
     return report.inserted
 
 
-def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor) -> int:
+def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *, give: bool) -> int:
     """Insert the finished rows of ``cache`` (their ids in ``sequences``); return how many."""
     store, ids = call.store, call.input_ids
     assert store is not None and ids is not None
@@ -329,7 +332,12 @@ def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor) -
         if end - pad < 1:
             continue
         if pad == 0 and cache.rows == 1:
-            inserted += bool(store.insert(row[:end], cache, weights=call.weights))  # a fork of the cache itself
+            if give:  # the call's own cache, which nobody else holds: the store keeps it
+                if end < held:
+                    cache.crop(end - held)
+                inserted += bool(store.insert(row[:end], cache, give=True, weights=call.weights))
+            else:
+                inserted += bool(store.insert(row[:end], cache, weights=call.weights))  # a fork of the cache itself
             continue
         one = store.new_cache(batch_size=1)
         try:

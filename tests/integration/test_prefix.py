@@ -396,7 +396,7 @@ def test_smollm2_two_turn_chat_matches_a_full_prefill() -> None:
 
 
 def test_smollm2_prefix_files_and_store_folders(tmp_path: Path) -> None:
-    """What a new user hit on the embedded SmolLM2 (issue 37, item 8): ``store.save(folder,
+    """What a new user hit on the embedded SmolLM2: ``store.save(folder,
     model=model)`` and ``save_prefix(..., model=model)`` work (its 28M-value embedding once broke
     the weights fingerprint), a file saved with ``model=`` loads with ``model=``, a folder loads
     with ``store.load(folder)``, a file saved without ``model=`` is refused naming

@@ -238,3 +238,28 @@ def test_generates_own_helpers_in_its_kwargs_do_not_stop_reuse() -> None:
     report = reuse_report(out)
     assert report.refusal is None and report.reused_tokens >= 40
     assert_same_tokens(out.sequences, _call(model, follow, None).sequences)
+
+
+@pytest.mark.threads(1, 2)
+def test_a_cache_nobody_gets_back_goes_into_the_store_itself() -> None:
+    """``generate`` without ``return_dict_in_generate`` (the server's and pipelines' calls) returns
+    the sequences alone: its one-row cache goes into the store itself; later calls reuse it with DynamicCache's tokens, and the store stays
+    consistent."""
+    model = tiny("llama", seed=0)
+    history = _ids(40)
+    plain = model.generate(history, attention_mask=torch.ones_like(history), do_sample=False, pad_token_id=PAD,
+                           max_new_tokens=8)
+    for eos in (None, int(plain[0, 40 + 3])):  # run to max_new_tokens; stop at the 4th new token
+        store = PrefixStore(model.config)
+        seq = model.generate(history, attention_mask=torch.ones_like(history), do_sample=False, pad_token_id=PAD,
+                             max_new_tokens=8, eos_token_id=eos, cache_implementation="vkv",
+                             cache_config={"prefix_store": store})
+        assert isinstance(seq, torch.Tensor) and store.stats().inserts == 1
+        stored = max(len(p) for p in store.prefixes())
+        assert stored == (40 + 7 if eos is None else 40 + 3)  # the last token (the eos) was never fed back
+        store.check_invariants()
+        follow = torch.cat([seq[:, :stored], _ids(5, seed=1)], dim=1)
+        out = _call(model, follow, store)
+        assert reuse_report(out).reused_tokens == stored
+        assert_same_tokens(out.sequences, _call(model, follow, None).sequences)
+        store.check_invariants()

@@ -2,7 +2,7 @@
 
 SmolLM2's embedding has 28,311,552 values: evenly spaced indices computed with a float32
 ``torch.linspace`` rounded the last one up to 28,311,552, past the end (``IndexError`` in
-``save_prefix(..., model=model)`` and ``PrefixStore.save(..., model=model)``, issue 37 item 8).
+``save_prefix(..., model=model)`` and ``PrefixStore.save(..., model=model)``).
 """
 
 from __future__ import annotations
