@@ -18,7 +18,9 @@ call, chat messages included) does with it, on its :class:`~hf_vkv.generate.call
    the longer ones compute a few stored tokens again;
 3. when the decoding loop ends (:func:`finish`): inserts each finished row (prompt and answer, up
    to its first end-of-sequence token; beams: the prompt only) into the store, as a fork when the
-   row is not padded and as a copy when it is, within the store's budget.
+   row is not padded and as a copy when it is, within the store's budget; a one-row cache the call
+   built and hands to nobody (``generate``'s result is the sequences alone: the server's and
+   pipelines' calls) goes in itself, with no fork.
 
 Where reuse cannot apply, the call runs exactly as without a store and the report
 (``cache.stats().reuse.refusal``, :class:`~hf_vkv.cache.stats.ReuseReport`) says why:
