@@ -124,7 +124,7 @@ def register() -> None:
 
 
 def serving_patches() -> tuple[Patch, ...]:
-    """The methods of transformers' server vkv wraps (item 7 of this module's docstring); imports
+    """The methods of transformers' server vkv wraps (items 7 and 8 of this module's docstring); imports
     the server, which needs ``pip install "hf_vkv[serve]"``."""
     try:
         from transformers.cli.serving import server
@@ -280,7 +280,7 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
 
 
 def _serve_request(original: Any, manager: Any, model: Any, processor: Any, inputs: Any, gen_config: Any,
-                     *args: Any, **kwargs: Any) -> Any:
+                   *args: Any, **kwargs: Any) -> Any:
     """The server's ``generate`` of a request (streaming, or non-streaming as a coroutine): the
     request's config with vkv and the model's store (a bad request raises before anything runs)."""
     serving.prepare_request(model, inputs, gen_config)
