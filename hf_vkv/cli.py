@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 from .ab.demo_text import SHORT_PROMPT as DEMO_PROMPT
 from .ab.records import AttentionPath
+from .generate import serving
 from .memory.errors import InvariantError, VKVError
 
 __all__ = ["DEMO_PROMPT", "EXIT_REFUSED", "exit_code", "main"]
@@ -365,12 +366,6 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------- serve
-def serving_default_mib() -> int:
-    from .generate.serving import DEFAULT_STORE_BYTES
-
-    return DEFAULT_STORE_BYTES >> 20
-
-
 SERVE_EPILOG = """Every other argument is transformers serve's own (`transformers serve --help`), passed as it is:
 the model to preload ('default': the embedded SmolLM2), --host, --port, --continuous-batching, ...
 Each model the server loads generates with cache_implementation="vkv" and one prefix store, so a
@@ -379,7 +374,6 @@ conversation prefills only what no earlier request computed (docs/serve.md)."""
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``hf-vkv serve``: transformers' own server, each model generating with vkv and its prefix store."""
-    from .generate import serving
     from .generate.registry import register_serving
 
     os.environ[serving.STORE_BYTES_ENV] = str(args.prefix_store_mib << 20)
@@ -479,7 +473,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="transformers' own OpenAI-compatible server (`transformers serve`), every model "
                        "generating with vkv and one prefix store: a chat turn prefills only its new tokens",
                        epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prefix-store-mib", type=count, default=serving_default_mib(),
+    p.add_argument("--prefix-store-mib", type=count, default=serving.DEFAULT_STORE_BYTES >> 20,
                    help="each model's prefix store budget, least recently used evicted first (default: %(default)s)")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="transformers serve's arguments")
     p.set_defaults(func=serve, command_parser=p)

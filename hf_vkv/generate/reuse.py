@@ -333,13 +333,10 @@ def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *
         pad = call.pads[r]
         if end - pad < 1:
             continue
-        if pad == 0 and cache.rows == 1:
-            if give:  # the call's own cache, which nobody else holds: the store keeps it
-                if end < held:
-                    cache.crop(end - held)
-                inserted += bool(store.insert(row[:end], cache, give=True, weights=call.weights))
-            else:
-                inserted += bool(store.insert(row[:end], cache, weights=call.weights))  # a fork of the cache itself
+        if pad == 0 and cache.rows == 1:  # give: the call's own cache, which nobody else holds; else a fork of it
+            if give and end < held:
+                cache.crop(end - held)
+            inserted += bool(store.insert(row[:end], cache, give=give, weights=call.weights))
             continue
         one = store.new_cache(batch_size=1)
         try:

@@ -405,10 +405,14 @@ class PrefixStore:
 
     def _check_model(self, model: torch.nn.Module) -> None:
         """Refuse a model of another config than the store's (``PrefixMismatchError``)."""
-        if config_fingerprint(model.config) != self._fingerprint:
-            detail = describe_difference(config_fields(model.config), config_fields(self.config), a_name="model",
-                                         b_name="store")
-            raise PrefixMismatchError("config", f"the model is not this store's ({detail}): use a store per model")
+        self._check_config(model.config, "model", "the model is not this store's ({}): use a store per model")
+
+    def _check_config(self, config: Any, name: str, message: str) -> None:
+        """Refuse another config than the store's: ``PrefixMismatchError("config", message)`` with
+        ``{}`` in ``message`` filled by what differs (``name``: what the config belongs to)."""
+        if config_fingerprint(config) != self._fingerprint:
+            detail = describe_difference(config_fields(config), config_fields(self.config), a_name=name, b_name="store")
+            raise PrefixMismatchError("config", message.format(detail))
 
     def _check_weights(self, weights: str, *, doing: str = "inserted with") -> None:
         """Refuse other weights than those that computed the entries (``PrefixMismatchError``)."""
@@ -480,10 +484,7 @@ class PrefixStore:
                 f"insert needs a hf_vkv.VKVCache, got {type(cache).__name__}: generate with "
                 f"cache_implementation='vkv' or past_key_values=store.lookup(...)"
             )
-        if config_fingerprint(cache.config) != self._fingerprint:
-            detail = describe_difference(config_fields(cache.config), config_fields(self.config), a_name="cache",
-                                         b_name="store")
-            raise PrefixMismatchError("config", f"the cache belongs to another model than this store's ({detail})")
+        self._check_config(cache.config, "cache", "the cache belongs to another model than this store's ({})")
         dtype = _dtype_of(cache)
         if self._entries and dtype is not None and self._dtype is not None and dtype != self._dtype:
             raise PrefixMismatchError("dtype", f"the cache holds {dtype} K/V but the store's entries are "
