@@ -32,6 +32,7 @@ from ..generate import cache_kwarg, reuse
 from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
 from ..prefix import PrefixStore
 from ..version import __version__
+from .deterministic import deterministic_kernels
 from .progress import progress_bar
 from .probes import StepProbe, UpdateTee, kv_bytes
 from .records import ABReport, AttentionPath, Divergence, RunSummary, StepReport
@@ -112,6 +113,10 @@ def run_ab(
             ``num_return_sequences``, ``temperature``, ... (not the ones this function sets:
             caches, logits processors, output options).
 
+    On a CUDA model both runs use deterministic kernels (:func:`~.deterministic.deterministic_kernels`:
+    GPU attention kernels need not repeat themselves bit for bit, and then no A/B could pass);
+    ``report.environment["deterministic_algorithms"]`` says whether they were in force.
+
     Returns:
         An :class:`ABReport`; ``report.identical`` is the verdict, ``report.first_divergence``
         says where a difference started.
@@ -158,19 +163,20 @@ def run_ab(
 
     common = dict(inputs, max_new_tokens=max_new_tokens, **generate_kwargs)
     beams = num_beams > 1
-    ref = _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",
-                    progress=progress, histories=beams)
-    gc.collect()
-    previous = model.config._attn_implementation
-    attention = _PATH_ATTENTION.get(layout)
-    if attention is not None:
-        model.set_attn_implementation(attention)
-    try:
-        got = _generate(model, vkv_cache, common, seed=seed, tee=tee, source=_source(layout), label="vkv",
+    with deterministic_kernels(model.device) as deterministic:  # a GPU reference must repeat itself
+        ref = _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",
                         progress=progress, histories=beams)
-    finally:
+        gc.collect()
+        previous = model.config._attn_implementation
+        attention = _PATH_ATTENTION.get(layout)
         if attention is not None:
-            model.set_attn_implementation(previous)
+            model.set_attn_implementation(attention)
+        try:
+            got = _generate(model, vkv_cache, common, seed=seed, tee=tee, source=_source(layout), label="vkv",
+                            progress=progress, histories=beams)
+        finally:
+            if attention is not None:
+                model.set_attn_implementation(previous)
     reused = asdict(made.pop()) if made else None  # the call inserted its finished rows as it ended
     gc.collect()
 
@@ -185,7 +191,8 @@ def run_ab(
         rows=rows, tokens_identical=_same_tensor(ref.sequences, got.sequences), first_divergence=first,
         dynamic=_summary("dynamic", ref), vkv=_summary("vkv", got), steps=steps,
         generated_dynamic=_generated(ref.sequences, prompt_len), generated_vkv=_generated(got.sequences, prompt_len),
-        environment=describe_environment(model), prefix_reuse=reused,
+        environment={**describe_environment(model), "deterministic_algorithms": str(deterministic)},
+        prefix_reuse=reused,
     )
 
 

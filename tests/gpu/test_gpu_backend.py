@@ -164,24 +164,34 @@ view = b.tensor(base, b.page_bytes, None)
 view.fill_(1)
 torch.cuda._sleep(400_000_000)
 total = view.sum(dtype=torch.int64)
+import time
+t = time.perf_counter()
 b._driver.unmap(base, b.page_bytes)  # straight to the driver: no wait
+unmap_ms = 1e3 * (time.perf_counter() - t)
 torch.cuda.synchronize()
-print("finished", int(total))
+print("finished", int(total), "unmap_ms", round(unmap_ms, 3))
 """
 
 
 def test_negative_control_an_unmap_without_the_wait_faults() -> None:
     """The control of the test above: the same kernel, but the range unmapped without waiting.
-    It must fault (in a child process: a fault kills the context). If it does not, the driver
-    itself waits in cuMemUnmap, and the test above proves nothing about the backend's wait."""
+    It must fault (in a child process: a fault kills the context) -- unless the driver keeps the
+    range readable by work queued before cuMemUnmap, which the CUDA documentation does not promise.
+    The first H100 run (driver 580.159.04) did exactly that: cuMemUnmap returned in 0.2 ms, ahead of
+    a kernel queued behind a 0.2 s sleep, and that kernel still summed the page right. On such a
+    driver the test above cannot fail, and this one says so (a skip naming the driver) instead of
+    passing or failing on a premise that does not hold; the backend keeps its wait."""
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-c", _UNMAP_UNDER_A_KERNEL], capture_output=True, text=True,
                           timeout=120)
     log = proc.stdout + proc.stderr
-    assert proc.returncode != 0 or "finished" not in proc.stdout, (
-        "unmapping under a running kernel did not fault: cuMemUnmap waited by itself\n" + log[-2000:])
+    if proc.returncode == 0 and proc.stdout.startswith("finished"):
+        total = int(proc.stdout.split()[1])
+        assert total == 2 << 20, log[-2000:]  # the page's bytes, all 1: a read of anything else is no read
+        pytest.skip(f"{torch.cuda.get_device_name()} (torch CUDA {torch.version.cuda}): a kernel queued before cuMemUnmap still read the unmapped page ({proc.stdout.strip()}): "
+                    "the driver defers the unmap itself, so the backend's wait is not exercised here")
     assert "illegal" in log.lower() or "CUDA error" in log or proc.returncode < 0, log[-2000:]
 
 

@@ -21,8 +21,16 @@ from models import ARCHS, _seeded, assert_same_tokens, generate_both, prompts, t
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_vkv import VKVCache
+from hf_vkv.ab.deterministic import deterministic_kernels
 
 pytestmark = [*GPU, pytest.mark.integration]
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_kernels():
+    """The reference must repeat itself: cuDNN attention (torch's default on an H100) does not."""
+    with deterministic_kernels("cuda"):
+        yield
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = {

@@ -1,0 +1,41 @@
+"""``deterministic_kernels``: on for CUDA within the block and restored after; a no-op elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_vkv.ab.deterministic import deterministic_kernels
+
+
+@pytest.mark.parametrize("before", [(False, False), (True, False), (True, True)])
+def test_cuda_turns_deterministic_kernels_on_and_restores_the_setting(before, monkeypatch) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    try:
+        with deterministic_kernels("cuda") as on:
+            assert on is True
+            assert torch.are_deterministic_algorithms_enabled()
+            assert torch.is_deterministic_algorithms_warn_only_enabled()
+            import os
+
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        after = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        assert after == before
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def test_restored_when_the_block_raises() -> None:
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(RuntimeError, match="inside"), deterministic_kernels(torch.device("cuda", 0)):
+        raise RuntimeError("inside")
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_other_devices_are_left_alone() -> None:
+    assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_kernels("cpu") as on:
+        assert on is False
+        assert not torch.are_deterministic_algorithms_enabled()
