@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_check.sh quick        the first thing to run when a GPU is at hand: <= 7 minutes
 #   scripts/gpu_check.sh quick --plan its parts, in the order they run, with their time budgets
-#   scripts/gpu_check.sh STAGE        (STAGE = 1 .. 6, or "list"): the long stages, for spare time
+#   scripts/gpu_check.sh STAGE        (STAGE = 1 .. 7, or "list"): the long stages, for spare time
 #
 #   quick  in one call, each part bounded by its own timeout, most valuable first: the bindings and
 #      backend on the device (tests/gpu/test_gpu_backend.py, gpu_vmm.py --pages 64); token identity
@@ -26,11 +26,14 @@
 #      copied per step vs DynamicCache's index_select)
 #   6  the compileable static layout: torch.compile reduce-overhead (CUDA graphs) vs StaticCache,
 #      greedy and beam-4, and a captured graph over a readable reservation
+#   7  sharing device pages across processes (under 3 minutes): a parent exports shareable pages as
+#      POSIX fds over a Unix socket, a child imports and maps them and reads the parent's bytes,
+#      device memory grows by one copy only; write_pages round trip (tests/gpu/test_gpu_share.py)
 #
-# Each stage is bounded by `timeout` (STAGE_TIMEOUT, default 530 s, inside the tool's 600 s) and
-# writes gpu_check_stageN.log and gpu_check_stageN.json into benchmarks/results/ and, when $OUT is
-# set (the device tool), into $OUT too. Benchmark JSONs are written as each cell finishes, so a
-# stage cut short by the timeout still returns what it measured.
+# Each stage is bounded by `timeout` (STAGE_TIMEOUT, default 530 s, inside the tool's 600 s; stage 7
+# at most 170 s) and writes gpu_check_stageN.log and gpu_check_stageN.json into benchmarks/results/
+# and, when $OUT is set (the device tool), into $OUT too. Benchmark JSONs are written as each cell
+# finishes, so a stage cut short by the timeout still returns what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage="${1:-list}"
@@ -55,7 +58,7 @@ QUICK_IDENTITY=(  # modes and dtypes interleaved: a part cut short still saw eac
 )
 QUICK_BINDINGS=(tests/gpu/test_gpu_backend.py)
 QUICK_CPU_UNIT=(tests/unit/test_cuda_dlpack.py tests/unit/test_cuda_driver_rules.py tests/unit/test_cuda_memory.py
-                tests/unit/test_cuda_backend.py tests/unit/test_cuda_no_holes.py)
+                tests/unit/test_cuda_backend.py tests/unit/test_cuda_no_holes.py tests/unit/test_cuda_share.py)
 QUICK_TABLE=(--model smollm2-random --dtype bf16 --contexts 1024 4096 --batches 1 8 --caches dynamic static vkv
              --repeats 1 --new-tokens 128 --beam-context 0)
 QUICK_VMM=(--pages 64)
@@ -193,8 +196,8 @@ if [[ "$stage" == quick ]]; then
   quick_stage "${@:2}"
   exit $?
 fi
-if [[ "$stage" == list || ! "$stage" =~ ^[1-6]$ ]]; then
-  sed -n '2,33p' "$0"; exit 2
+if [[ "$stage" == list || ! "$stage" =~ ^[1-7]$ ]]; then
+  sed -n '2,36p' "$0"; exit 2
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 results=benchmarks/results
@@ -202,6 +205,7 @@ mkdir -p "$results"
 log="$results/gpu_check_stage$stage.log"
 xml="$results/gpu_check_stage$stage.xml"
 limit="${STAGE_TIMEOUT:-530}"
+if [[ "$stage" == 7 ]] && (( limit > 170 )); then limit=170; fi  # stage 7 stays under 3 minutes
 pytest_gpu() { timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$xml" "$@"; }
 
 start=$(date +%s)
@@ -222,6 +226,7 @@ start=$(date +%s)
          --json "$results/gpu_generate_long.json"
        rc=$? ;;
     6) pytest_gpu -m gpu tests/gpu/test_gpu_static.py; rc=$? ;;
+    7) pytest_gpu tests/unit/test_cuda_share.py tests/gpu/test_gpu_share.py -m "gpu or not gpu"; rc=$? ;;
   esac
   echo "stage $stage exit $rc after $(( $(date +%s) - start )) s"
   exit $rc
@@ -258,6 +263,7 @@ if [[ -n "${OUT:-}" ]]; then
     1) cp "$results/gpu_vmm.json" "$OUT/" 2>/dev/null ;;
     4) cp "$results/gpu_generate_short.json" "$OUT/" 2>/dev/null ;;
     5) cp "$results/gpu_generate_long.json" "$OUT/" 2>/dev/null ;;
+    7) cp "$results/gpu_share.json" "$OUT/" 2>/dev/null ;;
   esac
 fi
 exit "$rc"

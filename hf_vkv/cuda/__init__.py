@@ -4,12 +4,13 @@ Importing this package imports torch and ctypes only; ``cuda.bindings`` is loade
 :class:`Driver` is made (``pip install 'hf_vkv[cuda]'``).
 """
 
-from .driver import (CU_STREAM_LEGACY, INSTALL_HINT, CudaDriverError, CudaUnavailableError, Driver, check,
-                     load_bindings)
+from .driver import (CU_STREAM_LEGACY, INSTALL_HINT, CudaDriverError, CudaUnavailableError, Driver,
+                     PageSharingError, check, load_bindings)
 from .hooks import TorchHooks, torch_hooks
-from .vmm_backend import CudaBackend
+from .vmm_backend import CudaBackend, recv_page_fds, send_page_fds
 
 __all__ = [
     "CU_STREAM_LEGACY", "CudaBackend", "CudaDriverError", "CudaUnavailableError", "Driver",
-    "INSTALL_HINT", "TorchHooks", "check", "load_bindings", "torch_hooks",
+    "INSTALL_HINT", "PageSharingError", "TorchHooks", "check", "load_bindings", "recv_page_fds", "send_page_fds",
+    "torch_hooks",
 ]

@@ -3,7 +3,8 @@
 Every call goes through :func:`check`, which turns a non-success ``CUresult`` into a
 :class:`CudaDriverError` naming the call, the result's name and the driver's description of it.
 :class:`Driver` gives the eight VMM calls (granularity, reserve, create, map, set access, unmap,
-release, address free) and a device-to-device copy plain-int signatures. Its only state is the
+release, address free), the two sharing calls (export an allocation as a POSIX file descriptor,
+import one) and device-to-device, host-to-device and device-to-host copies plain-int signatures. Its only state is the
 device's primary context, retained once: every call runs with that context current (pushed on
 the calling thread when another, or none, is), because a garbage-collection finalizer or a
 DLPack deleter may run on a thread that never made a CUDA runtime call and so has no current
@@ -26,8 +27,8 @@ from typing import Any
 
 from ..memory.errors import BackendError, VKVError
 
-__all__ = ["CU_STREAM_LEGACY", "CudaDriverError", "CudaUnavailableError", "Driver", "INSTALL_HINT", "check",
-           "load_bindings"]
+__all__ = ["CU_STREAM_LEGACY", "CudaDriverError", "CudaUnavailableError", "Driver", "INSTALL_HINT", "PageSharingError",
+           "check", "load_bindings"]
 
 #: ``CU_STREAM_LEGACY`` of cuda.h (``(CUstream)0x1``): the legacy default stream, whatever the
 #: per-thread default stream setting of the bindings. Stream 0 is *not* always that stream:
@@ -55,6 +56,13 @@ class CudaDriverError(BackendError):
         self.result = result
         self.code = code
         super().__init__(call, f"{result} ({code}): {description}")
+
+
+class PageSharingError(BackendError):
+    """Pages cannot be shared across processes as asked: the device or the backend was not made
+    for it (``CudaBackend(shareable=True)``), a page to export has no memory or was itself
+    imported, or a file descriptor to import is not one an export gave. ``call`` names the
+    driver call that was (or would have been) made."""
 
 
 def load_bindings() -> ModuleType:
@@ -112,14 +120,20 @@ class Driver:
     """The VMM calls for one device, with plain ints for addresses, sizes and handles.
 
     ``device_index`` is the CUDA ordinal (the ``N`` of ``cuda:N``). Construction runs ``cuInit``
-    and builds the allocation properties (pinned device memory on that device, no export handle)
-    and the read-write access descriptor once. A missing driver library surfaces as
-    :class:`CudaUnavailableError`.
+    and builds the allocation properties (pinned device memory on that device) and the read-write
+    access descriptor once. A missing driver library surfaces as :class:`CudaUnavailableError`.
+
+    ``shareable``: allocations are created exportable as POSIX file descriptors
+    (``requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``), so :meth:`export` and
+    :meth:`import_handle` work; the device must say it supports that handle type
+    (``CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED``), else
+    :class:`PageSharingError`. Off by default: no export handle type is requested.
     """
 
-    def __init__(self, device_index: int, *, module: Any | None = None) -> None:
+    def __init__(self, device_index: int, *, module: Any | None = None, shareable: bool = False) -> None:
         self.cu = load_bindings() if module is None else module
         self.device_index = device_index
+        self.shareable = bool(shareable)
         try:
             self._check("cuInit", self.cu.cuInit(0))
         except CudaDriverError:
@@ -132,7 +146,9 @@ class Driver:
         cu = self.cu
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        kinds = cu.CUmemAllocationHandleType
+        self._fd_type = kinds.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if shareable else None
+        prop.requestedHandleTypes = self._fd_type if shareable else kinds.CU_MEM_HANDLE_TYPE_NONE
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = device_index
         self._prop = prop
@@ -145,6 +161,16 @@ class Driver:
         self._context = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._device))
         self._context_id = int(self._context)
         self._depth = threading.local()  # per thread: how many current() blocks are open
+        if shareable:
+            attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+            supported = self._check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(attribute, self._device))
+            if not int(supported):
+                self._check("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(self._device))
+                self._context = None
+                raise PageSharingError("cuDeviceGetAttribute",
+                                       f"device {device_index} does not support POSIX file descriptor handles "
+                                       f"(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0): "
+                                       f"its pages cannot be shared across processes; use shareable=False")
 
     def _check(self, call: str, result: Any) -> Any:
         return check(call, result, module=self.cu)
@@ -226,6 +252,27 @@ class Driver:
         """``cuMemRelease``: the memory goes once no mapping of it remains."""
         self._call("cuMemRelease", self.cu.cuMemRelease, handle)
 
+    # ----------------------------------------------------------------------------- sharing
+    def export(self, handle: int) -> int:
+        """``cuMemExportToShareableHandle`` as a POSIX file descriptor: a new fd, the caller's to
+        close, that refers to the allocation of ``handle`` (an open fd keeps the memory alive).
+        Needs ``shareable``: the allocation must have been created with that handle type."""
+        if not self.shareable:
+            raise PageSharingError("cuMemExportToShareableHandle",
+                                   "this driver creates allocations without an export handle type (shareable=False)")
+        return int(self._call("cuMemExportToShareableHandle", self.cu.cuMemExportToShareableHandle, handle,
+                              self._fd_type, 0))
+
+    def import_handle(self, fd: int) -> int:
+        """``cuMemImportFromShareableHandle`` of a POSIX file descriptor an export gave (in this or
+        another process): a new handle to the same allocation, released with :meth:`release`.
+        ``fd`` stays open: the caller closes it."""
+        if not self.shareable:
+            raise PageSharingError("cuMemImportFromShareableHandle",
+                                   "this driver was made without shareable handles (shareable=False)")
+        return int(self._call("cuMemImportFromShareableHandle", self.cu.cuMemImportFromShareableHandle, fd,
+                              self._fd_type))
+
     # ----------------------------------------------------------------------------- mappings
     def map(self, address: int, nbytes: int, handle: int) -> None:
         """``cuMemMap`` of a whole allocation (offset 0, as the driver requires) at ``address``."""
@@ -252,3 +299,15 @@ class Driver:
         is the legacy default stream, so 0 is sent as :data:`CU_STREAM_LEGACY` (to the bindings,
         0 may mean the per-thread stream, which is not ordered with torch's work)."""
         self._call("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync, dst, src, nbytes, stream or CU_STREAM_LEGACY)
+
+    def copy_from_host_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cuMemcpyHtoDAsync`` of ``nbytes`` from host address ``src`` to device address ``dst``
+        on ``stream`` (0 sent as :data:`CU_STREAM_LEGACY`, as in :meth:`copy_async`). The host
+        bytes must stay alive and unchanged until the stream has run the copy."""
+        self._call("cuMemcpyHtoDAsync", self.cu.cuMemcpyHtoDAsync, dst, src, nbytes, stream or CU_STREAM_LEGACY)
+
+    def copy_to_host_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cuMemcpyDtoHAsync`` of ``nbytes`` from device address ``src`` to host address ``dst``
+        on ``stream`` (0 sent as :data:`CU_STREAM_LEGACY`); the bytes are there once the stream
+        has run the copy."""
+        self._call("cuMemcpyDtoHAsync", self.cu.cuMemcpyDtoHAsync, dst, src, nbytes, stream or CU_STREAM_LEGACY)

@@ -27,16 +27,35 @@ virtual memory with ``cuMemMap`` (the vAttention approach), behind the
   so any address of the reservation can be read (and written, harmlessly) by a captured graph.
   ``map`` unmaps the scratch at its slots first, ``unmap`` puts the scratch back.
 * **Release** unmaps a page from the window (after the same wait: a copy may still use it) and
-  releases its handle; the memory goes back to the driver at once.
+  releases its handle; the memory goes back to the driver at once (an imported page's memory
+  goes once the exporter and every importer have released it).
+* **Sharing pages across processes** (``shareable=True``): allocations are created exportable as
+  POSIX file descriptors. :meth:`CudaBackend.export_pages` gives one fd per page
+  (``cuMemExportToShareableHandle``); :func:`send_page_fds` / :func:`recv_page_fds` pass them over
+  a Unix socket (``SCM_RIGHTS``); :meth:`CudaBackend.import_pages` backs page ids of the importing
+  backend with them (``cuMemImportFromShareableHandle``, mapped at a window slot like a created
+  page), after which ``map`` maps them into rows like any page: N processes map one copy of a
+  shared prefix. Imported pages are read-only by convention (the page table holds them as shared
+  and copies on write); the backend refuses to write one (:meth:`CudaBackend.write_pages`, the
+  destination of :meth:`CudaBackend.copy`). Releasing an imported page releases the imported
+  handle only.
+* **Loading pages from the host** (:meth:`CudaBackend.write_pages`): one host-to-device copy per
+  page through the window, then a wait (a prefix file is read into device pages once);
+  :meth:`CudaBackend.read_pages` is the way back.
 
 Invariants: every created page id has exactly one slot, whose handle is mapped at that slot of
 the window; spare slots hold handles no page uses; every slot of a readable reservation holds a
-real page or the scratch page; ``resident_bytes() == (pages + spares + scratch) * page_bytes`` is
-what the driver holds for this backend; at most ``max_pages`` handles (scratch aside) exist.
+real page or the scratch page; ``resident_bytes() == (created pages + spares + scratch) *
+page_bytes`` is what the driver holds for this backend (imported pages are the exporter's memory:
+:attr:`CudaBackend.imported_pages` counts them); at most ``max_pages`` handles (scratch aside,
+imported ones included: each takes a window slot) exist.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -48,10 +67,10 @@ from ..memory.errors import BackendError, CacheClosedError, KVCacheOutOfMemory
 from ..memory.limits import MAX_CUDA_PAGE_BYTES, PageSizeError
 from ..memory.pool import PageId
 from ..memory.runs import consecutive_runs as _runs
-from .driver import CudaDriverError, Driver
+from .driver import CudaDriverError, Driver, PageSharingError
 from .hooks import TorchHooks, torch_hooks
 
-__all__ = ["CudaBackend"]
+__all__ = ["CudaBackend", "recv_page_fds", "send_page_fds"]
 
 _OUT_OF_MEMORY = "CUDA_ERROR_OUT_OF_MEMORY"
 
@@ -80,11 +99,15 @@ class CudaBackend:
             The backend owns it: the driver is closed once the backend is closed and its last
             reservation given back.
         hooks: the torch side (default: :func:`~hf_vkv.cuda.hooks.torch_hooks`).
+        shareable: create pages exportable as POSIX file descriptors, so that
+            :meth:`export_pages` and :meth:`import_pages` work (both sides of a share need it).
+            The device must support that handle type. A given ``driver`` must have been made
+            with the same setting.
     """
 
     def __init__(self, device: torch.device | str, *, page_bytes: int | None = None, max_pages: int | None = None,
                  create_ahead: int = 1, driver: Driver | None = None,
-                 hooks: TorchHooks | None = None) -> None:
+                 hooks: TorchHooks | None = None, shareable: bool = False) -> None:
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"device must be a CUDA device, got {device}")
@@ -94,8 +117,12 @@ class CudaBackend:
             raise ValueError(f"create_ahead must be a positive int, got {create_ahead!r}")
         self.device = device
         self.create_ahead = create_ahead
+        if driver is not None and bool(getattr(driver, "shareable", False)) != bool(shareable):
+            raise ValueError(f"shareable={shareable!r} but the driver given was made with "
+                             f"shareable={getattr(driver, 'shareable', False)!r}")
+        self.shareable = bool(shareable)
         self._hooks = torch_hooks(device) if hooks is None else hooks
-        self._driver = Driver(device.index) if driver is None else driver
+        self._driver = Driver(device.index, shareable=shareable) if driver is None else driver
         self._calls: dict[str, list[float]] = {}  # driver call -> [count, seconds]
         self._counts: Counter[str] = Counter()  # pages mapped / unmapped, waits: see counters()
         granularity = self._timed("granularity", self._driver.granularity)
@@ -120,6 +147,7 @@ class CudaBackend:
         self._slot_of: dict[PageId, int] = {}  # created page -> its window slot
         self._handle: dict[int, int] = {}  # window slot -> handle (pages' and spares')
         self._spares: list[int] = []  # slots whose handle no page uses
+        self._imported: set[int] = set()  # slots whose handle was imported from another process
         self._empty: list[int] = []  # slots below _next_slot that hold no handle
         self._next_slot = 0
         self._mapped: dict[int, PageId] = {}  # row address of a mapped page -> that page
@@ -154,7 +182,9 @@ class CudaBackend:
         * ``scratch_mapped`` / ``scratch_unmapped``: the same for the scratch page;
         * ``map_runs`` / ``unmap_runs``: ``cuMemSetAccess`` / ``cuMemUnmap`` calls on rows;
         * ``synchronizes``: device synchronizes; ``idle_skips``: waits answered by an idle stream;
-        * ``pages_copied``: page copies queued (copy-on-write).
+        * ``pages_copied``: page copies queued (copy-on-write);
+        * ``pages_exported`` / ``pages_imported``: file descriptors given by :meth:`export_pages`,
+          pages backed by :meth:`import_pages`; ``pages_written``: host-to-device page copies.
         """
         return dict(self._counts)
 
@@ -190,13 +220,7 @@ class CudaBackend:
         ``create_ahead``). Raises :class:`KVCacheOutOfMemory`, with nothing changed, when
         ``max_pages`` or the device's memory cannot hold the missing handles."""
         self._open()
-        for page in pages:
-            if not 0 <= page < self._id_space:
-                raise BackendError("create", f"page {page} is outside the id space {self._id_space}")
-            if page in self._slot_of:
-                raise BackendError("create", f"page {page} already has physical memory")
-        if len(set(pages)) != len(pages):
-            raise BackendError("create", f"duplicate page ids in {list(pages)[:8]}")
+        self._check_new("create", pages)
         missing = len(pages) - len(self._spares)
         if missing > 0:
             held = len(self._handle)
@@ -219,6 +243,27 @@ class CudaBackend:
         for page in pages:
             self._slot_of[page] = self._spares.pop()
 
+    def _check_new(self, call: str, pages: Sequence[PageId]) -> None:
+        """``pages`` may be given memory: in the id space, none has any yet, no duplicates."""
+        for page in pages:
+            if not 0 <= page < self._id_space:
+                raise BackendError(call, f"page {page} is outside the id space {self._id_space}")
+            if page in self._slot_of:
+                raise BackendError(call, f"page {page} already has physical memory")
+        if len(set(pages)) != len(pages):
+            raise BackendError(call, f"duplicate page ids in {list(pages)[:8]}")
+
+    def _pick_slots(self, count: int) -> tuple[list[int], int]:
+        """``count`` window slots for new handles (emptied slots first), sorted, and how many of
+        them are reused; :meth:`_commit_slots` takes them once the handles are in."""
+        reuse = self._empty[len(self._empty) - min(count, len(self._empty)):]
+        fresh = list(range(self._next_slot, self._next_slot + count - len(reuse)))
+        return sorted(reuse + fresh), len(reuse)
+
+    def _commit_slots(self, count: int, reused: int) -> None:
+        del self._empty[len(self._empty) - reused:]
+        self._next_slot += count - reused
+
     def _create_for(self, missing: int, batch: int) -> None:
         """Create ``batch`` spare handles; if the device is out of memory, exactly ``missing``."""
         try:
@@ -231,9 +276,7 @@ class CudaBackend:
 
     def _create_handles(self, count: int) -> None:
         """Create ``count`` spare handles, each mapped at its window slot; all or nothing."""
-        reuse = self._empty[len(self._empty) - min(count, len(self._empty)):]
-        fresh = list(range(self._next_slot, self._next_slot + count - len(reuse)))
-        slots = sorted(reuse + fresh)
+        slots, reused = self._pick_slots(count)
         made: list[tuple[int, int]] = []  # (slot, handle), handle created
         mapped: list[int] = []
         d = self._driver
@@ -252,8 +295,7 @@ class CudaBackend:
             for _, handle in made:
                 self._timed("release", d.release, handle)
             raise
-        del self._empty[len(self._empty) - len(reuse):]
-        self._next_slot += len(fresh)
+        self._commit_slots(count, reused)
         for slot, handle in made:
             self._handle[slot] = handle
         self._spares.extend(reversed(slots))  # pop() hands out the lowest slot first
@@ -281,16 +323,213 @@ class CudaBackend:
             self._timed("set_access", self._driver.set_access, self._slot_address(slot), self.page_bytes)
             raise
         del self._handle[slot]
+        self._imported.discard(slot)
         self._empty.append(slot)
 
     def resident_bytes(self) -> int:
-        """Bytes of every handle this backend holds (pages, create-ahead spares, the scratch page)."""
-        return (len(self._handle) + (self._scratch is not None)) * self.page_bytes
+        """Bytes of every allocation this backend created and holds (pages, create-ahead spares,
+        the scratch page); imported pages are another process's memory and not counted."""
+        return (len(self._handle) - len(self._imported) + (self._scratch is not None)) * self.page_bytes
 
     @property
     def spare_pages(self) -> int:
         """Handles created ahead that no page uses yet."""
         return len(self._spares)
+
+    @property
+    def imported_pages(self) -> int:
+        """Pages backed by :meth:`import_pages` and not yet released."""
+        return len(self._imported)
+
+    def is_imported(self, page: PageId) -> bool:
+        """Whether ``page`` is backed by an imported allocation (read-only by convention)."""
+        slot = self._slot_of.get(page)
+        return slot is not None and slot in self._imported
+
+    # ----------------------------------------------------------------------------- sharing
+    def export_pages(self, pages: Sequence[PageId]) -> list[int]:
+        """One POSIX file descriptor per page of ``pages`` (``cuMemExportToShareableHandle``), in
+        order, for another process to :meth:`import_pages`. The caller owns the descriptors:
+        close them once sent (an open descriptor keeps the memory alive). The pages stay this
+        backend's; the other side never frees them. Raises :class:`PageSharingError` on a
+        backend made without ``shareable``, for a page without memory, or for an imported page
+        (export it from the process that created it); on failure no descriptor is left open."""
+        self._open()
+        call = "cuMemExportToShareableHandle"
+        if not self.shareable:
+            raise PageSharingError(call, "this backend was made without shareable handles: its pages cannot be "
+                                         "exported (CudaBackend(..., shareable=True) creates exportable pages)")
+        handles = []
+        for page in pages:
+            slot = self._slot_of.get(page)
+            if slot is None:
+                raise PageSharingError(call, f"page {page} has no physical memory (it was never created or was "
+                                             f"released)")
+            if slot in self._imported:
+                raise PageSharingError(call, f"page {page} was imported from another process; export it from the "
+                                             f"process that created it")
+            handles.append(self._handle[slot])
+        fds: list[int] = []
+        try:
+            with self._driver.current():
+                for handle in handles:
+                    fds.append(self._timed("export", self._driver.export, handle))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self._counts["pages_exported"] += len(fds)
+        return fds
+
+    def import_pages(self, pages: Sequence[PageId], fds: Sequence[int], *, page_bytes: int | None = None) -> None:
+        """Back ``pages`` (ids of this backend's id space without memory, as for :meth:`create`)
+        with the allocations ``fds[k]`` name (descriptors another backend's :meth:`export_pages`
+        gave, received with :func:`recv_page_fds`): ``cuMemImportFromShareableHandle``, then each
+        handle is mapped at a window slot. The pages are then mapped into rows with :meth:`map`
+        like any page; they must never be written (:meth:`write_pages` and :meth:`copy` refuse
+        to); :meth:`release` releases the imported handle and leaves the exporter's memory alone.
+
+        The descriptors stay the caller's: close them after the call. ``page_bytes``: the
+        exporter's page size, when known (:func:`recv_page_fds` gives it); it must equal this
+        backend's. All or nothing: on failure no page is imported. Raises
+        :class:`PageSharingError` on a backend made without ``shareable``, for a descriptor that
+        is not open or does not name an exported allocation, or for another page size."""
+        self._open()
+        call = "cuMemImportFromShareableHandle"
+        if not self.shareable:
+            raise PageSharingError(call, "this backend was made without shareable handles: it cannot import pages "
+                                         "(CudaBackend(..., shareable=True))")
+        if page_bytes is not None and page_bytes != self.page_bytes:
+            raise PageSharingError(call, f"the exported pages are {page_bytes:,} bytes and this backend's "
+                                         f"{self.page_bytes:,}: both sides need the same page_bytes")
+        pages, fds = list(pages), list(fds)
+        if len(pages) != len(fds):
+            raise ValueError(f"import_pages needs one file descriptor per page, got {len(pages)} pages and "
+                             f"{len(fds)} descriptors")
+        self._check_new(call, pages)
+        for fd in fds:
+            if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+                raise PageSharingError(call, f"{fd!r} is not a file descriptor")
+            try:
+                os.fstat(fd)
+            except OSError as exc:
+                raise PageSharingError(call, f"file descriptor {fd} is not open ({exc.strerror})") from exc
+        if not pages:
+            return
+        held = len(self._handle)
+        if held + len(pages) > self.max_pages:
+            raise KVCacheOutOfMemory(requested_bytes=len(pages) * self.page_bytes,
+                                     free_bytes=(self.max_pages - held) * self.page_bytes,
+                                     budget_bytes=self.max_pages * self.page_bytes,
+                                     what=f"window slots for {len(pages)} imported device page(s) (max_pages="
+                                          f"{self.max_pages})")
+        slots, reused = self._pick_slots(len(pages))
+        made: list[int] = []
+        mapped: list[int] = []
+        d, size = self._driver, self.page_bytes
+        try:
+            with d.current():
+                for slot, fd in zip(slots, fds):
+                    try:
+                        made.append(self._timed("import", d.import_handle, fd))
+                    except CudaDriverError as exc:
+                        raise PageSharingError(call, f"file descriptor {fd} does not name an allocation the driver "
+                                                     f"can import ({exc.result}): pass descriptors export_pages "
+                                                     f"gave") from exc
+                    try:
+                        self._timed("map", d.map, self._slot_address(slot), size, made[-1])
+                    except CudaDriverError as exc:
+                        if exc.result != "CUDA_ERROR_INVALID_VALUE":
+                            raise
+                        raise PageSharingError("cuMemMap", f"the allocation of file descriptor {fd} cannot be "
+                                                           f"mapped as a page of {size:,} bytes ({exc.result}): "
+                                                           f"is the exporter's page size another?") from exc
+                    mapped.append(slot)
+                for first, n in _runs(slots):
+                    self._timed("set_access", d.set_access, self._slot_address(first), n * size)
+        except BaseException:
+            # No kernel has seen these slots: no wait. Unmap before release, whole runs.
+            with d.current():
+                for first, n in _runs(mapped):
+                    self._timed("unmap", d.unmap, self._slot_address(first), n * size)
+                for handle in made:
+                    self._timed("release", d.release, handle)
+            raise
+        self._commit_slots(len(slots), reused)
+        for page, slot, handle in zip(pages, slots, made):
+            self._handle[slot] = handle
+            self._slot_of[page] = slot
+            self._imported.add(slot)
+        self._counts["pages_imported"] += len(pages)
+
+    def write_pages(self, pages: Sequence[PageId], data: torch.Tensor) -> None:
+        """Copy ``data[k]`` (a ``uint8`` CPU tensor ``[len(pages), page_bytes]``, pinned or not)
+        into page ``pages[k]``: one ``cuMemcpyHtoDAsync`` per page through the window on torch's
+        current stream, then a wait, so ``data`` may be dropped or changed once this returns
+        (loading a prefix file reads it into device pages once). Pages must have memory and not
+        be imported (:class:`PageSharingError`: an importing process never writes one)."""
+        self._open()
+        call = "cuMemcpyHtoDAsync"
+        pages = list(pages)
+        if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.device.type != "cpu"
+                or tuple(data.shape) != (len(pages), self.page_bytes)):
+            got = (f"{data.dtype} {data.device} {tuple(data.shape)}" if isinstance(data, torch.Tensor)
+                   else type(data).__name__)
+            raise ValueError(f"data must be a uint8 CPU tensor of shape [{len(pages)}, {self.page_bytes}] (one row "
+                             f"per page), got {got}")
+        if len(set(pages)) != len(pages):
+            raise BackendError(call, f"duplicate page ids in {pages[:8]}")
+        slots = []
+        for page in pages:
+            slot = self._slot_of.get(page)
+            if slot is None:
+                raise BackendError(call, f"page {page} has no physical memory (it was never created or was released)")
+            if slot in self._imported:
+                raise PageSharingError(call, f"page {page} was imported from another process: an importing "
+                                             f"process never writes it")
+            slots.append(slot)
+        if not pages:
+            return
+        data = data.contiguous()
+        base, size = data.data_ptr(), self.page_bytes
+        stream = self._hooks.stream()
+        with self._driver.current():
+            try:
+                for k, slot in enumerate(slots):
+                    self._timed("copy_from_host", self._driver.copy_from_host_async, self._slot_address(slot),
+                                base + k * size, size, stream)
+                    self._counts["pages_written"] += 1
+            finally:  # the host bytes must outlive every copy queued (also when one failed)
+                self._timed("synchronize", self._hooks.synchronize)
+                self._counts["synchronizes"] += 1
+
+    def read_pages(self, pages: Sequence[PageId]) -> torch.Tensor:
+        """A ``uint8`` CPU copy ``[len(pages), page_bytes]`` of ``pages`` (created or imported):
+        one ``cuMemcpyDtoHAsync`` per page through the window on torch's current stream (after
+        the work queued there), then a wait."""
+        self._open()
+        pages = list(pages)
+        slots = []
+        for page in pages:
+            slot = self._slot_of.get(page)
+            if slot is None:
+                raise BackendError("cuMemcpyDtoHAsync", f"page {page} has no physical memory (it was never created "
+                                                        f"or was released)")
+            slots.append(slot)
+        out = torch.empty(len(pages), self.page_bytes, dtype=torch.uint8)
+        if not pages:
+            return out
+        base, size = out.data_ptr(), self.page_bytes
+        stream = self._hooks.stream()
+        with self._driver.current():
+            try:
+                for k, slot in enumerate(slots):
+                    self._timed("copy_to_host", self._driver.copy_to_host_async, base + k * size,
+                                self._slot_address(slot), size, stream)
+            finally:  # ``out`` must outlive every copy queued (also when one failed)
+                self._timed("synchronize", self._hooks.synchronize)
+                self._counts["synchronizes"] += 1
+        return out
 
     # ----------------------------------------------------------------------------- address space
     def reserve(self, nbytes: int, *, readable: bool = False) -> int:
@@ -468,6 +707,9 @@ class CudaBackend:
             for p in (src, dst):
                 if p not in self._slot_of:
                     raise BackendError("cuMemcpyDtoDAsync", f"page {p} has no physical memory")
+            if self._slot_of[dst] in self._imported:
+                raise PageSharingError("cuMemcpyDtoDAsync", f"page {dst} was imported from another process: an "
+                                                            f"importing process never writes it")
             slots.append((self._slot_of[src], self._slot_of[dst]))
         stream = self._hooks.stream()
         with self._driver.current():
@@ -507,6 +749,7 @@ class CudaBackend:
                     errors.append(exc)
             self._slot_of.clear()
             self._spares.clear()
+            self._imported.clear()
             if self._scratch is not None:
                 try:
                     self._timed("release", self._driver.release, self._scratch)
@@ -525,3 +768,57 @@ class CudaBackend:
         # Reservations outlive close() (tensors may hold them); each unreserve needs the context.
         if self._closed and not self._reservations:
             self._driver.close()
+
+
+# ------------------------------------------------------------------------------------- fd passing
+#: File descriptors per message: Linux takes at most 253 (``SCM_MAX_FD``) in one ``SCM_RIGHTS``.
+FDS_PER_MESSAGE = 250
+_HEADER = struct.Struct("<QQQ")  # descriptors in all, page_bytes, descriptors in this message
+
+
+def send_page_fds(sock: socket.socket, fds: Sequence[int], *, page_bytes: int) -> None:
+    """Send ``fds`` (from :meth:`CudaBackend.export_pages`) and the exporter's ``page_bytes`` over
+    a connected ``AF_UNIX`` socket (``SCM_RIGHTS``: the receiver gets its own descriptors to the
+    same allocations), in messages of at most :data:`FDS_PER_MESSAGE`. The sender's descriptors
+    stay open: close them after sending."""
+    fds = list(fds)
+    chunks = [fds[i:i + FDS_PER_MESSAGE] for i in range(0, len(fds), FDS_PER_MESSAGE)] or [[]]
+    for chunk in chunks:
+        header = _HEADER.pack(len(fds), page_bytes, len(chunk))
+        sent = socket.send_fds(sock, [header], chunk) if chunk else sock.send(header)
+        if sent != _HEADER.size:  # the descriptors travel with the first byte: send the rest plainly
+            sock.sendall(header[sent:])
+
+
+def recv_page_fds(sock: socket.socket) -> tuple[list[int], int]:
+    """Receive what :func:`send_page_fds` sent: ``(fds, page_bytes)``, the descriptors now this
+    process's (pass them to :meth:`CudaBackend.import_pages`, then close them). Raises
+    :class:`PageSharingError` (closing whatever arrived) if the peer closes early or the
+    descriptors do not arrive as announced."""
+    fds: list[int] = []
+    try:
+        while True:
+            data, got, flags, _ = socket.recv_fds(sock, _HEADER.size, FDS_PER_MESSAGE)
+            fds.extend(got)
+            if flags & socket.MSG_CTRUNC:
+                raise PageSharingError("recvmsg", "file descriptors were cut off (MSG_CTRUNC): the process may be "
+                                                  "out of descriptors (ulimit -n)")
+            while data and len(data) < _HEADER.size:
+                more = sock.recv(_HEADER.size - len(data))
+                if not more:
+                    break
+                data += more
+            if len(data) != _HEADER.size:
+                raise PageSharingError("recvmsg", f"the peer closed the socket after {len(fds)} descriptor(s)")
+            total, page_bytes, count = _HEADER.unpack(data)
+            if len(got) != count:
+                raise PageSharingError("recvmsg", f"a message announced {count} descriptor(s) and carried "
+                                                  f"{len(got)}")
+            if len(fds) >= total:
+                if len(fds) != total:
+                    raise PageSharingError("recvmsg", f"{len(fds)} descriptors arrived, {total} were announced")
+                return fds, page_bytes
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise

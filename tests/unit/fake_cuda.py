@@ -15,6 +15,18 @@ It keeps what a driver keeps and refuses what the CUDA 13 driver API documents a
   reservation;
 * ``cuMemRelease`` drops a handle *reference*: memory still mapped stays (and stays mapped) until
   its last mapping goes; ``cuMemRetainAllocationHandle`` takes one more reference;
+* sharing: ``cuMemExportToShareableHandle`` (POSIX file descriptor type only, flags 0) exports
+  only allocations created with that handle type in ``requestedHandleTypes``; the descriptor is
+  a real one (a fresh ``memfd``, so it survives ``SCM_RIGHTS``: the allocation is found again by
+  the file's inode); ``cuMemImportFromShareableHandle`` of such a descriptor gives a *new* handle
+  to the same allocation (of a descriptor that is not open or not an export:
+  ``CUDA_ERROR_INVALID_VALUE``). An allocation's memory goes once no handle of it holds a
+  reference or a mapping and no descriptor of its exports is open in the process
+  (``/proc/self/fd``);
+* ``cuMemcpyHtoDAsync`` reads the host bytes at once and stores them in the allocations the
+  destination maps (:meth:`FakeCu.read`): what one handle wrote, another handle of the same
+  allocation reads; ``cuMemcpyDtoHAsync`` writes those bytes (zeros if never written) to the host
+  at once;
 * streams: 0 is the legacy default stream, or the calling thread's per-thread stream when the
   bindings run in per-thread mode (``CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1``); copies
   record the stream they really ran on;
@@ -28,9 +40,11 @@ a function return ``error`` without doing anything.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -66,11 +80,27 @@ def _location() -> SimpleNamespace:
     return SimpleNamespace(type=None, id=None)
 
 
-@dataclass
-class Allocation:
+@dataclass(eq=False)
+class Memory:
+    """One physical allocation (several handles may name it: an export imported again)."""
+
     size: int
-    refs: int = 1  # handle references (cuMemCreate's, cuMemRetainAllocationHandle's)
+    shareable: bool = False  # created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    contents: bytearray | None = None  # bytes written by cuMemcpyHtoDAsync (None: never written)
+    exports: set[tuple[int, int]] = field(default_factory=set)  # (st_dev, st_ino) of its exported files
+
+
+@dataclass(eq=False)
+class Allocation:
+    """One handle: its references and mappings, and the memory it names."""
+
+    memory: Memory
+    refs: int = 1  # handle references (cuMemCreate's / cuMemImportFromShareableHandle's, cuMemRetainAllocationHandle's)
     maps: int = 0  # addresses it is mapped at
+
+    @property
+    def size(self) -> int:
+        return self.memory.size
 
 
 class FakeCu:
@@ -78,7 +108,10 @@ class FakeCu:
 
     CUresult = CUresult
     CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED="PINNED")
-    CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_NONE="NONE")
+    CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_NONE="NONE",
+                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR="POSIX_FD")
+    CUdevice_attribute = SimpleNamespace(
+        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED="POSIX_FD_SUPPORTED")
     CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE="DEVICE")
     CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE="RW")
     CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM="MIN",
@@ -92,15 +125,19 @@ class FakeCu:
     def CUmemAccessDesc() -> SimpleNamespace:  # noqa: N802
         return SimpleNamespace(location=_location(), flags=None)
 
-    def __init__(self, *, device_bytes: int = 1 << 30, per_thread_default_stream: bool = False) -> None:
+    def __init__(self, *, device_bytes: int = 1 << 30, per_thread_default_stream: bool = False,
+                 posix_fd_supported: bool = True) -> None:
         self.device_bytes = device_bytes
+        self.posix_fd_supported = posix_fd_supported
         self.per_thread_default_stream = per_thread_default_stream
         self.calls: list[tuple] = []
         self.reservations: dict[int, int] = {}  # address -> size
-        self.allocations: dict[int, Allocation] = {}  # handle -> allocation (memory held)
+        self.allocations: dict[int, Allocation] = {}  # live handle -> its references, mappings and memory
+        self.exports: dict[tuple[int, int], Memory] = {}  # (st_dev, st_ino) of an exported file -> memory
         self.mappings: dict[int, tuple[int, int]] = {}  # address -> (size, handle)
         self.accessible: set[int] = set()  # mapped addresses with access granted
         self.copies: list[tuple[int, int, int, object]] = []  # (dst, src, nbytes, stream it ran on)
+        self.host_copies: list[tuple[int, int, int, object]] = []  # (dst, src, nbytes, stream): host<->device
         self.inflight: list[tuple[int, int]] = []  # [lo, hi) ranges queued work still uses
         self.primary_refs: dict[int, int] = {}  # device -> primary context retains
         self._initialized = False
@@ -129,8 +166,43 @@ class FakeCu:
         """Live handle references: ``{handle: size}``."""
         return {h: a.size for h, a in self.allocations.items() if a.refs}
 
+    def open_exports(self) -> list[int]:
+        """Descriptors open in this process that name an exported allocation."""
+        if not self.exports:
+            return []
+        out = []
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                st = os.fstat(int(name))
+            except OSError:  # the listing's own descriptor, closed by now
+                continue
+            if (st.st_dev, st.st_ino) in self.exports:
+                out.append(int(name))
+        return out
+
+    def memories(self) -> list[Memory]:
+        """Every allocation whose memory is held: by a handle's reference or mapping, or by an open
+        descriptor of one of its exports."""
+        held = {id(a.memory): a.memory for a in self.allocations.values()}
+        for fd in self.open_exports():
+            st = os.fstat(fd)
+            memory = self.exports[(st.st_dev, st.st_ino)]
+            held[id(memory)] = memory
+        return list(held.values())
+
     def used_bytes(self) -> int:
-        return sum(a.size for a in self.allocations.values())
+        return sum(m.size for m in self.memories())
+
+    def memory_at(self, address: int) -> Memory:
+        """The allocation mapped at ``address`` (the start of a mapping)."""
+        return self.allocations[self.mappings[address][1]].memory
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        """The bytes written (by ``cuMemcpyHtoDAsync``) into the allocation mapped at ``address``
+        (the start of a mapping); zeros where nothing was written."""
+        memory = self.memory_at(address)
+        data = memory.contents or bytearray(memory.size)
+        return bytes(data[:nbytes])
 
     def make_current(self, device: int = 0) -> None:
         """What torch's runtime does on a thread that makes a CUDA call: retain the primary
@@ -195,7 +267,9 @@ class FakeCu:
     def _drop(self, handle: int) -> None:
         alloc = self.allocations[handle]
         if alloc.refs == 0 and alloc.maps == 0:
-            del self.allocations[handle]  # the memory goes back to the device
+            # The handle is gone; its memory goes back to the device once no other handle (an
+            # import's) and no open exported descriptor holds it (see memories()).
+            del self.allocations[handle]
 
     # ----------------------------------------------------------------------------- the driver calls
     def cuInit(self, flags):  # noqa: N802
@@ -211,6 +285,14 @@ class FakeCu:
 
     def cuDriverGetVersion(self):  # noqa: N802
         return OK, 13000
+
+    def cuDeviceGetAttribute(self, attrib, dev):  # noqa: N802
+        err = self._enter("cuDeviceGetAttribute", attrib, dev, context=False)
+        if err:
+            return err, None
+        if attrib != "POSIX_FD_SUPPORTED" or not 0 <= dev < 8:
+            return CUresult.CUDA_ERROR_INVALID_VALUE, None
+        return OK, int(self.posix_fd_supported)
 
     def cuDeviceGet(self, ordinal):  # noqa: N802
         err = self._enter("cuDeviceGet", ordinal, context=False)
@@ -257,6 +339,7 @@ class FakeCu:
 
     def cuMemGetAllocationGranularity(self, prop, option):  # noqa: N802
         assert prop.type == "PINNED" and prop.location.type == "DEVICE"
+        assert prop.requestedHandleTypes in (None, "NONE", "POSIX_FD")
         err = self._enter("cuMemGetAllocationGranularity", option)
         return (err, None) if err else (OK, MIN_GRAN if option == "MIN" else REC_GRAN)
 
@@ -282,7 +365,7 @@ class FakeCu:
         return (OK,)
 
     def cuMemCreate(self, size, prop, flags):  # noqa: N802
-        assert prop.location.id == 0
+        assert prop.location.id == 0 and prop.requestedHandleTypes in (None, "NONE", "POSIX_FD")
         err = self._enter("cuMemCreate", size, flags)
         if err:
             return err, None
@@ -290,9 +373,45 @@ class FakeCu:
             return CUresult.CUDA_ERROR_INVALID_VALUE, None
         if self.used_bytes() + size > self.device_bytes:
             return CUresult.CUDA_ERROR_OUT_OF_MEMORY, None
+        shareable = prop.requestedHandleTypes == "POSIX_FD"
+        if shareable and not self.posix_fd_supported:
+            return CUresult.CUDA_ERROR_NOT_SUPPORTED, None
+        return OK, self._new_handle(Memory(size, shareable=shareable))
+
+    def _new_handle(self, memory: Memory) -> int:
         handle, self._next_handle = self._next_handle, self._next_handle + 1
-        self.allocations[handle] = Allocation(size)
-        return OK, handle
+        self.allocations[handle] = Allocation(memory)
+        return handle
+
+    def cuMemExportToShareableHandle(self, handle, handleType, flags):  # noqa: N802
+        err = self._enter("cuMemExportToShareableHandle", handle, handleType, flags)
+        if err:
+            return err, None
+        alloc = self.allocations.get(handle)
+        if alloc is None or alloc.refs == 0 or handleType != "POSIX_FD" or flags != 0:
+            return CUresult.CUDA_ERROR_INVALID_VALUE, None
+        if not alloc.memory.shareable:  # not requested at cuMemCreate
+            return CUresult.CUDA_ERROR_NOT_SUPPORTED, None
+        fd = os.memfd_create("fake-cuda-export", os.MFD_CLOEXEC)
+        st = os.fstat(fd)
+        self.exports[(st.st_dev, st.st_ino)] = alloc.memory
+        alloc.memory.exports.add((st.st_dev, st.st_ino))
+        return OK, fd
+
+    def cuMemImportFromShareableHandle(self, osHandle, shHandleType):  # noqa: N802,N803
+        err = self._enter("cuMemImportFromShareableHandle", osHandle, shHandleType)
+        if err:
+            return err, None
+        if shHandleType != "POSIX_FD" or not isinstance(osHandle, int):
+            return CUresult.CUDA_ERROR_INVALID_VALUE, None
+        try:
+            st = os.fstat(osHandle)
+        except OSError:
+            return CUresult.CUDA_ERROR_INVALID_VALUE, None
+        memory = self.exports.get((st.st_dev, st.st_ino))
+        if memory is None:
+            return CUresult.CUDA_ERROR_INVALID_VALUE, None
+        return OK, self._new_handle(memory)
 
     def cuMemRelease(self, handle):  # noqa: N802
         err = self._enter("cuMemRelease", handle)
@@ -361,6 +480,48 @@ class FakeCu:
             return ("per-thread", threading.get_ident())
         return stream
 
+    def cuMemcpyHtoDAsync(self, dstDevice, srcHost, ByteCount, hStream):  # noqa: N802,N803
+        err = self._enter("cuMemcpyHtoDAsync", dstDevice, srcHost, ByteCount, hStream)
+        if err:
+            return (err,)
+        if not isinstance(srcHost, int) or srcHost == 0 or ByteCount <= 0:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        covered = self._covered(dstDevice, ByteCount, partial_end=True)
+        if covered is None or not all(c in self.accessible for c in covered):
+            return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
+        data = ctypes.string_at(srcHost, ByteCount)  # the host bytes, read now
+        offset = 0
+        for a in covered:
+            memory = self.allocations[self.mappings[a][1]].memory
+            n = min(memory.size, ByteCount - offset)
+            if memory.contents is None:
+                memory.contents = bytearray(memory.size)
+            memory.contents[:n] = data[offset:offset + n]
+            offset += n
+        self.host_copies.append((dstDevice, srcHost, ByteCount, self._stream(hStream)))
+        self.inflight.append((dstDevice, dstDevice + ByteCount))
+        return (OK,)
+
+    def cuMemcpyDtoHAsync(self, dstHost, srcDevice, ByteCount, hStream):  # noqa: N802,N803
+        err = self._enter("cuMemcpyDtoHAsync", dstHost, srcDevice, ByteCount, hStream)
+        if err:
+            return (err,)
+        if not isinstance(dstHost, int) or dstHost == 0 or ByteCount <= 0:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        covered = self._covered(srcDevice, ByteCount, partial_end=True)
+        if covered is None or not all(c in self.accessible for c in covered):
+            return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
+        offset = 0
+        for a in covered:
+            memory = self.allocations[self.mappings[a][1]].memory
+            n = min(memory.size, ByteCount - offset)
+            chunk = bytes((memory.contents or bytearray(memory.size))[:n])
+            ctypes.memmove(dstHost + offset, chunk, n)  # the host bytes, written now
+            offset += n
+        self.host_copies.append((dstHost, srcDevice, ByteCount, self._stream(hStream)))
+        self.inflight.append((srcDevice, srcDevice + ByteCount))
+        return (OK,)
+
     def cuMemcpyDtoDAsync(self, dst, src, nbytes, stream):  # noqa: N802
         err = self._enter("cuMemcpyDtoDAsync", dst, src, nbytes, stream)
         if err:
@@ -388,14 +549,15 @@ def fake_hooks(cu: FakeCu, *, stream: int = STREAM) -> TorchHooks:
 
 
 def fake_backend(*, create_ahead: int = 4, max_pages: int = 64, cu: FakeCu | None = None,
-                 stream: int = STREAM, **kwargs) -> tuple[CudaBackend, FakeCu]:
+                 stream: int = STREAM, shareable: bool = False, **kwargs) -> tuple[CudaBackend, FakeCu]:
     """A CudaBackend over a strict FakeCu, built on a thread where torch made the primary
     context current (as ``torch_hooks`` does); ``synchronize`` and ``stream_idle`` are recorded
-    among the driver calls."""
+    among the driver calls. Two backends over one FakeCu stand for two processes on one device."""
     cu = cu or FakeCu()
     cu.make_current()
     backend = CudaBackend("cuda:0", create_ahead=create_ahead, max_pages=max_pages,
-                          driver=Driver(0, module=cu), hooks=fake_hooks(cu, stream=stream), **kwargs)
+                          driver=Driver(0, module=cu, shareable=shareable), hooks=fake_hooks(cu, stream=stream),
+                          shareable=shareable, **kwargs)
     return backend, cu
 
 
@@ -410,8 +572,9 @@ def vmm_names(cu: FakeCu) -> list[str]:
 
 
 def assert_nothing_held(cu: FakeCu) -> None:
-    """No memory, mapping or reservation left, and every primary-context retain but torch's
-    (one per :meth:`FakeCu.make_current`) given back."""
+    """No memory, mapping or reservation left, no exported descriptor open, and every
+    primary-context retain but torch's (one per :meth:`FakeCu.make_current`) given back."""
     assert (cu.allocations, cu.mappings, cu.reservations) == ({}, {}, {})
+    assert cu.open_exports() == [] and cu.used_bytes() == 0
     assert cu.primary_refs.get(0, 0) <= 1, cu.primary_refs
 
