@@ -11,6 +11,7 @@ counterpart on the fake driver. Measurements go to ``benchmarks/results/gpu_shar
 from __future__ import annotations
 
 import hashlib
+import gc
 import json
 import os
 import socket
@@ -85,7 +86,12 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def _free() -> int:
+    """Device memory free now, torch's cached blocks given back first: the first H100 run measured
+    60 MiB less free after both sides let go than after the pages were created, because the
+    parent's tensors (the uploads, the digests) stayed in torch's caching allocator."""
+    gc.collect()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     return int(torch.cuda.mem_get_info()[0])
 
 
