@@ -361,7 +361,7 @@ def chats(model: Any, tok: Any, args: argparse.Namespace, mode: dict[str, Any]) 
         store = PrefixStore(model.config)
         history = [{"role": "user", "content": OPENERS[c % len(OPENERS)]}]
         for turn in range(args.turns):
-            report = run_ab(model, encode(tok, history), max_new_tokens=args.new_tokens, tee=False, prefix_store=store,
+            report = run_ab(model, encode(tok, history), max_new_tokens=args.new_tokens, tee=False, prefix_store=store, reference="prefill",
                             pad_token_id=tok.eos_token_id, **mode)
             out.append({"chat": c, "turn": turn + 1, "prompt_tokens": report.prompt_tokens,
                         "reused_tokens": report.prefix_reuse["reused_tokens"],
@@ -383,7 +383,7 @@ def prompt_only(model: Any, tok: Any, args: argparse.Namespace) -> dict[str, Any
     model.generate(**doc, max_new_tokens=1, do_sample=False, cache_implementation="vkv",
                    cache_config={"prefix_store": store}, pad_token_id=tok.eos_token_id)  # stores the document's K/V
     asked = dict(tok([DOCUMENT + "\nQuestion: how many volunteer hours are owed each month?"], return_tensors="pt"))
-    report = run_ab(model, asked, max_new_tokens=args.new_tokens, tee=False, prefix_store=store, do_sample=False,
+    report = run_ab(model, asked, max_new_tokens=args.new_tokens, tee=False, prefix_store=store, reference="prefill", do_sample=False,
                     pad_token_id=tok.eos_token_id)
     return {"prompt_tokens": report.prompt_tokens, "reused_tokens": report.prefix_reuse["reused_tokens"],
             "tokens_identical": report.tokens_identical, "logits_bit_equal": report.first_divergence is None,

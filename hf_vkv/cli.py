@@ -8,7 +8,10 @@
   and JSON.
 * ``hf-vkv doctor``: what this machine gives the cache (:mod:`hf_vkv.doctor`), each line OK or a fix.
 * ``hf-vkv chat``: a chat through a prefix store (:mod:`hf_vkv.ab.chat`): each turn's reused tokens
-  and time to first token beside DynamicCache's re-prefill of the whole conversation.
+  and time to first token beside DynamicCache's re-prefill of the whole conversation; ``--store
+  DIR`` starts from a saved store (mapped) and saves it back.
+* ``hf-vkv prefix save | inspect``: a system prompt's KV saved as a mapped prefix store, and what
+  a saved folder holds (:mod:`hf_vkv.cli_prefix`).
 
 Output: results on stdout; progress on stderr, as bars on a terminal and one plain line per run
 otherwise (:mod:`hf_vkv.ab.progress`); ``--quiet`` leaves only the results; ``--json`` writes
@@ -230,6 +233,8 @@ def ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.layout == "paged" and not paged_attention_available():
         parser.error("--layout paged needs the 'vkv_paged' attention implementation, which this hf_vkv does not "
                      "register yet; use --layout contiguous")
+    if args.reference is not None and not args.reuse:
+        parser.error("--reference chooses what --reuse's turns are compared with: give --reuse TURNS")
     _check_model(args.model, parser)
     _threads(args.threads)
     model, tok = _load(args.model, quiet=args.quiet)
@@ -276,6 +281,10 @@ def chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     model, tok = _load(args.model, quiet=True)
     system = Path(args.system_file).read_text() if args.system_file else DOCUMENT
     store = PrefixStore(model.config, budget_bytes=args.budget_mib << 20)
+    if args.store is not None and (Path(args.store) / "prefix_store.json").is_file():
+        t = time.perf_counter()
+        tokens = store.load(args.store, model=model)
+        print(f"store {args.store}: {tokens:,} tokens mapped in {(time.perf_counter() - t) * 1e3:.1f} ms", flush=True)
     if args.interactive:
         messages = (line.strip() for line in sys.stdin if line.strip())
     else:
@@ -289,21 +298,81 @@ def chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"store: {stats.entries} entries, {stats.bytes_held / 2**20:.1f} MiB held, {stats.hits} hits, "
           f"{stats.tokens_reused:,} tokens reused; prompt tokens computed {stats.prompt_tokens_computed:,} of "
           f"{stats.prompt_tokens:,}")
+    if args.store is not None:
+        store.save(args.store, model=model)
+        print(f"store saved to {args.store}")
     if args.json is not None:
         _write_json(args.json, {"schema": "hf_vkv.chat/1", "turns": turns, "store": dataclasses.asdict(stats)})
     return 0 if all(t["same_tokens"] is not False for t in turns) else 1
 
 
+def prefix_save(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``hf-vkv prefix save DIR``: a system prompt computed once and saved as a mapped prefix store."""
+    from .ab.demo_text import DOCUMENT
+    from .cli_prefix import save_system_prompt
+
+    _check_model(args.model, parser)
+    _threads(args.threads)
+    model, tok = _load(args.model, quiet=True)
+    system = Path(args.system_file).read_text() if args.system_file else DOCUMENT
+    done = save_system_prompt(model, tok, system, args.folder)
+    print(f"{args.folder}: {done['tokens']:,} system-prompt tokens computed in {done['compute_s']:.2f} s, saved in "
+          f"{done['save_s']:.2f} s ({done['bytes_held'] / 2**20:.1f} MiB of pages); `hf-vkv chat --store "
+          f"{args.folder}` starts from it")
+    return 0
+
+
+def prefix_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``hf-vkv prefix inspect DIR [--verify]``: what a saved folder holds; exit 1 if a page is damaged."""
+    from .cli_prefix import summary, verify_folder
+    from .prefix.errors import PrefixFileCorruptError
+
+    folder = Path(args.folder)
+    if not (folder / "prefix_store.json").is_file():
+        parser.error(f"{folder} holds no prefix_store.json: not a folder PrefixStore.save wrote")
+    info = summary(folder)
+    weights = str(info["weights_fingerprint"])[:12] if info["weights_fingerprint"] else "not recorded"
+    print(f"{folder}: index version {info['version']} ({info['writer']}), model {info['model_type']} "
+          f"(config {str(info['config_fingerprint'])[:12]}), {info['dtype']}, weights {weights}")
+    print(f"mapped: {len(info['mapped_entries'])} entries of {info['mapped_entries']} tokens, {info['pages']} pages of "
+          f"{info['page_bytes']} bytes ({info['file_bytes'] / 2**20:.1f} MiB file), layout {sorted(set(info['layout']))}; "
+          f"prefix files: {len(info['prefix_files'])}")
+    rc = 0
+    if args.verify:
+        try:
+            info["verified_pages"], info["verify_s"] = verify_folder(folder)
+            print(f"verified: {info['verified_pages']} pages, every checksum equal ({info['verify_s'] * 1e3:.1f} ms)")
+        except PrefixFileCorruptError as e:
+            info["verify_error"] = str(e)
+            print(f"NOT WHOLE: {e}")
+            rc = 1
+    if args.json is not None:
+        _write_json(args.json, {"schema": "hf_vkv.prefix-inspect/1", **info})
+    return rc
+
+
+#: How ``hf-vkv ab --reuse`` names each ``--reference`` on a turn's line.
+_REFERENCE_WORDS = {"continued": "continued from the previous turn", "prefill": "prefilling the whole prompt"}
+
+
 def _ab_reuse(args: argparse.Namespace, parser: argparse.ArgumentParser, model: Any, tok: Any, texts: list[str],
               kwargs: dict[str, Any]) -> int:
     """``hf-vkv ab --reuse N``: an N-turn chat, each turn an A/B run whose vkv side reuses one
-    prefix store (DynamicCache prefills every turn whole); tokens compared, max |Δlogit| reported."""
+    prefix store. ``--reference continued`` (default): the DynamicCache side continues one
+    DynamicCache from turn to turn (the history the store lent, continued over the new tokens),
+    and every turn must be identical; ``--reference prefill``: DynamicCache prefills every turn
+    whole, tokens compared, max |Δlogit| reported."""
+    from transformers.cache_utils import DynamicCache
+
     from .ab import format_report, run_ab
     from .prefix import PrefixStore
 
     if len(texts) != 1:
         parser.error("--reuse runs a chat on one prompt: give one --prompt")
     store = PrefixStore(model.config)
+    reference = args.reference or "continued"
+    continued = reference == "continued"
+    history_cache = DynamicCache(config=model.config) if continued else None  # the reference's conversation
     history = [{"role": "user", "content": texts[0]}]
     reports = []
     for turn in range(args.reuse):
@@ -312,14 +381,15 @@ def _ab_reuse(args: argparse.Namespace, parser: argparse.ArgumentParser, model: 
         else:
             inputs = dict(tok([tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)],
                               return_tensors="pt"))
-        report = run_ab(model, inputs, max_new_tokens=args.max_new_tokens, layout=args.layout, tee=False,
-                        seed=args.seed, progress=not args.quiet, pad_token_id=_pad_id(tok), prefix_store=store,
-                        **kwargs)
+        report = run_ab(model, inputs, max_new_tokens=args.max_new_tokens, layout=args.layout,
+                        tee=continued and not args.no_tee, seed=args.seed, progress=not args.quiet,
+                        pad_token_id=_pad_id(tok), prefix_store=store, reference=reference,
+                        reference_cache=history_cache, **kwargs)
         reports.append(report)
         reused = report.prefix_reuse or {}
         print(f"turn {turn + 1}: {report.prompt_tokens} prompt tokens, {reused.get('reused_tokens', 0)} reused, "
               f"{reused.get('computed_tokens', 0)} computed; tokens identical: {report.tokens_identical}; "
-              f"max |Δlogit| {report.max_abs_logit_diff:.3g}")
+              f"max |Δlogit| {report.max_abs_logit_diff:.3g} (against DynamicCache {_REFERENCE_WORDS[reference]})")
         answer = tok.decode(list(report.generated_vkv[0]), skip_special_tokens=True).strip()
         if args.raw or not getattr(tok, "chat_template", None):
             history = [{"role": "user", "content": f"{history[0]['content']} {answer} Please go on."}]
@@ -447,8 +517,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="torch seed before each of the two runs (default: %(default)s)")
     p.add_argument("--no-tee", action="store_true", help="compare tokens and logits only, not every layer's K/V")
     p.add_argument("--reuse", type=int_at_least(0), default=0, metavar="TURNS",
-                   help="a chat of TURNS turns whose vkv runs reuse a prefix store (DynamicCache prefills each turn "
-                        "whole): tokens compared, max |Δlogit| reported (implies --no-tee)")
+                   help="a chat of TURNS turns whose vkv runs reuse a prefix store, each compared with a DynamicCache "
+                        "that holds the same history, continued over the new tokens (see --reference)")
+    p.add_argument("--reference", choices=["continued", "prefill"], default=None,
+                   help="with --reuse, the DynamicCache side of each turn: continued, the previous turn's "
+                        "DynamicCache continued (exact: tokens, logits and K/V identical; the default); prefill, the "
+                        "whole conversation prefilled again (a different float sum: tokens compared, max |Δlogit| "
+                        "reported; implies --no-tee)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON (hf_vkv.ab/1); "
                    "'-': JSON on stdout instead of the table")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="plot KV memory and step time")
@@ -468,7 +543,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compare", action="store_true", help="no DynamicCache re-prefill beside each turn")
     p.add_argument("--threads", type=count, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the turns as JSON (hf_vkv.chat/1)")
+    p.add_argument("--store", default=None, metavar="DIR", help="start from the prefix store saved in DIR (its pages "
+                   "mapped, not read: `hf-vkv prefix save DIR`), and save the store there after the chat")
     p.set_defaults(func=chat, command_parser=p)
+
+    p = sub.add_parser("prefix", help="save a system prompt's KV to a folder later processes map; inspect a saved folder")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    s = verbs.add_parser("save", help="compute a system prompt once and save it as a mapped prefix store")
+    s.add_argument("folder", help="where to save (prefix_store.kv and prefix_store.json)")
+    s.add_argument("--model", default=DEFAULT_MODEL, help="'default' or a local model folder (default: %(default)s)")
+    s.add_argument("--system-file", default=None, help="the system prompt (default: the demo's ~1k-token handbook)")
+    s.add_argument("--threads", type=count, default=None, help="torch threads (default: torch's)")
+    s.set_defaults(func=prefix_save, command_parser=s)
+    s = verbs.add_parser("inspect", help="what a saved folder holds; --verify checks every page")
+    s.add_argument("folder")
+    s.add_argument("--verify", action="store_true", help="read the page file and check every page's checksum")
+    s.add_argument("--json", default=None, metavar="OUT", help="also write the summary as JSON")
+    s.set_defaults(func=prefix_inspect, command_parser=s)
 
     p = sub.add_parser("serve", help="transformers' own OpenAI-compatible server (`transformers serve`), every model "
                        "generating with vkv and one prefix store: a chat turn prefills only its new tokens",

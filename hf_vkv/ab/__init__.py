@@ -17,11 +17,11 @@ interleaved), :mod:`.ideal` (the ideal cache it compares the layouts with), :mod
 
 from .harness import PAGED_ATTENTION, paged_attention_available, run_ab
 from .plot import plot_report
-from .records import SCHEMA_VERSION, ABReport, AttentionPath, Divergence, RunSummary, StepReport
+from .records import SCHEMA_VERSION, ABReport, AttentionPath, Divergence, Reference, RunSummary, StepReport
 from .schema import AB_REPORT_SCHEMA
 from .table import format_report, format_savings, format_summary
 
 __all__ = [
-    "AB_REPORT_SCHEMA", "ABReport", "AttentionPath", "Divergence", "PAGED_ATTENTION", "RunSummary", "SCHEMA_VERSION", "StepReport",
+    "AB_REPORT_SCHEMA", "ABReport", "AttentionPath", "Divergence", "PAGED_ATTENTION", "Reference", "RunSummary", "SCHEMA_VERSION", "StepReport",
     "format_report", "format_savings", "format_summary", "paged_attention_available", "plot_report", "run_ab",
 ]

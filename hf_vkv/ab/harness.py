@@ -11,6 +11,14 @@ in tokens, logits or K/V is a divergence (there is no tolerance).
 Beam search reorders rows between steps: row ``i`` of one run is compared with row ``i`` of the
 other at the same step, which is right as long as both made the same choices so far, i.e. up to
 the first divergence, the only place reported precisely.
+
+With a prefix store (``prefix_store=``) the vkv run prefills only what the store does not hold,
+and the reference is by default what transformers computes when a user reuses a cache by hand: a
+DynamicCache holding the same history (``reference_cache=``, cut to the columns the vkv run took
+from the store), continued over the rest of the prompt (``reference="continued"``; the vkv run
+goes first, so that those columns are known). The verdict stays exact. ``reference="prefill"``
+compares against DynamicCache prefilling the whole prompt instead (a different sum: tokens
+compared, max |Δlogit| reported).
 """
 
 from __future__ import annotations
@@ -35,10 +43,11 @@ from ..version import __version__
 from .deterministic import deterministic_kernels
 from .progress import progress_bar
 from .probes import StepProbe, UpdateTee, kv_bytes
-from .records import ABReport, AttentionPath, Divergence, RunSummary, StepReport
+from .records import ABReport, AttentionPath, Divergence, Reference, RunSummary, StepReport
 
 __all__ = [
-    "AttentionPath", "PAGED_ATTENTION", "VKVCacheFactory", "describe_environment", "paged_attention_available", "run_ab",
+    "AttentionPath", "PAGED_ATTENTION", "Reference", "VKVCacheFactory", "describe_environment",
+    "paged_attention_available", "run_ab",
 ]
 
 #: The attention implementation of each attention path that is not the model's own.
@@ -83,6 +92,8 @@ def run_ab(
     vkv_cache_factory: VKVCacheFactory | None = None,
     progress: bool = False,
     prefix_store: PrefixStore | None = None,
+    reference: Reference = "continued",
+    reference_cache: DynamicCache | None = None,
     **generate_kwargs: Any,
 ) -> ABReport:
     """Run ``model.generate(**inputs, **generate_kwargs)`` with DynamicCache, then with vkv; compare.
@@ -106,9 +117,23 @@ def run_ab(
         progress: show each run's progress on stderr: a bar on a terminal, one line per run
             otherwise (see :func:`~hf_vkv.ab.progress.progress_bar`).
         prefix_store: the vkv run reuses this store's prefixes, as ``generate(cache_config=
-            {"prefix_store": store})`` does, and inserts its finished rows afterwards; DynamicCache
-            prefills the whole prompt. The verdict is then the tokens, with each step's max
-            |Δlogit| (:attr:`ABReport.passed`); ``tee`` must be False (the prefills differ by design).
+            {"prefix_store": store})`` does, and inserts its finished rows afterwards. What the
+            DynamicCache run does is ``reference``.
+        reference: with a prefix store, the DynamicCache run to compare with (the report's
+            ``reference``). ``"continued"`` (default): ``reference_cache`` holding the same history
+            as the vkv run's rows took from the store, continued over the rest of the prompt, as a
+            user reuses a cache by hand; the vkv run goes first, and the verdict is exact
+            (:attr:`ABReport.identical`). ``"prefill"``: DynamicCache prefills the whole prompt, a
+            different sum: the verdict is the tokens, with each step's max |Δlogit|
+            (:attr:`ABReport.passed`), and ``tee`` must be False.
+        reference_cache: with ``reference="continued"``, the DynamicCache of the conversation so
+            far: its columns hold the first tokens of ``inputs`` (the same left padding), as the
+            previous turn's ``generate`` or ``run_ab`` left it; ``None``: an empty history (the
+            store must then lend nothing). Continued in place, as ``generate`` continues a cache
+            passed to it: it is cut to the columns the vkv run took from the store, its first row
+            of each prompt is kept (a chat continues with the first sequence) and repeated for
+            ``num_beams`` / ``num_return_sequences``, and afterwards it holds this call's history,
+            ready for the next turn. Pass one ``DynamicCache(config=model.config)`` to every turn.
         **generate_kwargs: the generation mode: ``do_sample``, ``num_beams``,
             ``num_return_sequences``, ``temperature``, ... (not the ones this function sets:
             caches, logits processors, output options).
@@ -123,17 +148,15 @@ def run_ab(
 
     Raises:
         ValueError / TypeError: bad arguments (named in the message); ``layout="paged"`` when
-            ``"vkv_paged"`` is not registered.
+            ``"vkv_paged"`` is not registered; ``reference`` or ``reference_cache`` without a prefix
+            store, ``reference_cache`` with ``reference="prefill"``, ``tee=True`` with
+            ``reference="prefill"``; a ``reference_cache`` whose rows are not a multiple of the
+            batch, or that holds fewer columns than the store lends (:func:`reference_history`).
     """
     _check_arguments(model, inputs, max_new_tokens=max_new_tokens, layout=layout, tee=tee, seed=seed,
                      generate_kwargs=generate_kwargs)
     CacheOptions.from_dict(dict(cache_config or {}))  # bad options fail before either run
-    if prefix_store is not None:
-        if not isinstance(prefix_store, PrefixStore):
-            raise TypeError(f"prefix_store must be a hf_vkv.PrefixStore, got {type(prefix_store).__name__}")
-        if tee:
-            raise ValueError("tee=True compares every layer's K/V at every step, but with a prefix store the vkv prefill "
-                             "computes only the tokens not stored: pass tee=False (tokens and logits are compared)")
+    _check_reference(prefix_store, reference, reference_cache, tee=tee)
     config = model.generation_config
     num_beams = int(generate_kwargs.get("num_beams", config.num_beams) or 1)
     num_return = int(generate_kwargs.get("num_return_sequences", config.num_return_sequences) or 1)
@@ -142,8 +165,16 @@ def run_ab(
     expand = max(num_beams, num_return)
     rows = batch * expand
     factory = vkv_cache_factory or VKVCache
+    continued = prefix_store is not None and reference == "continued"
+    if continued:  # what the store lends now (a batch's common prefix, prefilled by the call, may add to it)
+        lent = _lent_columns(prefix_store, inputs)
+        reference_history(reference_cache, columns=lent, batch=batch, expand=expand, check_only=True)
 
     def dynamic_cache() -> Cache:
+        if continued:  # the history the vkv run started from (known: it ran first)
+            column = made[-1].start_column if made and made[-1].refusal is None else 0
+            history = reference_history(reference_cache, columns=column, batch=batch, expand=expand)
+            return DynamicCache(config=model.config) if history is None else history
         return DynamicCache(config=model.config)
 
     made: list[ReuseReport] = []
@@ -163,20 +194,31 @@ def run_ab(
 
     common = dict(inputs, max_new_tokens=max_new_tokens, **generate_kwargs)
     beams = num_beams > 1
-    with deterministic_kernels(model.device) as deterministic:  # a GPU reference must repeat itself
-        ref = _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",
-                        progress=progress, histories=beams)
-        gc.collect()
+    def run_vkv() -> _Run:
         previous = model.config._attn_implementation
         attention = _PATH_ATTENTION.get(layout)
         if attention is not None:
             model.set_attn_implementation(attention)
         try:
-            got = _generate(model, vkv_cache, common, seed=seed, tee=tee, source=_source(layout), label="vkv",
-                            progress=progress, histories=beams)
+            return _generate(model, vkv_cache, common, seed=seed, tee=tee, source=_source(layout), label="vkv",
+                             progress=progress, histories=beams)
         finally:
             if attention is not None:
                 model.set_attn_implementation(previous)
+
+    def run_dynamic() -> _Run:
+        return _generate(model, dynamic_cache, common, seed=seed, tee=tee, source=_source(layout), label="dynamic",
+                         progress=progress, histories=beams)
+
+    with deterministic_kernels(model.device) as deterministic:  # a GPU reference must repeat itself
+        if continued:  # vkv first: the reference holds the history its rows took from the store
+            got = run_vkv()
+            gc.collect()
+            ref = run_dynamic()
+        else:
+            ref = run_dynamic()
+            gc.collect()
+            got = run_vkv()
     reused = asdict(made.pop()) if made else None  # the call inserted its finished rows as it ended
     gc.collect()
 
@@ -192,8 +234,74 @@ def run_ab(
         dynamic=_summary("dynamic", ref), vkv=_summary("vkv", got), steps=steps,
         generated_dynamic=_generated(ref.sequences, prompt_len), generated_vkv=_generated(got.sequences, prompt_len),
         environment={**describe_environment(model), "deterministic_algorithms": str(deterministic)},
-        prefix_reuse=reused,
+        prefix_reuse=reused, reference=reference if prefix_store is not None else None,
     )
+
+
+def _check_reference(store: Any, reference: Any, reference_cache: Any, *, tee: bool) -> None:
+    """The prefix-store arguments of :func:`run_ab`, checked before either run."""
+    if reference not in get_args(Reference):
+        raise ValueError(f"reference must be one of {list(get_args(Reference))}, got {reference!r}")
+    if reference_cache is not None and not isinstance(reference_cache, DynamicCache):
+        raise TypeError(f"reference_cache must be a transformers DynamicCache (the conversation's history), got "
+                        f"{type(reference_cache).__name__}")
+    if store is None:
+        if reference != "continued" or reference_cache is not None:
+            raise ValueError("reference= and reference_cache= choose what a prefix store's vkv run is compared with: "
+                             "pass prefix_store=store too (without a store both runs prefill the whole prompt)")
+        return
+    if not isinstance(store, PrefixStore):
+        raise TypeError(f"prefix_store must be a hf_vkv.PrefixStore, got {type(store).__name__}")
+    if reference == "prefill":
+        if reference_cache is not None:
+            raise ValueError("reference='prefill' prefills the whole prompt in a new DynamicCache: drop "
+                             "reference_cache, or compare with reference='continued'")
+        if tee:
+            raise ValueError("tee=True compares every layer's K/V at every step, but with reference='prefill' the vkv "
+                             "prefill computes only the tokens not stored: pass tee=False (tokens and logits are "
+                             "compared), or compare with reference='continued'")
+
+
+def _lent_columns(store: PrefixStore, inputs: Mapping[str, torch.Tensor]) -> int:
+    """The column every row of ``inputs`` would start from with what ``store`` holds now (the
+    smallest left padding + stored prefix of a row); the call's own common prefix not counted."""
+    ids = inputs["input_ids"].to("cpu")
+    mask = inputs.get("attention_mask")
+    pads = [0] * ids.shape[0] if mask is None else [int(p) for p in (mask.to("cpu") == 0).sum(dim=1).tolist()]
+    return min(pad + store.longest_prefix(ids[row, pad:].tolist()) for row, pad in enumerate(pads))
+
+
+def reference_history(cache: DynamicCache | None, *, columns: int, batch: int, expand: int,
+                      check_only: bool = False) -> DynamicCache | None:
+    """``cache`` (in place; ``None`` stays ``None``: an empty history) made the history the DynamicCache run of
+    ``run_ab(reference="continued")`` continues: its first ``columns`` columns, the first row of
+    each of the ``batch`` prompts, repeated ``expand`` times (beams, returned sequences).
+
+    Raises:
+        ValueError: ``cache`` holds fewer than ``columns`` columns (the store lent more history
+            than the reference has: its K/V would have to be computed in other chunks than the
+            stored ones), or its rows are not a multiple of ``batch``.
+    """
+    held = 0 if cache is None else cache.get_seq_length()
+    if held < columns:
+        raise ValueError(
+            f"the prefix store lends the vkv run {columns} columns of history, but reference_cache holds {held}: the "
+            "continued reference must hold the same history, computed as the store's was. Pass the DynamicCache that "
+            "ran the conversation so far (run_ab continues reference_cache in place, turn after turn), or compare "
+            "with reference='prefill'")
+    layers = [] if cache is None else [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    for layer in layers:
+        if layer.keys.shape[0] % batch:
+            raise ValueError(f"reference_cache holds {layer.keys.shape[0]} rows, not a multiple of the batch's {batch} "
+                             "prompts (one row per prompt, or the rows of the previous turn's sequences)")
+    if check_only or cache is None:
+        return cache
+    for layer in layers:
+        keep = torch.arange(0, layer.keys.shape[0], layer.keys.shape[0] // batch, device=layer.keys.device)
+        for name in ("keys", "values"):
+            kept = getattr(layer, name).index_select(0, keep)[..., :columns, :]
+            setattr(layer, name, kept.repeat_interleave(expand, dim=0) if expand > 1 else kept.contiguous())
+    return cache
 
 
 def _check_arguments(model: Any, inputs: Any, *, max_new_tokens: Any, layout: Any, tee: Any, seed: Any,

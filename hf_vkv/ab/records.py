@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["CASCADE_FP32_LOGIT_BOUND", "CASCADE_LOGIT_BOUNDS", "SCHEMA_VERSION", "ABReport", "AttentionPath", "Divergence", "DivergenceKind", "RunSummary", "StepReport"]
+__all__ = ["CASCADE_FP32_LOGIT_BOUND", "CASCADE_LOGIT_BOUNDS", "SCHEMA_VERSION", "ABReport", "AttentionPath", "Divergence", "DivergenceKind", "Reference", "RunSummary", "StepReport"]
 
 #: Version of the JSON written by :meth:`ABReport.to_json`; bumped on any incompatible change.
 SCHEMA_VERSION = "hf_vkv.ab/1"
@@ -29,6 +29,12 @@ DivergenceKind = Literal["kv", "logits", "tokens", "steps"]
 #: verdict is :attr:`ABReport.tokens_identical` with :attr:`ABReport.max_abs_logit_diff`). Not a
 #: cache layout (those are :class:`hf_vkv.cache.layouts.Layout`).
 AttentionPath = Literal["contiguous", "paged", "cascade"]
+#: What the DynamicCache run of an A/B with a prefix store is (``run_ab(reference=...)``,
+#: ``hf-vkv ab --reuse N --reference``, the report's ``reference`` field): ``"continued"``, a
+#: DynamicCache holding the history the vkv run took from the store, continued over the rest of
+#: the prompt (the same computation: the verdict is exact); ``"prefill"``, DynamicCache prefilling
+#: the whole prompt (a different float sum: identical tokens, max |Δlogit| reported).
+Reference = Literal["continued", "prefill"]
 #: Largest |Δlogit| the cascade path may show against DynamicCache, per dtype of the model (the
 #: dtype in the report's environment). float32: what ``tests/integration/test_cascade.py`` asserts
 #: on the tiny models (measured there up to 2.9e-6; SmolLM2 at 8192 tokens reached 1.125e-4, over
@@ -133,6 +139,7 @@ class ABReport:
     generated_vkv: tuple[tuple[int, ...], ...]
     environment: dict[str, str] = field(default_factory=dict)  # versions and device
     prefix_reuse: dict[str, Any] | None = None  # the vkv run started from a prefix store: what it reused
+    reference: Reference | None = None  # with a prefix store: what the DynamicCache run was (None: no store)
 
     @property
     def identical(self) -> bool:
@@ -162,10 +169,12 @@ class ABReport:
     def passed(self) -> bool:
         """The oracle's verdict for this attention path: :attr:`identical`; for ``"cascade"``
         (float sums reordered on purpose) identical tokens and logits within the dtype's bound
-        (:attr:`within_bound`): a run over its bound does not pass; with a prefix store
-        (``prefix_reuse``: only the new tokens prefilled over stored K/V, a different sum) identical
-        tokens, max |Δlogit| reported."""
-        if self.prefix_reuse is not None:
+        (:attr:`within_bound`): a run over its bound does not pass. With a prefix store
+        (``prefix_reuse``) compared with a continued DynamicCache (``reference="continued"``: the
+        same history, the same new tokens computed) the verdict is :attr:`identical` too; compared
+        with DynamicCache's whole prefill (``reference="prefill"``: only the new tokens prefilled
+        over stored K/V is a different sum) it is identical tokens, max |Δlogit| reported."""
+        if self.prefix_reuse is not None and self.reference != "continued":
             return self.tokens_identical
         if self.layout != "cascade":
             return self.identical

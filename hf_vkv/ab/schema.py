@@ -19,8 +19,11 @@ Top level:
                        kv_final_bytes
 ``generated_*``        the returned sequences' new tokens, one list per sequence
 ``prefix_reuse``       ``null``, or what prefix reuse did in the vkv run (a prefix store given:
-                       reused_tokens, computed_tokens, start_column, ...; the verdict is then the
-                       tokens, with max |Δlogit| in ``steps``)
+                       reused_tokens, computed_tokens, start_column, ...)
+``reference``          ``null`` (no prefix store), ``"continued"`` (the DynamicCache run continued
+                       a DynamicCache holding the history the vkv run took from the store: the
+                       verdict is exact) or ``"prefill"`` (it prefilled the whole prompt: the
+                       verdict is the tokens, with max |Δlogit| in ``steps``)
 other fields           model, layout, mode, tee, seed, generate_kwargs, prompt_tokens, batch,
                        rows, environment (versions, device)
 =====================  ==========================================================================
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
-from .records import SCHEMA_VERSION, AttentionPath
+from .records import SCHEMA_VERSION, AttentionPath, Reference
 
 __all__ = ["AB_REPORT_SCHEMA", "SCHEMA_VERSION"]
 
@@ -112,5 +115,6 @@ AB_REPORT_SCHEMA: dict[str, Any] = {
         "environment": {"type": "object", "additionalProperties": {"type": "string"}},
         "prefix_reuse": {"oneOf": [{"type": "null"}, {"type": "object", "additionalProperties": {
             "type": ["integer", "number", "string", "null"]}}]},
+        "reference": {"enum": [*get_args(Reference), None]},
     }),
 }

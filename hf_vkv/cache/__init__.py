@@ -6,10 +6,11 @@ from .grad import VKVGradientError
 from .group import LayerGroup
 from .layer import LayerCallError, VKVLayer, VKVSlidingLayer
 from .options import CacheOptions
+from .row_image import GroupImage
 from .stats import CacheStats, GroupStats, PrefillCounts, ReuseReport
 
 __all__ = [
-    "CacheOptions", "CacheStats", "GroupGeometry", "GroupStats", "LayerCallError", "LayerGroup", "LayerMismatchError",
+    "CacheOptions", "CacheStats", "GroupGeometry", "GroupImage", "GroupStats", "LayerCallError", "LayerGroup", "LayerMismatchError",
     "PrefillCounts", "ReuseReport", "RowSource", "VKVCache",
     "VKVGradientError", "VKVLayer", "VKVSlidingLayer",
 ]

@@ -21,6 +21,7 @@ from transformers.cache_utils import (
 from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
 from .. import devices
 from ..devices import layer_devices_of
+from ..memory import Arena
 from .grad import refuse_trainable_states
 from .group import LayerGroup
 from .shared_prefix_group import SharedPrefixGroup
@@ -28,6 +29,7 @@ from .static_group import StaticGroup
 from .hybrid import make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
 from .options import CacheOptions, config_dict
+from .row_image import GroupImage
 from .sources import ArenaSource, LayoutMaker
 from .stats import CacheStats, GroupStats, PrefillCounts, ReuseReport
 
@@ -359,6 +361,38 @@ class VKVCache(Cache):
             if isinstance(layer, VKVLayer):
                 layer.adopt_group()
         return copied
+
+    # ----------------------------------------------------------------------------- row images
+    def row_images(self) -> list[GroupImage]:
+        """This batch-1 cache's row as page tables, one :class:`GroupImage` per layer group (what
+        a mapped prefix file records). Full-attention caches of vkv layers only (``ValueError``
+        otherwise: a sliding window, a layer kept by transformers, another layout's group)."""
+        if self.rows != 1 or self.transformers_layers():
+            raise ValueError("row images are of batch-1 caches whose every layer vkv keeps")
+        return [group.row_image() for group in self._groups]
+
+    def arena_for_images(self, images: Sequence[GroupImage]) -> Arena:
+        """The one arena this empty cache would hold ``images`` in (see :meth:`install_row`);
+        ``ValueError`` if they do not fit its groups or would need several arenas."""
+        if len(images) != len(self._groups):
+            raise ValueError(f"{len(images)} group images for a cache of {len(self._groups)} groups")
+        arenas = {id(a): a for a in (g.arena_for_image(i) for g, i in zip(self._groups, images))}
+        if len(arenas) != 1:
+            raise ValueError(f"the images would live in {len(arenas)} arenas (one per device and page size)")
+        return next(iter(arenas.values()))
+
+    def install_row(self, images: Sequence[GroupImage]) -> None:
+        """Fill this empty cache with one row held by ``images``' page tables (one per group,
+        pages in use in :meth:`arena_for_images`'s arena, e.g. a mapped file's): no bytes move.
+        Raises ``ValueError`` if the cache holds tokens or an image does not fit."""
+        if self.get_seq_length() or self.rows:
+            raise ValueError("install_row fills an empty cache; this one holds rows")
+        self.arena_for_images(images)
+        for group, image in zip(self._groups, images):
+            group.install_row(image)
+        for layer in self.layers:
+            if isinstance(layer, VKVLayer):
+                layer.adopt_group()
 
     # ----------------------------------------------------------------------------- static layout
     def map_ahead(self, tokens: int | None = None) -> None:

@@ -25,6 +25,7 @@ from ..memory.errors import InvariantError
 from .geometry import GroupGeometry, LayerMismatchError
 from .layouts import Layout
 from .prompt_sharing import PromptSharing
+from .row_image import GroupImage
 
 __all__ = ["LayerGroup", "LayoutFactory"]
 
@@ -378,6 +379,57 @@ class LayerGroup:
             layout.write(buffer, batch=batch, member=member, start=offset,
                          key=keys[row:row + 1].expand(batch, -1, -1, -1),
                          value=values[row:row + 1].expand(batch, -1, -1, -1), rows=[i])
+
+    def row_image(self) -> GroupImage:
+        """Row 0 as page tables (:class:`GroupImage`): a full-attention group of one row whose
+        members hold the same tokens. Raises ``ValueError`` for any other."""
+        buffer = self.buffer
+        if self.sliding_window is not None or buffer is None or self.geometry is None or self.layout is None \
+                or self.batch != 1 or len(set(self.lengths)) != 1 or not self.lengths[0] or type(self) is not LayerGroup:
+            raise ValueError(f"group {self.name!r}: a row image is of one full-attention row whose layers hold "
+                             f"the same tokens (batch {self.batch}, lengths {sorted(set(self.lengths))})")
+        table = buffer.table
+        return GroupImage(name=self.name, members=self.members, geometry=self.geometry,
+                          layout=type(self.layout).__name__, item_bytes=buffer.item_bytes, parts=buffer.parts,
+                          page_bytes=buffer.store.page_bytes, lengths=tuple(self.lengths),
+                          tables=tuple(table.row(t) for t in buffer.table_rows(0)), store=buffer.store)
+
+    def arena_for_image(self, image: GroupImage) -> Arena:
+        """The arena :meth:`install_row` would put ``image``'s row in (where its pages must live),
+        making this empty group's layout and buffer for ``image``'s geometry if it has none.
+        Raises ``ValueError`` if the image does not fit this group (members, geometry, layout,
+        buffer shape, page size)."""
+        if self.sliding_window is not None or type(self) is not LayerGroup:
+            raise ValueError(f"group {self.name!r} takes no row image (a sliding window, or a cascade/static group)")
+        if image.members != self.members or (self.geometry is not None and image.geometry != self.geometry):
+            raise ValueError(f"group {self.name!r}: the image is of layers {image.members[:4]}... with "
+                             f"{image.geometry.describe()}, not this group's")
+        if self.buffer is None:
+            self.geometry = image.geometry
+            self.layout = self._make_layout(image.geometry, len(self.members))
+            arena = self._arena_for(image.geometry.device, self.layout)
+            self.capacity = max(self._within_budget(arena.budget_bytes, max(image.lengths)), max(image.lengths))
+            self.buffer = self.layout.make_buffer(arena, rows=max(self._rows_hint or 0, 1), capacity=self.capacity)
+        buffer, layout = self._buf(), self._lay()
+        shape = (type(layout).__name__, buffer.item_bytes, buffer.parts, buffer.store.page_bytes)
+        if shape != (image.layout, image.item_bytes, image.parts, image.page_bytes):
+            raise ValueError(f"group {self.name!r} holds rows as (layout, item bytes, parts, page bytes) {shape}, "
+                             f"the image as {(image.layout, image.item_bytes, image.parts, image.page_bytes)}")
+        if not isinstance(buffer.store, Arena):
+            raise ValueError(f"group {self.name!r} draws from a {type(buffer.store).__name__}, not an arena")
+        return buffer.store
+
+    def install_row(self, image: GroupImage) -> None:
+        """Make this empty group hold ``image``'s row as row 0, on the image's pages (in use in
+        :meth:`arena_for_image`'s arena); no bytes move. Raises ``ValueError`` (nothing changed)
+        if the group holds tokens or the image does not fit."""
+        if any(self.lengths) or (self.buffer is not None and self.batch):
+            raise ValueError(f"group {self.name!r} holds tokens: install_row fills an empty group")
+        self.arena_for_image(image)
+        self._buf().install(0, list(image.tables))
+        self.batch = 1
+        self.lengths = list(image.lengths)
+        self._changed()
 
     def _more_rows(self, rows: int) -> RowBuffer:
         """Move to a buffer of ``rows`` rows sharing every page (a remap, no copy)."""

@@ -10,7 +10,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from .backend_protocol import Backend
+from .errors import BackendError
 from .page_store import OpenTables, PageStore
 from .pool import PageId, PagePool
 
@@ -61,6 +64,33 @@ class Arena(OpenTables):
 
     def release(self, pages: Sequence[PageId]) -> None:
         self.backend.release(pages)
+
+    def map_file(self, fd: int, offset: int, num_pages: int) -> list[PageId]:
+        """``num_pages`` external pages backed by the file open as ``fd`` from byte ``offset`` on
+        (mapped read-only, never written: :meth:`PagePool.add_external`), each held by its pin
+        until a table takes it; they retire when no table holds them any more. Raises
+        :class:`BackendError` where the backend cannot map files (only the host backend can)."""
+        map_file = getattr(self.backend, "map_file", None)
+        if map_file is None:
+            raise BackendError("map_file", f"the {type(self.backend).__name__} cannot map files: read the file "
+                                           f"instead (a saved prefix is loaded by copy on this device)")
+        with self.lock:
+            pages = self.pool.add_external(num_pages)
+            try:
+                self.backend.ensure_id_space(self.pool.id_space)
+                map_file(fd, offset, pages)
+            except BaseException:
+                self.pool.retire_unheld(pages)
+                raise
+        return pages
+
+    def read_pages(self, pages: Sequence[PageId]) -> torch.Tensor:
+        """A ``uint8`` CPU copy ``[len(pages), page_bytes]`` of ``pages`` (to write them to a file)."""
+        read = getattr(self.backend, "read_pages", None)
+        if read is None:
+            raise BackendError("read_pages", f"the {type(self.backend).__name__} cannot read pages back")
+        with self.lock:
+            return read(pages)
 
     def trim(self, *, keep_bytes: int = 0) -> int:
         """Release resident free pages beyond ``keep_bytes``; return the bytes released."""

@@ -13,7 +13,11 @@
   in one call (the last resort of a rollback);
 * mappings count against ``vm.max_map_count``: buffers check :data:`map_budget` before they change any;
 * release = ``fallocate(PUNCH_HOLE)``; resident bytes = the memfd's allocated blocks (RSS counts an
-  aliased page once per mapping).
+  aliased page once per mapping);
+* a page of a mapped file (:meth:`HostBackend.map_file`: an external page of the pool, a saved
+  prefix's) is mapped ``MAP_PRIVATE`` and read-only from the file: opening costs no read and no copy,
+  processes that map one file share its page cache, and nothing is ever written into the file (the
+  pool never lets a table write an external page: a row that writes gets a copy in the memfd).
 
 Reading an unmapped address kills the process with SIGSEGV: callers never build views over it.
 """
@@ -40,7 +44,7 @@ from .runs import consecutive_runs
 __all__ = ["HostBackend"]
 
 
-_PROT_NONE, _PROT_RW = 0x0, 0x3
+_PROT_NONE, _PROT_READ, _PROT_RW = 0x0, 0x1, 0x3
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -96,6 +100,30 @@ class _Mapping:
         self._finalizer = weakref.finalize(self, _munmap, address, nbytes)
 
 
+class _File:
+    """A mapped file's own descriptor, and a read-only view of all of it made on first need
+    (the source of copies out of its pages)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._view: torch.Tensor | None = None
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def view(self) -> torch.Tensor:
+        if self._view is None:
+            size = os.fstat(self.fd).st_size
+            address = _mmap(None, size, _PROT_READ, _MAP_SHARED, self.fd, 0)
+            mapping = _Mapping(address, size)
+            memory = (ctypes.c_uint8 * size).from_address(address)
+            memory._hf_vkv_owner = mapping  # type: ignore[attr-defined]
+            self._view = torch.frombuffer(memory, dtype=torch.uint8)
+        return self._view
+
+    def close(self) -> None:
+        self._view = None
+        self._finalizer()
+
+
 class HostBackend:
     """Physical pages in a ``memfd``, mapped with ``mmap`` (see the module docstring).
 
@@ -119,6 +147,9 @@ class HostBackend:
         self._readable: set[int] = set()  # addresses of the reservations made readable
         self._closed = False
         self._fd_finalizer = weakref.finalize(self, os.close, self._fd)
+        self._files: list[_File] = []  # mapped files (map_file), by index
+        self._file_pages: dict[PageId, tuple[int, int]] = {}  # external page -> (file index, byte offset)
+        self._file_spans: list[tuple[int, int]] = []  # (lowest, highest) id of each map_file call's pages
 
     def _fd_open(self) -> int:
         if self._closed:
@@ -184,13 +215,75 @@ class HostBackend:
         for first, count in consecutive_runs(pages):
             if first + count > self._id_space:
                 raise BackendError("mmap", f"pages {first}..{first + count - 1} outside id space {self._id_space}")
-            at, nbytes = address + pos * self.page_bytes, count * self.page_bytes
-            try:
-                _mmap(at, nbytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED, fd, first * self.page_bytes)
-            except BackendError:
-                self._rereserve(at, nbytes)  # a failed MAP_FIXED may have unmapped the range: no hole
-                raise
+            runs = [(first, count, fd, first * self.page_bytes, _PROT_RW, _MAP_SHARED)]
+            if self._file_spans and any(lo < first + count and first <= hi for lo, hi in self._file_spans):
+                runs = self._split_by_source(first, count)
+            for start, n, src_fd, offset, prot, share in runs:
+                at, nbytes = address + (pos + start - first) * self.page_bytes, n * self.page_bytes
+                try:
+                    _mmap(at, nbytes, prot, share | _MAP_FIXED, src_fd, offset)
+                except BackendError:
+                    self._rereserve(at, nbytes)  # a failed MAP_FIXED may have unmapped the range: no hole
+                    raise
             pos += count
+
+    def _split_by_source(self, first: int, count: int) -> list[tuple[int, int, int, int, int, int]]:
+        """Ids ``first .. first + count - 1`` as runs ``(id, pages, fd, offset, prot, flags)`` that
+        one ``mmap`` each maps: memfd pages, or file pages at consecutive offsets of one file."""
+        out: list[list[int]] = []
+        for page in range(first, first + count):
+            src = self._file_pages.get(PageId(page))
+            fd, offset = (self._fd, page * self.page_bytes) if src is None else (self._files[src[0]].fd, src[1])
+            last = out[-1] if out else None
+            if last is not None and last[2] == fd and last[3] + last[1] * self.page_bytes == offset \
+                    and (src is None) == (last[4] == _PROT_RW):
+                last[1] += 1
+            else:
+                out.append([page, 1, fd, offset, _PROT_RW if src is None else _PROT_READ,
+                            _MAP_SHARED if src is None else _MAP_PRIVATE])
+        return [tuple(run) for run in out]  # type: ignore[misc]
+
+    # ----------------------------------------------------------------------------- mapped files
+    def map_file(self, fd: int, offset: int, pages: Sequence[PageId]) -> None:
+        """Back the external ``pages`` (new ids, none mapped yet) by the file open as ``fd``: page
+        ``pages[i]`` is bytes ``[offset + i * page_bytes, offset + (i + 1) * page_bytes)`` of it.
+        The backend keeps its own descriptor (a ``dup``); ``offset`` must be a multiple of the OS
+        page size and the file must hold every page (else :class:`BackendError`, nothing kept)."""
+        self._fd_open()
+        if offset < 0 or offset % mmap.PAGESIZE:
+            raise BackendError("map_file", f"offset {offset} is not a multiple of the OS page size {mmap.PAGESIZE}")
+        size = os.fstat(fd).st_size
+        if offset + len(pages) * self.page_bytes > size:
+            raise BackendError("map_file", f"the file holds {size:,} bytes, not {len(pages)} pages of "
+                                           f"{self.page_bytes:,} from byte {offset:,}")
+        bad = [p for p in pages if p in self._file_pages or not 0 <= p < self._id_space]
+        if bad:
+            raise BackendError("map_file", f"pages {bad[:4]} are already backed by a file or outside the id space")
+        own = os.dup(fd)
+        index = len(self._files)
+        self._files.append(_File(own))
+        for i, page in enumerate(pages):
+            self._file_pages[page] = (index, offset + i * self.page_bytes)
+        if pages:
+            self._file_spans.append((min(pages), max(pages)))
+
+    def read_pages(self, pages: Sequence[PageId]) -> torch.Tensor:
+        """A ``uint8`` copy ``[len(pages), page_bytes]`` of ``pages`` (resident or file pages)."""
+        out = torch.empty(len(pages), self.page_bytes, dtype=torch.uint8)
+        for i, page in enumerate(pages):
+            out[i].copy_(self._page(page))
+        return out
+
+    def _page(self, page: PageId) -> torch.Tensor:
+        """A zero-copy ``uint8`` view of one page (a file page's from a read-only mapping of its file)."""
+        src = self._file_pages.get(page)
+        if src is None:
+            return self.pool_tensor()[page]
+        return self._files[src[0]].view()[src[1]:src[1] + self.page_bytes]
+
+    def file_pages(self) -> int:
+        """Pages backed by mapped files (ever: a retired page keeps its file)."""
+        return len(self._file_pages)
 
     def unmap(self, address: int, num_pages: int) -> None:
         if num_pages:
@@ -251,6 +344,13 @@ class HostBackend:
             return
         view = self.pool_tensor()
         sizes = [self.page_bytes] * len(pairs) if nbytes is None else list(nbytes)
+        if self._file_pages and any(src in self._file_pages for src, _ in pairs):  # copies out of a mapped file
+            read = [self._page(src)[:n].clone() for (src, _), n in zip(pairs, sizes)]
+            for (_, dst), n, data in zip(pairs, sizes, read):
+                if dst in self._file_pages:
+                    raise BackendError("copy", f"page {dst} is a page of a mapped file: it is never written")
+                view[dst, :n].copy_(data)
+            return
         if len(pairs) > 1 and len(set(sizes)) == 1:  # one gathered copy (a reorder's tails)
             n = sizes[0]
             word = next(w for w in (8, 4, 2, 1) if not n % w and not self.page_bytes % w)  # ~6x faster than bytes
@@ -270,6 +370,8 @@ class HostBackend:
             self._closed = True
             self._pool_view = None
             self._fd_finalizer()
+            for f in self._files:  # mappings of them stay valid until their reservations go
+                f.close()
 
 
 def _ids(pages: Sequence[int]) -> torch.Tensor:

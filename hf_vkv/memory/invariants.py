@@ -36,14 +36,16 @@ class PageHolder(Protocol):
 def check_pages(pool: PagePool, tables: Iterable[PageHolder]) -> None:
     """Raise :class:`InvariantError` unless ``pool`` and ``tables`` (all the page tables drawing
     pages from ``pool``) are consistent: the pool's and each table's own invariants hold, and
-    every page's refcount equals the number of table entries, over all ``tables``, that hold it,
+    every page's refcount equals the number of table entries, over all ``tables``, that hold it
+    (plus the pool's pin of an external page),
     and no entry holds more bytes of a page than its append mark (:attr:`PagePool.marks`)."""
     pool.check_invariants()
     seen: Counter[PageId] = Counter()
     for table in tables:
         table.check_invariants()
         seen.update(table.referenced_pages())
-    refs = {page: pool.refcount(page) for page in pool.in_use_pages()}
+    refs = {page: pool.refcount(page) - pool.is_external(page) for page in pool.in_use_pages()}  # less the pin
+    refs = {page: n for page, n in refs.items() if n}
     if seen != refs:
         wrong = {p: (refs.get(p, 0), seen.get(p, 0)) for p in sorted(seen.keys() | refs.keys())
                  if refs.get(p, 0) != seen.get(p, 0)}

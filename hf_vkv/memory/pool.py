@@ -16,6 +16,12 @@ A shared page without a mark is copied on write. Page tables set and advance mar
 starts from a stored entry's page marks it, see :meth:`~hf_vkv.memory.row_buffer.RowBuffer.adopt`);
 freeing a page drops its mark.
 
+A page may be **external** (:meth:`PagePool.add_external`): a page of a file mapped read-only
+(a saved prefix), never written. The pool holds one reference of its own to each external page
+(the *pin*), so a table entry never finds one unshared and never writes it in place: a row that
+writes into it gets a copy. When the last table entry lets it go, only the pin is left and the page
+**retires**: its id is never handed out again (the backend keeps it pointing into the file).
+
 Ids live in an id space that grows by *segments*. A page table asks for pages with *hints* (the id
 after the row's previous page, then the page index's home id in its segment), so a row's consecutive
 pages usually sit at consecutive physical offsets and the host backend maps them with one call.
@@ -50,6 +56,7 @@ class PoolStats:
     recycled: int  # allocations served by a resident free page
     released: int  # resident free pages given back to the system
     id_space: int  # ids handed out to segments so far
+    external: int = 0  # pages of mapped files some table holds (not in ``in_use``: the file's memory)
 
     @property
     def resident(self) -> int:
@@ -73,7 +80,9 @@ class PagePool:
     * every id is < ``id_space``; in-use and resident-free ids are disjoint;
     * ``refcount[p] >= 1`` for every in-use page;
     * ``in_use + resident_free <= budget_pages``: resident memory never exceeds the budget;
-    * every append mark is of a page in use and in ``(0, page_bytes]``. That no entry holds more
+    * every append mark is of a page in use, not external, and in ``(0, page_bytes]``;
+    * an external page is in use (its pin counts: ``refcount >= 1``) or retired, never resident
+      free; a retired page is neither in use nor resident free, and is never allocated again. That no entry holds more
       bytes of a page than its mark spans the tables: :func:`~hf_vkv.memory.invariants.check_pages`.
 
     Mutations can run inside a transaction (:meth:`begin` / :meth:`commit` / :meth:`rollback`); a
@@ -107,6 +116,8 @@ class PagePool:
         #: decode fast path (under its store's lock); elsewhere change it with :meth:`set_marks`.
         #: Only pages in use have marks (a freed page's goes).
         self.marks: dict[PageId, int] = {}
+        self._external: set[PageId] = set()  # pinned pages of mapped files (in use or retired)
+        self._retired: set[PageId] = set()  # external pages no table holds any more: never reused
 
     # ----------------------------------------------------------------------------- transactions
     def begin(self) -> None:
@@ -169,6 +180,39 @@ class PagePool:
         self._bump("_id_space", num_pages)
         return PageId(base)
 
+    def add_external(self, num_pages: int) -> list[PageId]:
+        """A new segment of ``num_pages`` external pages (module docstring), each in use with
+        only its pin (refcount 1) until table entries take it (:meth:`incref`). Outside the
+        budget: their memory is the file's (the page cache), not the pool's. Raises
+        :class:`InvariantError` inside a transaction (a mapped file is opened on its own)."""
+        if self._undo is not None:
+            raise InvariantError("PagePool.add_external() inside an open transaction")
+        base = self.add_segment(num_pages)
+        pages = [PageId(base + i) for i in range(num_pages)]
+        self._refs.update(dict.fromkeys(pages, 1))
+        self._external.update(pages)
+        return pages
+
+    def retire_unheld(self, pages: Iterable[PageId]) -> list[PageId]:
+        """Retire the external ``pages`` that no table entry holds (only the pin left), e.g. a
+        mapped file's pages no entry took; return them."""
+        if self._undo is not None:
+            raise InvariantError("PagePool.retire_unheld() inside an open transaction")
+        out = [p for p in pages if p in self._external and self._refs.get(p) == 1]
+        for p in out:
+            del self._refs[p]
+        self._retired.update(out)
+        return out
+
+    def is_external(self, page: PageId) -> bool:
+        """Whether ``page`` is a page of a mapped file (in use, or retired)."""
+        return page in self._external
+
+    @property
+    def external_in_use(self) -> int:
+        """External pages some table entry holds now."""
+        return len(self._external) - len(self._retired)
+
     @property
     def id_space(self) -> int:
         """Number of page ids that exist (resident or not)."""
@@ -189,7 +233,7 @@ class PagePool:
         n = len(hints)
         if n == 0:
             return [], []
-        in_use = len(self._refs)
+        in_use = len(self._refs) - self.external_in_use
         if in_use + n > self.budget_pages:
             raise KVCacheOutOfMemory(
                 requested_bytes=n * self.page_bytes,
@@ -245,9 +289,10 @@ class PagePool:
         self._recycled -= len(recycled)
 
     def _take(self, wanted: Sequence[PageId]) -> PageId:
-        room = len(self._refs) + len(self._resident_free) < self.budget_pages
+        room = len(self._refs) - self.external_in_use + len(self._resident_free) < self.budget_pages
+        retired = self._retired
         for page in wanted:
-            if 0 <= page < self._id_space and page not in self._refs:
+            if 0 <= page < self._id_space and page not in self._refs and page not in retired:
                 if page in self._resident_free or room:
                     return page
         if self._resident_free:  # touching fresh memory costs far more than recycling
@@ -259,7 +304,7 @@ class PagePool:
         space = self._id_space
         for step in range(space):
             page = PageId((self._cursor + step) % space)
-            if page not in self._refs and page not in self._resident_free:
+            if page not in self._refs and page not in self._resident_free and page not in self._retired:
                 self._cursor = (page + 1) % space
                 return page
         if self._resident_free:
@@ -292,7 +337,7 @@ class PagePool:
         """Drop one reference from each page; return the pages that became free (kept resident).
         One undo step for all of them, as :meth:`incref` (closing or clearing a long head-major
         row drops thousands)."""
-        refs, old, freed = self._refs, [], []
+        refs, old, freed, retired = self._refs, [], [], []
         try:
             for page in pages:
                 count = refs.get(page, 0)
@@ -304,16 +349,21 @@ class PagePool:
                     self._resident_free[page] = None
                     freed.append(page)
                     self.marks.pop(page, None)  # (not restored by a rollback: no mark is always safe)
+                elif count == 2 and page in self._external:
+                    del refs[page]  # only the pin was left: the page retires
+                    self._retired.add(page)
+                    retired.append(page)
                 else:
                     refs[page] = count - 1
         finally:
             if old:
-                self._record(lambda: self._undo_decref(old, freed))
+                self._record(lambda: self._undo_decref(old, freed, retired))
         return freed
 
-    def _undo_decref(self, old: list[tuple[PageId, int]], freed: list[PageId]) -> None:
+    def _undo_decref(self, old: list[tuple[PageId, int]], freed: list[PageId], retired: list[PageId]) -> None:
         for page in freed:
             self._resident_free.pop(page, None)
+        self._retired.difference_update(retired)
         self._restore_refs(old)
 
     def adjust(self, delta: Mapping[PageId, int]) -> None:
@@ -330,16 +380,22 @@ class PagePool:
         if not old:
             return
         freed = [p for p, count in old.items() if count + delta[p] == 0]
+        external = self._external
+        retired = [p for p, count in old.items() if count + delta[p] == 1 and p in external] if external else []
         refs.update({p: count + delta[p] for p, count in old.items()})
         for p in freed:
             del refs[p]
             self._resident_free[p] = None
             self.marks.pop(p, None)
-        self._record(lambda: self._undo_adjust(old, freed))
+        for p in retired:  # only the pin was left
+            del refs[p]
+            self._retired.add(p)
+        self._record(lambda: self._undo_adjust(old, freed, retired))
 
-    def _undo_adjust(self, old: dict[PageId, int], freed: list[PageId]) -> None:
+    def _undo_adjust(self, old: dict[PageId, int], freed: list[PageId], retired: list[PageId]) -> None:
         for p in freed:
             self._resident_free.pop(p, None)
+        self._retired.difference_update(retired)
         self._refs.update(old)
 
     def refcount(self, page: PageId) -> int:
@@ -366,12 +422,13 @@ class PagePool:
         return PoolStats(
             page_bytes=self.page_bytes,
             budget_pages=self.budget_pages,
-            in_use=len(self._refs),
+            in_use=len(self._refs) - self.external_in_use,
             resident_free=len(self._resident_free),
             created=self._created,
             recycled=self._recycled,
             released=self._released,
             id_space=self._id_space,
+            external=self.external_in_use,
         )
 
     def in_use_pages(self) -> set[PageId]:
@@ -395,11 +452,16 @@ class PagePool:
         for page in self._resident_free:
             if not 0 <= page < self._id_space:
                 raise InvariantError(f"free page {page} outside the id space {self._id_space}")
-        if len(self._refs) + len(self._resident_free) > self.budget_pages:
+        own = len(self._refs) - self.external_in_use
+        if own + len(self._resident_free) > self.budget_pages:
             raise InvariantError(
-                f"{len(self._refs)} in use + {len(self._resident_free)} resident free pages exceed the "
-                f"budget of {self.budget_pages}"
+                f"{own} in use + {len(self._resident_free)} resident free pages exceed the budget of {self.budget_pages}"
             )
-        bad = [(p, m) for p, m in self.marks.items() if not 0 < m <= self.page_bytes or p not in self._refs]
+        if self._retired - self._external or self._retired & (self._refs.keys() | self._resident_free.keys()):
+            raise InvariantError("a retired page is not external, or is in use or resident free")
+        if (self._external - self._retired) - self._refs.keys() or self._external & self._resident_free.keys():
+            raise InvariantError("an external page is neither in use nor retired, or is resident free")
+        bad = [(p, m) for p, m in self.marks.items()
+               if not 0 < m <= self.page_bytes or p not in self._refs or p in self._external]
         if bad:
             raise InvariantError(f"append marks outside (0, {self.page_bytes}] or of free pages: {bad[:8]}")

@@ -255,6 +255,22 @@ class RowBuffer(ABC):
                 table.assign(a, Row(units, held.start, held.pages[:end - held.start]) if units else Row())
             pool.set_marks(marks)
 
+    def install(self, row: int, tables: Sequence[Row]) -> None:
+        """Make ``row``'s parts hold ``tables`` (one :class:`Row` per part, in part order: pages in
+        use in this store, e.g. a mapped file's, holding the same items in every part); no bytes
+        move. ``row``'s previous pages are dropped. Raises ``ValueError`` (nothing changed) for a
+        table of the wrong count, of uneven lengths, not whole items, or over the capacity."""
+        parts = self.table_rows(row)
+        if len(tables) != len(parts) or len({t.length for t in tables}) > 1:
+            raise ValueError(f"row {row} has {len(parts)} parts: give one table each, all of one length")
+        length = tables[0].length if tables else 0
+        if length % self.item_bytes:
+            raise ValueError(f"a table of {length} bytes does not hold whole items of {self.item_bytes}")
+        self._check_capacity(length // self.item_bytes)
+        with self._transaction() as table:
+            for a, held in zip(parts, tables):
+                table.assign(a, held)
+
     def reorder(self, index: Sequence[int], *, private_tails: bool = False, written: int | None = None) -> bool:
         """Row ``i`` takes row ``index[i]``'s pages (duplicates allowed); later rows are emptied.
 

@@ -31,19 +31,22 @@ import torch
 
 from .. import devices
 from ..cache import VKVCache
+from ..memory import PageId
 from ..memory.errors import InvariantError
 from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
-from .persist import _load, _save
+from .mapped import PAGES_FILE, MappedPages, map_entries, write_pages
+from .persist import _check_model, _load, _save
 from .radix import RadixTree
 from .tokens import token_list
+from ..version import __version__
 
 __all__ = ["PrefixStore", "PrefixStats", "token_list", "STORE_INDEX"]
 
 #: The index :meth:`PrefixStore.save` writes into its folder: the files it saved, least recently used first.
 STORE_INDEX = "prefix_store.json"
 STORE_FORMAT = "hf_vkv.prefix_store"
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: the entries' pages in one mapped file (prefix_store.kv); version 1 folders still load
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,7 @@ class _Entry:
     cache: VKVCache  # a batch-1 fork owned by the store; nobody writes into it
     min_reuse: int  # shortest prefix the cache can be cut back to (sliding windows)
     pages: dict[Hashable, int]  # physical pages it holds -> bytes (fixed: the cache never changes)
+    mapped: tuple[MappedPages, tuple[PageId, ...]] | None = None  # a mapped file's pages, until verified
 
 
 class PrefixStore:
@@ -213,12 +217,28 @@ class PrefixStore:
                 entry = self._entries[key]
                 m = min(shared, cap)
                 if m >= max(entry.min_reuse, 1):
+                    self._verify(entry)
                     self._entries.move_to_end(key)
                     self._hits += 1
                     self._reused += m
                     yield entry.cache, m
                     return
             yield None, 0
+
+    def _verify(self, entry: _Entry) -> None:
+        """Check a mapped entry's pages against their checksums before they are first handed out;
+        on a difference drop every entry of that file (the store stays usable) and raise
+        :class:`PrefixFileCorruptError`."""
+        if entry.mapped is None:
+            return
+        mapped, pages = entry.mapped
+        try:
+            mapped.verify(pages)
+        except PrefixFileCorruptError:
+            for other in [e for e in self._entries.values() if e.mapped is not None and e.mapped[0] is mapped]:
+                self._drop(other)
+            raise
+        entry.mapped = None
 
     def longest_prefix(self, input_ids: Any) -> int:
         """Tokens of ``input_ids`` :meth:`lookup` would serve now (counting nothing)."""
@@ -342,25 +362,46 @@ class PrefixStore:
                 other weights or another dtype (``field`` says which).
         """
         path = Path(path)
+        if path.name == PAGES_FILE and path.is_file():
+            path = path.parent  # the pages of a saved store: its folder says what they hold
         self._check_model(model)
-        files = _saved_files(path) if path.is_dir() else [path]
+        files, index = _saved_files(path) if path.is_dir() else ([path], None)
         weights = self.fingerprint(model)
         memory = self.memory(model.device)
         loaded: list[tuple[VKVCache, list[int]]] = []
+        given: list[tuple[tuple[int, ...], VKVCache]] = []  # mapped entries' caches, until the store takes them
+        mapped = None
         try:
             for file in files:
                 loaded.append(_load(file, model=model, cache_config=self.cache_config, check_weights=check_weights,
                                     memory_of=memory, device=model.device, weights=weights))
+            section = None if index is None else index.get("mapped")
+            if section is not None:
+                tokens_of = [t for e in section.get("entries", []) if isinstance(e, dict)
+                             for t in (e.get("tokens") or [])] if isinstance(section, dict) else []
+                _check_model(path, {**index, "token_ids": tokens_of}, self.config, model, None,
+                             check_weights=check_weights, weights=weights)
+                given, mapped = map_entries(path, section, device=model.device, make_cache=lambda: VKVCache.from_cache_config(
+                    self.config, self.cache_config, batch_size=1, memory_of=memory))
             with self._lock:
-                for cache, tokens in loaded:  # what insert would refuse, before inserting any
+                for cache, tokens in [*loaded, *((c, t) for t, c in given)]:  # what insert would refuse, first
                     self._check_cache(cache, len(tokens))
                     self._check_weights(weights)
                 for cache, tokens in loaded:
                     self.insert(tokens, cache, weights=weights)
+                while given:
+                    tokens, cache = given.pop(0)
+                    pages = tuple(p for img in cache.row_images() for p in img.pages())
+                    if self.insert(tokens, cache, give=True, weights=weights):
+                        key = self._tree.get(tokens)
+                        if key is not None and self._entries[key].cache is cache:
+                            self._entries[key].mapped = (mapped, pages)
         finally:
             for cache, _ in loaded:
                 cache.close()
-        return sum(len(tokens) for _, tokens in loaded)
+            for _, cache in given:
+                cache.close()
+        return sum(len(tokens) for _, tokens in loaded) + sum(len(e["tokens"]) for e in (section or {}).get("entries", []))
 
     def save(self, directory: str | os.PathLike[str], *, model: torch.nn.Module | None = None) -> list[Path]:
         """Save every entry to ``directory`` as a prefix file named by a digest of its token ids
@@ -383,18 +424,33 @@ class PrefixStore:
             if weights is not None:
                 self._check_weights(weights, doing="saved with")
             weights = weights or (self._weights if self._entries else None)
+            for entry in list(self._entries.values()):
+                self._verify(entry)  # a damaged mapped page is never saved again under a new checksum
             entries = [(e.tokens, e.cache.fork()) for e in self._entries.values()]
         paths = []
+        mapped: list[tuple[tuple[int, ...], list]] = []
+        section = None
         try:
             out.mkdir(parents=True, exist_ok=True)
             for tokens, cache in entries:
+                images = _mappable_images(cache)
+                if images is not None:
+                    mapped.append((tokens, images))
+                    continue
                 digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:20]
                 paths.append(_save(out / f"prefix-{digest}.safetensors", cache, list(tokens), model=model,
                                    weights=weights))
+            if mapped:
+                section = write_pages(out, mapped)
+                paths.append(out / PAGES_FILE)
         finally:
             for _, cache in entries:
                 cache.close()
-        index = {"format": STORE_FORMAT, "version": STORE_VERSION, "files": [p.name for p in paths]}
+        index = {"format": STORE_FORMAT, "version": STORE_VERSION, "writer": f"hf_vkv {__version__}",
+                 "files": [p.name for p in paths if p.name != PAGES_FILE],
+                 "config_fingerprint": self._fingerprint, "config_fields": config_fields(self.config),
+                 "weights_fingerprint": weights, "dtype": None if self._dtype is None else str(self._dtype).removeprefix("torch."),
+                 "mapped": section}
         tmp = out / f".{STORE_INDEX}.tmp-{os.getpid()}"
         try:
             tmp.write_text(json.dumps(index, indent=1))
@@ -532,27 +588,44 @@ def _dtype_of(cache: VKVCache) -> torch.dtype | None:
     return None
 
 
-def _saved_files(folder: Path) -> list[Path]:
-    """The prefix files of a folder: those its :data:`STORE_INDEX` lists, in its order, or without
-    an index every ``*.safetensors`` file in it, by name."""
+def _mappable_images(cache: VKVCache) -> list | None:
+    """``cache``'s row images if its pages can be written as a mapped file (host memory, every
+    layer a full-attention vkv layer), else None (it is saved as a prefix file of its own)."""
+    try:
+        images = cache.row_images()
+    except ValueError:
+        return None
+    ok = all(getattr(img.store, "backend", None) is not None and hasattr(img.store.backend, "map_file") for img in images)
+    return images if ok and images else None
+
+
+def _saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:
+    """The prefix files of a folder — those its :data:`STORE_INDEX` lists, in its order, or without
+    an index every ``*.safetensors`` file in it, by name — and the index (version 2: with its
+    mapped pages' section and the model checks; ``None`` without an index or for version 1)."""
     index = folder / STORE_INDEX
     if not index.exists():
         files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
         if not files:
             raise PrefixFormatError(f"{folder} holds no hf_vkv prefix: no {STORE_INDEX} (written by PrefixStore.save) "
                                     f"and no .safetensors file")
-        return files
+        return files, None
     try:
         data = json.loads(index.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PrefixFileCorruptError(f"{index} is not whole: it is not JSON ({e})") from None
     names = data.get("files") if isinstance(data, dict) else None
-    if (not isinstance(data, dict) or data.get("format") != STORE_FORMAT or data.get("version") != STORE_VERSION
+    if (not isinstance(data, dict) or data.get("format") != STORE_FORMAT or data.get("version") not in (1, STORE_VERSION)
             or not isinstance(names, list)
             or not all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..") for n in names)):
-        raise PrefixFormatError(f"{index} is not an hf_vkv prefix store index of version {STORE_VERSION} (format "
+        raise PrefixFormatError(f"{index} is not an hf_vkv prefix store index of version 1 or {STORE_VERSION} (format "
                                 f"{STORE_FORMAT!r}, a list of file names)")
+    if data.get("version") == STORE_VERSION and (
+            not isinstance(data.get("config_fingerprint"), str) or not isinstance(data.get("config_fields"), dict)
+            or not isinstance(data.get("dtype"), (str, type(None)))
+            or not isinstance(data.get("weights_fingerprint"), (str, type(None)))):
+        raise PrefixFormatError(f"{index} is not an hf_vkv prefix store index: its model fields are malformed")
     missing = [n for n in names if not (folder / n).is_file()]
     if missing:
         raise PrefixFileCorruptError(f"{folder} is not whole: its {STORE_INDEX} lists {missing[:3]}, which it lacks")
-    return [folder / n for n in names]
+    return [folder / n for n in names], (data if data.get("version") == STORE_VERSION else None)

@@ -242,3 +242,146 @@ def test_version_is_reported() -> None:
     report = run_ab(tiny("gpt2"), prompts(1, 4, seed=58), max_new_tokens=3)
     assert report.identical
     assert report.environment["hf_vkv"] == hf_vkv.__version__ and report.environment["device"].startswith("cpu")
+
+
+# ---------------------------------------------------------------------------- with a prefix store
+def _chat_inputs(history: list[int]) -> dict[str, torch.Tensor]:
+    ids = torch.tensor([history])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize("mode", [dict(do_sample=False), dict(num_beams=3, do_sample=False),
+                                  dict(do_sample=True, num_return_sequences=2)], ids=["greedy", "beams", "sample-n2"])
+def test_run_ab_with_a_store_is_exact_against_the_continued_dynamic_cache(mode: dict[str, Any], tmp_path: Any) -> None:
+    """The default reference of ``run_ab(prefix_store=...)``: one DynamicCache passed to every turn
+    (continued in place) holds the history the store lends; every turn is identical (tokens,
+    logits and, with the tee, every layer's K/V), reuse happened, and the JSON says so."""
+    from transformers import DynamicCache
+
+    model = tiny("llama")
+    store = hf_vkv.PrefixStore(model.config)
+    history_cache = DynamicCache(config=model.config)
+    g = torch.Generator().manual_seed(8)
+    history = torch.randint(3, 500, (30,), generator=g).tolist()
+    for turn in range(3):
+        history = history + torch.randint(3, 500, (4,), generator=g).tolist()
+        report = run_ab(model, _chat_inputs(history), max_new_tokens=5, prefix_store=store,
+                        reference_cache=history_cache, tee=turn != 1, **mode)
+        assert report.identical and report.passed, report.first_divergence
+        assert report.reference == "continued" and report.max_abs_logit_diff == 0.0
+        assert (report.prefix_reuse["reused_tokens"] > 0) == (turn > 0)
+        rows = report.rows
+        assert history_cache.get_seq_length() == len(history) + 4 and history_cache.layers[0].keys.shape[0] == rows
+        history = history + list(report.generated_vkv[0])
+    data = json.loads(report.write_json(tmp_path / "ab.json").read_text())
+    assert data["reference"] == "continued" and data["identical"]
+    jsonschema = pytest.importorskip("jsonschema", reason="the test extra installs jsonschema")
+    jsonschema.validate(data, AB_REPORT_SCHEMA)
+    for bad in ("prefilled", 1):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**data, "reference": bad}, AB_REPORT_SCHEMA)
+
+
+def test_run_ab_reference_prefill_keeps_the_whole_prefill_comparison() -> None:
+    """``reference="prefill"``: DynamicCache prefills every turn whole (a different sum: the verdict
+    is the tokens, max |Δlogit| reported); the report says which reference it was; without a
+    store, ``reference`` is ``None``."""
+    model = tiny("llama")
+    store = hf_vkv.PrefixStore(model.config)
+    g = torch.Generator().manual_seed(9)
+    history = torch.randint(3, 500, (30,), generator=g).tolist()
+    for turn in range(2):
+        history = history + torch.randint(3, 500, (4,), generator=g).tolist()
+        report = run_ab(model, _chat_inputs(history), max_new_tokens=5, prefix_store=store, reference="prefill",
+                        tee=False, do_sample=False)
+        assert report.reference == "prefill" and report.tokens_identical and report.passed
+        assert report.max_abs_logit_diff <= 1e-5
+        history = history + list(report.generated_vkv[0])
+    assert report.prefix_reuse["reused_tokens"] > 0
+    assert run_ab(model, _chat_inputs(history), max_new_tokens=2, tee=False).reference is None
+
+
+def test_run_ab_reference_arguments_are_checked_before_any_run() -> None:
+    """Bad combinations are typed errors, raised before either run (the store is left as it was)."""
+    from transformers import DynamicCache
+
+    from hf_vkv.generate import cache_kwarg
+
+    model = tiny("llama")
+    store = hf_vkv.PrefixStore(model.config)
+    g = torch.Generator().manual_seed(10)
+    history = torch.randint(3, 500, (30,), generator=g).tolist()
+    inputs = _chat_inputs(history)
+    run_ab(model, inputs, max_new_tokens=3, prefix_store=store, tee=False)  # stores the prompt and its answer
+    entries = store.prefixes()
+    longer = _chat_inputs(history + [5, 6, 7, 8])
+    with pytest.raises(ValueError, match="reference must be one of"):
+        run_ab(model, inputs, max_new_tokens=2, prefix_store=store, reference="whole", tee=False)
+    with pytest.raises(TypeError, match="DynamicCache"):
+        run_ab(model, inputs, max_new_tokens=2, prefix_store=store, reference_cache=object(), tee=False)
+    with pytest.raises(ValueError, match="pass prefix_store=store too"):
+        run_ab(model, inputs, max_new_tokens=2, reference="prefill", tee=False)
+    with pytest.raises(ValueError, match="pass prefix_store=store too"):
+        run_ab(model, inputs, max_new_tokens=2, reference_cache=DynamicCache(config=model.config), tee=False)
+    with pytest.raises(ValueError, match="drop reference_cache"):
+        run_ab(model, inputs, max_new_tokens=2, prefix_store=store, reference="prefill",
+               reference_cache=DynamicCache(config=model.config), tee=False)
+    with pytest.raises(ValueError, match="tee=False"):
+        run_ab(model, inputs, max_new_tokens=2, prefix_store=store, reference="prefill")
+    with pytest.raises(ValueError, match="reference_cache holds 0"):  # the store lends history nobody holds
+        run_ab(model, longer, max_new_tokens=2, prefix_store=store, tee=False)
+    short = DynamicCache(config=model.config)
+    model(input_ids=inputs["input_ids"][:, :10], **{cache_kwarg(): short})
+    with pytest.raises(ValueError, match="reference_cache holds 10"):
+        run_ab(model, longer, max_new_tokens=2, prefix_store=store, reference_cache=short, tee=False)
+    two = prompts(2, 8, seed=56)
+    rows3 = DynamicCache(config=model.config)
+    model(input_ids=prompts(3, 4, seed=57)["input_ids"], **{cache_kwarg(): rows3})
+    with pytest.raises(ValueError, match="not a multiple of the batch"):
+        run_ab(model, two, max_new_tokens=2, prefix_store=store, reference_cache=rows3, tee=False)
+    assert store.prefixes() == entries and short.get_seq_length() == 10
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
+    from hf_vkv import cli
+
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as e:
+        code = int(e.code)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.fixture(scope="module")
+def raw_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from models import tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama-raw")
+    tiny("llama").save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return path
+
+
+def test_cli_ab_reuse_compares_with_the_continued_dynamic_cache(raw_model_dir: Any, tmp_path: Any,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``hf-vkv ab --reuse N``: by default each turn's DynamicCache continues the previous turn's
+    (identical, tee on); ``--reference prefill`` prefills every turn whole (tokens compared);
+    ``--reference`` without ``--reuse`` is a usage error."""
+    prompt = " ".join(f"w{i}" for i in range(20, 60))
+    common = ("ab", "--model", raw_model_dir, "--prompt", prompt, "--raw", "--max-new-tokens", "4", "--quiet",
+              "--threads", "1", "--reuse", "3")
+    code, out = _cli(capsys, *common, "--json", tmp_path / "continued.json")
+    assert code == 0, out
+    assert "turn 3:" in out and "(against DynamicCache continued from the previous turn)" in out
+    turns = json.loads((tmp_path / "continued.json").read_text())["turns"]
+    assert [t["reference"] for t in turns] == ["continued"] * 3 and all(t["identical"] and t["tee"] for t in turns)
+    assert turns[1]["prefix_reuse"]["reused_tokens"] >= 40 and turns[2]["prefix_reuse"]["reused_tokens"] >= 48
+    code, out = _cli(capsys, *common, "--reference", "prefill", "--json", tmp_path / "prefill.json")
+    assert code == 0, out
+    assert "(against DynamicCache prefilling the whole prompt)" in out
+    turns = json.loads((tmp_path / "prefill.json").read_text())["turns"]
+    assert [t["reference"] for t in turns] == ["prefill"] * 3 and all(t["tokens_identical"] for t in turns)
+    assert not any(t["tee"] for t in turns)
+    code, out = _cli(capsys, "ab", "--model", raw_model_dir, "--reference", "prefill", "--quiet")
+    assert code == 2 and "give --reuse TURNS" in out

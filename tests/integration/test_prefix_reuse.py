@@ -1,9 +1,11 @@
 """Prefix reuse inside generate(): ``cache_config={"prefix_store": store}``.
 
-The oracle is DynamicCache's full prefill of every call's whole prompt. Prefilling only the new
-tokens over stored K/V is a different computation (the stored answers' K/V come from decode
-steps), so the contract is the cascade's: the very same tokens on a battery of multi-turn chats
-(greedy, beams, seeded sampling), and reuse must really have happened (tokens reused > 0).
+Here the reference is DynamicCache's full prefill of every call's whole prompt: prefilling only
+the new tokens over stored K/V is a different computation (the stored answers' K/V come from
+decode steps), so against it the tokens must be the very same on multi-turn chats (greedy, beams,
+seeded sampling) and reuse must really have happened (tokens reused > 0). The contract itself —
+identical logits to a DynamicCache holding the same history, continued — is
+``tests/integration/test_reuse_contract.py``; files and stores are tested here too.
 """
 
 from __future__ import annotations
@@ -278,9 +280,10 @@ def test_store_folder_round_trip(tmp_path: Path) -> None:
     assert len(store) == 3
     folder = tmp_path / "prefixes"
     paths = store.save(folder)  # no model=: the files carry the store's weights fingerprint
+    saved = store.prefixes()
     warm = PrefixStore(model.config)
     assert warm.load(folder, model=model) == sum(map(len, store.prefixes()))
-    assert len(paths) == 3 and (folder / STORE_INDEX).is_file()
+    assert [p.name for p in paths] == ["prefix_store.kv"] and (folder / STORE_INDEX).is_file()  # one mapped file
     assert warm.prefixes() == store.prefixes()  # least recently used first, as saved
     assert warm.weights_fingerprint == store.weights_fingerprint == store.fingerprint(model)
     warm.check_invariants()
@@ -299,15 +302,27 @@ def test_store_folder_round_trip(tmp_path: Path) -> None:
         assert_same_tokens(_generate(model, ids, mask, None), got)
     assert warm.stats().tokens_reused > 0 and warm.prefixes() == store.prefixes()
     warm.check_invariants()
-    # all or nothing: one damaged file refuses the folder and inserts nothing
-    data = bytearray(paths[-1].read_bytes())
-    data[-3] ^= 0x01
-    paths[-1].write_bytes(bytes(data))
+    # a cut-short page file refuses the folder and inserts nothing
+    whole = paths[-1].read_bytes()
+    paths[-1].write_bytes(whole[:-3])
     fresh = PrefixStore(model.config)
     with pytest.raises(hf_vkv.PrefixFileCorruptError, match="not whole"):
         fresh.load(folder, model=model)
     assert len(fresh) == 0
     fresh.check_invariants()
+    # a flipped bit in a page is refused when its entry is first handed out, before attention
+    # reads it: the entries of that file go, and the store serves on (from scratch)
+    data = bytearray(whole)
+    data[-3] ^= 0x01
+    paths[-1].write_bytes(bytes(data))
+    assert fresh.load(folder, model=model) == sum(map(len, saved))
+    last = list(saved[-1])
+    with pytest.raises(hf_vkv.PrefixFileCorruptError, match="not whole"):
+        fresh.lookup([*last, 7])
+    assert len(fresh) == 0
+    fresh.check_invariants()
+    ids, mask = _batch([last + [7]])
+    assert_same_tokens(_generate(model, ids, mask, None), _reuse(model, ids, mask, fresh)[0])
     (tmp_path / "empty").mkdir()
     with pytest.raises(hf_vkv.PrefixFormatError, match="no hf_vkv prefix"):
         fresh.load(tmp_path / "empty", model=model)
@@ -326,10 +341,8 @@ def test_a_saved_store_carries_its_weights_fingerprint(tmp_path: Path) -> None:
     _generate(other, ids, mask, other_store)
     paths = store.save(tmp_path / "mine")
     theirs = other_store.save(tmp_path / "theirs")
-    from safetensors import safe_open
-
-    with safe_open(str(paths[0]), "pt") as f:
-        assert json.loads(f.metadata()["hf_vkv_prefix"])["weights_fingerprint"] == store.fingerprint(model)
+    index = json.loads((tmp_path / "mine" / STORE_INDEX).read_text())
+    assert index["weights_fingerprint"] == store.fingerprint(model)
     for source in (tmp_path / "mine", paths[0]):
         for check_weights in (True, False):
             fresh = PrefixStore(other.config)
@@ -439,7 +452,9 @@ FP32_LOGIT_BOUND = 1e-5
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("mode", ["greedy", "beams", "sample"])
 def test_run_ab_reports_logits_within_the_fp32_bound(mode: str, threads: int) -> None:
-    """Three-turn chats through ``run_ab(..., prefix_store=store)``: tokens identical, every
+    """Three-turn chats through ``run_ab(..., prefix_store=store, reference="prefill")`` (the full
+    prefill as the reference; the default, the continued cache, is bit-exact:
+    ``tests/integration/test_reuse_contract.py``): tokens identical, every
     step's max |Δlogit| within :data:`FP32_LOGIT_BOUND` (beams compared beam by beam, none
     unmatched), reuse really happened, and a turn that reuses nothing is bit-equal."""
     from hf_vkv.ab import run_ab
@@ -453,7 +468,7 @@ def test_run_ab_reports_logits_within_the_fp32_bound(mode: str, threads: int) ->
         history = history + _rand(4, g)
         ids, mask = _batch([history])
         report = run_ab(model, {"input_ids": ids, "attention_mask": mask}, max_new_tokens=NEW, tee=False,
-                        prefix_store=store, pad_token_id=PAD, **MODES[mode])
+                        prefix_store=store, reference="prefill", pad_token_id=PAD, **MODES[mode])
         assert report.tokens_identical and report.passed, report.first_divergence
         assert report.max_abs_logit_diff <= FP32_LOGIT_BOUND
         if mode == "beams":
@@ -467,10 +482,13 @@ def test_run_ab_reports_logits_within_the_fp32_bound(mode: str, threads: int) ->
         history = history + list(report.generated_vkv[0])
 
 
-def test_run_ab_with_a_store_refuses_the_tee() -> None:
+def test_run_ab_against_a_full_prefill_refuses_the_tee() -> None:
+    """Compared with a full prefill (``reference="prefill"``) the prefills differ by design: the tee
+    (every layer's K/V at every step) is refused; against the continued cache it is not."""
     from hf_vkv.ab import run_ab
 
     model = tiny("llama")
     ids, mask = _batch([list(range(3, 30))])
     with pytest.raises(ValueError, match="tee=False"):
-        run_ab(model, {"input_ids": ids, "attention_mask": mask}, max_new_tokens=2, prefix_store=PrefixStore(model.config))
+        run_ab(model, {"input_ids": ids, "attention_mask": mask}, max_new_tokens=2, prefix_store=PrefixStore(model.config),
+               reference="prefill")

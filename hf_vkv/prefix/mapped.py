@@ -1,0 +1,281 @@
+"""A prefix store's pages in one file that later processes map instead of read.
+
+:meth:`PrefixStore.save` writes ``prefix_store.kv`` beside its index: the physical pages of every
+entry that can be mapped, each page once however many entries share it, page-aligned, after a
+header page; the index (``prefix_store.json``, version 2) describes each entry as what its cache
+holds — per layer group, the page table of every part of its row, pages named by their index in
+the file (:class:`~hf_vkv.cache.GroupImage`). :meth:`PrefixStore.load` opens the file and maps its
+pages into the store's memory as *external* pages (:meth:`hf_vkv.memory.Arena.map_file`): no byte
+of K/V is read or copied, processes that open one file share its page cache, and a row that writes
+into a mapped page (the partly filled last page of a prefix) gets its own copy through the page
+table; the file is never written.
+
+**Layout of ``prefix_store.kv``**: a header at byte 0 (``MAGIC``, then the file id, the page size
+and the page count, as JSON), zero-padded to ``data_offset`` (a multiple of the page size and of
+the OS page); page ``i`` at ``data_offset + i * page_bytes``. The index names the file id, so an
+index never maps another save's pages.
+
+**Integrity, without reading everything first**: opening checks the index (its own SHA-256), the
+header and the file's exact size — a truncated or swapped file is refused before anything is
+mapped. Each page's checksum (the wrapping sum of its 64-bit words: any change within one word is
+caught, and random damage with probability 1 - 2**-64) is verified the first time an entry's pages
+are handed out (:meth:`MappedPages.verify`, by :meth:`PrefixStore.borrow`), before attention can
+read them: a damaged page raises :class:`PrefixFileCorruptError`, the store drops every entry of
+that file and stays usable. The sum is not a cryptographic hash: it does not defend against a file
+crafted to pass it, and a file changed while it is mapped is not re-checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..cache import GroupGeometry, GroupImage, VKVCache
+from ..memory import Arena, PageId, Row
+from .errors import PrefixFileCorruptError, PrefixFormatError
+
+__all__ = ["MAGIC", "PAGES_FILE", "MappedPages", "map_entries", "verify_file", "write_pages"]
+
+PAGES_FILE = "prefix_store.kv"
+MAGIC = b"HFVKVPG1"
+_HEADER_MAX = 4096
+
+
+def _checksums(pages: torch.Tensor) -> list[int]:
+    """The wrapping int64 sum of each page's 64-bit words (``pages``: uint8 ``[n, page_bytes]``)."""
+    if pages.shape[1] % 8:
+        raise ValueError(f"page size {pages.shape[1]} is not a multiple of 8 bytes")
+    return pages.view(torch.int64).sum(dim=1).tolist()
+
+
+def _section_digest(section: dict[str, Any]) -> str:
+    body = {k: v for k, v in section.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[GroupImage]]]) -> dict[str, Any]:
+    """Write the pages of ``entries`` (token ids, and their cache's :meth:`~VKVCache.row_images`)
+    to ``folder/prefix_store.kv`` (a temporary name, then renamed) and return the index section
+    that describes them. Every image must draw from one arena (the store's memory)."""
+    stores = {id(img.store): img.store for _, images in entries for img in images}
+    if len(stores) != 1 or not isinstance(next(iter(stores.values())), Arena):
+        raise ValueError("the entries' pages must live in one arena to be written as one file")
+    arena: Arena = next(iter(stores.values()))
+    page_bytes = arena.page_bytes
+    index_of: dict[PageId, int] = {}
+    for _, images in entries:
+        for img in images:
+            for page in img.pages():
+                index_of.setdefault(page, len(index_of))
+    pages = list(index_of)
+    data_offset = -(-_HEADER_MAX // max(page_bytes, mmap.PAGESIZE)) * max(page_bytes, mmap.PAGESIZE)
+    file_id = uuid.uuid4().hex
+    header = json.dumps({"file_id": file_id, "page_bytes": page_bytes, "pages": len(pages),
+                         "data_offset": data_offset}).encode()
+    sums: list[int] = []
+    path = folder / PAGES_FILE
+    tmp = folder / f".{PAGES_FILE}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + len(header).to_bytes(4, "little") + header)
+            f.seek(data_offset)
+            for at in range(0, len(pages), 256):  # a few MiB at a time
+                chunk = arena.read_pages(pages[at:at + 256])
+                sums.extend(_checksums(chunk))
+                f.write(chunk.numpy().tobytes())
+            f.truncate(data_offset + len(pages) * page_bytes)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    first = entries[0][1] if entries else []
+    section: dict[str, Any] = {
+        "file": PAGES_FILE, "file_id": file_id, "page_bytes": page_bytes, "pages": len(pages),
+        "data_offset": data_offset, "file_bytes": data_offset + len(pages) * page_bytes, "checksums": sums,
+        "groups": [{"name": g.name, "members": list(g.members), "kv_heads": g.geometry.kv_heads,
+                    "key_dim": g.geometry.key_dim, "value_dim": g.geometry.value_dim,
+                    "dtype": str(g.geometry.dtype).removeprefix("torch."), "layout": g.layout,
+                    "item_bytes": g.item_bytes, "parts": g.parts} for g in first],
+        "entries": [{"tokens": list(tokens),
+                     "groups": [{"lengths": list(g.lengths),
+                                 "tables": [[t.length, t.start, [index_of[p] for p in t.pages]] for t in g.tables]}
+                                for g in images]}
+                    for tokens, images in entries],
+    }
+    section["sha256"] = _section_digest(section)
+    return section
+
+
+class MappedPages:
+    """A mapped ``prefix_store.kv``: the page id of each file page in the store's arena, and which
+    pages were verified against their checksums (each is, once, before it is first handed out)."""
+
+    def __init__(self, path: Path, page_ids: list[PageId], checksums: list[int], arena: Arena) -> None:
+        self.path = path
+        self.page_ids = page_ids
+        self._file_index = {page: i for i, page in enumerate(page_ids)}
+        self._checksums = checksums
+        self._verified = bytearray(len(page_ids))
+        self._arena = arena
+        self._lock = threading.Lock()
+        self.verified_bytes = 0  # bytes checked so far (what verification cost: see docs)
+
+    def verify(self, pages: Sequence[PageId]) -> None:
+        """Check every file page among ``pages`` not yet checked; raise
+        :class:`PrefixFileCorruptError` naming the first page whose bytes differ from the checksum."""
+        todo = sorted({self._file_index[p] for p in pages if p in self._file_index and not self._verified[self._file_index[p]]})
+        if not todo:
+            return
+        with self._lock:
+            for at in range(0, len(todo), 256):
+                chunk = todo[at:at + 256]
+                data = self._arena.read_pages([self.page_ids[i] for i in chunk])
+                for i, got in zip(chunk, _checksums(data)):
+                    if got != self._checksums[i]:
+                        raise PrefixFileCorruptError(f"{self.path} is not whole: page {i} differs from its checksum "
+                                                     f"(the file changed or was damaged after it was saved)")
+                    self._verified[i] = 1
+                self.verified_bytes += len(chunk) * self._arena.page_bytes
+
+
+def _geometry(info: dict[str, Any], device: torch.device) -> GroupGeometry:
+    dtype = getattr(torch, str(info["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise PrefixFormatError(f"unknown dtype {info['dtype']!r} in a prefix store index")
+    return GroupGeometry(int(info["kv_heads"]), int(info["key_dim"]), int(info["value_dim"]), dtype, device)
+
+
+def map_entries(folder: Path, section: Any, *, make_cache: Any, device: torch.device
+                ) -> tuple[list[tuple[tuple[int, ...], VKVCache]], MappedPages | None]:
+    """Open ``folder``'s page file as ``section`` (the index's) describes it, map its pages into the
+    arena of the caches ``make_cache()`` builds, and return the entries ``(token ids, cache)`` —
+    each cache's row held by the mapped pages, nothing read — with the :class:`MappedPages`.
+    Nothing stays mapped or held on an error.
+
+    Raises:
+        PrefixFileCorruptError: the index section was altered (its digest), or the page file is
+            missing, another save's, or not of the size the index gives.
+        PrefixFormatError: the section is malformed, or its layout, page size or shapes do not fit
+            the store's caches (``save`` and ``load`` with other ``cache_config`` options).
+    """
+    if not isinstance(section, dict) or section.get("sha256") != _section_digest(section):
+        raise PrefixFileCorruptError(f"{folder}: the mapped-pages section of its index is not whole (its digest differs)")
+    try:
+        path = folder / str(section["file"])
+        page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
+        groups, entries, sums = section["groups"], section["entries"], list(map(int, section["checksums"]))
+        if len(sums) != count or Path(section["file"]).name != section["file"]:
+            raise ValueError("checksums")
+    except (KeyError, TypeError, ValueError) as e:
+        raise PrefixFormatError(f"{folder}: the mapped-pages section of its index is malformed ({e})") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise PrefixFileCorruptError(f"{folder} is not whole: it lacks {section['file']}, which its index names") from None
+    made: list[VKVCache] = []
+    page_ids: list[PageId] = []
+    arena: Arena | None = None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _HEADER_MAX, 0)
+        n = int.from_bytes(head[8:12], "little") if len(head) >= 12 else 0
+        try:
+            header = json.loads(head[12:12 + n]) if head[:8] == MAGIC else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            header = None
+        if not isinstance(header, dict) or header.get("file_id") != section.get("file_id"):
+            raise PrefixFileCorruptError(f"{path} is not whole: its header is damaged or it is another save's file")
+        if size != section.get("file_bytes") or size != offset + count * page_bytes:
+            how = "truncated" if size < offset + count * page_bytes else "bytes appended"
+            raise PrefixFileCorruptError(f"{path} is not whole ({how}): {size:,} bytes, the index gives "
+                                         f"{offset + count * page_bytes:,}")
+        out: list[tuple[tuple[int, ...], VKVCache]] = []
+        for e in entries:
+            cache = make_cache()
+            made.append(cache)
+            images = [GroupImage(name=str(g["name"]), members=tuple(g["members"]), geometry=_geometry(g, device),
+                                 layout=str(g["layout"]), item_bytes=int(g["item_bytes"]), parts=int(g["parts"]),
+                                 page_bytes=page_bytes, lengths=tuple(eg["lengths"]),
+                                 tables=tuple(Row(int(t[0]), int(t[1]), tuple(t[2])) for t in eg["tables"]))
+                      for g, eg in zip(groups, e["groups"])]
+            if len(images) != len(groups) or len(e["groups"]) != len(groups):
+                raise PrefixFormatError(f"{folder}: an entry of its index describes {len(e['groups'])} groups, "
+                                        f"not {len(groups)}")
+            try:
+                here = cache.arena_for_images(images)
+            except ValueError as err:
+                raise PrefixFormatError(f"{folder}: its pages do not fit this store's caches ({err}); save and load "
+                                        f"with the same cache_config") from None
+            if arena is None:
+                arena = here
+                page_ids = arena.map_file(fd, offset, count)
+            elif here is not arena:
+                raise PrefixFormatError(f"{folder}: its entries would live in several arenas")
+            bad = [p for img in images for t in img.tables for p in t.pages if not 0 <= p < count]
+            if bad:
+                raise PrefixFormatError(f"{folder}: its index names page {bad[0]}, the file holds {count}")
+            cache.install_row([GroupImage(**{**{f: getattr(img, f) for f in img.__dataclass_fields__},
+                                             "tables": tuple(Row(t.length, t.start, tuple(page_ids[p] for p in t.pages))
+                                                             for t in img.tables)}) for img in images])
+            out.append((tuple(int(t) for t in e["tokens"]), cache))
+        mapped = None if arena is None else MappedPages(path, page_ids, sums, arena)
+        if arena is not None:
+            with arena.lock:
+                arena.pool.retire_unheld(page_ids)  # pages no entry holds (none, in a file save wrote)
+        return out, mapped
+    except (KeyError, TypeError, IndexError) as e:
+        for cache in made:
+            cache.close()
+        if arena is not None:
+            with arena.lock:
+                arena.pool.retire_unheld(page_ids)
+        raise PrefixFormatError(f"{folder}: the mapped-pages section of its index is malformed ({e!r})") from None
+    except BaseException:
+        for cache in made:
+            cache.close()
+        if arena is not None:
+            with arena.lock:
+                arena.pool.retire_unheld(page_ids)
+        raise
+    finally:
+        os.close(fd)
+
+
+def verify_file(folder: Path, section: Any) -> int:
+    """Read ``folder``'s page file whole and check every page against the index ``section``:
+    return the pages checked, or raise :class:`PrefixFileCorruptError` naming the first that
+    differs (or a file of the wrong size or another save). What ``hf-vkv prefix inspect --verify``
+    runs; a store checks pages lazily instead (:class:`MappedPages`)."""
+    if not isinstance(section, dict) or section.get("sha256") != _section_digest(section):
+        raise PrefixFileCorruptError(f"{folder}: the mapped-pages section of its index is not whole (its digest differs)")
+    path = folder / str(section["file"])
+    page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
+    with open(path, "rb") as f:
+        head = f.read(_HEADER_MAX)
+        n = int.from_bytes(head[8:12], "little") if len(head) >= 12 else 0
+        try:
+            header = json.loads(head[12:12 + n]) if head[:8] == MAGIC else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            header = None
+        if not isinstance(header, dict) or header.get("file_id") != section.get("file_id"):
+            raise PrefixFileCorruptError(f"{path} is not whole: its header is damaged or it is another save's file")
+        size = os.fstat(f.fileno()).st_size
+        if size != offset + count * page_bytes:
+            raise PrefixFileCorruptError(f"{path} is not whole: {size:,} bytes, the index gives {offset + count * page_bytes:,}")
+        f.seek(offset)
+        sums = section["checksums"]
+        for at in range(0, count, 256):
+            k = min(256, count - at)
+            data = torch.frombuffer(bytearray(f.read(k * page_bytes)), dtype=torch.uint8).view(k, page_bytes)
+            for i, got in enumerate(_checksums(data)):
+                if got != sums[at + i]:
+                    raise PrefixFileCorruptError(f"{path} is not whole: page {at + i} differs from its checksum")
+    return count

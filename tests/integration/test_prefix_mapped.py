@@ -1,0 +1,286 @@
+"""A saved prefix store's pages mapped into later stores and processes (``prefix_store.kv``).
+
+``PrefixStore.save(folder)`` writes the entries' pages once, page-aligned; ``PrefixStore.load``
+maps them as external pages: nothing of the K/V is read or copied at open, a row that writes into a
+mapped page gets its own copy and the file never changes, damaged or foreign files are refused with
+typed errors (the store stays usable), and a conversation saved after turn 5 continues in another
+process exactly as in the first.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import PAD, tiny
+
+import hf_vkv
+from hf_vkv import PrefixMismatchError, PrefixStore
+from hf_vkv.prefix.mapped import PAGES_FILE
+from hf_vkv.prefix.store import STORE_INDEX
+
+pytestmark = pytest.mark.integration
+
+NEW = 6
+
+
+def _rand(n: int, g: torch.Generator) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=g).tolist()
+
+
+def _generate(model: Any, tokens: list[int], store: PrefixStore | None, *, seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    extra = {"cache_implementation": "vkv", "cache_config": {"prefix_store": store}} if store is not None else {}
+    ids = torch.tensor([tokens])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, pad_token_id=PAD,
+                          do_sample=False, return_dict_in_generate=True, output_logits=True, **extra)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return torch.equal(a.sequences, b.sequences) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def _arena(store: PrefixStore) -> Any:
+    arenas = [a for a in store.memory("cpu")._arenas.values() if not a.closed]
+    assert len(arenas) == 1
+    return arenas[0]
+
+
+def _saved_store(tmp_path: Path, model: Any, *, chats: int = 2, seed: int = 3) -> tuple[PrefixStore, Path, list[list[int]]]:
+    store = PrefixStore(model.config)
+    g = torch.Generator().manual_seed(seed)
+    system = _rand(70, g)
+    prompts = [system + _rand(9 + k, g) for k in range(chats)]
+    for p in prompts:
+        _generate(model, p, store)
+    folder = tmp_path / "store"
+    store.save(folder, model=model)
+    return store, folder, prompts
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_opening_maps_the_pages_without_reading_them(tmp_path: Path) -> None:
+    model = tiny("llama")
+    store, folder, prompts = _saved_store(tmp_path, model)
+    kv = folder / PAGES_FILE
+    before = _digest(kv)
+    warm = PrefixStore(model.config)
+    assert warm.load(folder, model=model) == sum(map(len, store.prefixes()))
+    arena = _arena(warm)
+    stats = arena.pool.stats()
+    pages = json.loads((folder / STORE_INDEX).read_text())["mapped"]["pages"]
+    assert stats.external == pages and stats.in_use == 0  # every held page is the file's
+    assert arena.backend.resident_bytes() == 0  # nothing copied into the store's own memory
+    warm.check_invariants()
+    # each continuation: what the in-memory store gives, bit for bit; the file never changes
+    g = torch.Generator().manual_seed(4)
+    for p in prompts:
+        follow = p + _rand(5, g)
+        assert _same(_generate(model, follow, store), _generate(model, follow, warm))
+    assert warm.stats().tokens_reused > 0
+    assert _digest(kv) == before
+    warm.check_invariants()
+    # the rows that wrote after a mapped partial page got copies in the store's own memory
+    assert arena.pool.stats().in_use > 0 and arena.backend.resident_bytes() > 0
+
+
+def test_mapped_pages_retire_when_no_entry_holds_them(tmp_path: Path) -> None:
+    model = tiny("llama")
+    _, folder, prompts = _saved_store(tmp_path, model)
+    warm = PrefixStore(model.config)
+    warm.load(folder, model=model)
+    arena = _arena(warm)
+    fork = warm.lookup(prompts[0] + [5])  # a request still holding mapped pages
+    warm.clear()
+    assert arena.pool.stats().external > 0
+    fork.close()
+    gc.collect()
+    assert arena.pool.stats().external == 0
+    warm.check_invariants()
+    assert warm.load(folder, model=model) > 0  # the same file maps again, to fresh ids
+    warm.check_invariants()
+
+
+def _fresh_refusal(folder: Path, model: Any, error: type[Exception], match: str, **kwargs: Any) -> None:
+    fresh = PrefixStore(model.config, **kwargs)
+    with pytest.raises(error, match=match):
+        fresh.load(folder, model=model)
+    assert len(fresh) == 0
+    fresh.check_invariants()
+    ids = [7, 8, 9, 10]
+    assert torch.equal(_generate(model, ids, fresh).sequences, _generate(model, ids, None).sequences)  # still serves
+
+
+def test_damaged_and_foreign_files_are_refused_and_the_store_stays_usable(tmp_path: Path) -> None:
+    model = tiny("llama")
+    _, folder, _ = _saved_store(tmp_path, model)
+    kv, index = folder / PAGES_FILE, folder / STORE_INDEX
+    whole, text = kv.read_bytes(), index.read_text()
+    corrupt = hf_vkv.PrefixFileCorruptError
+    kv.write_bytes(whole[:-100])  # truncated
+    _fresh_refusal(folder, model, corrupt, "not whole \\(truncated\\)")
+    kv.write_bytes(whole + b"\0" * 4096)  # bytes appended
+    _fresh_refusal(folder, model, corrupt, "bytes appended")
+    kv.write_bytes(b"X" + whole[1:])  # the header
+    _fresh_refusal(folder, model, corrupt, "header")
+    kv.write_bytes(whole)
+    data = json.loads(text)
+    data["mapped"]["entries"][0]["tokens"][3] += 1  # the index, edited
+    index.write_text(json.dumps(data))
+    _fresh_refusal(folder, model, corrupt, "digest")
+    index.write_text(text)
+    other_store, other_folder, _ = _saved_store(tmp_path / "b", model, seed=9)  # another save's pages
+    kv.write_bytes((other_folder / PAGES_FILE).read_bytes())
+    _fresh_refusal(folder, model, corrupt, "another save")
+    kv.write_bytes(whole)
+    kv.unlink()
+    _fresh_refusal(folder, model, corrupt, "lacks")
+    kv.write_bytes(whole)
+    # another model, other weights, another dtype, other cache options
+    _fresh_refusal(folder, tiny("llama", layers=3), PrefixMismatchError, "")
+    _fresh_refusal(folder, tiny("llama", seed=1), PrefixMismatchError, "other weights")
+    _fresh_refusal(folder, copy.deepcopy(model).to(torch.bfloat16), PrefixMismatchError, "bfloat16")
+    _fresh_refusal(folder, model, hf_vkv.PrefixFormatError, "same cache_config",
+                   cache_config={"layout": "token_major"})
+    # and the untouched folder still loads
+    assert PrefixStore(model.config).load(folder, model=model) > 0
+
+
+def test_a_page_damaged_on_disk_is_refused_before_attention_reads_it(tmp_path: Path) -> None:
+    model = tiny("llama")
+    _, folder, prompts = _saved_store(tmp_path, model)
+    kv = folder / PAGES_FILE
+    offset = json.loads((folder / STORE_INDEX).read_text())["mapped"]["data_offset"]
+    data = bytearray(kv.read_bytes())
+    data[offset + 100] ^= 0x04  # a flipped bit in the first page
+    kv.write_bytes(bytes(data))
+    warm = PrefixStore(model.config)
+    assert warm.load(folder, model=model) > 0  # opening reads no page
+    follow = prompts[0] + [11, 12, 13]
+    with pytest.raises(hf_vkv.PrefixFileCorruptError, match="page 0 differs"):
+        _generate(model, follow, warm)
+    assert len(warm) == 0  # every entry of the file went
+    warm.check_invariants()
+    assert torch.equal(_generate(model, follow, warm).sequences, _generate(model, follow, None).sequences)
+
+
+_RESUME = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+from models import PAD, tiny
+import hf_vkv
+model = tiny("llama")
+store = hf_vkv.PrefixStore(model.config)
+store.load({folder!r}, model=model)
+out = []
+history = {history!r}
+for turn, message in enumerate({messages!r}):
+    history = history + message
+    ids = torch.tensor([history])
+    torch.manual_seed(turn)
+    r = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens={new}, pad_token_id=PAD, do_sample=True,
+                       top_k=0, return_dict_in_generate=True, output_logits=True, cache_implementation="vkv",
+                       cache_config={{"prefix_store": store}})
+    history = r.sequences[0].tolist()
+    out.append((r.sequences, [x.clone() for x in r.logits], hf_vkv.reuse_report(r).reused_tokens))
+torch.save(out, {result!r})
+"""
+
+
+def test_a_chat_saved_after_turn_5_resumes_in_another_process(tmp_path: Path) -> None:
+    """Turns 6-8 of a sampled chat in a fresh process that loaded the store saved after turn 5:
+    tokens and logits equal to the same turns continued in the first process."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    g = torch.Generator().manual_seed(5)
+    history = _rand(40, g)
+    kwargs = dict(max_new_tokens=NEW, pad_token_id=PAD, do_sample=True, top_k=0, return_dict_in_generate=True,
+                  output_logits=True, cache_implementation="vkv", cache_config={"prefix_store": store})
+    for turn in range(5):
+        history = history + _rand(4, g)
+        ids = torch.tensor([history])
+        torch.manual_seed(100 + turn)
+        history = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs).sequences[0].tolist()
+    store.save(tmp_path / "chat")
+    messages = [_rand(3 + k, g) for k in range(3)]
+    want, h = [], list(history)
+    for turn, message in enumerate(messages):
+        h = h + message
+        ids = torch.tensor([h])
+        torch.manual_seed(turn)
+        r = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        h = r.sequences[0].tolist()
+        want.append((r.sequences, list(r.logits)))
+    result = tmp_path / "resumed.pt"
+    code = _RESUME.format(tests=str(Path(__file__).parents[1]), folder=str(tmp_path / "chat"), history=history,
+                          messages=messages, new=NEW, result=str(result))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=str(Path(__file__).parents[2]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(result)
+    assert len(got) == 3
+    for (seq_a, logits_a), (seq_b, logits_b, reused) in zip(want, got):
+        assert torch.equal(seq_a, seq_b)
+        assert all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
+        assert reused > 0
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from models import tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama-chat")
+    tiny("llama").save_pretrained(path)
+    tok = copy.deepcopy(tokenizer())
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}w7 {% endif %}")
+    tok.save_pretrained(path)
+    return path
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
+    from hf_vkv import cli
+
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as e:
+        code = int(e.code)
+    return code, capsys.readouterr().out
+
+
+def test_cli_saves_a_system_prompt_inspects_it_and_chats_from_it(chat_model_dir: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    system = tmp_path / "system.txt"
+    system.write_text(" ".join(f"w{i}" for i in range(10, 90)))
+    folder = tmp_path / "sys"
+    code, out = _main(capsys, "prefix", "save", folder, "--model", chat_model_dir, "--system-file", system,
+                      "--threads", "1")
+    assert code == 0 and "system-prompt tokens computed" in out, out
+    code, out = _main(capsys, "prefix", "inspect", folder, "--verify", "--json", tmp_path / "i.json")
+    assert code == 0 and "every checksum equal" in out, out
+    info = json.loads((tmp_path / "i.json").read_text())
+    assert info["mapped_entries"][0] >= 80 and info["verified_pages"] == info["pages"] > 0
+    code, out = _main(capsys, "chat", "--model", chat_model_dir, "--system-file", system, "--store", folder,
+                      "--message", "w5 w6", "--max-new-tokens", "4", "--threads", "1", "--json", tmp_path / "c.json")
+    assert code == 0 and "mapped in" in out and "store saved" in out, out
+    turn = json.loads((tmp_path / "c.json").read_text())["turns"][0]
+    assert turn["reused_tokens"] >= 80 and turn["same_tokens"]  # the first turn starts from the file
+    kv = folder / PAGES_FILE  # a damaged page: inspect --verify says so, exit 1
+    data = bytearray(kv.read_bytes())
+    data[json.loads((folder / STORE_INDEX).read_text())["mapped"]["data_offset"] + 8] ^= 0x10
+    kv.write_bytes(bytes(data))
+    code, out = _main(capsys, "prefix", "inspect", folder, "--verify")
+    assert code == 1 and "NOT WHOLE" in out and "page 0 differs" in out, out
