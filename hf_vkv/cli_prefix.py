@@ -46,12 +46,23 @@ def save_system_prompt(model: Any, tokenizer: Any, system: str, folder: str | Pa
             "bytes_held": store.stats().bytes_held}
 
 
+def _index(path: Path) -> dict[str, Any]:
+    """The index at ``path``, checked whole (its digest) when it is of version 2."""
+    from .prefix.mapped import check_index_text
+
+    text = path.read_text()
+    index = json.loads(text)
+    if index.get("version", 0) >= 2:
+        check_index_text(path, text)
+    return index
+
+
 def summary(folder: Path) -> dict[str, Any]:
     """What ``folder``'s index (``prefix_store.json``) says: model, dtype, weights fingerprint,
     the mapped entries' token counts, pages, bytes, layout and the prefix files beside them."""
     from .prefix.store import STORE_INDEX
 
-    index = json.loads((folder / STORE_INDEX).read_text())
+    index = _index(folder / STORE_INDEX)
     mapped = index.get("mapped") or {}
     entries = mapped.get("entries", [])
     return {
@@ -72,7 +83,7 @@ def verify_folder(folder: Path) -> tuple[int, float]:
     from .prefix.mapped import verify_file
     from .prefix.store import STORE_INDEX
 
-    index = json.loads((folder / STORE_INDEX).read_text())
+    index = _index(folder / STORE_INDEX)
     t = time.perf_counter()
     pages = verify_file(folder, index["mapped"]) if index.get("mapped") else 0
     return pages, time.perf_counter() - t

@@ -229,19 +229,21 @@ class HostBackend:
 
     def _split_by_source(self, first: int, count: int) -> list[tuple[int, int, int, int, int, int]]:
         """Ids ``first .. first + count - 1`` as runs ``(id, pages, fd, offset, prot, flags)`` that
-        one ``mmap`` each maps: memfd pages, or file pages at consecutive offsets of one file."""
-        out: list[list[int]] = []
-        for page in range(first, first + count):
-            src = self._file_pages.get(PageId(page))
-            fd, offset = (self._fd, page * self.page_bytes) if src is None else (self._files[src[0]].fd, src[1])
-            last = out[-1] if out else None
-            if last is not None and last[2] == fd and last[3] + last[1] * self.page_bytes == offset \
-                    and (src is None) == (last[4] == _PROT_RW):
-                last[1] += 1
+        one ``mmap`` each maps: memfd pages, or the pages of one :meth:`map_file` call (whose ids
+        are consecutive at consecutive offsets of its file)."""
+        out: list[tuple[int, int, int, int, int, int]] = []
+        page, end = first, first + count
+        while page < end:
+            span = next(((lo, hi) for lo, hi in self._file_spans if lo <= page <= hi), None)
+            if span is not None:
+                stop = min(end, span[1] + 1)
+                index, offset = self._file_pages[PageId(page)]
+                out.append((page, stop - page, self._files[index].fd, offset, _PROT_READ, _MAP_PRIVATE))
             else:
-                out.append([page, 1, fd, offset, _PROT_RW if src is None else _PROT_READ,
-                            _MAP_SHARED if src is None else _MAP_PRIVATE])
-        return [tuple(run) for run in out]  # type: ignore[misc]
+                stop = min([end, *(lo for lo, _ in self._file_spans if lo > page)])
+                out.append((page, stop - page, self._fd, page * self.page_bytes, _PROT_RW, _MAP_SHARED))
+            page = stop
+        return out
 
     # ----------------------------------------------------------------------------- mapped files
     def map_file(self, fd: int, offset: int, pages: Sequence[PageId]) -> None:
@@ -257,6 +259,8 @@ class HostBackend:
             raise BackendError("map_file", f"the file holds {size:,} bytes, not {len(pages)} pages of "
                                            f"{self.page_bytes:,} from byte {offset:,}")
         bad = [p for p in pages if p in self._file_pages or not 0 <= p < self._id_space]
+        if pages and list(pages) != list(range(pages[0], pages[0] + len(pages))):
+            raise BackendError("map_file", "the pages of one file must be consecutive ids, in order")
         if bad:
             raise BackendError("map_file", f"pages {bad[:4]} are already backed by a file or outside the id space")
         own = os.dup(fd)
@@ -265,7 +269,7 @@ class HostBackend:
         for i, page in enumerate(pages):
             self._file_pages[page] = (index, offset + i * self.page_bytes)
         if pages:
-            self._file_spans.append((min(pages), max(pages)))
+            self._file_spans.append((pages[0], pages[-1]))
 
     def read_pages(self, pages: Sequence[PageId]) -> torch.Tensor:
         """A ``uint8`` copy ``[len(pages), page_bytes]`` of ``pages`` (resident or file pages)."""

@@ -37,13 +37,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..cache import GroupGeometry, GroupImage, VKVCache
 from ..memory import Arena, PageId, Row
 from .errors import PrefixFileCorruptError, PrefixFormatError
 
-__all__ = ["MAGIC", "PAGES_FILE", "MappedPages", "map_entries", "verify_file", "write_pages"]
+__all__ = ["MAGIC", "PAGES_FILE", "MappedPages", "check_index_text", "index_text", "map_entries", "verify_file",
+           "write_pages"]
 
 PAGES_FILE = "prefix_store.kv"
 MAGIC = b"HFVKVPG1"
@@ -57,9 +59,24 @@ def _checksums(pages: torch.Tensor) -> list[int]:
     return pages.view(torch.int64).sum(dim=1).tolist()
 
 
-def _section_digest(section: dict[str, Any]) -> str:
-    body = {k: v for k, v in section.items() if k != "sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+_DIGEST_HEAD = '{"sha256":"'  # an index of version 2 starts so, then 64 hex digits of its own digest
+
+
+def index_text(index: dict[str, Any]) -> str:
+    """``index`` as the text of ``prefix_store.json``, its SHA-256 first: the digest of the text
+    with those 64 digits zeroed (checked over the raw bytes at open, nothing re-serialized)."""
+    text = json.dumps({"sha256": "0" * 64, **index}, separators=(",", ":"))
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    return _DIGEST_HEAD + digest + text[len(_DIGEST_HEAD) + 64:]
+
+
+def check_index_text(path: Path, text: str) -> None:
+    """Raise :class:`PrefixFileCorruptError` unless ``text`` (an index of version 2) is whole: its
+    leading digest equals the SHA-256 of the text with the digest zeroed."""
+    n = len(_DIGEST_HEAD)
+    digest = text[n:n + 64]
+    if not text.startswith(_DIGEST_HEAD) or hashlib.sha256((text[:n] + "0" * 64 + text[n + 64:]).encode()).hexdigest() != digest:
+        raise PrefixFileCorruptError(f"{path} is not whole: its digest differs (the index was edited or damaged)")
 
 
 def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[GroupImage]]]) -> dict[str, Any]:
@@ -110,7 +127,6 @@ def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[Grou
                                 for g in images]}
                     for tokens, images in entries],
     }
-    section["sha256"] = _section_digest(section)
     return section
 
 
@@ -118,32 +134,43 @@ class MappedPages:
     """A mapped ``prefix_store.kv``: the page id of each file page in the store's arena, and which
     pages were verified against their checksums (each is, once, before it is first handed out)."""
 
-    def __init__(self, path: Path, page_ids: list[PageId], checksums: list[int], arena: Arena) -> None:
+    def __init__(self, path: Path, fd: int, page_ids: list[PageId], checksums: list[int], *, page_bytes: int,
+                 data_offset: int) -> None:
         self.path = path
         self.page_ids = page_ids
-        self._file_index = {page: i for i, page in enumerate(page_ids)}
-        self._checksums = checksums
-        self._verified = bytearray(len(page_ids))
-        self._arena = arena
+        self._first = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
+        self._checksums = np.array(checksums, dtype=np.int64)
+        self._verified = np.zeros(len(page_ids), dtype=bool)
+        self._page_bytes = page_bytes
+        self._offset = data_offset
+        self._map = mmap.mmap(fd, 0, prot=mmap.PROT_READ) if page_ids else None  # read-only, the file's pages
         self._lock = threading.Lock()
         self.verified_bytes = 0  # bytes checked so far (what verification cost: see docs)
 
     def verify(self, pages: Sequence[PageId]) -> None:
-        """Check every file page among ``pages`` not yet checked; raise
-        :class:`PrefixFileCorruptError` naming the first page whose bytes differ from the checksum."""
-        todo = sorted({self._file_index[p] for p in pages if p in self._file_index and not self._verified[self._file_index[p]]})
-        if not todo:
+        """Check every file page among ``pages`` not yet checked (the wrapping sums of their words,
+        read straight from the file's pages, run by run); raise :class:`PrefixFileCorruptError`
+        naming the first page whose bytes differ from its checksum."""
+        n = len(self.page_ids)
+        index = np.fromiter((p - self._first for p in pages), dtype=np.int64, count=len(pages))
+        index = np.unique(index[(index >= 0) & (index < n)])
+        todo = index[~self._verified[index]]
+        if not len(todo):
             return
+        words = self._page_bytes // 8
         with self._lock:
-            for at in range(0, len(todo), 256):
-                chunk = todo[at:at + 256]
-                data = self._arena.read_pages([self.page_ids[i] for i in chunk])
-                for i, got in zip(chunk, _checksums(data)):
-                    if got != self._checksums[i]:
-                        raise PrefixFileCorruptError(f"{self.path} is not whole: page {i} differs from its checksum "
-                                                     f"(the file changed or was damaged after it was saved)")
-                    self._verified[i] = 1
-                self.verified_bytes += len(chunk) * self._arena.page_bytes
+            breaks = np.flatnonzero(np.diff(todo) != 1) + 1
+            for run in np.split(todo, breaks):
+                lo, count = int(run[0]), len(run)
+                data = np.frombuffer(self._map, dtype=np.int64, count=count * words,
+                                     offset=self._offset + lo * self._page_bytes).reshape(count, words)
+                sums = data.sum(axis=1, dtype=np.int64)  # wraps, as the sums saved did
+                bad = np.flatnonzero(sums != self._checksums[lo:lo + count])
+                if len(bad):
+                    raise PrefixFileCorruptError(f"{self.path} is not whole: page {lo + int(bad[0])} differs from its "
+                                                 f"checksum (the file changed or was damaged after it was saved)")
+                self._verified[lo:lo + count] = True
+                self.verified_bytes += count * self._page_bytes
 
 
 def _geometry(info: dict[str, Any], device: torch.device) -> GroupGeometry:
@@ -160,14 +187,14 @@ def map_entries(folder: Path, section: Any, *, make_cache: Any, device: torch.de
     each cache's row held by the mapped pages, nothing read — with the :class:`MappedPages`.
     Nothing stays mapped or held on an error.
 
+    The index holding ``section`` was checked whole first (:func:`check_index_text`).
+
     Raises:
-        PrefixFileCorruptError: the index section was altered (its digest), or the page file is
-            missing, another save's, or not of the size the index gives.
+        PrefixFileCorruptError: the page file is missing, another save's, or not of the size the
+            index gives.
         PrefixFormatError: the section is malformed, or its layout, page size or shapes do not fit
             the store's caches (``save`` and ``load`` with other ``cache_config`` options).
     """
-    if not isinstance(section, dict) or section.get("sha256") != _section_digest(section):
-        raise PrefixFileCorruptError(f"{folder}: the mapped-pages section of its index is not whole (its digest differs)")
     try:
         path = folder / str(section["file"])
         page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
@@ -226,7 +253,8 @@ def map_entries(folder: Path, section: Any, *, make_cache: Any, device: torch.de
                                              "tables": tuple(Row(t.length, t.start, tuple(page_ids[p] for p in t.pages))
                                                              for t in img.tables)}) for img in images])
             out.append((tuple(int(t) for t in e["tokens"]), cache))
-        mapped = None if arena is None else MappedPages(path, page_ids, sums, arena)
+        mapped = None if arena is None else MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes,
+                                                        data_offset=offset)
         if arena is not None:
             with arena.lock:
                 arena.pool.retire_unheld(page_ids)  # pages no entry holds (none, in a file save wrote)
@@ -253,9 +281,7 @@ def verify_file(folder: Path, section: Any) -> int:
     """Read ``folder``'s page file whole and check every page against the index ``section``:
     return the pages checked, or raise :class:`PrefixFileCorruptError` naming the first that
     differs (or a file of the wrong size or another save). What ``hf-vkv prefix inspect --verify``
-    runs; a store checks pages lazily instead (:class:`MappedPages`)."""
-    if not isinstance(section, dict) or section.get("sha256") != _section_digest(section):
-        raise PrefixFileCorruptError(f"{folder}: the mapped-pages section of its index is not whole (its digest differs)")
+    runs (on an index checked whole); a store checks pages lazily instead (:class:`MappedPages`)."""
     path = folder / str(section["file"])
     page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
     with open(path, "rb") as f:

@@ -35,7 +35,7 @@ from ..memory import PageId
 from ..memory.errors import InvariantError
 from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
-from .mapped import PAGES_FILE, MappedPages, map_entries, write_pages
+from .mapped import PAGES_FILE, MappedPages, check_index_text, index_text, map_entries, write_pages
 from .persist import _check_model, _load, _save
 from .radix import RadixTree
 from .tokens import token_list
@@ -453,7 +453,7 @@ class PrefixStore:
                  "mapped": section}
         tmp = out / f".{STORE_INDEX}.tmp-{os.getpid()}"
         try:
-            tmp.write_text(json.dumps(index, indent=1))
+            tmp.write_text(index_text(index))
             os.replace(tmp, out / STORE_INDEX)
         finally:
             tmp.unlink(missing_ok=True)
@@ -611,9 +611,12 @@ def _saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:
                                     f"and no .safetensors file")
         return files, None
     try:
-        data = json.loads(index.read_text())
+        text = index.read_text()
+        data = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PrefixFileCorruptError(f"{index} is not whole: it is not JSON ({e})") from None
+    if isinstance(data, dict) and data.get("version") == STORE_VERSION:
+        check_index_text(index, text)
     names = data.get("files") if isinstance(data, dict) else None
     if (not isinstance(data, dict) or data.get("format") != STORE_FORMAT or data.get("version") not in (1, STORE_VERSION)
             or not isinstance(names, list)
