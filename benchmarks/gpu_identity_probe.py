@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_report  # noqa: E402
 from gpu_generate import load_model  # noqa: E402
 

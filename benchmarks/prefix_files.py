@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,7 +36,7 @@ from .ideal import IdealCache
 from .probes import kv_bytes
 
 __all__ = [
-    "BENCH_SCHEMA_VERSION", "CACHES", "DEFAULT_CACHES", "FULL_GRID", "MODES", "QUICK_GRID", "VKV_LAYOUTS", "Grid",
+    "BENCH_SCHEMA_VERSION", "CACHES", "DEFAULT_CACHES", "FULL_GRID", "MODES", "QUICK_GRID", "mode_kwargs", "VKV_LAYOUTS", "Grid",
     "all_identical", "bench_report", "cache_kv_bytes", "default_layout", "format_cells", "format_modes", "make_cache",
     "prompt_ids", "run_cells", "run_modes", "vkv_cache_config",
 ]
@@ -49,6 +49,19 @@ MODES: dict[str, dict[str, Any]] = {
     "beam4": dict(do_sample=False, num_beams=4),
     "sample8": dict(do_sample=True, num_return_sequences=8, top_k=0, top_p=1.0, temperature=1.0),
 }
+
+
+def mode_kwargs(name: str) -> dict[str, Any]:
+    """Generation arguments of a mode: one of :data:`MODES`, or ``beamN`` (N >= 2 beams) /
+    ``sampleN`` (N >= 2 sampled rows), as the scaling grid names them. ``ValueError`` otherwise."""
+    if name in MODES:
+        return MODES[name]
+    for prefix, make in (("beam", lambda n: dict(do_sample=False, num_beams=n)),
+                         ("sample", lambda n: dict(MODES["sample8"], num_return_sequences=n))):
+        rest = name[len(prefix):]
+        if name.startswith(prefix) and rest.isdigit() and int(rest) >= 2 and rest == str(int(rest)):
+            return make(int(rest))
+    raise ValueError(f"unknown mode {name!r}: one of {sorted(MODES)}, or beamN / sampleN with N >= 2")
 
 # ------------------------------------------------------------------------------------ layouts
 #: The vkv layouts the decode cells can compare (CPU, contiguous: read by any attention).

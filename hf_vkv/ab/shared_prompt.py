@@ -48,7 +48,7 @@ import torch
 from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
-from .bench import MODES, prompt_ids
+from .bench import mode_kwargs, prompt_ids
 from .decode import Prompt, load_prompt
 from .ideal import IdealCache
 from ..kv_records import CASCADE_ATTENTION
@@ -112,10 +112,12 @@ class SharedPromptGrid:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        for name, known in (("workloads", WORKLOADS), ("caches", CACHES)):
-            values = getattr(self, name)
-            if not values or set(values) - set(known):
-                raise ValueError(f"{name} must be some of {list(known)}, got {list(values)!r}")
+        if not self.workloads:
+            raise ValueError("workloads must not be empty")
+        for workload in self.workloads:
+            mode_kwargs(workload)  # ValueError naming it
+        if not self.caches or set(self.caches) - set(CACHES):
+            raise ValueError(f"caches must be some of {list(CACHES)}, got {list(self.caches)!r}")
         if "dynamic" not in self.caches:
             raise ValueError("caches must include 'dynamic' (the reference of tokens and logits)")
         if self.dynamic_limit_s is not None and not self.dynamic_limit_s > 0:
@@ -189,7 +191,7 @@ def _generate(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, *, new_to
 def _run_cache(model: PreTrainedModel, name: str, ids: torch.Tensor, workload: str, *, decode_steps: int, seed: int,
                pad_token_id: int | None) -> _Run:
     """One round of cache ``name`` (see the module docstring)."""
-    kwargs = MODES[workload]
+    kwargs = mode_kwargs(workload)
     rows = max(kwargs.get("num_beams", 1), kwargs.get("num_return_sequences", 1))
     common = dict(seed=seed, pad_token_id=pad_token_id)
     if name == "ideal":
@@ -225,7 +227,7 @@ def _ideal_run(model: PreTrainedModel, ids: torch.Tensor, rows: int, workload: s
     load_prompt({"ideal": ideal}, prompt, rows)
     del one, prompt
     run = _generate(model, ids, ideal, new_tokens=1 + decode_steps, seed=seed, pad_token_id=pad_token_id,
-                    **MODES[workload])
+                    **mode_kwargs(workload))
     run.ttft_s = first.ttft_s
     return run
 
@@ -268,7 +270,7 @@ def run_cell(model: PreTrainedModel, prompt: int, workload: str, grid: SharedPro
     gen = model.generation_config
     pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
-    kwargs = MODES[workload]
+    kwargs = mode_kwargs(workload)
     rows = max(kwargs.get("num_beams", 1), kwargs.get("num_return_sequences", 1))
     ids = prompt_ids(model, prompt, 1).to(model.device)
     names = [n for n in grid.caches if n not in skipped]
@@ -288,8 +290,15 @@ def run_cell(model: PreTrainedModel, prompt: int, workload: str, grid: SharedPro
                         skips[name] = (f"estimated {estimate:.0f} s per run ({rows} rows x the one-row TTFT "
                                        f"{columns['ideal'].ttft_s[0]:.1f} s) > limit {grid.dynamic_limit_s:.0f} s")
                         continue
-                run = _run_cache(model, name, ids, workload, decode_steps=grid.decode_steps, seed=grid.seed,
-                                 pad_token_id=pad)
+                try:
+                    run = _run_cache(model, name, ids, workload, decode_steps=grid.decode_steps, seed=grid.seed,
+                                     pad_token_id=pad)
+                except (MemoryError, RuntimeError) as e:  # a cache this machine cannot hold: recorded, not a crash
+                    if name == "vkv" or not ("alloc" in str(e).lower() or isinstance(e, MemoryError)):
+                        raise
+                    gc.collect()
+                    skips[name] = f"out of memory: {type(e).__name__}: {str(e)[:200]}"
+                    continue
                 col = columns[name]
                 col.ttft_s.append(run.ttft_s)
                 col.step_s.append(run.step_s)
@@ -331,7 +340,7 @@ def _cell_result(prompt: int, workload: str, rows: int, grid: SharedPromptGrid, 
                                                decode_step=_paired(columns[name], columns.get(base), "step_s"))
     ttft = ratios.get("vkv/dynamic", {}).get("ttft")
     target = None if rows == 1 or ttft is None or prompt < 512 else ttft <= 1.2 / rows
-    return dict(prompt=prompt, workload=workload, generate_kwargs=MODES[workload], rows=rows,
+    return dict(prompt=prompt, workload=workload, generate_kwargs=mode_kwargs(workload), rows=rows,
                 decode_steps=grid.decode_steps, rounds=grid.rounds, load_average_at_start=list(load),
                 reference=reference, caches=caches, skipped=skips, ratios=ratios,
                 ttft_target_met=target, ttft_target="vkv TTFT <= 1.2/N x DynamicCache's (N = rows, prompt >= 512)")

@@ -90,10 +90,11 @@ def test_dynamic_cache_is_skipped_past_the_limit(model) -> None:
 
 
 def test_grid_rejects_bad_values() -> None:
-    for bad in ({"caches": ("vkv",)}, {"workloads": ("beam8",)}, {"rounds": 0}, {"prompt_lengths": (1,)},
-                {"dynamic_limit_s": 0}):
+    for bad in ({"caches": ("vkv",)}, {"workloads": ("beam1",)}, {"workloads": ("sample08",)}, {"workloads": ("x4",)},
+                {"workloads": ()}, {"rounds": 0}, {"prompt_lengths": (1,)}, {"dynamic_limit_s": 0}):
         with pytest.raises(ValueError):
             sp.SharedPromptGrid(**bad)
+    assert sp.SharedPromptGrid(workloads=("beam8", "sample64", "greedy")).workloads[1] == "sample64"  # the scaling grid's
     args = _args()
     assert shared_grid_from_args(args).prompt_lengths == sp.DEFAULT_PROMPTS
 
