@@ -284,3 +284,40 @@ def test_cli_saves_a_system_prompt_inspects_it_and_chats_from_it(chat_model_dir:
     kv.write_bytes(bytes(data))
     code, out = _main(capsys, "prefix", "inspect", folder, "--verify")
     assert code == 1 and "NOT WHOLE" in out and "page 0 differs" in out, out
+
+
+def test_bit_flips_anywhere_are_refused_never_served(tmp_path: Path) -> None:
+    """A random bit flipped in the index, the page file's header or its pages: the index and the
+    header are refused at open (nothing inserted), a page when its entry is first handed out; in
+    no case does a lookup hand out K/V that differ from what was saved."""
+    import random
+
+    model = tiny("llama")
+    store, folder, prompts = _saved_store(tmp_path, model)
+    kv, index = folder / PAGES_FILE, folder / STORE_INDEX
+    whole, text = kv.read_bytes(), index.read_bytes()
+    offset = json.loads(text)["mapped"]["data_offset"]
+    want = [store.lookup(p + [5]) for p in prompts]
+    rng = random.Random(3)
+    refused = served = 0
+    for trial in range(60):
+        target, data = (index, text) if trial % 3 == 0 else (kv, whole)
+        at = rng.randrange(len(data)) if trial % 3 != 1 else rng.randrange(offset)  # 1 of 3: the header page
+        bad = bytearray(data)
+        bad[at] ^= 1 << rng.randrange(8)
+        target.write_bytes(bytes(bad))
+        fresh = PrefixStore(model.config)
+        try:
+            fresh.load(folder, model=model)
+            for p, w in zip(prompts, want):
+                got = fresh.lookup(p + [5])
+                assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                           for a, b in zip(got.layers, w.layers))  # whatever is served is what was saved
+                got.close()
+            served += 1
+        except hf_vkv.PrefixFileError:
+            refused += 1
+        fresh.check_invariants()
+        target.write_bytes(data)
+    assert refused > 30  # flips in the header page's zero padding beyond its JSON change nothing that is read
+    assert served + refused == 60
