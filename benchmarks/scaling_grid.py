@@ -9,7 +9,7 @@ adds the physical limit — the KV of P + nG tokens (the prompt once, each row's
 the tokens generated — and DynamicCache's n(P + G), from the model's bytes per token; vkv's KV is
 what its pages hold (resident memfd bytes, the peak over the run). A DynamicCache run estimated
 past ``--dynamic-limit-s`` is skipped, and one the machine cannot hold is recorded as out of
-memory; both are named in the JSON. Plots: per prompt length, KV bytes, TTFT and decode step
+memory; both are named in the JSON. One untimed cell of every cache runs first. Plots: per prompt length, KV bytes, TTFT and decode step
 against n, one line per cache and the limit.
 
     python benchmarks/scaling_grid.py --prompts 128 512 2048 --n 1 2 4 8 16 32 64 --beams 2 4 8 \\
@@ -102,6 +102,9 @@ def main() -> int:
         limit="(P + n*G) * bytes per token, G = decode steps + 1 tokens generated per row",
         dynamic_bytes="n * (P + G) * bytes per token", complete=False, cells=[])
     skipped: dict[str, str] = {}
+    warm = SharedPromptGrid(prompt_lengths=(32,), workloads=("sample2",), decode_steps=1, rounds=1,
+                            caches=tuple(args.caches), threads=args.threads)
+    run_cell(model, 32, "sample2", warm, skipped=skipped)  # untimed: first calls (allocator, kernels) of every cache
     for prompt in args.prompts:
         for workload, n in _workloads(args.n, args.beams):
             grid = SharedPromptGrid(prompt_lengths=(prompt,), workloads=(workload,), decode_steps=args.decode_steps,
