@@ -341,9 +341,11 @@ class PrefixStore:
     def load(self, path: str | os.PathLike[str], *, model: torch.nn.Module, check_weights: bool = True) -> int:
         """Warm start: insert the prefix saved in ``path`` (:func:`~hf_vkv.save_prefix`), or every
         prefix of a folder :meth:`save` wrote (in the order it lists them, least recently used
-        first), with every check :func:`~hf_vkv.load_prefix` does (checksums, model, weights,
-        dtype). Returns the tokens loaded (summed over a folder's files). The pages live in the
-        store's memory, so requests share them.
+        first), with every check :func:`~hf_vkv.load_prefix` does (model, weights, dtype,
+        checksums). Returns the tokens loaded (summed over the folder's entries). The pages live
+        in the store's memory, so requests share them: a folder's ``prefix_store.kv`` is mapped,
+        not read (:mod:`hf_vkv.prefix.mapped`: each page is checked against its checksum when an
+        entry holding it is first handed out); prefix files are read by copy.
 
         All or nothing: every file is read and checked, and checked against the store's entries
         (model, dtype, weights), before any is inserted; a refusal inserts nothing and leaves the
@@ -404,13 +406,16 @@ class PrefixStore:
         return sum(len(tokens) for _, tokens in loaded) + sum(len(e["tokens"]) for e in (section or {}).get("entries", []))
 
     def save(self, directory: str | os.PathLike[str], *, model: torch.nn.Module | None = None) -> list[Path]:
-        """Save every entry to ``directory`` as a prefix file named by a digest of its token ids
-        (saving again overwrites the same names), and an index (``prefix_store.json``) listing
-        them, least recently used first: :meth:`load` of the folder reads back exactly these
-        entries (files of earlier saves that the index does not list are left alone and not
-        read). Every file carries the weights fingerprint of the model that computed the entries:
-        the store's (:attr:`weights_fingerprint`, recorded by ``generate`` and :meth:`load`), or
-        ``model``'s when given. Returns the paths, least recently used first.
+        """Save every entry to ``directory``: the pages of every entry that can be mapped once
+        into ``prefix_store.kv`` (:mod:`hf_vkv.prefix.mapped`; a page shared by entries is stored
+        once), any other entry (a sliding window, a layer kept by transformers, a GPU store) as a
+        prefix file named by a digest of its token ids, and an index (``prefix_store.json``, with
+        its own SHA-256) describing them, least recently used first: :meth:`load` of the folder
+        gives back exactly these entries (files of earlier saves that the index does not name are
+        left alone and not read). The index carries the weights fingerprint of the model that
+        computed the entries: the store's (:attr:`weights_fingerprint`, recorded by ``generate``
+        and :meth:`load`), or ``model``'s when given. Mapped pages are checked against their
+        checksums before they are written again. Returns the files written.
 
         Raises:
             PrefixMismatchError: ``model`` is not the store's model (another config, or other
