@@ -27,6 +27,7 @@ crafted to pass it, and a file changed while it is mapped is not re-checked.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import mmap
@@ -225,19 +226,18 @@ def map_entries(folder: Path, section: Any, *, make_cache: Any, device: torch.de
             raise PrefixFileCorruptError(f"{path} is not whole ({how}): {size:,} bytes, the index gives "
                                          f"{offset + count * page_bytes:,}")
         out: list[tuple[tuple[int, ...], VKVCache]] = []
+        shapes = [GroupImage(name=str(g["name"]), members=tuple(g["members"]), geometry=_geometry(g, device),
+                             layout=str(g["layout"]), item_bytes=int(g["item_bytes"]), parts=int(g["parts"]),
+                             page_bytes=page_bytes, lengths=(), tables=()) for g in groups]
         for e in entries:
-            cache = make_cache()
-            made.append(cache)
-            images = [GroupImage(name=str(g["name"]), members=tuple(g["members"]), geometry=_geometry(g, device),
-                                 layout=str(g["layout"]), item_bytes=int(g["item_bytes"]), parts=int(g["parts"]),
-                                 page_bytes=page_bytes, lengths=tuple(eg["lengths"]),
-                                 tables=tuple(Row(int(t[0]), int(t[1]), tuple(t[2])) for t in eg["tables"]))
-                      for g, eg in zip(groups, e["groups"])]
-            if len(images) != len(groups) or len(e["groups"]) != len(groups):
+            if len(e["groups"]) != len(groups):
                 raise PrefixFormatError(f"{folder}: an entry of its index describes {len(e['groups'])} groups, "
                                         f"not {len(groups)}")
+            cache = make_cache()
+            made.append(cache)
+            sized = [dataclasses.replace(shape, lengths=tuple(eg["lengths"])) for shape, eg in zip(shapes, e["groups"])]
             try:
-                here = cache.arena_for_images(images)
+                here = cache.arena_for_images(sized)
             except ValueError as err:
                 raise PrefixFormatError(f"{folder}: its pages do not fit this store's caches ({err}); save and load "
                                         f"with the same cache_config") from None
@@ -246,12 +246,17 @@ def map_entries(folder: Path, section: Any, *, make_cache: Any, device: torch.de
                 page_ids = arena.map_file(fd, offset, count)
             elif here is not arena:
                 raise PrefixFormatError(f"{folder}: its entries would live in several arenas")
-            bad = [p for img in images for t in img.tables for p in t.pages if not 0 <= p < count]
-            if bad:
-                raise PrefixFormatError(f"{folder}: its index names page {bad[0]}, the file holds {count}")
-            cache.install_row([GroupImage(**{**{f: getattr(img, f) for f in img.__dataclass_fields__},
-                                             "tables": tuple(Row(t.length, t.start, tuple(page_ids[p] for p in t.pages))
-                                                             for t in img.tables)}) for img in images])
+            base = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
+            images = []
+            for shape, eg in zip(sized, e["groups"]):
+                tables = []
+                for t in eg["tables"]:  # [bytes held, first page index, file pages]
+                    pages = t[2]
+                    if pages and not (0 <= min(pages) and max(pages) < count):
+                        raise PrefixFormatError(f"{folder}: its index names pages outside the file's {count}")
+                    tables.append(Row(int(t[0]), int(t[1]), tuple([base + int(p) for p in pages])))
+                images.append(dataclasses.replace(shape, tables=tuple(tables)))
+            cache.install_row(images)
             out.append((tuple(int(t) for t in e["tokens"]), cache))
         mapped = None if arena is None else MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes,
                                                         data_offset=offset)
