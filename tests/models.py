@@ -256,3 +256,19 @@ def assistant_keeps_cache_implementation() -> bool:
     from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
     return "cache_implementation = None" not in inspect.getsource(AssistedCandidateGenerator.__init__)
+
+
+#: A chat template for :func:`tokenizer`'s word vocabulary: messages joined, then ``w7``.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w7 {% endif %}"
+
+
+def save_chat_model(path: Any) -> Any:
+    """Save the tiny llama and :func:`tokenizer` with :data:`CHAT_TEMPLATE` into ``path`` (a folder
+    ``hf-vkv --model`` loads); return ``path``."""
+    import copy
+
+    tiny("llama").save_pretrained(path)
+    tok = copy.deepcopy(tokenizer())
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path

@@ -174,6 +174,23 @@ class MappedPages:
                 self.verified_bytes += count * self._page_bytes
 
 
+def _check_whole(path: Path, fd: int, section: dict[str, Any], *, end: int) -> None:
+    """Raise :class:`PrefixFileCorruptError` unless the page file open as ``fd`` has the header of
+    the save ``section`` describes (its file id) and exactly ``end`` bytes."""
+    head = os.pread(fd, _HEADER_MAX, 0)
+    n = int.from_bytes(head[8:12], "little") if len(head) >= 12 else 0
+    try:
+        header = json.loads(head[12:12 + n]) if head[:8] == MAGIC else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    if not isinstance(header, dict) or header.get("file_id") != section.get("file_id"):
+        raise PrefixFileCorruptError(f"{path} is not whole: its header is damaged or it is another save's file")
+    size = os.fstat(fd).st_size
+    if size != section.get("file_bytes") or size != end:
+        how = "truncated" if size < end else "bytes appended"
+        raise PrefixFileCorruptError(f"{path} is not whole ({how}): {size:,} bytes, the index gives {end:,}")
+
+
 def _geometry(info: dict[str, Any], device: torch.device) -> GroupGeometry:
     dtype = getattr(torch, str(info["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
@@ -212,19 +229,7 @@ def map_entries(folder: Path, section: Any, *, make_cache: Any, device: torch.de
     page_ids: list[PageId] = []
     arena: Arena | None = None
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, _HEADER_MAX, 0)
-        n = int.from_bytes(head[8:12], "little") if len(head) >= 12 else 0
-        try:
-            header = json.loads(head[12:12 + n]) if head[:8] == MAGIC else None
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            header = None
-        if not isinstance(header, dict) or header.get("file_id") != section.get("file_id"):
-            raise PrefixFileCorruptError(f"{path} is not whole: its header is damaged or it is another save's file")
-        if size != section.get("file_bytes") or size != offset + count * page_bytes:
-            how = "truncated" if size < offset + count * page_bytes else "bytes appended"
-            raise PrefixFileCorruptError(f"{path} is not whole ({how}): {size:,} bytes, the index gives "
-                                         f"{offset + count * page_bytes:,}")
+        _check_whole(path, fd, section, end=offset + count * page_bytes)
         out: list[tuple[tuple[int, ...], VKVCache]] = []
         shapes = [GroupImage(name=str(g["name"]), members=tuple(g["members"]), geometry=_geometry(g, device),
                              layout=str(g["layout"]), item_bytes=int(g["item_bytes"]), parts=int(g["parts"]),
@@ -290,17 +295,7 @@ def verify_file(folder: Path, section: Any) -> int:
     path = folder / str(section["file"])
     page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
     with open(path, "rb") as f:
-        head = f.read(_HEADER_MAX)
-        n = int.from_bytes(head[8:12], "little") if len(head) >= 12 else 0
-        try:
-            header = json.loads(head[12:12 + n]) if head[:8] == MAGIC else None
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            header = None
-        if not isinstance(header, dict) or header.get("file_id") != section.get("file_id"):
-            raise PrefixFileCorruptError(f"{path} is not whole: its header is damaged or it is another save's file")
-        size = os.fstat(f.fileno()).st_size
-        if size != offset + count * page_bytes:
-            raise PrefixFileCorruptError(f"{path} is not whole: {size:,} bytes, the index gives {offset + count * page_bytes:,}")
+        _check_whole(path, f.fileno(), section, end=offset + count * page_bytes)
         f.seek(offset)
         sums = section["checksums"]
         for at in range(0, count, 256):

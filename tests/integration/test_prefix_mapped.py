@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import PAD, tiny
+from models import PAD, save_chat_model, tiny
 
 import hf_vkv
 from hf_vkv import PrefixMismatchError, PrefixStore
@@ -179,7 +179,7 @@ def test_a_page_damaged_on_disk_is_refused_before_attention_reads_it(tmp_path: P
 _RESUME = r"""
 import sys, torch
 sys.path.insert(0, {tests!r})
-from models import PAD, tiny
+from models import PAD, save_chat_model, tiny
 import hf_vkv
 model = tiny("llama")
 store = hf_vkv.PrefixStore(model.config)
@@ -240,15 +240,7 @@ def test_a_chat_saved_after_turn_5_resumes_in_another_process(tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models import tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama-chat")
-    tiny("llama").save_pretrained(path)
-    tok = copy.deepcopy(tokenizer())
-    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
-                         "{% if add_generation_prompt %}w7 {% endif %}")
-    tok.save_pretrained(path)
-    return path
+    return save_chat_model(tmp_path_factory.mktemp("tiny-llama-chat"))
 
 
 def _main(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import EOS, PAD, assert_same_tokens, tiny, tokenizer, words
+from models import EOS, PAD, assert_same_tokens, save_chat_model, tiny, tokenizer, words
 
 import hf_vkv
 from hf_vkv import PrefixFileError, PrefixStore, VKVCache
@@ -383,19 +383,9 @@ def test_pipeline_with_chat_messages() -> None:
     assert second[0]["generated_text"] == pipe(messages, **common)[0]["generated_text"]
 
 
-TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w7 {% endif %}")
-
-
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import copy
-
-    path = tmp_path_factory.mktemp("tiny-llama-chat")
-    tiny("llama").save_pretrained(path)
-    tok = copy.deepcopy(tokenizer())
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    return path
+    return save_chat_model(tmp_path_factory.mktemp("tiny-llama-chat"))
 
 
 def _main(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
