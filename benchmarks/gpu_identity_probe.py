@@ -9,7 +9,8 @@ before attention. For each run: tokens equal to the first DynamicCache run, the 
 that differs, max |Δlogit| at the first step and over the steps before the first difference, and
 what ``scaled_dot_product_attention`` was called with at prefill and at the first decode step (K's
 strides, the mask, is_causal, enable_gqa, and the fused kernel torch chooses for those arguments).
-Then, in a child process, whether ``cuMemUnmap`` itself waits for a kernel still reading the range
+With `vkv-paged` (and `vkv-paged-fused`: the fused Triton kernel), the pages are read through
+block tables (`attn_implementation="vkv_paged"`); each run records its wall time. Then, in a child process, whether ``cuMemUnmap`` itself waits for a kernel still reading the range
 (its wall time after a queued ~0.2 s sleep kernel, and whether the read faulted).
 """
 
@@ -40,6 +41,10 @@ VARIANTS = {
     "vkv-token": {"cache_implementation": "vkv", "cache_config": {"layout": "token_major"}},
     "vkv-head": {"cache_implementation": "vkv", "cache_config": {"layout": "head_major"}},
     "vkv-token-contiguous": {"cache_implementation": "vkv", "cache_config": {"layout": "token_major"}},
+    # under attn_implementation="vkv_paged": the fused Triton kernel (the default of the first run,
+    # gpu_paged_probe.json's "vkv-paged"), and the default since, gather + sdpa
+    "vkv-paged-fused": {"cache_implementation": "vkv", "cache_config": {"paged_kernel": "fused"}},
+    "vkv-paged": {"cache_implementation": "vkv"},
 }
 
 _UNMAP = """
@@ -106,13 +111,24 @@ def run(model, ids, variant: str, new_tokens: int) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    paged = variant.startswith("vkv-paged")
+    if paged:
+        model.set_attn_implementation("vkv_paged")
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
     with SdpaLog() as log, torch.inference_mode():
         log.contiguous = variant.endswith("contiguous")
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
                              output_logits=True, pad_token_id=model.generation_config.eos_token_id, **kwargs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall_s = time.perf_counter() - start
+    if paged:
+        model.set_attn_implementation("sdpa")
     layers = model.config.num_hidden_layers
-    return dict(sequences=out.sequences.cpu(), logits=[x.float().cpu() for x in out.logits],
+    return dict(sequences=out.sequences.cpu(), logits=[x.float().cpu() for x in out.logits], wall_s=wall_s,
                 prefill_call=log.calls[0] if log.calls else None,
                 decode_call=log.calls[layers] if len(log.calls) > layers else None)
 
@@ -137,6 +153,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--no-unmap-probe", action="store_true", help="skip the child process that times cuMemUnmap")
     p.add_argument("--kernels", choices=("default", "deterministic", "no-cudnn"), default="default",
                    help="torch's default kernels, torch.use_deterministic_algorithms(True), or cuDNN attention off")
     args = p.parse_args()
@@ -158,19 +175,21 @@ def main() -> int:
         gen = torch.Generator().manual_seed(args.context * 31 + batch)  # gpu_generate.py's prompts
         ids = torch.randint(10, vocab, (batch, args.context), generator=gen).to(args.device)
         ref = run(model, ids, "dynamic", args.new_tokens)
-        cell = dict(batch=batch, dynamic_prefill_call=ref["prefill_call"], dynamic_decode_call=ref["decode_call"], runs={})
+        cell = dict(batch=batch, dynamic_prefill_call=ref["prefill_call"], dynamic_decode_call=ref["decode_call"],
+                    dynamic_wall_s=ref["wall_s"], runs={})
         for v in args.variants:
             if v == "dynamic":
                 continue
             got = run(model, ids, v, args.new_tokens)
             cell["runs"][v] = dict(compare(ref, got, ids.shape[1]), prefill_call=got["prefill_call"],
-                                   decode_call=got["decode_call"])
+                                   decode_call=got["decode_call"], wall_s=got["wall_s"])
             r = cell["runs"][v]
             print(f"batch {batch:2d} {v:22s} identical {r['tokens_identical']!s:5s} first {r['first_difference']} "
-                  f"dlogit0 {r['max_dlogit_step0']:.3g} before {r['max_dlogit_before_difference']:.3g}", flush=True)
+                  f"dlogit0 {r['max_dlogit_step0']:.3g} before {r['max_dlogit_before_difference']:.3g} "
+                  f"wall {r['wall_s']:.2f} s (dynamic {ref['wall_s']:.2f} s)", flush=True)
         report["cells"].append(cell)
         write_report(args.json, report)
-    if args.device != "cuda":
+    if args.device != "cuda" or args.no_unmap_probe:
         return 0
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _UNMAP], capture_output=True, text=True, timeout=120)

@@ -59,7 +59,9 @@ class PagedKV:
       (``stride(-1) == 1``); ``value_cache`` likewise with ``value_dim``;
     * ``block_tables``: int32 ``[batch, max_blocks]``, on the caches' device;
     * ``kv_lens``: int32 ``[batch]``, row ``b`` holding ``kv_lens[b] <= kv_len`` tokens, or ``None``
-      (every row ``kv_len``).
+      (every row ``kv_len``);
+    * ``fused``: the cache's ``paged_kernel == "fused"``: on CUDA the attention may run a fused paged
+      kernel, whose sums are ordered otherwise than sdpa's (else it gathers and runs sdpa, exact).
     """
 
     key_cache: torch.Tensor
@@ -68,6 +70,7 @@ class PagedKV:
     kv_offset: int
     kv_len: int
     kv_lens: torch.Tensor | None = None
+    fused: bool = False
 
     def caches(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(key_cache, value_cache, block_tables)``."""

@@ -34,7 +34,7 @@ from .cascade import vkv_cascade_attention
 from .guards import check_call
 from .kernels import gather_kv, paged_attention
 
-__all__ = ["vkv_paged_attention", "register_attention", "PAGED_ATTENTION"]
+__all__ = ["vkv_paged_attention", "reads_in_place", "register_attention", "PAGED_ATTENTION"]
 
 
 def vkv_paged_attention(
@@ -65,17 +65,23 @@ def vkv_paged_attention(
     if tag is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    exact = (
-        query.device.type != "cuda" or dropout > 0 or kwargs.get("output_attentions")
-        or kwargs.get("is_causal", getattr(module, "is_causal", True)) is False
-        or kwargs.get("position_bias") is not None
-    )
-    if exact:
+    if not reads_in_place(query.device.type, tag, module, dropout=dropout, **kwargs):
         k, v = gather_kv(tag)
         return sdpa_attention_forward(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = paged_attention(query, tag, scale=scale, mask=attention_mask)  # [B, Hq, q, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def reads_in_place(device_type: str, tag: PagedKV, module: torch.nn.Module, *, dropout: float = 0.0,
+                   **kwargs: Any) -> bool:
+    """Whether a call runs the fused paged kernel, reading the blocks in place: on CUDA, when the
+    cache asked for it (``cache_config={"paged_kernel": "fused"}``, ``tag.fused``) and the call needs
+    nothing that only sdpa computes (dropout, attention weights, a non-causal module, a position
+    bias). Otherwise the attention gathers the tokens and runs sdpa: DynamicCache's logits exactly."""
+    return (tag.fused and device_type == "cuda" and not dropout and not kwargs.get("output_attentions")
+            and kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False
+            and kwargs.get("position_bias") is None)
 
 
 def register_attention() -> None:

@@ -166,7 +166,7 @@ class VKVCache(Cache):
                 members.setdefault(key, []).append(idx)
         self._groups: list[LayerGroup] = []
 
-        make_layout = LayoutMaker(self._layout_name, self.options.block_tokens, text_config)
+        make_layout = LayoutMaker(self._layout_name, self.options.block_tokens, text_config, self.options.paged_kernel)
         # under "vkv_cascade", full-attention groups of a contiguous layout tag shared prefixes
         cascade = getattr(text_config, "_attn_implementation", None) == CASCADE_ATTENTION \
             and self._layout_name not in ("static", "paged")

@@ -19,6 +19,7 @@ __all__ = ["CacheOptions", "LAYOUT_NAMES", "PREFIX_STORE_KEY", "TRANSFORMERS_KEY
 PREFIX_STORE_KEY = "prefix_store"
 
 Groups = Literal["kind", "layer"]
+PagedKernel = Literal["exact", "fused"]
 #: Names ``layout`` accepts: the layouts, ``"static"`` (the compileable layout over the device's
 #: contiguous one) and ``"contiguous"`` (the device's default contiguous layout).
 LAYOUT_NAMES = (*LAYOUTS, "static", "contiguous")
@@ -65,6 +66,12 @@ class CacheOptions:
       :meth:`~hf_vkv.VKVCache.stats` says so in ``cascade``). Float32 is not affected.
     * ``block_tokens``: tokens per block in the paged layout (default
       :data:`~hf_vkv.devices.PAGED_BLOCK_TOKENS`).
+    * ``paged_kernel``: how ``"vkv_paged"`` reads the paged layout on CUDA. ``"exact"`` (default)
+      gathers each layer's tokens through the block tables and runs transformers' sdpa on them:
+      DynamicCache's logits bit for bit. ``"fused"`` runs a paged kernel that reads the blocks in
+      place (Triton, or flash-attn's paged path): no gather, but its sums are ordered otherwise than
+      sdpa's, so logits differ in the last bits and a near-tie can change a token (measured on an H100,
+      ``docs/paged.md``). On the CPU both gather and run sdpa.
     * ``max_tokens``: tokens each row can hold (default: the model's ``max_position_embeddings``,
       or the generate call's ``max_length`` when larger). Only address space is reserved for it
       (except in the static layout, whose attention reads the whole capacity).
@@ -84,6 +91,7 @@ class CacheOptions:
     prefill_once: bool | None = None
     cascade_half_precision: bool = False
     block_tokens: int | None = None
+    paged_kernel: PagedKernel = "exact"
     max_tokens: int | None = None
     map_ahead: int | None = None
 
@@ -114,6 +122,10 @@ class CacheOptions:
                                        f"{self.cascade_half_precision!r}")
         if self.block_tokens is not None and self.layout not in (None, "paged"):
             raise CacheOptionError(f"cache_config['block_tokens'] applies to the paged layout only, not {self.layout!r}")
+        if self.paged_kernel not in ("exact", "fused"):
+            raise CacheOptionError(f"cache_config['paged_kernel'] must be 'exact' or 'fused', got {self.paged_kernel!r}")
+        if self.paged_kernel != "exact" and self.layout not in (None, "paged"):
+            raise CacheOptionError(f"cache_config['paged_kernel'] applies to the paged layout only, not {self.layout!r}")
         if self.map_ahead is not None and self.layout != "static":
             raise CacheOptionError("cache_config['map_ahead'] applies to the static layout only")
 

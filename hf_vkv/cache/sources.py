@@ -44,13 +44,15 @@ class LayoutMaker:
     layout_name: str | None
     block_tokens: int | None
     config: PretrainedConfig
+    paged_kernel: str = "exact"
 
     def __call__(self, geometry: GroupGeometry, members: int) -> Layout:
         name = self.layout_name or devices.choose_layout("contiguous", devices.Workload(device_type=geometry.device.type))
         if name == "static":
             return StaticLayout(geometry, members=members, base=layout_class(policy_for(geometry.device).layout))
         if name == "paged":
-            return PagedLayout(geometry, members=members, block_tokens=self.block_tokens or devices.PAGED_BLOCK_TOKENS)
+            return PagedLayout(geometry, members=members, block_tokens=self.block_tokens or devices.PAGED_BLOCK_TOKENS,
+                               fused=self.paged_kernel == "fused")
         kind = layout_class(name)
         if kind is TokenMajorLayout:
             return TokenMajorLayout(geometry, members=members, copy_reads=reads_need_contiguous(self.config, geometry))

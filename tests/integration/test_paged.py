@@ -6,7 +6,9 @@
 * ``from_pretrained(..., attn_implementation="vkv_paged")`` and ``pipeline`` work unchanged;
 * the attention reads the blocks in place: reorders and copy-on-write never move more than the
   partly written tail block of a row;
-* with untagged K/V (any other cache) ``"vkv_paged"`` computes exactly as sdpa.
+* with untagged K/V (any other cache) ``"vkv_paged"`` computes exactly as sdpa;
+* the fused kernel (sums ordered otherwise than sdpa's) runs only where the cache asked for it
+  (``paged_kernel="fused"``) and only on CUDA.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers.cache_utils import DynamicCache
 from hf_vkv import VKVCache
 from hf_vkv.devices import policy_for
 from hf_vkv.attention import KV_TAG
+from hf_vkv.attention.paged import reads_in_place
 
 pytestmark = pytest.mark.integration
 
@@ -122,3 +125,33 @@ def test_update_tags_only_its_own_tensor() -> None:
     assert (tag.kv_offset, tag.kv_len) == (0, 3)
     assert not hasattr(states, KV_TAG)  # the model's own tensor stays untagged
     assert torch.equal(cache.layers[0].keys, states)  # gathered back through the block tables
+
+
+def test_the_fused_kernel_is_opt_in_and_cuda_only() -> None:
+    """On an H100 the Triton kernel changed a token of a bf16 greedy run against DynamicCache at the
+    first step (benchmarks/results/gpu_paged_probe.json): by default the paged attention gathers and
+    runs sdpa on every device; ``paged_kernel="fused"`` is the opt-in, carried to the attention by
+    the layer's tag."""
+    model = tiny("llama")
+    model.set_attn_implementation("vkv_paged")
+    try:
+        tags = {}
+        for kernel in ("exact", "fused"):
+            cache = VKVCache(model.config, paged_kernel=kernel)
+            keys, _ = cache.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0)
+            tags[kernel] = getattr(keys, KV_TAG)
+        assert getattr(VKVCache(model.config).update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)[0],
+                       KV_TAG).fused is False
+    finally:
+        model.set_attn_implementation("sdpa")
+    attention = model.model.layers[0].self_attn
+    assert (tags["exact"].fused, tags["fused"].fused) == (False, True)
+    assert not reads_in_place("cuda", tags["exact"], attention)
+    assert reads_in_place("cuda", tags["fused"], attention)
+    assert not reads_in_place("cpu", tags["fused"], attention)
+    assert not reads_in_place("cuda", tags["fused"], attention, dropout=0.1)
+    assert not reads_in_place("cuda", tags["fused"], attention, output_attentions=True)
+    with pytest.raises(ValueError, match="paged_kernel"):
+        VKVCache(model.config, paged_kernel="triton")
+    with pytest.raises(ValueError, match="paged layout only"):
+        VKVCache(model.config, layout="head_major", paged_kernel="fused")

@@ -28,11 +28,13 @@ class PagedLayout(Layout):
 
     name = "paged"
 
-    def __init__(self, geometry: GroupGeometry, *, members: int, block_tokens: int = devices.PAGED_BLOCK_TOKENS) -> None:
+    def __init__(self, geometry: GroupGeometry, *, members: int, block_tokens: int = devices.PAGED_BLOCK_TOKENS,
+                 fused: bool = False) -> None:
         super().__init__(geometry, members=members)
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
         self.block_tokens = block_tokens
+        self.fused = fused  # cache_config["paged_kernel"] == "fused": PagedKV.fused
         self._tables: torch.Tensor | None = None  # block tables of the active rows, until invalidate()
         self._blocks: torch.Tensor | None = None  # typed [N, block_tokens, members, H * (Dk + Dv)]
         self._token_indices: dict[tuple[int, int], torch.Tensor] = {}  # (start, q) -> flat token indices, all rows
@@ -79,7 +81,7 @@ class PagedLayout(Layout):
     def paged_kv(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int) -> PagedKV:
         """The record the ``"vkv_paged"`` attention reads for tokens ``[start, end)``."""
         keys, values = self._member(buffer, member)
-        return PagedKV(keys, values, self.block_tables(buffer, batch), start, end - start)
+        return PagedKV(keys, values, self.block_tables(buffer, batch), start, end - start, fused=self.fused)
 
     def write(self, buffer: RowBuffer, *, batch: int, member: int, start: int, key: torch.Tensor,
               value: torch.Tensor, rows: Sequence[int] | None) -> None:
