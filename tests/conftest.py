@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +24,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# Row-exactness proofs stay in each test process: a test's verdicts never come from an earlier run's
+# file (tests of the proof file name their own, hf_vkv.generate.proof_file).
+os.environ["HF_VKV_PROOF_CACHE"] = "off"
 
 from hf_vkv.memory import BackendError, HostBackend, PageId, VirtualBuffer
 

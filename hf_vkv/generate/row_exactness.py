@@ -23,8 +23,9 @@ call (runs it on the ``B`` rows only) by a rule on those, never by a sample of v
   operands of that layout: :data:`PROOF_DRAWS` draws (normal values; magnitudes over many decades
   with random signs; normal values with zeros, extremes and a few subnormals mixed in), each
   compared bit for bit with its expansion to ``B*k`` rows. The proof depends only on the key, so
-  its verdict is kept for the process (:func:`clear_verdicts`): a later call, in another layer or
-  another ``generate``, finds the verdict the proof would give again;
+  its verdict is kept for the process (:func:`clear_verdicts`) and on disk for later processes
+  on the same software and machine (:mod:`hf_vkv.generate.proof_file`, ``HF_VKV_PROOF_CACHE``): a
+  later call, in another layer, ``generate`` or process, finds the verdict the proof would give again;
 * **anything not admitted** runs on DynamicCache's rows (the operands expanded to ``B*k`` rows,
   as DynamicCache holds them), every time: when the repeats of each prompt are equal bit for bit
   the call hands back one per prompt — DynamicCache's bits — (:attr:`RowExactness.expanded`
@@ -40,6 +41,7 @@ fails on synthetic operands), the call runs on DynamicCache's rows.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -47,6 +49,8 @@ from typing import Any, Literal
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from .proof_file import digest, proof_file
 
 __all__ = ["InexactRows", "PROOF_DRAWS", "RowExactness", "Verdict", "clear_verdicts", "expand_operand",
            "lane_functions", "probed_functions", "proved_functions", "same_lanes"]
@@ -76,7 +80,8 @@ class InexactRows(Exception):
 
 
 def clear_verdicts() -> None:
-    """Forget every kept proof (tests; a process that swaps its BLAS)."""
+    """Forget every proof kept in the process (tests; a process that swaps its BLAS). The proof
+    file, if any, is not touched (``HF_VKV_PROOF_CACHE=off`` keeps proofs in the process only)."""
     _VERDICTS.clear()
 
 
@@ -276,8 +281,14 @@ class RowExactness(TorchFunctionMode):
                self._machine, self._fixed_values(func, args, kwargs))
         verdict = _VERDICTS.get(key)
         if verdict is None:
-            self.counts.probed += 1
-            verdict = self._prove(func, args, kwargs)
+            kept = proof_file()
+            stable = _portable(key) if kept is not None else None
+            verdict = kept.get(stable) if kept is not None and stable is not None else None
+            if verdict is None:
+                self.counts.probed += 1
+                verdict = self._prove(func, args, kwargs)
+                if kept is not None and stable is not None:
+                    kept.put(stable, verdict)
             _remember(key, verdict)
         return verdict == "exact"
 
@@ -404,11 +415,20 @@ def _version_of(t: torch.Tensor) -> int | None:
 
 
 def _digest(t: torch.Tensor) -> tuple:
-    """``t``'s shape and a hash of its bytes."""
+    """``t``'s shape, dtype and a digest of its bytes (the same in every process: a proof's key
+    may be kept on disk, :mod:`hf_vkv.generate.proof_file`)."""
     flat = t.detach().cpu().reshape(-1).clone()
     if flat.is_floating_point():
         flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-    return tuple(t.shape), hash(flat.numpy().tobytes())
+    return tuple(t.shape), str(t.dtype), hashlib.blake2b(flat.numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def _portable(key: tuple) -> str | None:
+    """The proof file's key for a signature (:func:`proof_file.digest`), or ``None`` where the
+    signature's text is not the same in every process (an argument shown by its address)."""
+    func, *rest = key
+    text = repr((f"{getattr(func, '__module__', '')}.{_name(func)}", *rest))
+    return None if " at 0x" in text else digest((text, PROOF_DRAWS))
 
 
 def _synthetic(value: Any, generator: torch.Generator, draw: int, *, keep: frozenset[int]) -> Any:
