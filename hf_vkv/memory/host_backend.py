@@ -148,8 +148,8 @@ class HostBackend:
         self._closed = False
         self._fd_finalizer = weakref.finalize(self, os.close, self._fd)
         self._files: list[_File] = []  # mapped files (map_file), by index
-        self._file_pages: dict[PageId, tuple[int, int]] = {}  # external page -> (file index, byte offset)
-        self._file_spans: list[tuple[int, int]] = []  # (lowest, highest) id of each map_file call's pages
+        # each map_file call's pages: (lowest id, highest id, file index, byte offset of the lowest)
+        self._file_spans: list[tuple[int, int, int, int]] = []
 
     def _fd_open(self) -> int:
         if self._closed:
@@ -216,7 +216,7 @@ class HostBackend:
             if first + count > self._id_space:
                 raise BackendError("mmap", f"pages {first}..{first + count - 1} outside id space {self._id_space}")
             runs = [(first, count, fd, first * self.page_bytes, _PROT_RW, _MAP_SHARED)]
-            if self._file_spans and any(lo < first + count and first <= hi for lo, hi in self._file_spans):
+            if self._file_spans and any(lo < first + count and first <= hi for lo, hi, _, _ in self._file_spans):
                 runs = self._split_by_source(first, count)
             for start, n, src_fd, offset, prot, share in runs:
                 at, nbytes = address + (pos + start - first) * self.page_bytes, n * self.page_bytes
@@ -234,13 +234,14 @@ class HostBackend:
         out: list[tuple[int, int, int, int, int, int]] = []
         page, end = first, first + count
         while page < end:
-            span = next(((lo, hi) for lo, hi in self._file_spans if lo <= page <= hi), None)
+            span = next((span for span in self._file_spans if span[0] <= page <= span[1]), None)
             if span is not None:
-                stop = min(end, span[1] + 1)
-                index, offset = self._file_pages[PageId(page)]
-                out.append((page, stop - page, self._files[index].fd, offset, _PROT_READ, _MAP_PRIVATE))
+                lo, hi, index, offset = span
+                stop = min(end, hi + 1)
+                out.append((page, stop - page, self._files[index].fd, offset + (page - lo) * self.page_bytes,
+                            _PROT_READ, _MAP_PRIVATE))
             else:
-                stop = min([end, *(lo for lo, _ in self._file_spans if lo > page)])
+                stop = min([end, *(lo for lo, _, _, _ in self._file_spans if lo > page)])
                 out.append((page, stop - page, self._fd, page * self.page_bytes, _PROT_RW, _MAP_SHARED))
             page = stop
         return out
@@ -258,18 +259,23 @@ class HostBackend:
         if offset + len(pages) * self.page_bytes > size:
             raise BackendError("map_file", f"the file holds {size:,} bytes, not {len(pages)} pages of "
                                            f"{self.page_bytes:,} from byte {offset:,}")
-        bad = [p for p in pages if p in self._file_pages or not 0 <= p < self._id_space]
         if pages and list(pages) != list(range(pages[0], pages[0] + len(pages))):
             raise BackendError("map_file", "the pages of one file must be consecutive ids, in order")
-        if bad:
-            raise BackendError("map_file", f"pages {bad[:4]} are already backed by a file or outside the id space")
+        if pages and (not 0 <= pages[0] <= pages[-1] < self._id_space
+                      or any(lo <= pages[-1] and pages[0] <= hi for lo, hi, _, _ in self._file_spans)):
+            raise BackendError("map_file", f"pages {pages[0]}..{pages[-1]} are already backed by a file or outside "
+                                           f"the id space")
         own = os.dup(fd)
-        index = len(self._files)
         self._files.append(_File(own))
-        for i, page in enumerate(pages):
-            self._file_pages[page] = (index, offset + i * self.page_bytes)
         if pages:
-            self._file_spans.append((pages[0], pages[-1]))
+            self._file_spans.append((pages[0], pages[-1], len(self._files) - 1, offset))
+
+    def _file_of(self, page: int) -> tuple[int, int] | None:
+        """``(file index, byte offset)`` of a page backed by a mapped file, else ``None``."""
+        for lo, hi, index, offset in self._file_spans:
+            if lo <= page <= hi:
+                return index, offset + (page - lo) * self.page_bytes
+        return None
 
     def read_pages(self, pages: Sequence[PageId]) -> torch.Tensor:
         """A ``uint8`` copy ``[len(pages), page_bytes]`` of ``pages`` (resident or file pages)."""
@@ -280,14 +286,14 @@ class HostBackend:
 
     def _page(self, page: PageId) -> torch.Tensor:
         """A zero-copy ``uint8`` view of one page (a file page's from a read-only mapping of its file)."""
-        src = self._file_pages.get(page)
+        src = self._file_of(page)
         if src is None:
             return self.pool_tensor()[page]
         return self._files[src[0]].view()[src[1]:src[1] + self.page_bytes]
 
     def file_pages(self) -> int:
         """Pages backed by mapped files (ever: a retired page keeps its file)."""
-        return len(self._file_pages)
+        return sum(hi - lo + 1 for lo, hi, _, _ in self._file_spans)
 
     def unmap(self, address: int, num_pages: int) -> None:
         if num_pages:
@@ -348,10 +354,10 @@ class HostBackend:
             return
         view = self.pool_tensor()
         sizes = [self.page_bytes] * len(pairs) if nbytes is None else list(nbytes)
-        if self._file_pages and any(src in self._file_pages for src, _ in pairs):  # copies out of a mapped file
+        if self._file_spans and any(self._file_of(src) is not None for src, _ in pairs):  # copies out of a mapped file
             read = [self._page(src)[:n].clone() for (src, _), n in zip(pairs, sizes)]
             for (_, dst), n, data in zip(pairs, sizes, read):
-                if dst in self._file_pages:
+                if self._file_of(dst) is not None:
                     raise BackendError("copy", f"page {dst} is a page of a mapped file: it is never written")
                 view[dst, :n].copy_(data)
             return

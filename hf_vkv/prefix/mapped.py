@@ -45,7 +45,7 @@ from ..cache import GroupGeometry, GroupImage, VKVCache
 from ..memory import Arena, PageId, Row
 from .errors import PrefixFileCorruptError, PrefixFormatError
 
-__all__ = ["MAGIC", "PAGES_FILE", "MappedPages", "check_index_text", "index_text", "map_entries", "verify_file",
+__all__ = ["MAGIC", "PAGES_FILE", "MappedEntry", "MappedPages", "check_index_text", "index_text", "map_entries", "verify_file",
            "write_pages"]
 
 PAGES_FILE = "prefix_store.kv"
@@ -198,12 +198,40 @@ def _geometry(info: dict[str, Any], device: torch.device) -> GroupGeometry:
     return GroupGeometry(int(info["kv_heads"]), int(info["key_dim"]), int(info["value_dim"]), dtype, device)
 
 
-def map_entries(folder: Path, section: Any, *, make_cache: Any, device: torch.device
-                ) -> tuple[list[tuple[tuple[int, ...], VKVCache]], MappedPages | None]:
-    """Open ``folder``'s page file as ``section`` (the index's) describes it, map its pages into the
-    arena of the caches ``make_cache()`` builds, and return the entries ``(token ids, cache)`` —
-    each cache's row held by the mapped pages, nothing read — with the :class:`MappedPages`.
-    Nothing stays mapped or held on an error.
+@dataclasses.dataclass(slots=True)
+class MappedEntry:
+    """A mapped file's entry before any cache holds it: its token ids, its row's page tables (one
+    :class:`GroupImage` per layer group, pages in ``arena``), and ``held``: the distinct pages of
+    those tables, on each of which the entry holds one reference of the pool's, so no page it needs
+    retires while no table holds it yet. :meth:`install` puts the row into an empty cache and lets
+    the references go; :meth:`release` lets them go without one (pages no one else holds retire)."""
+
+    tokens: tuple[int, ...]
+    images: list[GroupImage]
+    arena: Arena
+    held: list[PageId]
+
+    def install(self, cache: VKVCache) -> None:
+        """Fill the empty batch-1 ``cache`` (of the store's memory) with this entry's row; the
+        entry's own references go (the cache's tables hold the pages now)."""
+        cache.install_row(self.images)
+        self.release()
+
+    def release(self) -> None:
+        """Let the entry's references go (once)."""
+        held, self.held = self.held, []
+        if held:
+            with self.arena.lock:
+                self.arena.pool.decref(held)
+
+
+def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.device
+                ) -> tuple[list[MappedEntry], MappedPages | None]:
+    """Open ``folder``'s page file as ``section`` (the index's) describes it and map its pages
+    into the arena ``memory`` (an empty cache of the store's memory) holds such rows in; return
+    the entries, each holding its pages (:class:`MappedEntry`: no cache is made and no page table
+    installed until an entry is first used), with the :class:`MappedPages`. Nothing stays mapped
+    or held on an error.
 
     The index holding ``section`` was checked whole first (:func:`check_index_text`).
 
@@ -225,12 +253,11 @@ def map_entries(folder: Path, section: Any, *, make_cache: Any, device: torch.de
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise PrefixFileCorruptError(f"{folder} is not whole: it lacks {section['file']}, which its index names") from None
-    made: list[VKVCache] = []
+    out: list[MappedEntry] = []
     page_ids: list[PageId] = []
     arena: Arena | None = None
     try:
         _check_whole(path, fd, section, end=offset + count * page_bytes)
-        out: list[tuple[tuple[int, ...], VKVCache]] = []
         shapes = [GroupImage(name=str(g["name"]), members=tuple(g["members"]), geometry=_geometry(g, device),
                              layout=str(g["layout"]), item_bytes=int(g["item_bytes"]), parts=int(g["parts"]),
                              page_bytes=page_bytes, lengths=(), tables=()) for g in groups]
@@ -238,11 +265,9 @@ def map_entries(folder: Path, section: Any, *, make_cache: Any, device: torch.de
             if len(e["groups"]) != len(groups):
                 raise PrefixFormatError(f"{folder}: an entry of its index describes {len(e['groups'])} groups, "
                                         f"not {len(groups)}")
-            cache = make_cache()
-            made.append(cache)
             sized = [dataclasses.replace(shape, lengths=tuple(eg["lengths"])) for shape, eg in zip(shapes, e["groups"])]
             try:
-                here = cache.arena_for_images(sized)
+                here = memory.arena_for_images(sized)
             except ValueError as err:
                 raise PrefixFormatError(f"{folder}: its pages do not fit this store's caches ({err}); save and load "
                                         f"with the same cache_config") from None
@@ -252,36 +277,36 @@ def map_entries(folder: Path, section: Any, *, make_cache: Any, device: torch.de
             elif here is not arena:
                 raise PrefixFormatError(f"{folder}: its entries would live in several arenas")
             base = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
-            images = []
+            images, held = [], {}
             for shape, eg in zip(sized, e["groups"]):
                 tables = []
                 for t in eg["tables"]:  # [bytes held, first page index, file pages]
                     pages = t[2]
                     if pages and not (0 <= min(pages) and max(pages) < count):
                         raise PrefixFormatError(f"{folder}: its index names pages outside the file's {count}")
-                    tables.append(Row(int(t[0]), int(t[1]), tuple([base + int(p) for p in pages])))
+                    ids = tuple(map(base.__add__, pages))  # ints (the index was checked whole)
+                    held.update(dict.fromkeys(ids))
+                    tables.append(Row(int(t[0]), int(t[1]), ids))
                 images.append(dataclasses.replace(shape, tables=tuple(tables)))
-            cache.install_row(images)
-            out.append((tuple(int(t) for t in e["tokens"]), cache))
+            entry = MappedEntry(tuple(int(t) for t in e["tokens"]), images, arena, list(held))
+            with arena.lock:
+                arena.pool.incref(entry.held)
+            out.append(entry)
         mapped = None if arena is None else MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes,
                                                         data_offset=offset)
-        if arena is not None:
+        unheld = set(page_ids).difference(*(e.held for e in out))  # none, in a file save wrote
+        if arena is not None and unheld:
             with arena.lock:
-                arena.pool.retire_unheld(page_ids)  # pages no entry holds (none, in a file save wrote)
+                arena.pool.retire_unheld(sorted(unheld))
         return out, mapped
-    except (KeyError, TypeError, IndexError) as e:
-        for cache in made:
-            cache.close()
+    except BaseException as e:
+        for entry in out:
+            entry.release()
         if arena is not None:
             with arena.lock:
                 arena.pool.retire_unheld(page_ids)
-        raise PrefixFormatError(f"{folder}: the mapped-pages section of its index is malformed ({e!r})") from None
-    except BaseException:
-        for cache in made:
-            cache.close()
-        if arena is not None:
-            with arena.lock:
-                arena.pool.retire_unheld(page_ids)
+        if isinstance(e, (KeyError, TypeError, IndexError)):
+            raise PrefixFormatError(f"{folder}: the mapped-pages section of its index is malformed ({e!r})") from None
         raise
     finally:
         os.close(fd)

@@ -35,7 +35,7 @@ from ..memory import PageId
 from ..memory.errors import InvariantError
 from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
-from .mapped import PAGES_FILE, MappedPages, check_index_text, index_text, map_entries, write_pages
+from .mapped import PAGES_FILE, MappedEntry, MappedPages, check_index_text, index_text, map_entries, write_pages
 from .persist import _check_model, _load, _save
 from .radix import RadixTree
 from .tokens import token_list
@@ -73,10 +73,11 @@ class PrefixStats:
 class _Entry:
     id: int
     tokens: tuple[int, ...]  # token ids of the cached positions, exactly
-    cache: VKVCache  # a batch-1 fork owned by the store; nobody writes into it
+    cache: VKVCache | None  # a batch-1 fork owned by the store; nobody writes into it (None: not installed yet)
     min_reuse: int  # shortest prefix the cache can be cut back to (sliding windows)
-    pages: dict[Hashable, int]  # physical pages it holds -> bytes (fixed: the cache never changes)
+    pages: dict[Hashable, int] | None  # physical pages it holds -> bytes (fixed; None: not counted yet, _pages_of)
     mapped: tuple[MappedPages, tuple[PageId, ...]] | None = None  # a mapped file's pages, until verified
+    pending: MappedEntry | None = None  # a mapped file's entry, until first used: then it fills ``cache``
 
 
 class PrefixStore:
@@ -218,10 +219,11 @@ class PrefixStore:
                 m = min(shared, cap)
                 if m >= max(entry.min_reuse, 1):
                     self._verify(entry)
+                    cache = self._cache_of(entry)
                     self._entries.move_to_end(key)
                     self._hits += 1
                     self._reused += m
-                    yield entry.cache, m
+                    yield cache, m
                     return
             yield None, 0
 
@@ -239,6 +241,21 @@ class PrefixStore:
                 self._drop(other)
             raise
         entry.mapped = None
+
+    def _cache_of(self, entry: _Entry) -> VKVCache:
+        """The entry's cache; a mapped entry's is made and its row installed at its first use
+        (opening a file makes no cache: :class:`~hf_vkv.prefix.mapped.MappedEntry`)."""
+        if entry.cache is None:
+            assert entry.pending is not None
+            cache = VKVCache.from_cache_config(self.config, self.cache_config, batch_size=1,
+                                               memory_of=self.memory("cpu"))
+            try:
+                entry.pending.install(cache)
+            except BaseException:
+                cache.close()
+                raise
+            entry.cache, entry.pending = cache, None
+        return entry.cache
 
     def longest_prefix(self, input_ids: Any) -> int:
         """Tokens of ``input_ids`` :meth:`lookup` would serve now (counting nothing)."""
@@ -314,17 +331,29 @@ class PrefixStore:
         if give and cache.get_seq_length() != len(tokens):
             raise ValueError(f"insert(give=True) keeps the cache itself: it must hold exactly the {len(tokens)} tokens, "
                              f"not {cache.get_seq_length()}")
+        if self._served(tokens):
+            if give:
+                cache.close()
+            return True
+        fork = cache if give else cache.fork(len(tokens))
+        entry = _Entry(id=next(self._ids), tokens=tokens, cache=fork, min_reuse=fork.min_prefix_length(),
+                       pages=fork.held_pages())
+        return self._add(entry, _dtype_of(fork))
+
+    def _served(self, tokens: tuple[int, ...]) -> bool:
+        """Whether a stored entry already serves all of ``tokens`` (it then counts as used)."""
         for shared, key in self._tree.common_prefixes(tokens):
             if shared < len(tokens):
                 break  # longest matches come first: no further entry holds all of tokens
             if self._entries[key].min_reuse <= len(tokens):
-                self._entries.move_to_end(key)  # a stored entry already serves these tokens
-                if give:
-                    cache.close()
+                self._entries.move_to_end(key)
                 return True
-        fork = cache if give else cache.fork(len(tokens))
-        entry = _Entry(id=next(self._ids), tokens=tokens, cache=fork, min_reuse=fork.min_prefix_length(),
-                       pages=fork.held_pages())
+        return False
+
+    def _add(self, entry: _Entry, dtype: torch.dtype | None) -> bool:
+        """Store ``entry``: drop the entries it makes redundant, count it, evict to the budget;
+        return whether it is held afterwards."""
+        tokens = entry.tokens
         for shared, key in self._tree.common_prefixes(tokens):
             old = self._entries[key]
             if len(old.tokens) == shared and entry.min_reuse <= shared:
@@ -332,7 +361,7 @@ class PrefixStore:
         if self._tree.insert(tokens, entry.id) is not None:
             raise InvariantError("an entry with the same token ids survived an insert (a bug in PrefixStore)")
         self._entries[entry.id] = entry
-        self._dtype = _dtype_of(fork) or self._dtype
+        self._dtype = dtype or self._dtype
         self._inserts += 1
         self._evict()
         return entry.id in self._entries
@@ -371,7 +400,7 @@ class PrefixStore:
         weights = self.fingerprint(model)
         memory = self.memory(model.device)
         loaded: list[tuple[VKVCache, list[int]]] = []
-        given: list[tuple[tuple[int, ...], VKVCache]] = []  # mapped entries' caches, until the store takes them
+        given: list[MappedEntry] = []  # mapped entries, until the store takes them
         mapped = None
         try:
             for file in files:
@@ -383,26 +412,23 @@ class PrefixStore:
                              for t in (e.get("tokens") or [])] if isinstance(section, dict) else []
                 _check_model(path, {**index, "token_ids": tokens_of}, self.config, model, None,
                              check_weights=check_weights, weights=weights)
-                given, mapped = map_entries(path, section, device=model.device, make_cache=lambda: VKVCache.from_cache_config(
-                    self.config, self.cache_config, batch_size=1, memory_of=memory))
+                given, mapped = map_entries(path, section, memory=memory, device=model.device)
             with self._lock:
-                for cache, tokens in [*loaded, *((c, t) for t, c in given)]:  # what insert would refuse, first
+                for cache, tokens in loaded:  # what insert would refuse, first
                     self._check_cache(cache, len(tokens))
+                    self._check_weights(weights)
+                for entry in given:
+                    self._check_mapped(entry)
                     self._check_weights(weights)
                 for cache, tokens in loaded:
                     self.insert(tokens, cache, weights=weights)
                 while given:
-                    tokens, cache = given.pop(0)
-                    pages = tuple(p for img in cache.row_images() for p in img.pages())
-                    if self.insert(tokens, cache, give=True, weights=weights):
-                        key = self._tree.get(tokens)
-                        if key is not None and self._entries[key].cache is cache:
-                            self._entries[key].mapped = (mapped, pages)
+                    self._add_mapped(given.pop(0), mapped, weights)
         finally:
             for cache, _ in loaded:
                 cache.close()
-            for _, cache in given:
-                cache.close()
+            for entry in given:
+                entry.release()
         return sum(len(tokens) for _, tokens in loaded) + sum(len(e["tokens"]) for e in (section or {}).get("entries", []))
 
     def save(self, directory: str | os.PathLike[str], *, model: torch.nn.Module | None = None) -> list[Path]:
@@ -431,7 +457,7 @@ class PrefixStore:
             weights = weights or (self._weights if self._entries else None)
             for entry in list(self._entries.values()):
                 self._verify(entry)  # a damaged mapped page is never saved again under a new checksum
-            entries = [(e.tokens, e.cache.fork()) for e in self._entries.values()]
+            entries = [(e.tokens, self._cache_of(e).fork()) for e in self._entries.values()]
         paths = []
         mapped: list[tuple[tuple[int, ...], list]] = []
         section = None
@@ -488,7 +514,7 @@ class PrefixStore:
         pages: dict[Hashable, int] = {}
         with self._lock:
             for entry in self._entries.values():
-                pages.update(entry.pages)
+                pages.update(_pages_of(entry))
         return sum(pages.values())
 
     def stats(self) -> PrefixStats:
@@ -531,9 +557,18 @@ class PrefixStore:
         if listed != {e.id: e.tokens for e in self._entries.values()}:
             raise InvariantError("the prefix tree and the entries disagree")
         for entry in self._entries.values():
-            if entry.cache.rows != 1 or entry.cache.get_seq_length() != len(entry.tokens):
-                raise InvariantError(f"entry {entry.id} holds {entry.cache.rows} rows of "
-                                     f"{entry.cache.get_seq_length()} tokens for {len(entry.tokens)} token ids")
+            if entry.pending is not None:  # a mapped entry not used yet: its tables and its hold on their pages
+                pending = entry.pending
+                if entry.cache is not None or any(length != len(entry.tokens) for img in pending.images
+                                                  for length in img.lengths):
+                    raise InvariantError(f"mapped entry {entry.id} does not describe its {len(entry.tokens)} tokens")
+                refs = pending.arena.pool.refs
+                if set(pending.held) != {p for img in pending.images for p in img.pages()} \
+                        or any(refs.get(p, 0) < 2 for p in pending.held):
+                    raise InvariantError(f"mapped entry {entry.id} does not hold its pages (pin and reference)")
+                continue
+            if entry.cache is None or entry.cache.rows != 1 or entry.cache.get_seq_length() != len(entry.tokens):
+                raise InvariantError(f"entry {entry.id} holds no batch-1 cache of {len(entry.tokens)} tokens")
             entry.cache.check_invariants()
         if self.budget_bytes is not None and self.bytes_held() > self.budget_bytes:
             raise InvariantError(f"the store holds {self.bytes_held():,} bytes over its {self.budget_bytes:,} budget")
@@ -561,10 +596,32 @@ class PrefixStore:
             raise ValueError(f"insert stores batch-1 caches, this one holds {n_rows} rows; keep one row first "
                              f"(cache.batch_select_indices(torch.tensor([row])) on a fork)")
 
+    def _check_mapped(self, entry: MappedEntry) -> None:
+        """What :meth:`_check_cache` refuses, for a mapped entry (its dtype; its length)."""
+        dtype = entry.images[0].geometry.dtype if entry.images else None
+        if self._entries and dtype is not None and self._dtype is not None and dtype != self._dtype:
+            raise PrefixMismatchError("dtype", f"the file holds {dtype} K/V but the store's entries are "
+                                      f"{self._dtype}; use one store per dtype")
+        if not entry.tokens or any(n != len(entry.tokens) for img in entry.images for n in img.lengths):
+            raise PrefixFormatError(f"a mapped entry of {len(entry.tokens)} token ids does not hold that many tokens")
+
+    def _add_mapped(self, mapped: MappedEntry, pages: MappedPages | None, weights: str | None) -> None:
+        """Store a mapped entry as it is (no cache until its first use: :meth:`_cache_of`)."""
+        if self._served(mapped.tokens):
+            mapped.release()
+            return
+        entry = _Entry(id=next(self._ids), tokens=mapped.tokens, cache=None, min_reuse=0, pages=None,
+                       mapped=None if pages is None else (pages, tuple(mapped.held)), pending=mapped)
+        if self._add(entry, mapped.images[0].geometry.dtype if mapped.images else None) and weights is not None:
+            self._weights = weights
+
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.id]
         self._tree.remove(entry.id)
-        entry.cache.close()
+        if entry.cache is not None:
+            entry.cache.close()
+        if entry.pending is not None:
+            entry.pending.release()
 
     def _evict(self) -> None:
         if self.budget_bytes is None:
@@ -572,17 +629,30 @@ class PrefixStore:
         counts: Counter[Hashable] = Counter()
         size: dict[Hashable, int] = {}
         for entry in self._entries.values():
-            counts.update(entry.pages.keys())
-            size.update(entry.pages)
+            counts.update(_pages_of(entry).keys())
+            size.update(_pages_of(entry))
         held = sum(size.values())
         while held > self.budget_bytes and self._entries:
             oldest = next(iter(self._entries.values()))
-            for page, nbytes in oldest.pages.items():
+            for page, nbytes in _pages_of(oldest).items():
                 counts[page] -= 1
                 if counts[page] == 0:
                     held -= nbytes
             self._drop(oldest)
             self._evictions += 1
+
+
+def _pages_of(entry: _Entry) -> dict[Hashable, int]:
+    """``{page key: bytes}`` of the entry's pages, the keys :meth:`VKVCache.held_pages` gives (a
+    mapped entry's are counted when first needed: opening a file counts nothing)."""
+    if entry.pages is None:
+        if entry.cache is not None:
+            entry.pages = entry.cache.held_pages()
+        else:
+            assert entry.pending is not None
+            arena = entry.pending.arena
+            entry.pages = {(arena, int(p)): arena.page_bytes for p in entry.pending.held}
+    return entry.pages
 
 
 def _dtype_of(cache: VKVCache) -> torch.dtype | None:

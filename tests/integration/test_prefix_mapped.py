@@ -55,8 +55,9 @@ def _arena(store: PrefixStore) -> Any:
     return arenas[0]
 
 
-def _saved_store(tmp_path: Path, model: Any, *, chats: int = 2, seed: int = 3) -> tuple[PrefixStore, Path, list[list[int]]]:
-    store = PrefixStore(model.config)
+def _saved_store(tmp_path: Path, model: Any, *, chats: int = 2, seed: int = 3,
+                 cache_config: dict | None = None) -> tuple[PrefixStore, Path, list[list[int]]]:
+    store = PrefixStore(model.config, cache_config=cache_config)
     g = torch.Generator().manual_seed(seed)
     system = _rand(70, g)
     prompts = [system + _rand(9 + k, g) for k in range(chats)]
@@ -110,6 +111,39 @@ def test_mapped_pages_retire_when_no_entry_holds_them(tmp_path: Path) -> None:
     assert arena.pool.stats().external == 0
     warm.check_invariants()
     assert warm.load(folder, model=model) > 0  # the same file maps again, to fresh ids
+    warm.check_invariants()
+
+
+def test_entries_are_installed_at_first_use_and_an_unused_one_lets_go_of_its_pages_alone(tmp_path: Path) -> None:
+    """Opening makes no cache: each entry holds one reference on each of its pages until its first
+    use installs its row. The two entries share the system prompt's pages; dropping one that was
+    never used retires only the pages the other does not hold, and the other still serves exactly
+    what the in-memory store does."""
+    model = tiny("llama")
+    small = {"page_bytes": 4096}  # 64 tokens a page: the 70-token system prompt fills one, which both chats share
+    store, folder, prompts = _saved_store(tmp_path, model, cache_config=small)
+    warm = PrefixStore(model.config, cache_config=small)
+    warm.load(folder, model=model)
+    arena = _arena(warm)
+    entries = list(warm._entries.values())
+    assert len(entries) == 2 and all(e.cache is None and e.pending is not None for e in entries)
+    first, second = entries
+    shared = set(first.pending.held) & set(second.pending.held)
+    assert shared and all(arena.pool.refs[p] == 3 for p in shared)  # the pin and one reference per entry
+    assert warm.stats().bytes_held == store.stats().bytes_held  # counted from the tables, nothing installed
+    warm.check_invariants()
+    only_first = set(first.pending.held) - shared
+    warm._drop(first)  # as an eviction would: never used
+    assert all(p not in arena.pool.refs for p in only_first) and all(arena.pool.refs[p] == 2 for p in shared)
+    assert arena.pool.stats().external == len(second.pending.held)
+    warm.check_invariants()
+    follow = prompts[1] + [7, 8, 9]
+    assert _same(_generate(model, follow, store), _generate(model, follow, warm))
+    assert second.cache is not None and second.pending is None  # installed at its first use
+    warm.check_invariants()
+    warm.budget_bytes = 1  # every entry evicted; the request's copies went with it
+    gc.collect()
+    assert len(warm) == 0 and arena.pool.stats().external == 0
     warm.check_invariants()
 
 
