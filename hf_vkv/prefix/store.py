@@ -110,8 +110,9 @@ class PrefixStore:
     ``cache_config`` included; a copy would take the inserts away from the user's store).
 
     Invariants (:meth:`check_invariants`): the radix tree holds exactly the entries' token ids;
-    every entry is a batch-1 cache of exactly ``len(tokens)`` tokens, and after any insert
-    ``bytes_held <= budget_bytes``.
+    every entry is a batch-1 cache of exactly ``len(tokens)`` tokens (or a mapped entry's page
+    tables, holding their pages, until its first use); the running count of bytes held is the sum
+    over the entries' distinct pages; after any insert ``bytes_held <= budget_bytes``.
     """
 
     def __init__(self, config: Any, *, budget_bytes: int | None = None, cache_config: dict[str, Any] | None = None
@@ -133,6 +134,13 @@ class PrefixStore:
         self._dtype: torch.dtype | None = None
         self._weights: str | None = None  # weights fingerprint of the model the entries were computed with
         self._weights_seen: tuple[Any, tuple, str] | None = None  # (model ref, parameters' key, its fingerprint)
+        # the entries' pages, each counted once however many entries hold it (bytes_held): kept as
+        # entries come and go; an entry is counted when first needed (a mapped entry's at open costs
+        # a pass over its pages that opening does not need)
+        self._page_holders: Counter[Hashable] = Counter()  # page key -> counted entries holding it
+        self._page_bytes: dict[Hashable, int] = {}  # page key -> bytes, for pages some counted entry holds
+        self._held = 0  # sum of _page_bytes
+        self._uncounted: set[int] = set()  # ids of entries whose pages are not counted yet
         self._lookups = self._hits = self._reused = self._inserts = self._evictions = 0
         self._prompt_tokens = self._computed = 0
 
@@ -362,6 +370,7 @@ class PrefixStore:
             raise InvariantError("an entry with the same token ids survived an insert (a bug in PrefixStore)")
         self._entries[entry.id] = entry
         self._dtype = dtype or self._dtype
+        self._uncounted.add(entry.id)
         self._inserts += 1
         self._evict()
         return entry.id in self._entries
@@ -511,11 +520,19 @@ class PrefixStore:
     # ----------------------------------------------------------------------------- accounting
     def bytes_held(self) -> int:
         """Physical bytes of every page the entries hold, a page shared by entries counted once."""
-        pages: dict[Hashable, int] = {}
         with self._lock:
-            for entry in self._entries.values():
-                pages.update(_pages_of(entry))
-        return sum(pages.values())
+            self._count()
+            return self._held
+
+    def _count(self) -> None:
+        """Count the pages of the entries not counted yet."""
+        for key in self._uncounted:
+            for page, nbytes in _pages_of(self._entries[key]).items():
+                if not self._page_holders[page]:
+                    self._page_bytes[page] = nbytes
+                    self._held += nbytes
+                self._page_holders[page] += 1
+        self._uncounted.clear()
 
     def stats(self) -> PrefixStats:
         """Hits, tokens reused, bytes held, ... (see :class:`PrefixStats`)."""
@@ -570,6 +587,14 @@ class PrefixStore:
             if entry.cache is None or entry.cache.rows != 1 or entry.cache.get_seq_length() != len(entry.tokens):
                 raise InvariantError(f"entry {entry.id} holds no batch-1 cache of {len(entry.tokens)} tokens")
             entry.cache.check_invariants()
+        pages: dict[Hashable, int] = {}
+        holders: Counter[Hashable] = Counter()
+        for entry in self._entries.values():
+            pages.update(_pages_of(entry))
+            holders.update(_pages_of(entry).keys())
+        self._count()
+        if self._held != sum(pages.values()) or self._page_holders != holders or self._page_bytes != pages:
+            raise InvariantError(f"the store counts {self._held:,} bytes held, its entries hold {sum(pages.values()):,}")
         if self.budget_bytes is not None and self.bytes_held() > self.budget_bytes:
             raise InvariantError(f"the store holds {self.bytes_held():,} bytes over its {self.budget_bytes:,} budget")
 
@@ -618,6 +643,15 @@ class PrefixStore:
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.id]
         self._tree.remove(entry.id)
+        if entry.id in self._uncounted:
+            self._uncounted.discard(entry.id)
+        else:
+            holders = self._page_holders
+            for page in _pages_of(entry):
+                holders[page] -= 1
+                if not holders[page]:
+                    del holders[page]
+                    self._held -= self._page_bytes.pop(page)
         if entry.cache is not None:
             entry.cache.close()
         if entry.pending is not None:
@@ -626,19 +660,9 @@ class PrefixStore:
     def _evict(self) -> None:
         if self.budget_bytes is None:
             return
-        counts: Counter[Hashable] = Counter()
-        size: dict[Hashable, int] = {}
-        for entry in self._entries.values():
-            counts.update(_pages_of(entry).keys())
-            size.update(_pages_of(entry))
-        held = sum(size.values())
-        while held > self.budget_bytes and self._entries:
-            oldest = next(iter(self._entries.values()))
-            for page, nbytes in _pages_of(oldest).items():
-                counts[page] -= 1
-                if counts[page] == 0:
-                    held -= nbytes
-            self._drop(oldest)
+        self._count()
+        while self._held > self.budget_bytes and self._entries:
+            self._drop(next(iter(self._entries.values())))  # the least recently used
             self._evictions += 1
 
 
