@@ -1,6 +1,6 @@
 """Rows limited by memory, not by mappings: what the layout rule's mapping count rests on.
 
-``choose_layout`` (``hf_vkv/devices.py``, rule 6) gives CPU rows token-major where head-major's
+``choose_layout`` (``hf_vkv/devices.py``, rule 7) gives CPU rows token-major where head-major's
 rows would need more kernel mappings (``vm.max_map_count``) than the process has free. Three
 measurements back it:
 

@@ -27,8 +27,8 @@ from .memory.map_budget import PROCESS_MAP_BUDGET
 
 __all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SHARED_TOKENS", "CUDA_CREATE_AHEAD", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES",
            "DevicePolicy", "HEAD_MAJOR_BEAM_SUBROW_MAPPINGS", "HEAD_MAJOR_PAGE_BYTES", "HEAD_MAJOR_SUBROW_MAPPINGS", "HOST_BUDGET_FRACTION", "HOST_PAGE_BYTES", "MAP_AHEAD_TOKENS",
-           "MIN_COMMON_PREFIX", "PAGED_BLOCK_TOKENS", "PREFIX_STORE_PAGE_BYTES", "UnsupportedDeviceError",
-           "Workload", "WorkloadError", "arena_for_device", "cascade_refusal", "choose_layout", "default_cuda_budget", "head_major_mappings", "default_host_budget", "layer_devices_of", "policy_for"]
+           "MEMORY_LIMIT_MAX_PROMPT", "MEMORY_LIMIT_SLACK", "MIN_COMMON_PREFIX", "PAGED_BLOCK_TOKENS", "TOKEN_MAJOR_PAGE_BYTES", "PREFIX_STORE_PAGE_BYTES", "UnsupportedDeviceError",
+           "Workload", "WorkloadError", "arena_for_device", "cascade_refusal", "choose_layout", "default_cuda_budget", "head_major_excess", "head_major_mappings", "subrow_item_bytes", "default_host_budget", "layer_devices_of", "policy_for"]
 
 #: Fewest tokens a cluster of rows must share for the ``"vkv_cascade"`` attention to read them once,
 #: by intra-op threads, then by the rows in the cluster; ``None``: it did not pay at any length
@@ -89,10 +89,16 @@ CUDA_CREATE_AHEAD = 16
 #: the arena is made), so that no option makes vkv take the machine down.
 HOST_BUDGET_FRACTION = 0.5
 
-#: Host page size of the token-major layout and of a host arena with no ``page_bytes`` (the
-#: token-major default): decode is flat across 4 KiB .. 2 MiB pages (``benchmarks/page_size_cpu.py``,
-#: ``benchmarks/results/page_size_cpu.json``), and a token-major row strands at most one page.
+#: Host page size of an arena made with no ``page_bytes`` and no layout to ask (layouts state their
+#: own: :data:`TOKEN_MAJOR_PAGE_BYTES`, :data:`HEAD_MAJOR_PAGE_BYTES`): decode is flat across
+#: 4 KiB .. 2 MiB pages (``benchmarks/page_size_cpu.py``, ``benchmarks/results/page_size_cpu.json``).
 HOST_PAGE_BYTES = 256 * 1024
+#: Host page size of the token-major layout. A token-major row strands at most one partly written
+#: page of its own and a copy of its shared prompt's partly written last page: at 4 KiB less than a
+#: tenth of a SmolLM2 token (fp32: 46,080 bytes a token), so a token-major cache holds its tokens'
+#: bytes (``benchmarks/memory_limit.py``, ``benchmarks/results/memory_limit_g5_token_major.json``).
+#: Decode is flat across 4 KiB .. 2 MiB pages (``benchmarks/results/page_size_cpu.json``).
+TOKEN_MAJOR_PAGE_BYTES = 4 * 1024
 #: Host page size of the head-major layout (the CPU default): a row strands up to one page per
 #: (layer, K/V, head), and 4 KiB head-major pages decode within 1.5 % of an ideal preallocated cache
 #: (``benchmarks/page_size_cpu.py``; ``docs/layouts.md``).
@@ -140,6 +146,22 @@ HEAD_MAJOR_SUBROW_MAPPINGS = 3
 #: The same count under beam search, whose reorders share and drop pages in more runs: 4.0 per
 #: sub-row measured (4 and 8 beams, prompt 100, 60 new tokens, the tiny Llama above).
 HEAD_MAJOR_BEAM_SUBROW_MAPPINGS = 4
+#: Largest share by which a call's KV may exceed its physical limit, the tokens it holds stored
+#: once: (prompt + rows x new tokens) tokens for rows sharing one prompt. Where head-major's
+#: partly written pages could exceed it, :func:`choose_layout` gives the rows token-major (rule 6,
+#: for prompts of at most :data:`MEMORY_LIMIT_MAX_PROMPT` tokens), whose partly written pages are
+#: at most two small pages a row (:data:`TOKEN_MAJOR_PAGE_BYTES`).
+MEMORY_LIMIT_SLACK = 0.03
+#: Longest prompt whose rows rule 6 moves to token-major. Token-major's decode step and time to
+#: first token are head-major's up to 512 tokens, and its step is slower at 2048 (SmolLM2-135M,
+#: float32, one / two threads, the layouts interleaved, median of 3 rounds;
+#: ``benchmarks/memory_limit.py layout-cost``, ``benchmarks/results/memory_limit_layout_cost*.json``):
+#: token-major / head-major step 0.98 / 0.96 for n=8 at 512 tokens, 1.03 / 1.04 for n=64,
+#: 1.11 / 0.99 for n=2, 0.88 / 1.05 greedy at 128; at 2048, 1.25 / 1.26 for n=8, 1.42 (one
+#: thread) for n=32, 1.15 (one thread) greedy. So longer prompts keep head-major and its step,
+#: with its partly written pages over the limit (docs/layouts.md#memory-at-the-limit); where the
+#: two cross between 512 and 2048 tokens is not measured.
+MEMORY_LIMIT_MAX_PROMPT = 512
 #: Static layout: tokens of every row made writable ahead of the next compiled step when
 #: ``cache_config['map_ahead']`` says nothing (``docs/static_compile.md``).
 MAP_AHEAD_TOKENS = 32
@@ -217,9 +239,11 @@ class Workload:
     rows: int | None = None  # rows the cache holds: batch x max(num_beams, num_return_sequences) (None: not known)
     subrows: int | None = None  # (layer, K/V, head) sub-rows of one row: 2 x the KV heads of every layer vkv stores
     mappings_free: int | None = None  # mappings vkv may still add (None: the process's MapBudget.available(), read by the rule)
+    prompt_repeats: int | None = None  # rows sharing each prompt: max(num_beams, num_return_sequences) (None: not known)
+    item_bytes: int | None = None  # bytes of one token in one sub-row: the wider K/V head dim x the dtype's size (None: not known)
 
     def __post_init__(self) -> None:
-        for name in ("num_beams", "rows", "subrows"):
+        for name in ("num_beams", "rows", "subrows", "prompt_repeats", "item_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise WorkloadError(f"Workload.{name} must be a positive int, got {value!r}")
@@ -238,15 +262,29 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
     4. memory inherited from a prefix store: the store's layout (rows share its entries' pages);
     5. CPU beam search over prompts of at most :data:`BEAM_TOKEN_MAJOR_MAX_PROMPT` tokens:
        ``"token_major"``;
-    6. rows are limited by memory, never by mappings: where the device's default is head-major
+    6. memory at the limit: where the device's default is head-major on the host, the prompt has
+       at most :data:`MEMORY_LIMIT_MAX_PROMPT` tokens and head-major's partly written pages could
+       hold more than :data:`MEMORY_LIMIT_SLACK` over the call's physical limit
+       (:func:`head_major_excess`, for any number of new tokens), ``"token_major"``, which
+       strands at most two 4 KiB pages a row instead of one page per (layer, K/V, head) sub-row;
+    7. rows are limited by memory, never by mappings: where the device's default is head-major
        and its rows would need more kernel mappings than the process has free
        (:func:`head_major_mappings` > ``mappings_free``, by default
        ``PROCESS_MAP_BUDGET.available()``: ``vm.max_map_count`` less its headroom, the rest of
        the process and what vkv holds), ``"token_major"``, which maps at most ~2 ranges per row
        of a group instead of ~3 per (layer, K/V, head) sub-row;
-    7. the device's default (:attr:`DevicePolicy.layout`).
+    8. the device's default (:attr:`DevicePolicy.layout`).
 
-    Rule 6, measured (``benchmarks/map_budget_layout.py``, SmolLM2-135M: 30 layers x K/V x 3 KV
+    Rule 6, measured (``benchmarks/memory_limit.py``, SmolLM2-135M float32, default options, 5
+    new tokens, ``stats().resident_bytes`` when generate returns;
+    ``benchmarks/results/memory_limit_g5*.json``): at 128 tokens token-major holds 0.80-0.99x the
+    limit where head-major holds 1.08-2.57x (n = 1..64); at 512 tokens, n >= 2, 0.92-1.00x where
+    head-major holds 1.04-1.85x. What it leaves: head-major on prompts over
+    :data:`MEMORY_LIMIT_MAX_PROMPT` tokens, whose token-major step is 1.15-1.73x slower (there,
+    n = 8..64 sampled rows or 8 beams of 2048 tokens hold 1.04-1.30x the limit, one row 1.005x),
+    and one row of 512 tokens (1.02x; a lone row's limit is DynamicCache's).
+
+    Rule 7, measured (``benchmarks/map_budget_layout.py``, SmolLM2-135M: 30 layers x K/V x 3 KV
     heads = 180 sub-rows a row, 540 mappings a row by :data:`HEAD_MAJOR_SUBROW_MAPPINGS`, 720
     under beams; with ``vm.max_map_count`` 65530 the budget leaves vkv 56,406 in a process that
     loaded the model, so head-major serves up to 104 sampled rows, 78 beam rows, token-major
@@ -289,12 +327,50 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
         return "token_major"
     policy = policy_for(workload.device_type)
     if asked is None and policy.layout == "head_major" and policy.backend == "host":
+        excess = head_major_excess(workload)
+        if excess is not None and excess > MEMORY_LIMIT_SLACK and workload.prompt_tokens <= MEMORY_LIMIT_MAX_PROMPT:
+            return "token_major"
         needed = head_major_mappings(workload)
         if needed is not None:
             free = PROCESS_MAP_BUDGET.available() if workload.mappings_free is None else workload.mappings_free
             if needed > free:
                 return "token_major"
     return policy.layout
+
+
+def head_major_excess(workload: Workload, *, page_bytes: int | None = None) -> float | None:
+    """The most head-major's partly written pages can add to the KV of ``workload``, as a share
+    of its physical limit (rule 6 of :func:`choose_layout`); ``None`` when rows, prompt length,
+    prompt repeats or item size are not known.
+
+    A sub-row's pages hold ``t = page_bytes // item_bytes`` tokens (SmolLM2: 16 in float32, 32
+    in bfloat16). Each row strands at most ``t - 1`` tokens in its last page of each sub-row, and
+    where rows share a prompt whose length ``P`` is not a multiple of ``t``, each row's first write
+    copies the prompt's last page: ``P mod t`` prompt tokens more per row. The limit, with ``k``
+    prompts of ``rows / k`` rows each and ``G >= 1`` new tokens a row, is at least ``k * P + rows``
+    tokens; so the share is at most ``rows * (t - 1 + P mod t) / (k * P + rows)`` for every ``G``
+    (the same in bytes: every sub-row's token is ``item_bytes``)."""
+    rows, prompt, repeats, item = workload.rows, workload.prompt_tokens, workload.prompt_repeats, workload.item_bytes
+    if rows is None or prompt is None or repeats is None or item is None:
+        return None
+    per_page = max((page_bytes or HEAD_MAJOR_PAGE_BYTES) // item, 1)
+    copied = prompt % per_page if repeats > 1 else 0
+    prompts = max(rows // repeats, 1)
+    return rows * (per_page - 1 + copied) / (prompts * prompt + rows)
+
+
+def subrow_item_bytes(config: Any, dtype: torch.dtype) -> int | None:
+    """Bytes of one token in one head-major sub-row of a model with ``config`` (its text part)
+    in ``dtype``: the wider of its key and value head dims x the dtype's size (``None`` where the
+    config names no head dim)."""
+    dims = [getattr(config, name, None) for name in ("head_dim", "qk_head_dim", "v_head_dim")]
+    dims = [d for d in dims if isinstance(d, int) and d > 0]
+    if not dims:
+        hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+        if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
+            return None
+        dims = [hidden // heads]
+    return max(dims) * dtype.itemsize
 
 
 def head_major_mappings(workload: Workload) -> int | None:

@@ -217,7 +217,8 @@ class VKVCache(Cache):
         """
         options = config_dict(cache_config)
         workload = devices.Workload(device_type=model.device.type, num_beams=num_beams, prompt_tokens=prompt_tokens,
-                                    compiling=compiling)
+                                    compiling=compiling, prompt_repeats=expand,
+                                    item_bytes=devices.subrow_item_bytes(model.config.get_text_config(decoder=True), model.dtype))
         if options.get("max_tokens") is None:
             static = options.get("layout") == "static" or (options.get("layout") is None and compiling)
             context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0

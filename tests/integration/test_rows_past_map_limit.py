@@ -1,6 +1,6 @@
 """Rows are limited by memory, never by mappings: a ``generate`` whose rows' bytes fit but whose
 head-major sub-rows would pass ``vm.max_map_count`` runs on the default options (the layout rule,
-:func:`hf_vkv.devices.choose_layout` rule 6, gives it token-major) and gives DynamicCache's tokens
+:func:`hf_vkv.devices.choose_layout` rule 7, gives it token-major) and gives DynamicCache's tokens
 and logits (``torch.equal``, every step; the K/V of every layer too). The limit is injected (a few
 hundred mappings above what the process holds), never the machine's."""
 
@@ -14,7 +14,7 @@ from models import assert_same_tokens, prompts, tiny
 
 import hf_vkv  # noqa: F401
 from hf_vkv.ab import run_ab
-from hf_vkv.devices import HEAD_MAJOR_SUBROW_MAPPINGS
+from hf_vkv.devices import HEAD_MAJOR_SUBROW_MAPPINGS, MEMORY_LIMIT_MAX_PROMPT
 from hf_vkv.generate import cache_kwarg
 from hf_vkv.memory.map_budget import PROCESS_MAP_BUDGET, MappingLimitError, process_mappings
 
@@ -22,6 +22,8 @@ pytestmark = pytest.mark.integration
 
 ROWS = 24  # n=24 samples of one prompt
 SUBROWS = 4 * 2 * 4  # 4 layers x K/V x 4 KV heads
+# longer than rule 6 (memory at the limit) looks at, so that only the mappings decide the layout
+PROMPT = MEMORY_LIMIT_MAX_PROMPT + 8
 
 
 def _model():
@@ -37,7 +39,7 @@ def _limit() -> int:
 
 def test_many_rows_past_the_mapping_limit_generate_with_dynamic_caches_tokens_and_logits():
     model = _model()
-    inputs = prompts(1, 40)
+    inputs = prompts(1, PROMPT)
     kwargs = dict(max_new_tokens=12, do_sample=True, num_return_sequences=ROWS, pad_token_id=0)
     assert ROWS * SUBROWS * HEAD_MAJOR_SUBROW_MAPPINGS > 400
     with PROCESS_MAP_BUDGET.override(limit=_limit(), headroom=0):
@@ -61,7 +63,7 @@ def test_many_rows_past_the_mapping_limit_generate_with_dynamic_caches_tokens_an
 
 def test_rows_within_the_mapping_limit_keep_head_major():
     model = _model()
-    out = model.generate(**prompts(1, 40), max_new_tokens=4, do_sample=True, num_return_sequences=4, pad_token_id=0,
+    out = model.generate(**prompts(1, PROMPT), max_new_tokens=4, do_sample=True, num_return_sequences=4, pad_token_id=0,
                          cache_implementation="vkv", return_dict_in_generate=True)
     cache = out[cache_kwarg()]
     assert cache.layout == "head_major"

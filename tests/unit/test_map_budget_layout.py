@@ -1,4 +1,4 @@
-"""Rule 6 of :func:`hf_vkv.devices.choose_layout`: rows are limited by memory, never by mappings.
+"""Rule 7 of :func:`hf_vkv.devices.choose_layout`: rows are limited by memory, never by mappings.
 Where the CPU default (head-major, ~HEAD_MAJOR_SUBROW_MAPPINGS kernel mappings per (layer, K/V,
 head) sub-row of a row) would need more mappings than the process has free, the rows get
 token-major (a few per row); nothing else moves. The free mappings are given in the workload or

@@ -33,7 +33,7 @@ class TokenMajorLayout(Layout):
 
     @classmethod
     def page_bytes(cls, backend: str) -> int | None:
-        return devices.HOST_PAGE_BYTES if backend == "host" else None
+        return devices.TOKEN_MAJOR_PAGE_BYTES if backend == "host" else None
 
     @property
     def item_bytes(self) -> int:
