@@ -158,13 +158,14 @@ def assert_identical(ref: Any, got: Any, kind: str) -> None:
 
 
 def assert_cache_holds_kv(model: Any, past: Any, *, paged: bool, num_beams: int = 1) -> None:
-    """The returned cache is a VKVCache that stores every K/V layer of the model, in the layout
-    generate picks for the workload (the prompts here are short)."""
+    """The returned cache is a VKVCache that stores every K/V layer of the model, paged under the
+    paged attention, else in one of the CPU's contiguous layouts (which one is the layout rule's
+    to say for the workload: ``tests/unit/test_memory_limit_rule.py``, ``test_workload_layout.py``)."""
     if isinstance(past, EncoderDecoderCache):
         past = past.self_attention_cache
     assert isinstance(past, hf_vkv.VKVCache), f"generate returned {type(past).__name__}, not a VKVCache"
-    assert past.layout == ("paged" if paged else choose_layout(None, Workload(device_type="cpu", num_beams=num_beams,
-                                                                              prompt_tokens=1)))
+    contiguous = {choose_layout(None, Workload(device_type="cpu", num_beams=num_beams, prompt_tokens=1)), "token_major"}
+    assert (past.layout == "paged") if paged else (past.layout in contiguous), past.layout
     assert stored_layers(past) == kv_layers(model), (
         f"VKVCache stores {stored_layers(past)} of the model's {kv_layers(model)} K/V layers")
     past.check_invariants()
