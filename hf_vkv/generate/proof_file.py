@@ -20,6 +20,7 @@ process only. Default: ``$XDG_CACHE_HOME/hf_vkv/row_proofs.jsonl`` (``~/.cache/.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -31,7 +32,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["ENV_VAR", "ProofFile", "environment", "proof_file"]
+__all__ = ["ENV_VAR", "ProofFile", "digest", "environment", "proof_file"]
 
 #: The environment variable naming the file (``off``: none).
 ENV_VAR = "HF_VKV_PROOF_CACHE"
@@ -45,11 +46,8 @@ def environment() -> str:
     from ..version import __version__
 
     model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     config = hashlib.sha256(torch.__config__.show().encode()).hexdigest()
     return repr((torch.__version__, config, __version__, platform.machine(), model or platform.processor()))
 
@@ -65,17 +63,14 @@ class ProofFile:
     def _load(self) -> dict[str, str]:
         if self._known is None:
             known: dict[str, str] = {}
-            try:
-                with open(self.path, encoding="utf-8") as f:
-                    for line in f:
-                        try:
-                            item = json.loads(line)
-                            if item["verdict"] in _VERDICTS and isinstance(item["key"], str):
-                                known[item["key"]] = item["verdict"]
-                        except (ValueError, KeyError, TypeError):
-                            continue  # a torn or foreign line: that verdict is proved again
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), open(self.path, encoding="utf-8") as f:  # no file: nothing kept yet
+                for line in f:
+                    try:
+                        item = json.loads(line)
+                        if item["verdict"] in _VERDICTS and isinstance(item["key"], str):
+                            known[item["key"]] = item["verdict"]
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a torn or foreign line: that verdict is proved again
             self._known = known
         return self._known
 
@@ -94,15 +89,13 @@ class ProofFile:
                 return
             known[key] = verdict
             line = (json.dumps({"key": key, "verdict": verdict}) + "\n").encode()
-            try:
+            with contextlib.suppress(OSError):  # an unwritable file: the verdict stays in the process
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
                 try:
                     os.write(fd, line)
                 finally:
                     os.close(fd)
-            except OSError:
-                pass
 
 
 _FILES: dict[Path, ProofFile] = {}

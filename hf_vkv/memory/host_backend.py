@@ -234,7 +234,7 @@ class HostBackend:
         out: list[tuple[int, int, int, int, int, int]] = []
         page, end = first, first + count
         while page < end:
-            span = next((span for span in self._file_spans if span[0] <= page <= span[1]), None)
+            span = self._span_of(page)
             if span is not None:
                 lo, hi, index, offset = span
                 stop = min(end, hi + 1)
@@ -270,12 +270,14 @@ class HostBackend:
         if pages:
             self._file_spans.append((pages[0], pages[-1], len(self._files) - 1, offset))
 
+    def _span_of(self, page: int) -> tuple[int, int, int, int] | None:
+        """The :meth:`map_file` span ``(lowest id, highest id, file index, byte offset)`` holding ``page``."""
+        return next((span for span in self._file_spans if span[0] <= page <= span[1]), None)
+
     def _file_of(self, page: int) -> tuple[int, int] | None:
         """``(file index, byte offset)`` of a page backed by a mapped file, else ``None``."""
-        for lo, hi, index, offset in self._file_spans:
-            if lo <= page <= hi:
-                return index, offset + (page - lo) * self.page_bytes
-        return None
+        span = self._span_of(page)
+        return None if span is None else (span[2], span[3] + (page - span[0]) * self.page_bytes)
 
     def read_pages(self, pages: Sequence[PageId]) -> torch.Tensor:
         """A ``uint8`` copy ``[len(pages), page_bytes]`` of ``pages`` (resident or file pages)."""
