@@ -60,15 +60,14 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
     return list(types), list(kwargs)
 
 
-def _subrows(config: PretrainedConfig) -> int | None:
+def _subrows(config: PretrainedConfig, types: list[str]) -> int | None:
     """(layer, K/V, head) sub-rows of one row in the head-major layout: 2 x the key/value heads of
-    every layer vkv stores (``None`` where the config names no head count). What the layout rule
-    counts mappings by (:func:`hf_vkv.devices.head_major_mappings`); read from the config, before
-    any states are seen."""
+    every layer vkv stores (``types``: the config's layer types; ``None`` where the config names no
+    head count). What the layout rule counts mappings by (:func:`hf_vkv.devices.head_major_mappings`);
+    read from the config, before any states are seen."""
     heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:
         return None
-    types, _ = _layer_types(config)
     layers = sum(1 for kind in types if kind in _VKV_KINDS)
     return 2 * heads * layers if layers else None
 
@@ -140,12 +139,13 @@ class VKVCache(Cache):
         self.call: Any = None  # hf_vkv.generate.GenerateCall while a generate() call uses the cache
         if memory_of is not None and not isinstance(memory_of, VKVCache):
             raise TypeError(f"memory_of must be a VKVCache, got {type(memory_of).__name__}")
+        types, kwargs = _layer_types(text_config)  # (transformers' config lookups: ~1 ms, once)
         workload = workload or devices.Workload()
         workload = dataclasses.replace(
             workload, attention=getattr(text_config, "_attn_implementation", None),
             inherited=None if memory_of is None else memory_of._layout_name or "contiguous",
             rows=workload.rows if workload.rows is not None else batch_size,
-            subrows=workload.subrows if workload.subrows is not None else _subrows(text_config))
+            subrows=workload.subrows if workload.subrows is not None else _subrows(text_config, types))
         self._layout_name = devices.choose_layout(self.options.layout, workload)
         capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
         # memory_of: draw pages from that cache's arenas, so rows can share pages with it (a prefix store)
@@ -153,7 +153,6 @@ class VKVCache(Cache):
             ArenaSource(page_bytes=self.options.page_bytes, budget_bytes=self.options.budget_bytes)
         self._arenas = self._arena_for.arenas
 
-        types, kwargs = _layer_types(text_config)
         members: dict[tuple[str, int | None, str], list[int]] = {}
         static = self._layout_name == "static"
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):

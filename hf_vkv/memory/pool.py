@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from operator import add
 from types import MappingProxyType
-from typing import NewType
+from typing import NewType, cast
 
 from .errors import InvariantError, KVCacheOutOfMemory
 
@@ -188,7 +188,7 @@ class PagePool:
         if self._undo is not None:
             raise InvariantError("PagePool.add_external() inside an open transaction")
         base = self.add_segment(num_pages)
-        pages = [PageId(base + i) for i in range(num_pages)]
+        pages = cast("list[PageId]", list(range(base, base + num_pages)))  # PageId is an int at run time
         self._refs.update(dict.fromkeys(pages, 1))
         self._external.update(pages)
         return pages

@@ -15,6 +15,13 @@ and the page count, as JSON), zero-padded to ``data_offset`` (a multiple of the 
 the OS page); page ``i`` at ``data_offset + i * page_bytes``. The index names the file id, so an
 index never maps another save's pages.
 
+**The index's section** (version 3): ``checksums`` is one hex string, the little-endian bytes of
+the pages' int64 sums in file order; each table is ``[bytes held, first page index, runs]`` with
+``runs`` a list of ``[first file page, count]`` (a head-major sub-row's pages are one run). Version
+2 wrote the sums and the tables' pages as lists of integers; both are read
+(:func:`_file_checksums`, :func:`_table_ids`). Parsing the shorter text is most of what opening a
+file costs in Python.
+
 **Integrity, without reading everything first**: opening checks the index (its own SHA-256), the
 header and the file's exact size — a truncated or swapped file is refused before anything is
 mapped. Each page's checksum (the wrapping sum of its 64-bit words: any change within one word is
@@ -117,30 +124,70 @@ def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[Grou
     first = entries[0][1] if entries else []
     section: dict[str, Any] = {
         "file": PAGES_FILE, "file_id": file_id, "page_bytes": page_bytes, "pages": len(pages),
-        "data_offset": data_offset, "file_bytes": data_offset + len(pages) * page_bytes, "checksums": sums,
+        "data_offset": data_offset, "file_bytes": data_offset + len(pages) * page_bytes,
+        "checksums": np.array(sums, dtype="<i8").tobytes().hex(),
         "groups": [{"name": g.name, "members": list(g.members), "kv_heads": g.geometry.kv_heads,
                     "key_dim": g.geometry.key_dim, "value_dim": g.geometry.value_dim,
                     "dtype": str(g.geometry.dtype).removeprefix("torch."), "layout": g.layout,
                     "item_bytes": g.item_bytes, "parts": g.parts} for g in first],
         "entries": [{"tokens": list(tokens),
                      "groups": [{"lengths": list(g.lengths),
-                                 "tables": [[t.length, t.start, [index_of[p] for p in t.pages]] for t in g.tables]}
+                                 "tables": [[t.length, t.start, _runs([index_of[p] for p in t.pages])] for t in g.tables]}
                                 for g in images]}
                     for tokens, images in entries],
     }
     return section
 
 
+def _runs(pages: list[int]) -> list[list[int]]:
+    """``pages`` as ``[[first, count], ...]`` runs of consecutive indexes."""
+    out: list[list[int]] = []
+    for page in pages:
+        if out and out[-1][0] + out[-1][1] == page:
+            out[-1][1] += 1
+        else:
+            out.append([page, 1])
+    return out
+
+
+def _table_ids(pages: list, count: int, base: int) -> tuple[int, ...]:
+    """A table's page ids (``base`` + file page index) from the index: runs (version 3) or the
+    indexes themselves (version 2), each checked inside the file's ``count`` pages (``ValueError``
+    otherwise)."""
+    if pages and isinstance(pages[0], list):
+        if len(pages) == 1:  # one run: the common case
+            (first, n), = pages
+            if not (n > 0 and 0 <= first and first + n <= count):
+                raise ValueError(f"a run of pages outside the file's {count}")
+            return tuple(range(base + first, base + first + n))
+        pages = [i for first, n in pages for i in range(first, first + n) if n > 0] if all(n > 0 for _, n in pages) else [-1]
+    if pages and not (0 <= min(pages) and max(pages) < count):
+        raise ValueError(f"pages outside the file's {count}")
+    return tuple(map(base.__add__, pages))
+
+
+def _file_checksums(section: dict[str, Any], count: int) -> np.ndarray:
+    """The section's ``count`` page checksums as int64: one hex string (version 3) or a list."""
+    sums = section["checksums"]
+    if isinstance(sums, str):
+        out = np.frombuffer(bytes.fromhex(sums), dtype="<i8").astype(np.int64)
+    else:
+        out = np.array([int(x) for x in sums], dtype=np.int64)
+    if len(out) != count:
+        raise ValueError(f"{len(out)} checksums for {count} pages")
+    return out
+
+
 class MappedPages:
     """A mapped ``prefix_store.kv``: the page id of each file page in the store's arena, and which
     pages were verified against their checksums (each is, once, before it is first handed out)."""
 
-    def __init__(self, path: Path, fd: int, page_ids: list[PageId], checksums: list[int], *, page_bytes: int,
+    def __init__(self, path: Path, fd: int, page_ids: list[PageId], checksums: np.ndarray, *, page_bytes: int,
                  data_offset: int) -> None:
         self.path = path
         self.page_ids = page_ids
         self._first = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
-        self._checksums = np.array(checksums, dtype=np.int64)
+        self._checksums = checksums
         self._verified = np.zeros(len(page_ids), dtype=bool)
         self._page_bytes = page_bytes
         self._offset = data_offset
@@ -244,9 +291,9 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
     try:
         path = folder / str(section["file"])
         page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
-        groups, entries, sums = section["groups"], section["entries"], list(map(int, section["checksums"]))
-        if len(sums) != count or Path(section["file"]).name != section["file"]:
-            raise ValueError("checksums")
+        groups, entries, sums = section["groups"], section["entries"], _file_checksums(section, count)
+        if Path(section["file"]).name != section["file"]:
+            raise ValueError("file")
     except (KeyError, TypeError, ValueError) as e:
         raise PrefixFormatError(f"{folder}: the mapped-pages section of its index is malformed ({e})") from None
     try:
@@ -277,24 +324,23 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
             elif here is not arena:
                 raise PrefixFormatError(f"{folder}: its entries would live in several arenas")
             base = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
-            images, held = [], {}
+            images, held = [], set()
             for shape, eg in zip(sized, e["groups"]):
-                tables = []
-                for t in eg["tables"]:  # [bytes held, first page index, file pages]
-                    pages = t[2]
-                    if pages and not (0 <= min(pages) and max(pages) < count):
-                        raise PrefixFormatError(f"{folder}: its index names pages outside the file's {count}")
-                    ids = tuple(map(base.__add__, pages))  # ints (the index was checked whole)
-                    held.update(dict.fromkeys(ids))
-                    tables.append(Row(int(t[0]), int(t[1]), ids))
-                images.append(dataclasses.replace(shape, tables=tuple(tables)))
-            entry = MappedEntry(tuple(int(t) for t in e["tokens"]), images, arena, list(held))
+                try:  # [bytes held, first page index, file pages] per table; ints (the index was checked whole)
+                    tables = tuple(Row(int(length), int(start), _table_ids(pages, count, base))
+                                   for length, start, pages in eg["tables"])
+                except ValueError as err:
+                    raise PrefixFormatError(f"{folder}: its index names pages it cannot ({err})") from None
+                held.update(*(t.pages for t in tables))
+                images.append(dataclasses.replace(shape, tables=tables))
+            entry = MappedEntry(tuple(map(int, e["tokens"])), images, arena, list(held))
             with arena.lock:
                 arena.pool.incref(entry.held)
             out.append(entry)
         mapped = None if arena is None else MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes,
                                                         data_offset=offset)
-        unheld = set(page_ids).difference(*(e.held for e in out))  # none, in a file save wrote
+        whole = any(len(e.held) == len(page_ids) for e in out)  # an entry holds every page: the usual file
+        unheld = () if whole else set(page_ids).difference(*(e.held for e in out))  # none, in a file save wrote
         if arena is not None and unheld:
             with arena.lock:
                 arena.pool.retire_unheld(sorted(unheld))
@@ -322,7 +368,7 @@ def verify_file(folder: Path, section: Any) -> int:
     with open(path, "rb") as f:
         _check_whole(path, f.fileno(), section, end=offset + count * page_bytes)
         f.seek(offset)
-        sums = section["checksums"]
+        sums = _file_checksums(section, count)
         for at in range(0, count, 256):
             k = min(256, count - at)
             data = torch.frombuffer(bytearray(f.read(k * page_bytes)), dtype=torch.uint8).view(k, page_bytes)

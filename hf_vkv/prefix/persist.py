@@ -257,8 +257,12 @@ def _check_tensors(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Te
 
 
 def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.Module | None,
-                 dtype: torch.dtype | None, *, check_weights: bool = True, weights: str | None = None) -> None:
-    if meta["config_fingerprint"] != config_fingerprint(config):
+                 dtype: torch.dtype | None, *, check_weights: bool = True, weights: str | None = None,
+                 config_digest: str | None = None) -> None:
+    """Refuse ``meta`` (a file's) unless it is ``config``'s (``config_digest``: its known
+    :func:`config_fingerprint`), ``model``'s dtype and weights, and its token ids are in the
+    vocabulary."""
+    if meta["config_fingerprint"] != (config_digest or config_fingerprint(config)):
         detail = describe_difference(meta.get("config_fields") or {}, config_fields(config), a_name="file",
                                      b_name="model")
         raise PrefixMismatchError("config", f"{path} was saved for another model ({detail})")
@@ -270,8 +274,9 @@ def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.
                                   f"dtype (converted K/V would not give the same tokens)")
     vocab = getattr(config.get_text_config(decoder=True), "vocab_size", None) if hasattr(config, "get_text_config") \
         else getattr(config, "vocab_size", None)
-    if isinstance(vocab, int):
-        bad = next(((i, t) for i, t in enumerate(meta["token_ids"]) if not 0 <= t < vocab), None)
+    ids = meta["token_ids"]
+    if isinstance(vocab, int) and ids and not (0 <= min(ids) and max(ids) < vocab):
+        bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab), None)
         if bad is not None:
             raise PrefixFormatError(f"{path}: token id {bad[1]} at position {bad[0]} is outside the model's "
                                     f"vocabulary of {vocab} ids")

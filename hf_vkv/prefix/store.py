@@ -46,7 +46,9 @@ __all__ = ["PrefixStore", "PrefixStats", "token_list", "STORE_INDEX"]
 #: The index :meth:`PrefixStore.save` writes into its folder: the files it saved, least recently used first.
 STORE_INDEX = "prefix_store.json"
 STORE_FORMAT = "hf_vkv.prefix_store"
-STORE_VERSION = 2  # 2: the entries' pages in one mapped file (prefix_store.kv); version 1 folders still load
+STORE_VERSION = 3  # 2: the entries' pages in one mapped file (prefix_store.kv); 3: its index's checksums and
+#                    tables written compactly (hex, runs). Versions 1 and 2 still load.
+_MAPPED_VERSIONS = (2, STORE_VERSION)  # indexes with a digest, model fields and mapped pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +422,7 @@ class PrefixStore:
                 tokens_of = [t for e in section.get("entries", []) if isinstance(e, dict)
                              for t in (e.get("tokens") or [])] if isinstance(section, dict) else []
                 _check_model(path, {**index, "token_ids": tokens_of}, self.config, model, None,
-                             check_weights=check_weights, weights=weights)
+                             check_weights=check_weights, weights=weights, config_digest=self._fingerprint)
                 given, mapped = map_entries(path, section, memory=memory, device=model.device)
             with self._lock:
                 for cache, tokens in loaded:  # what insert would refuse, first
@@ -714,15 +716,16 @@ def _saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:
         data = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PrefixFileCorruptError(f"{index} is not whole: it is not JSON ({e})") from None
-    if isinstance(data, dict) and data.get("version") == STORE_VERSION:
+    mapped = isinstance(data, dict) and data.get("version") in _MAPPED_VERSIONS
+    if mapped:
         check_index_text(index, text)
     names = data.get("files") if isinstance(data, dict) else None
-    if (not isinstance(data, dict) or data.get("format") != STORE_FORMAT or data.get("version") not in (1, STORE_VERSION)
+    if (not isinstance(data, dict) or data.get("format") != STORE_FORMAT or data.get("version") not in (1, *_MAPPED_VERSIONS)
             or not isinstance(names, list)
             or not all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..") for n in names)):
-        raise PrefixFormatError(f"{index} is not an hf_vkv prefix store index of version 1 or {STORE_VERSION} (format "
+        raise PrefixFormatError(f"{index} is not an hf_vkv prefix store index of version 1 to {STORE_VERSION} (format "
                                 f"{STORE_FORMAT!r}, a list of file names)")
-    if data.get("version") == STORE_VERSION and (
+    if mapped and (
             not isinstance(data.get("config_fingerprint"), str) or not isinstance(data.get("config_fields"), dict)
             or not isinstance(data.get("dtype"), (str, type(None)))
             or not isinstance(data.get("weights_fingerprint"), (str, type(None)))):
@@ -730,4 +733,4 @@ def _saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:
     missing = [n for n in names if not (folder / n).is_file()]
     if missing:
         raise PrefixFileCorruptError(f"{folder} is not whole: its {STORE_INDEX} lists {missing[:3]}, which it lacks")
-    return [folder / n for n in names], (data if data.get("version") == STORE_VERSION else None)
+    return [folder / n for n in names], (data if mapped else None)

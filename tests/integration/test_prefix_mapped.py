@@ -97,6 +97,48 @@ def test_opening_maps_the_pages_without_reading_them(tmp_path: Path) -> None:
     assert arena.pool.stats().in_use > 0 and arena.backend.resident_bytes() > 0
 
 
+def test_an_index_of_version_2_still_loads_and_a_run_outside_the_file_is_refused(tmp_path: Path) -> None:
+    """Version 3 writes the checksums as one hex string and each table's pages as runs; a
+    version-2 index (both as lists of integers) maps the same pages and serves the same tokens."""
+    import numpy as np
+
+    from hf_vkv.prefix.mapped import index_text
+
+    model = tiny("llama")
+    store, folder, prompts = _saved_store(tmp_path, model)
+    index = folder / STORE_INDEX
+    text = index.read_text()
+    data = json.loads(text)
+    assert data["version"] == 3 and isinstance(data["mapped"]["checksums"], str)
+    tables = [t for e in data["mapped"]["entries"] for g in e["groups"] for t in g["tables"]]
+    assert tables and all(isinstance(run, list) and len(run) == 2 for t in tables for run in t[2])
+    old = copy.deepcopy(data)
+    old["version"] = 2
+    old["mapped"]["checksums"] = np.frombuffer(bytes.fromhex(data["mapped"]["checksums"]), dtype="<i8").tolist()
+    for e in old["mapped"]["entries"]:
+        for g in e["groups"]:
+            g["tables"] = [[n, start, [i for first, k in runs for i in range(first, first + k)]]
+                           for n, start, runs in g["tables"]]
+    del old["sha256"]
+    index.write_text(index_text(old))
+    v2 = PrefixStore(model.config)
+    assert v2.load(folder, model=model) == sum(map(len, store.prefixes()))
+    g = torch.Generator().manual_seed(5)
+    for p in prompts:
+        follow = p + _rand(4, g)
+        assert _same(_generate(model, follow, store), _generate(model, follow, v2))
+    v2.check_invariants()
+    # a run past the file's last page (in an index whose digest is right) is refused, nothing mapped
+    bad = copy.deepcopy(data)
+    del bad["sha256"]
+    first_table = bad["mapped"]["entries"][0]["groups"][0]["tables"][0]
+    first_table[2] = [[bad["mapped"]["pages"] - 1, 2]]
+    index.write_text(index_text(bad))
+    _fresh_refusal(folder, model, hf_vkv.PrefixFormatError, "outside the file")
+    index.write_text(text)
+    assert PrefixStore(model.config).load(folder, model=model) > 0
+
+
 def test_mapped_pages_retire_when_no_entry_holds_them(tmp_path: Path) -> None:
     model = tiny("llama")
     _, folder, prompts = _saved_store(tmp_path, model)
