@@ -10,17 +10,25 @@ unrelated warm-up generate first (so every column pays the same process start-up
 * ``open``: ``PrefixStore.load(folder)`` of the mapped file, ``--repeats`` times into fresh stores
   (the weights fingerprint, computed once per model, is taken before the first: it is the model's
   cost, not the file's);
-* ``fresh``: the first turn (the prefix + ``--question`` new tokens, one token generated: time
-  to first token) in a process that just opened the file, its pages verified and faulted in by
-  that turn;
+* ``fresh``: the first turn (the prefix + ``--question`` new tokens, one token generated) in a
+  process that just opened the file, its pages verified and faulted in by that turn. Its time to
+  first token is taken when ``generate`` hands the token to a streamer (what a chat shows the user
+  first); ``call_s`` is the whole call, with what follows the token (the store's insert of the
+  conversation);
 * ``warm``: the same turn in a process whose store computed the prefix itself (held in memory);
 * ``prefill``: the same turn with DynamicCache over the whole prompt (no reuse);
+* ``continued``: the same turn with a DynamicCache that already holds the prefix (computed in the
+  child before the clock starts), continued over the new tokens: the turn's own work, what no
+  cache that reuses the prefix can undercut (transformers' idiom for reusing a cache by hand);
 * ``pss``: 1, 2 and 4 processes that open the file and run the turn at once, each reading its
   ``/proc/self/smaps`` while all hold the pages: the summed Pss of the mappings of
   ``prefix_store.kv`` against one copy of the prefix's pages; and the same with the prefix loaded
   by copy (a ``save_prefix`` file read into the store: the Pss of each process's memfd pages).
 
-Each timed column is the median over ``--repeats`` child processes (interleaved).
+Each timed column is the median over ``--repeats`` child processes, the columns interleaved
+(a round runs one child of each); the ratios are given both as the ratio of the columns' medians
+and as the median of the rounds' own ratios (``*_round_median``: what drift of the machine's speed
+between rounds moves least).
 """
 
 from __future__ import annotations
@@ -53,11 +61,25 @@ model, tok = load_default_model()
 prefix = {prefix!r}
 question = {question!r}
 ids = torch.tensor([prefix + question])
+from transformers.generation.streamers import BaseStreamer
+class FirstToken(BaseStreamer):
+    # generate() puts the prompt first, then each new token as soon as it is chosen
+    def __init__(self):
+        self.puts, self.at = 0, None
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+    def end(self):
+        pass
+calls = []
 def turn(store):
     extra = {{}} if store is None else dict(cache_implementation="vkv", cache_config={{"prefix_store": store}})
+    first = FirstToken()
     t = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **extra)
-    return time.perf_counter() - t
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, streamer=first, **extra)
+    calls.append(time.perf_counter() - t)  # the whole call: with what follows the token (the store's insert)
+    return first.at - t
 warm_ids = torch.tensor([question * 4])
 model.generate(warm_ids, attention_mask=torch.ones_like(warm_ids), max_new_tokens=2, do_sample=False)  # warm-up
 mode = {mode!r}
@@ -95,6 +117,18 @@ elif mode == "warm":
     out["reused"] = store.stats().tokens_reused
 elif mode == "prefill":
     out["ttft_s"] = turn(None)
+elif mode == "continued":
+    from transformers import DynamicCache
+    held = DynamicCache(config=model.config)
+    p = torch.tensor([prefix])
+    with torch.no_grad():
+        model(p[:, :-1], past_key_values=held, use_cache=True)
+    first = FirstToken()
+    t = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, streamer=first,
+                   past_key_values=held)
+    calls.append(time.perf_counter() - t)
+    out["ttft_s"] = first.at - t
 elif mode in ("pss-mapped", "pss-copied"):
     store = PrefixStore(model.config)
     if mode == "pss-mapped":
@@ -112,6 +146,8 @@ elif mode in ("pss-mapped", "pss-copied"):
     open({barrier!r} + "-done." + str(os.getpid()), "w").close()
     while len([f for f in os.listdir(os.path.dirname({barrier!r})) if f.startswith(os.path.basename({barrier!r}) + "-done.")]) < {procs} and time.time() < deadline:
         time.sleep(0.05)
+if calls:
+    out["call_s"] = calls[-1]
 print("RESULT " + json.dumps(out), flush=True)
 """
 
@@ -173,17 +209,32 @@ def main() -> int:
     print(f"prefix {n} tokens stored, {one_copy / 2**20:.1f} MiB of pages; file {kv_file.stat().st_size / 2**20:.1f} MiB")
     report["open_s"] = _results(_child("open", args, common, repeats=max(args.repeats, 5)))[0]["open_s"]
     print(f"open: median {1e3 * statistics.median(report['open_s']):.2f} ms of {report['open_s']}")
-    cols: dict[str, list[dict[str, Any]]] = {"fresh": [], "warm": [], "prefill": []}
+    cols: dict[str, list[dict[str, Any]]] = {"fresh": [], "warm": [], "prefill": [], "continued": []}
     for _ in range(args.repeats):  # interleaved
         for mode in cols:
             cols[mode].extend(_results(_child(mode, args, common)))
     for mode, runs in cols.items():
         report[mode] = runs
         report[f"{mode}_ttft_s"] = statistics.median(r["ttft_s"] for r in runs)
-        print(f"{mode:8s} TTFT median {report[f'{mode}_ttft_s']:.4f} s of {[round(r['ttft_s'], 4) for r in runs]}")
+        report[f"{mode}_call_s"] = statistics.median(r["call_s"] for r in runs)
+        print(f"{mode:8s} TTFT median {report[f'{mode}_ttft_s']:.4f} s of {[round(r['ttft_s'], 4) for r in runs]} "
+              f"(whole call {report[f'{mode}_call_s']:.4f} s)")
     report["fresh_over_warm"] = report["fresh_ttft_s"] / report["warm_ttft_s"]
     report["fresh_over_prefill"] = report["fresh_ttft_s"] / report["prefill_ttft_s"]
-    print(f"fresh/warm {report['fresh_over_warm']:.3f}, fresh/prefill {report['fresh_over_prefill']:.4f}")
+    # the columns ran interleaved, a round each: the median of each round's ratio is what a
+    # machine whose speed drifts between rounds (this one's, by 10-25 %) moves least
+    report["continued_over_prefill"] = report["continued_ttft_s"] / report["prefill_ttft_s"]
+    rounds = list(zip(cols["fresh"], cols["warm"], cols["prefill"]))
+    report["fresh_over_warm_per_round"] = [f["ttft_s"] / w["ttft_s"] for f, w, _ in rounds]
+    report["fresh_over_prefill_per_round"] = [f["ttft_s"] / p["ttft_s"] for f, _, p in rounds]
+    report["fresh_over_warm_round_median"] = statistics.median(report["fresh_over_warm_per_round"])
+    report["fresh_over_prefill_round_median"] = statistics.median(report["fresh_over_prefill_per_round"])
+    report["continued_over_prefill_round_median"] = statistics.median(
+        c["ttft_s"] / p["ttft_s"] for c, p in zip(cols["continued"], cols["prefill"]))
+    print(f"fresh/warm {report['fresh_over_warm']:.3f} (median of the rounds' ratios "
+          f"{report['fresh_over_warm_round_median']:.3f}), fresh/prefill {report['fresh_over_prefill']:.4f} "
+          f"({report['fresh_over_prefill_round_median']:.4f}); a DynamicCache holding the prefix, continued: "
+          f"{report['continued_over_prefill']:.4f} ({report['continued_over_prefill_round_median']:.4f}) of the prefill")
     report["pss"] = []
     for procs in args.procs:
         for mode in ("pss-mapped", "pss-copied"):

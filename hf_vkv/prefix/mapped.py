@@ -155,12 +155,14 @@ def _table_ids(pages: list, count: int, base: int) -> tuple[int, ...]:
     indexes themselves (version 2), each checked inside the file's ``count`` pages (``ValueError``
     otherwise)."""
     if pages and isinstance(pages[0], list):
+        if any(n <= 0 for _, n in pages):
+            raise ValueError("an empty run of pages")
         if len(pages) == 1:  # one run: the common case
             (first, n), = pages
-            if not (n > 0 and 0 <= first and first + n <= count):
+            if not (0 <= first and first + n <= count):
                 raise ValueError(f"a run of pages outside the file's {count}")
             return tuple(range(base + first, base + first + n))
-        pages = [i for first, n in pages for i in range(first, first + n) if n > 0] if all(n > 0 for _, n in pages) else [-1]
+        pages = [i for first, n in pages for i in range(first, first + n)]
     if pages and not (0 <= min(pages) and max(pages) < count):
         raise ValueError(f"pages outside the file's {count}")
     return tuple(map(base.__add__, pages))
