@@ -14,6 +14,11 @@ the numbers say how much that costs and which block size costs least.
 
     python benchmarks/paged_cpu.py --prompts 512 2048 --batch 4 --blocks 16 64 256
 
+``profile``: contiguous vs paged decode interleaved over rounds, with a ``torch.profiler`` table of
+each (``profile --help``)::
+
+    python benchmarks/paged_cpu.py profile --prompt 2048 --batch 4 --rounds 3 --threads 1
+
 ``kernels``: the paged attention kernels against sdpa on the same K/V, the Triton kernel on CUDA
 and the gather reference on the CPU (``kernels --help``)::
 
@@ -293,8 +298,104 @@ def main_kernels(argv: list[str]) -> None:
     write_report(out, report)
 
 
+# ---------------------------------------- profile: where a paged decode step's time goes on the CPU
+PROFILE_DOC = """Contiguous vs paged decode on the CPU, interleaved, with what each step is spent on.
+
+Batch ``--batch`` greedy on a ``--prompt``-token prompt (SmolLM2-135M fp32): per round one
+generate() with the contiguous layout (sdpa) and one with the paged layout (``"vkv_paged"``,
+``--block`` tokens a block), the median decode step of each over ``--rounds`` rounds (a round's
+order alternates), tokens checked identical. Then one more generate of each with
+``torch.profiler`` running over its decode steps (from the first token to the last): the operators
+by self CPU time, so the step's extra time is named. JSON: ``benchmarks/results/paged_cpu_profile_t{threads}.json``.
+
+    python benchmarks/paged_cpu.py profile --prompt 2048 --batch 4 --rounds 3 --threads 1
+"""
+
+
+def _profiled_ops(model, ids, *, attn: str, cache_config: dict, new_tokens: int, top: int) -> list[dict]:
+    """The operators of the decode steps (the profiler runs from the first token to the last) by
+    self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.generation.streamers import BaseStreamer
+
+    prof = profile(activities=[ProfilerActivity.CPU])
+
+    class DecodeOnly(BaseStreamer):
+        def __init__(self) -> None:
+            self.puts = 0
+
+        def put(self, value: torch.Tensor) -> None:  # the prompt first, then each new token
+            self.puts += 1
+            if self.puts == 2:
+                prof.start()
+
+        def end(self) -> None:
+            prof.stop()
+
+    model.set_attn_implementation(attn)
+    try:
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=DecodeOnly(),
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=model.generation_config.eos_token_id, cache_implementation="vkv",
+                           cache_config=cache_config)
+    finally:
+        model.set_attn_implementation("sdpa")
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    return [dict(op=e.key, calls=e.count, self_cpu_s=e.self_cpu_time_total / 1e6,
+                 share=e.self_cpu_time_total / total) for e in events[:top]]
+
+
+def main_profile(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="paged_cpu.py profile", description=PROFILE_DOC,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--block", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _ = load_default_model(dtype=torch.float32)
+    ids = torch.randint(10, model.config.vocab_size, (args.batch, args.prompt),
+                        generator=torch.Generator().manual_seed(args.prompt))
+    variants = {"contiguous": ("sdpa", {}), "paged": ("vkv_paged", {"block_tokens": args.block})}
+    steps: dict[str, list[float]] = {name: [] for name in variants}
+    sequences: dict[str, torch.Tensor] = {}
+    for r in range(args.rounds):
+        for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            attn, config = variants[name]
+            out = run(model, ids, attn=attn, cache_config=config, new_tokens=args.new_tokens, beams=1)
+            steps[name].append(out["decode_step_s"])
+            sequences[name] = out["_sequences"]
+            print(f"round {r} {name:10s} decode step {1e3 * out['decode_step_s']:.1f} ms", flush=True)
+    median = {name: statistics.median(v) for name, v in steps.items()}
+    ops = {name: _profiled_ops(model, ids, attn=attn, cache_config=config, new_tokens=args.new_tokens, top=args.top)
+           for name, (attn, config) in variants.items()}
+    for name, rows in ops.items():
+        print(f"{name}: " + ", ".join(f"{o['op']} {100 * o['share']:.0f}%" for o in rows[:6]))
+    env = describe_environment(model)
+    report = dict(
+        benchmark="paged_cpu_profile", command=env["command"], environment=env, model="SmolLM2-135M-Instruct (fp32)",
+        prompt=args.prompt, batch=args.batch, block_tokens=args.block, new_tokens=args.new_tokens, rounds=args.rounds,
+        decode_step_s=steps, median_decode_step_s=median,
+        contiguous_over_paged=median["contiguous"] / median["paged"],
+        tokens_identical=bool(torch.equal(sequences["contiguous"], sequences["paged"])), profiled_ops=ops)
+    print(f"median step: contiguous {1e3 * median['contiguous']:.1f} ms, paged {1e3 * median['paged']:.1f} ms "
+          f"(paged runs at {report['contiguous_over_paged']:.2f}x the contiguous speed); tokens identical "
+          f"{report['tokens_identical']}")
+    threads = torch.get_num_threads()
+    write_report(args.json or Path(f"benchmarks/results/paged_cpu_profile_t{threads}.json"), report)
+    return 0 if report["tokens_identical"] else 1
+
+
 def main(argv: list[str] | None = None) -> int | None:
-    return dispatch(argv, default_main, {"kernels": main_kernels})
+    return dispatch(argv, default_main, {"kernels": main_kernels, "profile": main_profile})
 
 
 if __name__ == "__main__":
