@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import islice, repeat
 from operator import add
 from types import MappingProxyType
 from typing import NewType, cast
@@ -156,16 +156,6 @@ class PagePool:
             self._refs[page] = count
         else:
             self._refs.pop(page, None)
-
-    def _set_resident_free(self, page: PageId, free: bool) -> None:
-        if free:
-            self._resident_free[page] = None
-            self._record(lambda: self._resident_free.pop(page, None))
-        else:
-            del self._resident_free[page]
-            # Re-inserting appends at the end: recycle order may differ after a rollback, which
-            # changes no state that matters (the set's contents are restored exactly).
-            self._record(lambda: self._resident_free.__setitem__(page, None))
 
     def _bump(self, name: str, delta: int) -> None:
         setattr(self, name, getattr(self, name) + delta)
@@ -407,12 +397,14 @@ class PagePool:
         return self._refs.get(page, 0) > 1
 
     def take_releasable(self, keep: int = 0) -> list[PageId]:
-        """Remove all but ``keep`` resident free pages (oldest first) and return them for release."""
-        out: list[PageId] = []
-        while len(self._resident_free) > max(keep, 0):
-            page = next(iter(self._resident_free))
-            self._set_resident_free(page, False)
-            out.append(page)
+        """Remove all but ``keep`` resident free pages (oldest first) and return them for release
+        (one undo step for all of them: a closed prefill's cache hands back thousands)."""
+        free = self._resident_free
+        out = list(islice(free, max(len(free) - max(keep, 0), 0)))
+        for page in out:
+            del free[page]
+        if out:  # a rollback re-inserts them at the end: recycle order is no state that matters
+            self._record(lambda: free.update(dict.fromkeys(out)))
         self._bump("_released", len(out))
         return out
 
