@@ -23,7 +23,7 @@ from .kv_records import PAGED_ATTENTION
 from .memory import Arena, HostBackend
 from .memory.errors import CacheOptionError, KVCacheOutOfMemory, VKVError
 from .memory.limits import mem_available
-from .memory.map_budget import PROCESS_MAP_BUDGET
+from .memory.map_budget import PROCESS_MAP_BUDGET, MappingLimitError
 
 __all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SHARED_TOKENS", "CUDA_CREATE_AHEAD", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES",
            "DevicePolicy", "HEAD_MAJOR_BEAM_SUBROW_MAPPINGS", "HEAD_MAJOR_PAGE_BYTES", "HEAD_MAJOR_SUBROW_MAPPINGS", "HOST_BUDGET_FRACTION", "HOST_PAGE_BYTES", "MAP_AHEAD_TOKENS",
@@ -260,6 +260,10 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
     2. a compiled step: ``"static"`` (fixed addresses, StaticLayer's contract);
     3. the ``"vkv_paged"`` attention: ``"paged"``;
     4. memory inherited from a prefix store: the store's layout (rows share its entries' pages);
+       where that is the host's head-major default and the rows would need more mappings than
+       rule 7 allows, :class:`~hf_vkv.memory.map_budget.MappingLimitError` now, naming the
+       store's option (``PrefixStore(config, cache_config={'layout': 'token_major'})``), before
+       any prefill rather than at a later step;
     5. CPU beam search over prompts of at most :data:`BEAM_TOKEN_MAJOR_MAX_PROMPT` tokens:
        ``"token_major"``;
     6. memory at the limit: where the device's default is head-major on the host, the prompt has
@@ -322,10 +326,17 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
         return asked
     if workload.device_type is None:
         return None
+    policy = policy_for(workload.device_type)
+    if asked is not None and asked == workload.inherited and policy.layout == "head_major" and policy.backend == "host":
+        needed = head_major_mappings(workload)  # rule 4 past rule 7's limit: refused now, not at a later step
+        if needed is not None and workload.mappings_free is None:
+            PROCESS_MAP_BUDGET.check(needed, store_layout=True)
+        elif needed is not None and needed > workload.mappings_free:
+            raise MappingLimitError(needed=needed, held=PROCESS_MAP_BUDGET.held, limit=PROCESS_MAP_BUDGET.limit,
+                                    others=0, headroom=PROCESS_MAP_BUDGET.headroom, store_layout=True)
     if asked is None and workload.device_type == "cpu" and workload.num_beams > 1 \
             and workload.prompt_tokens is not None and workload.prompt_tokens <= BEAM_TOKEN_MAJOR_MAX_PROMPT:
         return "token_major"
-    policy = policy_for(workload.device_type)
     if asked is None and policy.layout == "head_major" and policy.backend == "host":
         excess = head_major_excess(workload)
         if excess is not None and excess > MEMORY_LIMIT_SLACK and workload.prompt_tokens <= MEMORY_LIMIT_MAX_PROMPT:

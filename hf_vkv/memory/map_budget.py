@@ -57,15 +57,22 @@ class MappingLimitError(KVCacheOutOfMemory):
     """A change would take this process past ``vm.max_map_count``: raised before anything changed,
     so the cache stays usable (free rows, or build it with fewer mappings per row)."""
 
-    def __init__(self, *, needed: int, held: int, limit: int, others: int, headroom: int) -> None:
+    def __init__(self, *, needed: int, held: int, limit: int, others: int, headroom: int,
+                 store_layout: bool = False) -> None:
         self.needed, self.held, self.limit, self.others, self.headroom = needed, held, limit, others, headroom
+        # A prefix store's rows share its entries' pages, so they take the store's layout: the
+        # token-major fix is the store's option, not the call's.
+        token_major = ("a prefix store of the token-major layout (PrefixStore(model.config, cache_config="
+                       "{'layout': 'token_major'}): its rows take the store's layout; one mapping per row instead "
+                       "of one per layer and head)" if store_layout else
+                       "the token-major layout (cache_config['layout']='token_major', one mapping per row instead "
+                       "of one per layer and head)")
         super().__init__(  # counted in mappings, not bytes
             requested_bytes=0, free_bytes=0, budget_bytes=0,
             message=f"KV cache out of memory mappings: this step needs up to {needed:,} more, but vkv already holds "
                     f"{held:,} and vm.max_map_count is {limit:,} (the rest of the process holds {others:,}, and "
                     f"{headroom:,} are left free for it), so use fewer rows (batch, beams, num_return_sequences), "
-                    f"larger pages (cache_config['page_bytes']) or the token-major layout "
-                    f"(cache_config['layout']='token_major', one mapping per row instead of one per layer and head), "
+                    f"larger pages (cache_config['page_bytes']) or {token_major}, "
                     f"or raise the limit (sudo sysctl -w vm.max_map_count=262144).")
 
     def for_whole_step(self, **_: object) -> MappingLimitError:
@@ -111,14 +118,15 @@ class MapBudget:
         """Mappings vkv may still add (may be negative when the process grew past the budget)."""
         return self.limit - self.headroom - self.others() - self.held
 
-    def check(self, needed: int) -> None:
-        """Raise :class:`MappingLimitError` unless ``needed`` more mappings fit (changes nothing)."""
+    def check(self, needed: int, *, store_layout: bool = False) -> None:
+        """Raise :class:`MappingLimitError` unless ``needed`` more mappings fit (changes nothing);
+        ``store_layout``: the rows' layout is a prefix store's (the error names the store's option)."""
         if needed <= 0 or self.held + needed <= self.limit - self.headroom - self.others():
             return
         others = self.others(fresh=True)  # the process may have shrunk since the last look
         if self.held + needed > self.limit - self.headroom - others:
             raise MappingLimitError(needed=needed, held=self.held, limit=self.limit, others=others,
-                                    headroom=self.headroom)
+                                    headroom=self.headroom, store_layout=store_layout)
 
     def charge(self, delta: int) -> None:
         """vkv now holds ``delta`` more mappings (negative: fewer)."""

@@ -68,3 +68,30 @@ def test_rows_within_the_mapping_limit_keep_head_major():
     cache = out[cache_kwarg()]
     assert cache.layout == "head_major"
     assert cache.stats().mappings >= 4 * SUBROWS  # one run (at least) per sub-row of every row
+
+
+def test_a_prefix_stores_rows_past_the_limit_are_refused_before_any_prefill_naming_the_stores_option():
+    """A store's rows take its entries' layout (rule 4), so rule 7 cannot switch them: the call is
+    refused when its layout is chosen (before any prefill), the message names the store's own
+    option, nothing is left behind, and the store serves the next call. A token-major store runs
+    the same rows and gives DynamicCache's tokens."""
+    model = _model()
+    inputs = prompts(1, 64)  # (a store's rows reserve the model's positions; rules 5-7 never see its calls)
+    kwargs = dict(max_new_tokens=4, do_sample=True, num_return_sequences=ROWS, pad_token_id=0)
+    store = hf_vkv.PrefixStore(model.config)
+    with PROCESS_MAP_BUDGET.override(limit=_limit(), headroom=0):
+        held = PROCESS_MAP_BUDGET.held
+        with pytest.raises(MappingLimitError, match=r"PrefixStore\(model.config, cache_config=\{'layout': 'token_major'\}\)"):
+            model.generate(**inputs, cache_implementation="vkv", cache_config={"prefix_store": store}, **kwargs)
+        gc.collect()
+        assert PROCESS_MAP_BUDGET.held == held and len(store) == 0
+        store.check_invariants()
+        out = model.generate(**inputs, max_new_tokens=4, pad_token_id=0, cache_implementation="vkv",
+                             cache_config={"prefix_store": store})
+        assert_same_tokens(model.generate(**inputs, max_new_tokens=4, pad_token_id=0), out)
+        token_major = hf_vkv.PrefixStore(model.config, cache_config={"layout": "token_major"})
+        torch.manual_seed(7)
+        out = model.generate(**inputs, cache_implementation="vkv", cache_config={"prefix_store": token_major}, **kwargs)
+    torch.manual_seed(7)
+    assert_same_tokens(model.generate(**inputs, **kwargs), out)
+    token_major.check_invariants()

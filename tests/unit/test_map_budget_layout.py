@@ -13,7 +13,7 @@ from hf_vkv import VKVCache
 from hf_vkv.devices import (BEAM_TOKEN_MAJOR_MAX_PROMPT, HEAD_MAJOR_BEAM_SUBROW_MAPPINGS, HEAD_MAJOR_SUBROW_MAPPINGS,
                             Workload, WorkloadError, choose_layout, head_major_mappings, policy_for)
 from hf_vkv.memory.errors import VKVError
-from hf_vkv.memory.map_budget import PROCESS_MAP_BUDGET, process_mappings
+from hf_vkv.memory.map_budget import PROCESS_MAP_BUDGET, MappingLimitError, process_mappings
 
 SMOLLM2_SUBROWS = 30 * 2 * 3  # 30 layers x K/V x 3 KV heads
 
@@ -57,7 +57,9 @@ def test_nothing_asked_or_inherited_is_the_only_case_it_decides():
     tight = dict(device_type="cpu", rows=256, subrows=SMOLLM2_SUBROWS, mappings_free=100)
     assert rule("head_major", **tight) == "head_major"  # the user's: past the limit, MappingLimitError names token-major
     assert rule("contiguous", **tight) == "head_major"  # "contiguous": the device's default, as rule 5 reads it
-    assert rule(inherited="contiguous", **tight) == "head_major"  # a store's rows share its entries' layout
+    with pytest.raises(MappingLimitError, match=r"PrefixStore\(model.config, cache_config=\{'layout': 'token_major'\}\)"):
+        rule(inherited="contiguous", **tight)  # a store's rows share its entries' layout: refused before any prefill
+    assert rule(inherited="contiguous", **{**tight, "rows": 1, "mappings_free": 540}) == "head_major"  # within: kept
     assert rule(inherited="head_major", **tight) == "head_major"
     assert rule(compiling=True, **tight) == "static"
     assert rule(attention="vkv_paged", **tight) == "paged"
