@@ -6,7 +6,8 @@
 ``--suffix`` tokens of its own, greedy, ``--new-tokens`` each, with a ``PrefixStore`` (so vkv
 prefills the shared document once and every row maps its pages). The store is token-major: its
 rows take its layout, and 128 rows of 48 x 2 x 32 head-major sub-rows would need ~1.2 million
-kernel mappings (the call is refused up front with a ``MappingLimitError`` naming this option). The model is a llama with random
+kernel mappings (with a default store the call runs without it, its reuse report naming this
+option, and without the document shared its rows would not fit in memory). The model is a llama with random
 weights whose KV is heavy and whose compute is light (``--layers`` x ``--kv-heads`` x
 ``--head-dim``, hidden 64: 3 MiB of float32 KV a token at the defaults), so DynamicCache's
 failure comes within minutes on two CPU cores rather than after an hour of prefill.

@@ -261,9 +261,10 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
     3. the ``"vkv_paged"`` attention: ``"paged"``;
     4. memory inherited from a prefix store: the store's layout (rows share its entries' pages);
        where that is the host's head-major default and the rows would need more mappings than
-       rule 7 allows, :class:`~hf_vkv.memory.map_budget.MappingLimitError` now, naming the
-       store's option (``PrefixStore(config, cache_config={'layout': 'token_major'})``), before
-       any prefill rather than at a later step;
+       rule 7 allows, :class:`~hf_vkv.memory.map_budget.MappingLimitError` now (``store_layout``),
+       naming the store's option (``PrefixStore(config, cache_config={'layout': 'token_major'})``),
+       before any prefill rather than at a later step; ``generate`` then builds the call's cache
+       without the store (rule 7 applies) and its reuse report says why;
     5. CPU beam search over prompts of at most :data:`BEAM_TOKEN_MAJOR_MAX_PROMPT` tokens:
        ``"token_major"``;
     6. memory at the limit: where the device's default is head-major on the host, the prompt has

@@ -75,6 +75,7 @@ from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..cache.export import register_pytree
 from ..cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys
 from ..memory.errors import CacheOptionError, VKVError
+from ..memory.map_budget import MappingLimitError
 from . import prefill_once, reuse, serving
 from .call import begin, end
 from .names import CACHE_IMPLEMENTATION, CACHE_NAMES, cache_kwarg
@@ -224,13 +225,27 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         store = None  # an assistant's cache is its own (5.17 copies "vkv" to the assistant's config)
     memory = None if store is None else reuse.memory_for(model, store, cache_config)
     new = generation_config.max_new_tokens  # generate sizes the cache max_length - 1 = prompt + new - 1
-    cache: Any = VKVCache.for_generate(
-        model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1, cache_config=cache_config,
-        num_beams=generation_config.num_beams or 1, compiling=generation_config.compile_config is not None,
-        prompt_tokens=None if new is None else max(max_cache_length + 1 - new, 0), memory_of=memory)
+    build = functools.partial(
+        VKVCache.for_generate, model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1,
+        cache_config=cache_config, num_beams=generation_config.num_beams or 1,
+        compiling=generation_config.compile_config is not None,
+        prompt_tokens=None if new is None else max(max_cache_length + 1 - new, 0))
+    refusal = None
+    try:
+        cache: Any = build(memory_of=memory)
+    except MappingLimitError as exc:
+        if memory is None or not exc.store_layout:
+            raise
+        # Rows are limited by memory, never by mappings: rows that cannot share the store's
+        # head-major entries within the mapping limit run without the store (the layout rule
+        # gives them token-major), and the report says why and what would let them reuse.
+        refusal = (f"{batch_size * expand} rows of the store's head-major layout would pass the kernel's mapping "
+                   f"limit (vm.max_map_count): this call ran without the store; for reuse at this size use a "
+                   f"token-major store, PrefixStore(model.config, cache_config={{'layout': 'token_major'}})")
+        cache = build(memory_of=None)
     if store is not None:
         reuse.attach(cache, store, model, owned=True, rows=batch_size * expand, num_beams=generation_config.num_beams,
-                     eos_token_id=generation_config.eos_token_id)
+                     eos_token_id=generation_config.eos_token_id, refusal=refusal)
     else:
         begin(cache, owned=True, rows=batch_size * expand, num_beams=generation_config.num_beams)
     if model.config.is_encoder_decoder:

@@ -119,11 +119,12 @@ def memory_conflict(memory: VKVCache, cache_config: dict[str, Any]) -> tuple[str
 
 
 def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows: int, num_beams: int,
-           eos_token_id: Any) -> GenerateCall:
+           eos_token_id: Any, refusal: str | None = None) -> GenerateCall:
     """The record of a ``generate`` call whose ``cache`` (made with :func:`memory_for`'s memory)
     reuses ``store``: put on the cache for the prefill (:func:`start`) and the end of the decoding
-    loop (:func:`finish`)."""
-    refusal = model_refusal(model, store)
+    loop (:func:`finish`). ``refusal``: why the call's cache could not draw from the store (its
+    report says so, and nothing is taken from or put into the store)."""
+    refusal = refusal or model_refusal(model, store)
     weights = None
     if refusal is None:
         weights = store.fingerprint(model)

@@ -60,6 +60,7 @@ class MappingLimitError(KVCacheOutOfMemory):
     def __init__(self, *, needed: int, held: int, limit: int, others: int, headroom: int,
                  store_layout: bool = False) -> None:
         self.needed, self.held, self.limit, self.others, self.headroom = needed, held, limit, others, headroom
+        self.store_layout = store_layout  # the rows' layout was a prefix store's (rule 4 of choose_layout)
         # A prefix store's rows share its entries' pages, so they take the store's layout: the
         # token-major fix is the store's option, not the call's.
         token_major = ("a prefix store of the token-major layout (PrefixStore(model.config, cache_config="

@@ -70,28 +70,31 @@ def test_rows_within_the_mapping_limit_keep_head_major():
     assert cache.stats().mappings >= 4 * SUBROWS  # one run (at least) per sub-row of every row
 
 
-def test_a_prefix_stores_rows_past_the_limit_are_refused_before_any_prefill_naming_the_stores_option():
-    """A store's rows take its entries' layout (rule 4), so rule 7 cannot switch them: the call is
-    refused when its layout is chosen (before any prefill), the message names the store's own
-    option, nothing is left behind, and the store serves the next call. A token-major store runs
-    the same rows and gives DynamicCache's tokens."""
+def test_a_default_prefix_stores_rows_past_the_limit_run_without_it_and_its_report_names_the_stores_option():
+    """A store's rows take its entries' layout (rule 4), so rule 7 cannot switch them to
+    token-major; rows that would pass the mapping limit in the default (head-major) store run
+    without it (token-major, prefill once), with DynamicCache's tokens, and the call's reuse report
+    says why and names the store's option; nothing goes into the store. A token-major store runs
+    the same rows with reuse."""
     model = _model()
     inputs = prompts(1, 64)  # (a store's rows reserve the model's positions; rules 5-7 never see its calls)
     kwargs = dict(max_new_tokens=4, do_sample=True, num_return_sequences=ROWS, pad_token_id=0)
     store = hf_vkv.PrefixStore(model.config)
     with PROCESS_MAP_BUDGET.override(limit=_limit(), headroom=0):
-        held = PROCESS_MAP_BUDGET.held
-        with pytest.raises(MappingLimitError, match=r"PrefixStore\(model.config, cache_config=\{'layout': 'token_major'\}\)"):
-            model.generate(**inputs, cache_implementation="vkv", cache_config={"prefix_store": store}, **kwargs)
-        gc.collect()
-        assert PROCESS_MAP_BUDGET.held == held and len(store) == 0
+        torch.manual_seed(7)
+        out = model.generate(**inputs, cache_implementation="vkv", cache_config={"prefix_store": store},
+                             return_dict_in_generate=True, **kwargs)
+        report = hf_vkv.reuse_report(out)
+        assert "PrefixStore(model.config, cache_config={'layout': 'token_major'})" in report.refusal
+        assert out[cache_kwarg()].layout == "token_major" and len(store) == 0 and report.inserted == 0
         store.check_invariants()
-        out = model.generate(**inputs, max_new_tokens=4, pad_token_id=0, cache_implementation="vkv",
-                             cache_config={"prefix_store": store})
-        assert_same_tokens(model.generate(**inputs, max_new_tokens=4, pad_token_id=0), out)
         token_major = hf_vkv.PrefixStore(model.config, cache_config={"layout": "token_major"})
         torch.manual_seed(7)
-        out = model.generate(**inputs, cache_implementation="vkv", cache_config={"prefix_store": token_major}, **kwargs)
+        again = model.generate(**inputs, cache_implementation="vkv", cache_config={"prefix_store": token_major},
+                               return_dict_in_generate=True, **kwargs)
+        assert hf_vkv.reuse_report(again).refusal is None and len(token_major) >= 1  # its rows went in
     torch.manual_seed(7)
-    assert_same_tokens(model.generate(**inputs, **kwargs), out)
+    reference = model.generate(**inputs, **kwargs)
+    assert_same_tokens(reference, out.sequences)
+    assert_same_tokens(reference, again.sequences)
     token_major.check_invariants()
