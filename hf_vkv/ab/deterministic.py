@@ -34,8 +34,8 @@ CUBLAS_WORKSPACE = ":4096:8"
 def deterministic_kernels(device: torch.device | str) -> Iterator[bool]:
     """Within the block, CUDA work uses deterministic kernels (``torch.use_deterministic_algorithms``
     with ``warn_only=True``: an operation without a deterministic kernel warns rather than fails)
-    and no cuDNN attention; the previous settings are restored afterwards. On other devices nothing changes. Yields whether
-    deterministic kernels are in force (for a report)."""
+    and no cuDNN attention; the previous settings are restored afterwards. On other devices
+    nothing changes. Yields whether deterministic kernels are in force (for a report)."""
     if torch.device(device).type != "cuda":
         yield torch.are_deterministic_algorithms_enabled()
         return
