@@ -42,7 +42,8 @@ stage="${1:-list}"
 # Parts, most valuable first: "name|budget_s|what|JSONs it writes into $results|command" (the
 # command runs under `timeout` in bash -c, with $results and $progress set). Device parts run
 # where torch sees a CUDA GPU; the CPU parts run where it does not (the fake-driver tests run in
-# both). The budgets add up to 390 s; QUICK_BUDGET (400 s) bounds
+# both). The budgets add up to 400 s (on an H200: bindings 34 s, the VMM latencies 16 s, identity
+# 128 s, the table's 1k cells 84 s); QUICK_BUDGET (400 s) bounds
 # the whole stage: a part gets min(its budget, what is left - 10 s of kill grace), and a part left
 # with under 5 s is skipped and said so. Environment (for tests and reruns): GPU_CHECK_PARTS
 # (names to run, default all), GPU_CHECK_RESULTS (default benchmarks/results), QUICK_BUDGET,
@@ -63,9 +64,9 @@ QUICK_TABLE=(--model smollm2-random --dtype bf16 --contexts 1024 4096 --batches 
              --repeats 1 --new-tokens 128 --beam-context 0)
 QUICK_VMM=(--pages 64)
 QUICK_DEVICE_PARTS=(
-  "bindings|55|the CUDA bindings and backend on the device: tests/gpu/test_gpu_backend.py (maps, zero-copy views, aliasing, copy-on-write, the unmap wait and its negative control, the readable reservation, memory given back)||quick_pytest bindings -m gpu \"\${QUICK_BINDINGS[@]}\""
-  "bindings-vmm|25|per-call latency of the driver's VMM calls and the backend's map/unmap: gpu_vmm.py --pages 64|gpu_vmm_quick.json|python3 benchmarks/gpu_vmm.py \"\${QUICK_VMM[@]}\" --out \"\$results/gpu_vmm_quick.json\""
-  "identity|140|token identity with DynamicCache, greedy / beams (3, 2 returned) / sampling (3 returned) x fp16 / bf16 (sdpa) on a SmolLM2-shaped llama (30 layers x 3 KV heads x 64, ~91 tokens a 2 MiB page; 150 + 130 tokens, rows over 2-4 pages), then pages given back after generate||quick_pytest identity -m gpu \"\${QUICK_IDENTITY[@]}\""
+  "bindings|45|the CUDA bindings and backend on the device: tests/gpu/test_gpu_backend.py (maps, zero-copy views, aliasing, copy-on-write, the unmap wait and its negative control, the readable reservation, memory given back)||quick_pytest bindings -m gpu \"\${QUICK_BINDINGS[@]}\""
+  "bindings-vmm|20|per-call latency of the driver's VMM calls and the backend's map/unmap: gpu_vmm.py --pages 64|gpu_vmm_quick.json|python3 benchmarks/gpu_vmm.py \"\${QUICK_VMM[@]}\" --out \"\$results/gpu_vmm_quick.json\""
+  "identity|165|token identity with DynamicCache, greedy / beams (3, 2 returned) / sampling (3 returned) x fp16 / bf16 (sdpa) on a SmolLM2-shaped llama (30 layers x 3 KV heads x 64, ~91 tokens a 2 MiB page; 150 + 130 tokens, rows over 2-4 pages), then pages given back after generate||quick_pytest identity -m gpu \"\${QUICK_IDENTITY[@]}\""
   "table|135|decode table: gpu_generate.py, vkv vs DynamicCache vs StaticCache (no compile), 1k and 4k tokens x batch 1 and 8, 128 new tokens, bf16, SmolLM2's shape: decode tokens/s, KV bytes, mapping share, token identity|gpu_generate_quick.json|python3 benchmarks/gpu_generate.py \"\${QUICK_TABLE[@]}\" --json \"\$results/gpu_generate_quick.json\""
   "cpu-unit|35|the fake-driver / CPU tests of the CUDA path (tests/unit/test_cuda_*.py) on this torch and transformers||quick_pytest cpu-unit \"\${QUICK_CPU_UNIT[@]}\""
 )
