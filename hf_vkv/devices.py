@@ -260,11 +260,12 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
     2. a compiled step: ``"static"`` (fixed addresses, StaticLayer's contract);
     3. the ``"vkv_paged"`` attention: ``"paged"``;
     4. memory inherited from a prefix store: the store's layout (rows share its entries' pages);
-       where that is the host's head-major default and the rows would need more mappings than
-       rule 7 allows, :class:`~hf_vkv.memory.map_budget.MappingLimitError` now (``store_layout``),
-       naming the store's option (``PrefixStore(config, cache_config={'layout': 'token_major'})``),
-       before any prefill rather than at a later step; ``generate`` then builds the call's cache
-       without the store (rule 7 applies) and its reuse report says why;
+       where that is head-major on the host (the store's own or the default) and the rows would
+       need more mappings than rule 7 allows, :class:`~hf_vkv.memory.map_budget.MappingLimitError`
+       now (``store_layout``; :func:`_check_store_rows`), naming the store's option
+       (``PrefixStore(config, cache_config={'layout': 'token_major'})``), before any prefill
+       rather than at a later step; ``generate`` then builds the call's cache without the store
+       (rule 7 applies) and its reuse report says why;
     5. CPU beam search over prompts of at most :data:`BEAM_TOKEN_MAJOR_MAX_PROMPT` tokens:
        ``"token_major"``;
     6. memory at the limit: where the device's default is head-major on the host, the prompt has
@@ -323,18 +324,13 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
         if workload.attention == PAGED_ATTENTION:
             return "paged"
         asked = workload.inherited  # a store's memory: its layout ("contiguous": the device's default)
+        if asked is not None and workload.device_type is not None:
+            _check_store_rows(asked, workload)
     if asked is not None and asked != "contiguous":
         return asked
     if workload.device_type is None:
         return None
     policy = policy_for(workload.device_type)
-    if asked is not None and asked == workload.inherited and policy.layout == "head_major" and policy.backend == "host":
-        needed = head_major_mappings(workload)  # rule 4 past rule 7's limit: refused now, not at a later step
-        if needed is not None and workload.mappings_free is None:
-            PROCESS_MAP_BUDGET.check(needed, store_layout=True)
-        elif needed is not None and needed > workload.mappings_free:
-            raise MappingLimitError(needed=needed, held=PROCESS_MAP_BUDGET.held, limit=PROCESS_MAP_BUDGET.limit,
-                                    others=0, headroom=PROCESS_MAP_BUDGET.headroom, store_layout=True)
     if asked is None and workload.device_type == "cpu" and workload.num_beams > 1 \
             and workload.prompt_tokens is not None and workload.prompt_tokens <= BEAM_TOKEN_MAJOR_MAX_PROMPT:
         return "token_major"
@@ -348,6 +344,23 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
             if needed > free:
                 return "token_major"
     return policy.layout
+
+
+def _check_store_rows(layout: str, workload: Workload) -> None:
+    """Rule 4 past rule 7's limit: rows that must take a prefix store's head-major layout (its
+    own, or the host's default) and would need more kernel mappings than the process has free
+    raise :class:`~hf_vkv.memory.map_budget.MappingLimitError` (``store_layout``) now, when the
+    layout is chosen, not at a later step; ``generate`` then runs the call without the store."""
+    policy = policy_for(workload.device_type)
+    head_major = layout == "head_major" or (layout == "contiguous" and policy.layout == "head_major")
+    needed = head_major_mappings(workload) if head_major and policy.backend == "host" else None
+    if needed is None:
+        return
+    if workload.mappings_free is None:
+        PROCESS_MAP_BUDGET.check(needed, store_layout=True)
+    elif needed > workload.mappings_free:
+        raise MappingLimitError(needed=needed, held=PROCESS_MAP_BUDGET.held, limit=PROCESS_MAP_BUDGET.limit,
+                                others=0, headroom=PROCESS_MAP_BUDGET.headroom, store_layout=True)
 
 
 def head_major_excess(workload: Workload, *, page_bytes: int | None = None) -> float | None:

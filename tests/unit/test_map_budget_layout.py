@@ -60,7 +60,10 @@ def test_nothing_asked_or_inherited_is_the_only_case_it_decides():
     with pytest.raises(MappingLimitError, match=r"PrefixStore\(model.config, cache_config=\{'layout': 'token_major'\}\)"):
         rule(inherited="contiguous", **tight)  # a store's rows share its entries' layout: refused before any prefill
     assert rule(inherited="contiguous", **{**tight, "rows": 1, "mappings_free": 540}) == "head_major"  # within: kept
-    assert rule(inherited="head_major", **tight) == "head_major"
+    with pytest.raises(MappingLimitError, match="PrefixStore"):
+        rule(inherited="head_major", **tight)  # a head-major store's own: the same
+    assert rule(inherited="token_major", **tight) == "token_major"  # a token-major store's rows fit
+    assert rule(inherited="contiguous", **{**tight, "device_type": "cuda"}) == policy_for("cuda").layout  # no map limit
     assert rule(compiling=True, **tight) == "static"
     assert rule(attention="vkv_paged", **tight) == "paged"
     assert rule(num_beams=4, prompt_tokens=BEAM_TOKEN_MAJOR_MAX_PROMPT, **tight) == "token_major"  # rule 5 first
