@@ -338,12 +338,21 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
         excess = head_major_excess(workload)
         if excess is not None and excess > MEMORY_LIMIT_SLACK and workload.prompt_tokens <= MEMORY_LIMIT_MAX_PROMPT:
             return "token_major"
-        needed = head_major_mappings(workload)
-        if needed is not None:
-            free = PROCESS_MAP_BUDGET.available() if workload.mappings_free is None else workload.mappings_free
-            if needed > free:
-                return "token_major"
+        if _head_major_overflow(workload) is not None:
+            return "token_major"
     return policy.layout
+
+
+def _head_major_overflow(workload: Workload) -> int | None:
+    """The mappings head-major's rows would need (:func:`head_major_mappings`) where that is more
+    than the process has free (``workload.mappings_free``, by default the process budget's
+    :meth:`~hf_vkv.memory.map_budget.MapBudget.available`); ``None`` where they fit or are not known.
+    Rule 7 and rule 4's store check (:func:`_check_store_rows`) both decide by it."""
+    needed = head_major_mappings(workload)
+    if needed is None:
+        return None
+    free = PROCESS_MAP_BUDGET.available() if workload.mappings_free is None else workload.mappings_free
+    return needed if needed > free else None
 
 
 def _check_store_rows(layout: str, workload: Workload) -> None:
@@ -353,14 +362,11 @@ def _check_store_rows(layout: str, workload: Workload) -> None:
     layout is chosen, not at a later step; ``generate`` then runs the call without the store."""
     policy = policy_for(workload.device_type)
     head_major = layout == "head_major" or (layout == "contiguous" and policy.layout == "head_major")
-    needed = head_major_mappings(workload) if head_major and policy.backend == "host" else None
-    if needed is None:
-        return
-    if workload.mappings_free is None:
-        PROCESS_MAP_BUDGET.check(needed, store_layout=True)
-    elif needed > workload.mappings_free:
-        raise MappingLimitError(needed=needed, held=PROCESS_MAP_BUDGET.held, limit=PROCESS_MAP_BUDGET.limit,
-                                others=0, headroom=PROCESS_MAP_BUDGET.headroom, store_layout=True)
+    needed = _head_major_overflow(workload) if head_major and policy.backend == "host" else None
+    if needed is not None:
+        budget = PROCESS_MAP_BUDGET
+        raise MappingLimitError(needed=needed, held=budget.held, limit=budget.limit, others=budget.others(),
+                                headroom=budget.headroom, store_layout=True)
 
 
 def head_major_excess(workload: Workload, *, page_bytes: int | None = None) -> float | None:

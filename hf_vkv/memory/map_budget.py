@@ -119,15 +119,14 @@ class MapBudget:
         """Mappings vkv may still add (may be negative when the process grew past the budget)."""
         return self.limit - self.headroom - self.others() - self.held
 
-    def check(self, needed: int, *, store_layout: bool = False) -> None:
-        """Raise :class:`MappingLimitError` unless ``needed`` more mappings fit (changes nothing);
-        ``store_layout``: the rows' layout is a prefix store's (the error names the store's option)."""
+    def check(self, needed: int) -> None:
+        """Raise :class:`MappingLimitError` unless ``needed`` more mappings fit (changes nothing)."""
         if needed <= 0 or self.held + needed <= self.limit - self.headroom - self.others():
             return
         others = self.others(fresh=True)  # the process may have shrunk since the last look
         if self.held + needed > self.limit - self.headroom - others:
             raise MappingLimitError(needed=needed, held=self.held, limit=self.limit, others=others,
-                                    headroom=self.headroom, store_layout=store_layout)
+                                    headroom=self.headroom)
 
     def charge(self, delta: int) -> None:
         """vkv now holds ``delta`` more mappings (negative: fewer)."""
