@@ -85,7 +85,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    p.add_argument("--beams", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--beams", type=int, nargs="*", default=[2, 4, 8])
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)

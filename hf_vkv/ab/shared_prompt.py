@@ -203,8 +203,10 @@ def _run_cache(model: PreTrainedModel, name: str, ids: torch.Tensor, workload: s
 
     with _attention(model, CASCADE_ATTENTION if name == "vkv_cascade" else None):
         # built under the attention it is read by: a cache tags shared prefixes for the attention it was built for
+        # the workload generate's own cache would see (the layout rule reads it)
         cache = VKVCache.for_generate(model, batch_size=1, expand=rows, max_length=ids.shape[1] + decode_steps + 1,
-                                      cache_config=None)
+                                      cache_config=None, num_beams=kwargs.get("num_beams", 1),
+                                      prompt_tokens=ids.shape[1])
         try:
             run = _generate(model, ids, cache, new_tokens=1 + decode_steps, **common, **kwargs)
             s = cache.stats()

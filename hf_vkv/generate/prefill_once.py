@@ -348,10 +348,11 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
             outer.reset()  # the rows written so far are one per prompt: start again on every row
             reason = str(exc)
         else:
-            if mode.expanded:
-                cache.prefill_counts.verdict = (f"on; {mode.expanded} call(s) ran on every row (not admitted "
-                                                f"as exact on one row per prompt at {torch.get_num_threads()} "
-                                                f"thread(s))")
+            if mode.expanded or mode.partial:
+                ran = [f"{mode.expanded} call(s) ran on every row"] if mode.expanded else []
+                ran += [f"{mode.partial} call(s) on a few repeats of each prompt"] if mode.partial else []
+                cache.prefill_counts.verdict = (f"on; {' and '.join(ran)} (not admitted as exact on one row per "
+                                                f"prompt at {torch.get_num_threads()} thread(s))")
             return expand_rows(outputs, prompts, k, keep=outer)  # the logits have `rows` rows already
     if cache.prompt_repeats > 1:  # the whole prompt, less what the cache holds already (stored prefixes)
         cache.prefill_counts.computed += rows * (tokens - cache.get_seq_length())

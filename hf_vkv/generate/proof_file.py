@@ -9,7 +9,7 @@ module's key is a SHA-256 over the signature (in a form that is the same in ever
 oneDNN), the CPU's model name, the number of proof draws. A signature proved once on a machine is
 then never proved again there, so only a machine's first call of a shape pays for the proof.
 
-The file is a list of JSON lines ``{"key": <hex>, "verdict": "exact" | "expanded"}``, appended
+The file is a list of JSON lines ``{"key": <hex>, "verdict": "exact" | "repeats:<m>"}``, appended
 with one ``write`` per verdict (``O_APPEND``: concurrent processes interleave whole lines). A
 line that does not parse, or names another verdict, is ignored; a file that cannot be read or
 written (a read-only home) only means proving again: it never fails a ``generate``.
@@ -28,7 +28,6 @@ import os
 import platform
 import threading
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -36,7 +35,13 @@ __all__ = ["ENV_VAR", "ProofFile", "digest", "environment", "proof_file"]
 
 #: The environment variable naming the file (``off``: none).
 ENV_VAR = "HF_VKV_PROOF_CACHE"
-_VERDICTS = ("exact", "expanded")
+
+
+def _is_verdict(value: object) -> bool:
+    """``value`` is a verdict this module keeps: ``exact``, ``repeats:<m>`` (``m > 1``) or, from
+    versions before the repeat ladder, ``expanded`` (which row exactness proves again)."""
+    return isinstance(value, str) and (value in ("exact", "expanded") or (
+        value.startswith("repeats:") and value[8:].isdigit() and int(value[8:]) > 1))
 
 
 @functools.cache
@@ -67,21 +72,21 @@ class ProofFile:
                 for line in f:
                     try:
                         item = json.loads(line)
-                        if item["verdict"] in _VERDICTS and isinstance(item["key"], str):
+                        if _is_verdict(item["verdict"]) and isinstance(item["key"], str):
                             known[item["key"]] = item["verdict"]
                     except (ValueError, KeyError, TypeError):
                         continue  # a torn or foreign line: that verdict is proved again
             self._known = known
         return self._known
 
-    def get(self, key: str) -> Literal["exact", "expanded"] | None:
+    def get(self, key: str) -> str | None:
         """The verdict kept for ``key``, or ``None``."""
         with self._lock:
-            return self._load().get(key)  # type: ignore[return-value]
+            return self._load().get(key)
 
     def put(self, key: str, verdict: str) -> None:
         """Keep ``verdict`` for ``key`` (appended; a failure to write is ignored)."""
-        if verdict not in _VERDICTS:
+        if not _is_verdict(verdict):
             return
         with self._lock:
             known = self._load()

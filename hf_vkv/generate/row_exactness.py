@@ -26,6 +26,13 @@ call (runs it on the ``B`` rows only) by a rule on those, never by a sample of v
   its verdict is kept for the process (:func:`clear_verdicts`) and on disk for later processes
   on the same software and machine (:mod:`hf_vkv.generate.proof_file`, ``HF_VKV_PROOF_CACHE``): a
   later call, in another layer, ``generate`` or process, finds the verdict the proof would give again;
+* **a proved call not admitted on ``B`` rows** may be admitted on ``B*m`` rows (each prompt
+  repeated ``m`` times, ``m`` a power of two, ``2m <= k``: :func:`repeat_ladder`): its proof goes
+  on to compare the ``B*m``-row call's first repeat with the ``B*k`` rows on the same draws,
+  smallest ``m`` first. At two threads a BLAS may split the reduction of a short product (the
+  MLP of a 128-token prompt) between the threads but not a taller one's, so two repeats compute
+  what ``k`` do, and the call costs ``m`` rows, not ``k`` (:attr:`RowExactness.partial` counts
+  them);
 * **anything not admitted** runs on DynamicCache's rows (the operands expanded to ``B*k`` rows,
   as DynamicCache holds them), every time: when the repeats of each prompt are equal bit for bit
   the call hands back one per prompt — DynamicCache's bits — (:attr:`RowExactness.expanded`
@@ -45,7 +52,7 @@ import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -53,9 +60,13 @@ from torch.overrides import TorchFunctionMode
 from .proof_file import digest, proof_file
 
 __all__ = ["InexactRows", "PROOF_DRAWS", "RowExactness", "Verdict", "clear_verdicts", "expand_operand",
-           "lane_functions", "probed_functions", "proved_functions", "same_lanes"]
+           "lane_functions", "probed_functions", "proved_functions", "repeat_ladder", "same_lanes",
+           "verdict_repeats"]
 
-Verdict = Literal["exact", "expanded", "inexact"]
+#: A proof's verdict: ``"exact"`` (the call runs on the ``B`` rows) or ``"repeats:<m>"`` (on
+#: ``B*m`` rows: ``m`` of :func:`repeat_ladder`, or ``k``, DynamicCache's rows; :func:`verdict_repeats`).
+#: ``"expanded"``, kept by versions before the ladder, is proved again.
+Verdict = str
 
 #: Proofs kept per process (the oldest forgotten first); a signature includes the prompt's length,
 #: so a long-running server sees many. A forgotten proof is made again, with the same verdict.
@@ -77,6 +88,28 @@ class InexactRows(Exception):
     """A call of the forward computes a repeated prompt's copies differently from each other at
     ``B*k`` rows, so no forward on ``B`` rows can give DynamicCache's bits (internal: prefill once
     catches it and prefills every row)."""
+
+
+def repeat_ladder(repeats: int) -> list[int]:
+    """The repeats ``m`` a proof tries after one (smallest first): powers of two with ``2m <= k``
+    (a call on more than half of DynamicCache's rows spares too little to prove)."""
+    out, m = [], 2
+    while 2 * m <= repeats:
+        out.append(m)
+        m *= 2
+    return out
+
+
+def verdict_repeats(verdict: Verdict, repeats: int) -> int | None:
+    """The repeats of each prompt a call with ``verdict`` runs on (``1``: the unique rows;
+    ``repeats``: DynamicCache's), ``None`` for a verdict to prove again (unknown, or an
+    ``"expanded"`` kept before the ladder was tried)."""
+    if verdict == "exact":
+        return 1
+    if verdict.startswith("repeats:") and verdict[8:].isdigit():
+        m = int(verdict[8:])
+        return m if m == repeats or m in repeat_ladder(repeats) else None
+    return None
 
 
 def clear_verdicts() -> None:
@@ -217,6 +250,7 @@ def _describe(value: Any) -> Any:
 class _Counts:
     probed: int = 0     # signatures compared in this forward
     expanded: int = 0   # calls that ran on the expanded rows (their signature is not exact)
+    partial: int = 0    # calls that ran on some repeats of each prompt (proved for them, not for one)
 
 
 class RowExactness(TorchFunctionMode):
@@ -251,16 +285,26 @@ class RowExactness(TorchFunctionMode):
         """Calls that ran on DynamicCache's rows (not admitted by the rule or a proof)."""
         return self.counts.expanded
 
+    @property
+    def partial(self) -> int:
+        """Calls that ran on ``m`` repeats of each prompt, ``1 < m < k`` (admitted there by a proof)."""
+        return self.counts.partial
+
     def _rows(self, value: Any) -> bool:
         return (isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.dim() > 0
                 and value.shape[0] % self.prompts == 0 and value.shape[0] > 0)
 
-    def _expand(self, value: Any) -> Any:
+    def _expand(self, value: Any, repeats: int) -> Any:
+        """``value``'s row operands expanded to ``repeats`` repeats of each prompt."""
         if self._rows(value):
-            return expand_operand(value, self.prompts, self.repeats)
+            return expand_operand(value, self.prompts, repeats)
         if isinstance(value, (tuple, list)):
-            return type(value)(self._expand(v) for v in value)
+            return type(value)(self._expand(v, repeats) for v in value)
         return value
+
+    def _call_on(self, func: Any, args: tuple, kwargs: dict, repeats: int) -> Any:
+        """``func`` on its operands expanded to ``repeats`` repeats of each prompt."""
+        return func(*self._expand(args, repeats), **{name: self._expand(v, repeats) for name, v in kwargs.items()})
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -269,14 +313,17 @@ class RowExactness(TorchFunctionMode):
         operands = [a for a in (*args, *kwargs.values()) for a in (a if isinstance(a, (tuple, list)) else (a,))]
         if not any(self._rows(a) for a in operands):
             return func(*args, **kwargs)
-        if self._admitted(func, args, kwargs, operands):
+        repeats = self._repeats_for(func, args, kwargs, operands)
+        if repeats == 1:
             return func(*args, **kwargs)
-        return self._on_dynamic_rows(func, args, kwargs)
+        return self._on_repeats(func, args, kwargs, repeats)
 
     # ----------------------------------------------------------------------------- the rule
-    def _admitted(self, func: Any, args: tuple, kwargs: dict, operands: list[Any]) -> bool:
+    def _repeats_for(self, func: Any, args: tuple, kwargs: dict, operands: list[Any]) -> int:
+        """The repeats of each prompt the call runs on: 1 where admitted on the unique rows, ``m``
+        where a proof admits ``m`` repeats, else ``k`` (DynamicCache's rows)."""
         if func in lane_functions():
-            return self._same_lanes(operands)
+            return 1 if self._same_lanes(operands) else self.repeats
         key = (func, _describe(args), _describe(kwargs), self.prompts, self.repeats, torch.get_num_threads(),
                self._machine, self._fixed_values(func, args, kwargs))
         verdict = _VERDICTS.get(key)
@@ -284,13 +331,13 @@ class RowExactness(TorchFunctionMode):
             kept = proof_file()
             stable = _portable(key) if kept is not None else None  # None: not kept across processes
             verdict = kept.get(stable) if stable is not None else None
-            if verdict is None:
+            if verdict is None or verdict_repeats(verdict, self.repeats) is None:
                 self.counts.probed += 1
                 verdict = self._prove(func, args, kwargs)
                 if stable is not None:
                     kept.put(stable, verdict)
             _remember(key, verdict)
-        return verdict == "exact"
+        return verdict_repeats(verdict, self.repeats) or self.repeats  # (a test's stand-in proof: every row)
 
     def _same_lanes(self, operands: list[Any]) -> bool:
         """An elementwise call: every row operand contiguous and of one shape, every other tensor
@@ -306,25 +353,45 @@ class RowExactness(TorchFunctionMode):
 
     def _prove(self, func: Any, args: tuple, kwargs: dict) -> Verdict:
         """The verdict of :data:`PROOF_DRAWS` synthetic draws of the call's operands (same layout,
-        other values), each run on the ``B`` rows and on their expansion to ``B*k``."""
-        generator = torch.Generator().manual_seed(0)
+        other values), each run on the ``B`` rows and on their expansion to ``B*k``; where the
+        ``B`` rows differ, the same draws on ``B*m`` rows for the ``m`` of :func:`repeat_ladder`,
+        smallest first (the smallest ``m`` that matches a draw is the only one the next draw tries)."""
         keep = _real_operands(func, args, kwargs)
-        for draw in range(PROOF_DRAWS):
-            def fake(value: Any) -> Any:
-                return _synthetic(value, generator, draw, keep=keep)
+        ladder: list[int] | None = None  # None: the unique rows hold so far
+        for phase in ("unique", "ladder"):
+            generator = torch.Generator().manual_seed(0)  # both phases see the same draws
+            for draw in range(PROOF_DRAWS):
+                def fake(value: Any) -> Any:
+                    return _synthetic(value, generator, draw, keep=keep)
 
-            try:
-                fake_args = tuple(fake(a) for a in args)
-                fake_kwargs = {name: fake(v) for name, v in kwargs.items()}
-                big = func(*self._expand(fake_args), **{name: self._expand(v) for name, v in fake_kwargs.items()})
-                out = func(*fake_args, **fake_kwargs)
-            except Exception:  # noqa: BLE001 - a call the synthetic operands do not fit: DynamicCache's rows
-                return "expanded"
-            if not self._rows(out):
-                return "exact"  # a result not indexed by row: nothing per row to compare
-            if not self._same_as_first_repeats(out, big):
-                return "expanded"
-        return "exact"
+                try:
+                    fake_args = tuple(fake(a) for a in args)
+                    fake_kwargs = {name: fake(v) for name, v in kwargs.items()}
+                    big = self._call_on(func, fake_args, fake_kwargs, self.repeats)
+                    if phase == "ladder":
+                        ladder = next(([m] for m in ladder or () if self._same_as_first_repeats(
+                            self._call_on(func, fake_args, fake_kwargs, m), big, m)), [])
+                        if not ladder:
+                            return self._every_row
+                        continue
+                    out = func(*fake_args, **fake_kwargs)
+                except Exception:  # noqa: BLE001 - a call the synthetic operands do not fit: DynamicCache's rows
+                    return self._every_row
+                if not self._rows(out):
+                    return "exact"  # a result not indexed by row: nothing per row to compare
+                if not self._same_as_first_repeats(out, big, 1):
+                    ladder = repeat_ladder(self.repeats)
+                    if not ladder:
+                        return self._every_row
+                    break
+            if ladder is None:
+                return "exact"
+        return f"repeats:{ladder[0]}"
+
+    @property
+    def _every_row(self) -> Verdict:
+        """The verdict that runs a call on DynamicCache's ``B*k`` rows."""
+        return f"repeats:{self.repeats}"
 
     def _fixed_values(self, func: Any, args: tuple, kwargs: dict) -> tuple:
         """The values of the operands a proof keeps (:func:`_real_operands`): part of its key
@@ -341,41 +408,43 @@ class RowExactness(TorchFunctionMode):
         return tuple(out)
 
     # ----------------------------------------------------------------------------- DynamicCache's rows
-    def _on_dynamic_rows(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """The call on its operands expanded to ``B*k`` rows; one repeat per prompt handed back,
+    def _on_repeats(self, func: Any, args: tuple, kwargs: dict, repeats: int) -> Any:
+        """The call on its operands expanded to ``repeats`` repeats of each prompt (``k``:
+        DynamicCache's rows; fewer where a proof admits them); one repeat per prompt handed back,
         in the unique call's layout, when the repeats are equal (else :class:`InexactRows`)."""
-        big = self._expanded_call(func, args, kwargs)  # first: an in-place function changes its operand
+        try:  # first: an in-place function changes its operand
+            big = self._call_on(func, args, kwargs, repeats)
+        except Exception as exc:  # the operands are not laid out as this module assumes
+            raise InexactRows(f"{_name(func)} could not be run on the expanded rows ({type(exc).__name__})") from exc
         # the unique call still runs, for its output's layout (DynamicCache's call lays its output out the
         # same way, and later calls may take another path for another layout) and an in-place operand
         out = func(*args, **kwargs)
         if not self._rows(out):  # a result not indexed by row: no row to hand back
             return out
         if not (isinstance(big, torch.Tensor) and big.shape[1:] == out.shape[1:]
-                and big.shape[0] == out.shape[0] * self.repeats):
+                and big.shape[0] == out.shape[0] * repeats):
             raise InexactRows(f"{_name(func)} did not return one tensor of the expanded rows")
-        grouped = self._grouped(big)
+        grouped = self._grouped(big, repeats)
         if not _bits_equal(grouped, grouped[:, :1].expand_as(grouped)):
             raise InexactRows(f"{_name(func)} computes a prompt's repeats differently from each other at "
                               f"{torch.get_num_threads()} thread(s)")
-        self.counts.expanded += 1
+        if repeats == self.repeats:
+            self.counts.expanded += 1
+        else:
+            self.counts.partial += 1
         return out.copy_(grouped[:, 0].reshape(-1, *big.shape[1:]))  # DynamicCache's bits
 
-    def _expanded_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        try:
-            return func(*self._expand(args), **{name: self._expand(v) for name, v in kwargs.items()})
-        except Exception as exc:  # the operands are not laid out as this module assumes
-            raise InexactRows(f"{_name(func)} could not be run on the expanded rows ({type(exc).__name__})") from exc
+    def _grouped(self, big: torch.Tensor, repeats: int) -> torch.Tensor:
+        return big.reshape(self.prompts, repeats, -1, *big.shape[1:])
 
-    def _grouped(self, big: torch.Tensor) -> torch.Tensor:
-        return big.reshape(self.prompts, self.repeats, -1, *big.shape[1:])
-
-    def _same_as_first_repeats(self, out: Any, big: Any) -> bool:
-        """Whether every repeat in ``big`` equals ``out``'s row bit for bit."""
+    def _same_as_first_repeats(self, out: Any, big: Any, repeats: int) -> bool:
+        """Whether every repeat in ``big`` (``k`` repeats of each prompt) equals the first repeat
+        of ``out`` (``repeats`` repeats) bit for bit."""
         if not (isinstance(out, torch.Tensor) and isinstance(big, torch.Tensor) and out.dim() > 0
-                and big.shape[1:] == out.shape[1:] and big.shape[0] == out.shape[0] * self.repeats):
+                and big.shape[1:] == out.shape[1:] and big.shape[0] * repeats == out.shape[0] * self.repeats):
             return False
-        grouped = self._grouped(big)  # [B, k, r, ...]
-        return _bits_equal(grouped, out.reshape(self.prompts, 1, -1, *out.shape[1:]).expand_as(grouped))
+        grouped = self._grouped(big, self.repeats)  # [B, k, r, ...]
+        return _bits_equal(grouped, self._grouped(out, repeats)[:, :1].expand_as(grouped))
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -4,6 +4,8 @@ row per prompt and expanding outputs back, and the row-exactness probe its exact
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -144,3 +146,78 @@ def test_norms_softmax_and_activations_are_probed(threads: int) -> None:
         assert torch.equal(got, ref)
     assert mode.counts.probed == 3  # mean, layer_norm, softmax are proved; gelu, pow, tanh take the lane rule
     rx.clear_verdicts()
+
+
+def _shape_bumped(below: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A stand-in for a kernel whose rounding depends on the rows it is given: a row's result
+    gains 0.5 when the call has fewer than ``below`` rows (as a BLAS that splits a short
+    product's reduction between threads rounds it otherwise)."""
+    def bumped(x: torch.Tensor) -> torch.Tensor:
+        if torch.overrides.has_torch_function((x,)):  # dispatched through the active mode, as torch's own functions
+            return torch.overrides.handle_torch_function(bumped, (x,), x)
+        return x.sum(-1, keepdim=True) + (0.5 if x.shape[0] < below else 0.0)
+    return bumped
+
+
+@pytest.mark.parametrize(("below", "k", "verdict", "partial", "expanded"), [
+    (2, 8, "repeats:2", 1, 0),   # two repeats compute what eight do
+    (5, 16, "repeats:8", 1, 0),  # the ladder's smallest m (2, 4, 8) whose rows match
+    (8, 8, "repeats:8", 0, 1),   # only all eight: DynamicCache's rows
+    (3, 3, "repeats:3", 0, 1),   # k = 3: no ladder (2m <= k has no m), straight to every row
+    (1, 8, "exact", 0, 0),       # one row per prompt computes it
+])
+def test_a_call_runs_on_the_fewest_repeats_proved_to_give_dynamic_cache_bits(
+        monkeypatch: pytest.MonkeyPatch, below: int, k: int, verdict: str, partial: int, expanded: int) -> None:
+    """Prefill once's ladder: a proved call not admitted on one row per prompt runs on the fewest
+    repeats ``m`` (a power of two, ``2m <= k``) whose first repeat equals every one of the ``k``
+    rows on the proof's draws, else on all ``k``; either way the rows handed back are DynamicCache's."""
+    func = _shape_bumped(below)
+    monkeypatch.setattr(rx, "_PROVED_FUNCTIONS", rx.proved_functions() | {func})
+    rx.clear_verdicts()
+    try:
+        x = torch.randn(1, 6, generator=torch.Generator().manual_seed(below))  # 1 prompt of 1 row
+        mode = rx.RowExactness(prompts=1, repeats=k)
+        mode.watching = True
+        with mode:
+            y = func(x)
+        assert [v for key, v in rx._VERDICTS.items() if key[0] is func] == [verdict]
+        assert (mode.partial, mode.expanded) == (partial, expanded)
+        tall = func(rx.expand_operand(x, 1, k))  # DynamicCache's rows
+        assert torch.equal(tall, y.expand_as(tall))
+        assert rx.verdict_repeats(verdict, k) == (1 if verdict == "exact" else int(verdict.removeprefix("repeats:")))
+    finally:
+        rx.clear_verdicts()
+
+
+def test_verdicts_name_repeats_on_the_ladder_only() -> None:
+    assert rx.repeat_ladder(3) == [] and rx.repeat_ladder(4) == [2] and rx.repeat_ladder(64) == [2, 4, 8, 16, 32]
+    assert rx.verdict_repeats("exact", 8) == 1 and rx.verdict_repeats("repeats:4", 8) == 4
+    assert rx.verdict_repeats("repeats:8", 8) == 8  # every row: DynamicCache's
+    assert rx.verdict_repeats("repeats:3", 8) is None and rx.verdict_repeats("maybe", 8) is None
+    assert rx.verdict_repeats("expanded", 8) is None  # kept before the ladder was tried: proved again
+
+
+@pytest.mark.threads(2)
+def test_a_short_product_split_between_threads_gives_dynamic_cache_bits_on_fewer_rows() -> None:
+    """The MLP's down projection of a 128-token prompt at two threads (SmolLM2's shapes): whatever
+    this machine's BLAS does with one row, the probed call hands back the 64 rows' bits, and runs
+    on fewer than 64 repeats where a proof admits them."""
+    rx.clear_verdicts()
+    g = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(576, 1536, generator=g), requires_grad=False)
+    x = torch.randn(1, 128, 1536, generator=g)
+    k = 64
+    try:
+        mode = rx.RowExactness(prompts=1, repeats=k)
+        mode.watching = True
+        with mode:
+            y = torch.nn.functional.linear(x, weight)
+        big = torch.nn.functional.linear(rx.expand_operand(x, 1, k), weight)
+        grouped = big.reshape(1, k, 128, 576)
+        assert torch.equal(grouped, grouped[:, :1].expand_as(grouped))  # DynamicCache's own repeats agree
+        assert torch.equal(y.reshape(1, 1, 128, 576).expand_as(grouped), grouped)
+        (verdict,) = [v for key, v in rx._VERDICTS.items() if key[0] is torch.nn.functional.linear]
+        assert rx.verdict_repeats(verdict, k) in [1, *rx.repeat_ladder(k), k]
+        assert mode.expanded == (verdict == f"repeats:{k}") and mode.partial == (verdict not in ("exact", f"repeats:{k}"))
+    finally:
+        rx.clear_verdicts()

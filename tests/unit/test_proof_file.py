@@ -44,7 +44,7 @@ def test_a_verdict_is_found_again_without_a_proof(kept: Path) -> None:
     y, mode = _linear_mode(x, weight, 1, 4)
     assert mode.counts.probed == 1
     lines = [json.loads(line) for line in kept.read_text().splitlines()]
-    assert len(lines) == 1 and lines[0]["verdict"] in ("exact", "expanded") and len(lines[0]["key"]) == 64
+    assert len(lines) == 1 and rx.verdict_repeats(lines[0]["verdict"], 4) is not None and len(lines[0]["key"]) == 64
     rx.clear_verdicts()
     pf._FILES.pop(kept)  # as a new process would: read from the file
     y_again, mode = _linear_mode(torch.randn(7, 64, generator=g), weight, 1, 4)  # other values, same signature
@@ -126,3 +126,17 @@ def test_off_keeps_proofs_in_the_process(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.delenv(pf.ENV_VAR)
     monkeypatch.setenv("XDG_CACHE_HOME", "/nonexistent-cache")
     assert pf.proof_file().path == Path("/nonexistent-cache/hf_vkv/row_proofs.jsonl")
+
+
+def test_a_verdict_of_a_few_repeats_is_kept_and_others_are_not(kept: Path) -> None:
+    """``repeats:<m>`` (a call proved on ``m`` repeats of each prompt) is kept and read back like
+    ``exact`` and ``expanded``; a malformed one is neither written nor read."""
+    file = pf.proof_file()
+    for verdict in ("repeats:2", "repeats:1", "repeats:x", "repeats:", "maybe"):
+        file.put(f"key-{verdict}", verdict)
+    assert [json.loads(line)["verdict"] for line in kept.read_text().splitlines()] == ["repeats:2"]
+    with open(kept, "a") as f:
+        f.write('{"key": "other", "verdict": "repeats:0"}\n')
+    pf._FILES.pop(kept)
+    again = pf.proof_file()
+    assert again.get("key-repeats:2") == "repeats:2" and again.get("other") is None
