@@ -319,8 +319,7 @@ class RowBuffer(ABC):
     def clear(self, rows: Iterable[int]) -> None:
         """Empty the rows, returning their pages."""
         with self._transaction() as table:
-            for t in self._expand(rows):
-                table.clear(t)
+            table.clear_rows(self._expand(rows))
 
     def fork(self: _Self, *, rows: int | None = None) -> _Self:
         """A new buffer of the same store whose rows share this buffer's pages (zero copy).
@@ -472,7 +471,6 @@ def return_pages(table: PageTable, store: PageStore, untranslate: Callable[[], N
                     if untranslate is not None:
                         untranslate()
                 finally:
-                    for r in range(table.rows):
-                        table.clear(r)
+                    table.clear_rows(range(table.rows))
         finally:
             store.buffer_closed(table)

@@ -71,6 +71,29 @@ def test_clear_frees_pages_and_a_regrown_row_recycles_them():
     assert ok(t).row(3) == Row()
 
 
+def test_clear_rows_drops_shared_and_own_pages_at_once_and_refuses_a_bad_row_first():
+    """Rows that share pages (a prompt repeated) and rows with pages of their own, emptied in one
+    call: every reference goes, a page held by a row left alone keeps its count, and a row out of
+    range changes nothing."""
+    t = make(rows=5)
+    t.grow(0, 9)  # pages 0, 1, 2
+    for r in (1, 2, 3):
+        t.share(0, r)
+    t.grow(3, 13)  # row 3 writes its own last page after the shared ones: 3's fourth page
+    t.grow(4, 5)  # pages of its own: 16, 17
+    before = state(ok(t))
+    with pytest.raises(IndexError):
+        t.clear_rows([0, 5])
+    assert state(t) == before
+    t.clear_rows([0, 1, 3, 4])
+    assert ok(t).row(2) == Row(9, 0, (0, 1, 2)) and [t.row(r) for r in (0, 1, 3, 4)] == [Row()] * 4
+    assert refs(t, 0, 1, 2) == [1, 1, 1]  # row 2's alone now
+    t.clear_rows(range(5))
+    assert ok(t).pool.stats().in_use == 0 and list(t) == [Row()] * 5
+    t.clear_rows(range(5))  # empty rows: nothing happens
+    assert ok(t).pool.stats().in_use == 0
+
+
 def test_free_then_reuse_recycles_resident_pages_before_touching_fresh_ones():
     t = make()
     t.grow(0, 8)  # pages 0, 1
