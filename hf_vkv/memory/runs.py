@@ -21,6 +21,10 @@ def consecutive_runs(values: Sequence[int]) -> Iterator[tuple[int, int]]:
     n = len(values)
     if not n:
         return
+    first = values[0]
+    if values[-1] - first == n - 1 and (n < 3 or list(values) == list(range(first, first + n))):
+        yield int(first), n  # one run (a row's pages, a shared prompt's): checked in C, no loop per value
+        return
     # where a step is not +1, found in one pass over the differences (C-level map, no index loop)
     breaks = [i for i, step in enumerate(map(sub, values[1:], values[:-1]), 1) if step != 1]
     start = 0

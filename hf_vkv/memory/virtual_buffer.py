@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -183,7 +183,7 @@ class VirtualBuffer(RowBuffer):
         if reservation.budget is not None:
             peak, final = self._mapping_change(plan, changed)
             reservation.budget.check(peak)  # nothing changed yet: the cache stays usable
-        done: list[tuple[int, int, list[PageId | None], list[PageId | None]]] = []
+        done: list[tuple[int, int, Sequence[PageId | None], Sequence[PageId | None]]] = []
         for r, first, before, after in plan:
             reached = [0]
             try:
@@ -246,7 +246,7 @@ class VirtualBuffer(RowBuffer):
                 self.close()
             raise
 
-    def _apply(self, row: int, first: int, pages: list[PageId | None], reached: list[int]) -> None:
+    def _apply(self, row: int, first: int, pages: Sequence[PageId | None], reached: list[int]) -> None:
         """Set slots ``first ..`` of ``row`` to ``pages`` (None = unmapped), one backend call per
         run; ``reached[0]`` says how far the calls got (the end of the run being made)."""
         backend = self.store.backend
@@ -278,13 +278,13 @@ def _root(exc: BaseException) -> str:
     return f"{exc.call}: {exc.detail}" if isinstance(exc, BackendError) else _detail(exc)
 
 
-def _slot_changes(old: Row, new: Row) -> list[tuple[int, list[PageId | None], list[PageId | None]]]:
+def _slot_changes(old: Row, new: Row) -> list[tuple[int, Sequence[PageId | None], Sequence[PageId | None]]]:
     """Runs of consecutive page slots whose page differs: ``(first slot, old pages, new pages)``."""
     if old.start == new.start and old.pages == new.pages:
         return []  # a reorder's row that kept its pages (or copied its tail in place)
-    if not old.pages or not new.pages:  # a row filled from nothing (a share) or emptied: one run, no loop
-        return [(new.start, [None] * len(new.pages), list(new.pages))] if new.pages else \
-            [(old.start, list(old.pages), [None] * len(old.pages))]
+    if not old.pages or not new.pages:  # a row filled from nothing (a share) or emptied: one run, no loop or copy
+        return [(new.start, (None,) * len(new.pages), new.pages)] if new.pages else \
+            [(old.start, old.pages, (None,) * len(old.pages))]
     lo = min(old.start if old.pages else new.start, new.start if new.pages else old.start)
     hi = max(old.end, new.end)
     a, b = max(old.start, new.start), min(old.end, new.end)
