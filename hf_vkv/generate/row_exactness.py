@@ -337,7 +337,7 @@ class RowExactness(TorchFunctionMode):
                 if stable is not None:
                     kept.put(stable, verdict)
             _remember(key, verdict)
-        return verdict_repeats(verdict, self.repeats) or self.repeats  # (a test's stand-in proof: every row)
+        return verdict_repeats(verdict, self.repeats) or self.repeats  # a verdict it cannot read: every row
 
     def _same_lanes(self, operands: list[Any]) -> bool:
         """An elementwise call: every row operand contiguous and of one shape, every other tensor

@@ -165,7 +165,8 @@ def test_a_call_that_differs_runs_on_every_row(monkeypatch: pytest.MonkeyPatch, 
     rows (``expanded``), and a call whose repeats differ among themselves sends the whole prefill to
     every row (``inexact``, after the rows written so far are dropped)."""
     row_exactness.clear_verdicts()
-    monkeypatch.setattr(row_exactness.RowExactness, "_prove", lambda self, func, args, kwargs: "expanded")
+    monkeypatch.setattr(row_exactness.RowExactness, "_prove",
+                        lambda self, func, args, kwargs: f"repeats:{self.repeats}")  # every row
     monkeypatch.setattr(row_exactness.RowExactness, "_same_lanes", lambda self, operands: False)
     if forced == "inexact":  # DynamicCache's own repeats of a prompt differ
         monkeypatch.setattr(row_exactness, "_bits_equal", lambda a, b: False)

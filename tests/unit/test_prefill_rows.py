@@ -218,6 +218,7 @@ def test_a_short_product_split_between_threads_gives_dynamic_cache_bits_on_fewer
         assert torch.equal(y.reshape(1, 1, 128, 576).expand_as(grouped), grouped)
         (verdict,) = [v for key, v in rx._VERDICTS.items() if key[0] is torch.nn.functional.linear]
         assert rx.verdict_repeats(verdict, k) in [1, *rx.repeat_ladder(k), k]
-        assert mode.expanded == (verdict == f"repeats:{k}") and mode.partial == (verdict not in ("exact", f"repeats:{k}"))
+        every = f"repeats:{k}"
+        assert mode.expanded == (verdict == every) and mode.partial == (verdict not in ("exact", every))
     finally:
         rx.clear_verdicts()
