@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from operator import sub
 
 from .errors import KVCacheOutOfMemory
+from .runs import is_one_run
 
 __all__ = ["MapBudget", "MappingLimitError", "PROCESS_MAP_BUDGET", "SlotRun", "mapping_change", "process_mappings",
            "read_max_map_count"]
@@ -169,7 +170,7 @@ def _inner_breaks(pages: Sequence[int | None]) -> int:
     if a is None:
         if b is None and pages.count(None) == n:
             return 0
-    elif b is not None and b - a == n - 1 and list(pages) == list(range(a, a + n)):
+    elif b is not None and is_one_run(pages):  # a None inside makes the lists differ
         return 0
     if None not in pages:  # mapped slots only (a row's pages): count the steps that are not +1, in C
         return n - 1 - list(map(sub, pages[1:], pages[:-1])).count(1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from operator import sub
 
-__all__ = ["consecutive_runs"]
+__all__ = ["consecutive_runs", "is_one_run"]
 
 
 def consecutive_runs(values: Sequence[int]) -> Iterator[tuple[int, int]]:
@@ -21,9 +21,8 @@ def consecutive_runs(values: Sequence[int]) -> Iterator[tuple[int, int]]:
     n = len(values)
     if not n:
         return
-    first = values[0]
-    if values[-1] - first == n - 1 and (n < 3 or list(values) == list(range(first, first + n))):
-        yield int(first), n  # one run (a row's pages, a shared prompt's): checked in C, no loop per value
+    if is_one_run(values):  # a row's pages, a shared prompt's: no loop per value
+        yield int(values[0]), n
         return
     # where a step is not +1, found in one pass over the differences (C-level map, no index loop)
     breaks = [i for i, step in enumerate(map(sub, values[1:], values[:-1]), 1) if step != 1]
@@ -32,3 +31,9 @@ def consecutive_runs(values: Sequence[int]) -> Iterator[tuple[int, int]]:
         yield int(values[start]), end - start
         start = end
     yield int(values[start]), n - start
+
+
+def is_one_run(values: Sequence[int]) -> bool:
+    """Whether the non-empty ``values`` are one run of consecutive integers (checked in C)."""
+    first, n = values[0], len(values)
+    return values[-1] - first == n - 1 and (n < 3 or list(values) == list(range(first, first + n)))
