@@ -104,6 +104,7 @@ class VirtualBuffer(RowBuffer):
                              "several parts are a SubRowBuffer's")
         super().__init__(arena, rows=rows, capacity=capacity, item_bytes=item_bytes, hinted=True, parts=parts)
         self.readable = readable
+        self._full_views: dict[torch.dtype, torch.Tensor] = {}  # full_view's tensors, one per dtype
         self._broken = False  # a rollback failed and the reservation was reset: the buffer closes
         try:
             self.row_stride = self.pages_per_row * arena.page_bytes  # bytes between table rows
@@ -149,14 +150,24 @@ class VirtualBuffer(RowBuffer):
         return self._storage.as_strided((blocks, len(rows), heads, n), (self.rows * heads * s, heads * s, s, 1),
                                         rows.start * heads * s + start * ib)
 
-    def full_view(self) -> torch.Tensor:
-        """A zero-copy ``uint8`` view ``[rows * parts, row_stride]`` of the whole reservation, at
-        fixed addresses for the buffer's life. Only a ``readable`` buffer gives one: there every
-        byte is readable, and an item not yet on a real page reads as zero (writes to it are lost)."""
+    def full_view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A zero-copy view ``[rows * parts, row_stride // dtype.itemsize]`` of the whole
+        reservation as ``dtype``, at fixed addresses: the same tensor object for the buffer's life.
+        Only a ``readable`` buffer gives one: there every byte is readable, and an item not yet on a
+        real page reads as zero (writes to it are lost).
+
+        One object per dtype, because a dtype view is a non-differentiable view in autograd (its
+        ``_base`` is the tensor it was taken from): views of several layers cut from one typed
+        tensor share one ``_base``, which ``torch.compile`` needs of inputs mutated in place that
+        share storage (``aot_autograd`` rejects aliased inputs with different bases)."""
         if not self.readable:
             raise TypeError("only a readable buffer (readable=True) may be viewed beyond its mapped items")
         self._open()
-        return self._storage.view(self.rows * self.parts, self.row_stride)
+        full = self._full_views.get(dtype)
+        if full is None:
+            full = self._storage.view(self.rows * self.parts, self.row_stride).view(dtype)
+            self._full_views[dtype] = full
+        return full
 
     def stats(self) -> BufferStats:
         """:meth:`RowBuffer.stats`, with the kernel mappings the reservation holds now (the count

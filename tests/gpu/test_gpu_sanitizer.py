@@ -29,7 +29,11 @@ def test_generate_is_clean_under_memcheck() -> None:
         pytest.skip("compute-sanitizer is not installed on this machine")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
-        [tool, "--tool", "memcheck", "--error-exitcode", "99", "--target-processes", "all",
+        # --report-api-errors no: memcheck counts memory errors only. The CUDA bindings' own start-up
+        # asks the driver (cuGetProcAddress) for symbols it may lack and gets CUDA_ERROR_INVALID_VALUE,
+        # 34 "errors" on an H100 with driver 580 that are none of the cache's; every VMM call of the
+        # backend is checked by Driver.check, which raises on any result but CUDA_SUCCESS.
+        [tool, "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "99", "--target-processes", "all",
          sys.executable, str(SCRIPT)],
         capture_output=True, text=True, timeout=420, env=env,
     )

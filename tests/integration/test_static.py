@@ -7,6 +7,7 @@ no recompilation per step, no graph break (``fullgraph=True``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from transformers import CompileConfig
 from transformers.cache_utils import StaticCache
 
 import hf_vkv
-from hf_vkv import VKVCache
+from hf_vkv import VKVCache, devices
 from hf_vkv.ab.probes import kv_bytes
 from models import assert_same_tokens, prompts, tiny
 
@@ -176,15 +177,25 @@ def test_a_reorder_maps_ahead_again_only_when_it_moved_page_references(monkeypat
     cache.check_invariants()
 
 
-def test_inductor_compiled_greedy_matches_static_cache() -> None:
+@pytest.mark.parametrize("base", ["head_major", "token_major"])
+def test_inductor_compiled_greedy_matches_static_cache(base: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor (AOT autograd) over the static layout on either contiguous layout it wraps: the CPU's
+    (head-major) and CUDA's (token-major, set here as the CPU's default). Token-major puts every layer of
+    a group in one reservation, so the layers' full views share storage and are mutated in place:
+    AOT autograd accepts that only if they share one ``_base`` (it rejected them when each layer's
+    view was typed on its own, the failure a GPU run found)."""
+    monkeypatch.setitem(devices._POLICIES, "cpu", dataclasses.replace(devices.policy_for("cpu"), layout=base))
     model = tiny("llama")
-    inputs = prompts(2, 9, seed=34, left_pad=[0, 4])
+    inputs = prompts(2, 12, seed=3, left_pad=[0, 4])
     kwargs = dict(max_new_tokens=8, do_sample=False)
     torch._dynamo.reset()
     ref = model.generate(**inputs, cache_implementation="static", compile_config=_compile_config("inductor"), **kwargs)
     torch._dynamo.reset()
-    got = model.generate(**inputs, cache_implementation="vkv", compile_config=_compile_config("inductor"), **kwargs)
-    assert_same_tokens(ref, got)
+    got = model.generate(**inputs, cache_implementation="vkv", compile_config=_compile_config("inductor"),
+                         return_dict_in_generate=True, **kwargs)
+    assert type(got.past_key_values.layers[0].group.layout.base).__name__ == {
+        "head_major": "HeadMajorLayout", "token_major": "TokenMajorLayout"}[base]
+    assert_same_tokens(ref, got.sequences)
 
 
 def test_resident_bytes_follow_the_tokens_not_the_capacity() -> None:

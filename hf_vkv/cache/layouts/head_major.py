@@ -49,9 +49,8 @@ class HeadMajorLayout(Layout):
         (a readable buffer only)."""
         assert isinstance(buffer, SubRowBuffer)
         g = self.geometry
-        raw = buffer.full_view().view(2 * self.members, buffer.rows, g.kv_heads, buffer.row_stride)
-        item = self.item_dim * g.dtype.itemsize
-        tokens = raw[:, :batch, :, :buffer.capacity * item].view(g.dtype).unflatten(-1, (buffer.capacity, self.item_dim))
+        typed = buffer.full_view(g.dtype).view(2 * self.members, buffer.rows, g.kv_heads, -1)
+        tokens = typed[:, :batch, :, :buffer.capacity * self.item_dim].unflatten(-1, (buffer.capacity, self.item_dim))
         return self._pick(tokens, member)
 
     def _tokens(self, buffer: RowBuffer, batch: int, start: int, end: int) -> torch.Tensor:

@@ -48,8 +48,8 @@ class TokenMajorLayout(Layout):
         (a readable buffer only)."""
         assert isinstance(buffer, VirtualBuffer)
         g = self.geometry
-        raw = buffer.full_view()[:batch, :buffer.capacity * self.item_bytes]  # uint8 [batch, capacity * item]
-        tokens = raw.view(g.dtype).view(batch, buffer.capacity, self.members, g.token_elements)
+        typed = buffer.full_view(g.dtype)[:batch, :buffer.capacity * self.members * g.token_elements]
+        tokens = typed.view(batch, buffer.capacity, self.members, g.token_elements)
         keys, values = self._split(tokens[:, :, member])
         return keys.transpose(1, 2), values.transpose(1, 2)
 
