@@ -362,6 +362,36 @@ class VKVCache(Cache):
                 layer.adopt_group()
         return copied
 
+    def take_over(self, other: VKVCache) -> None:
+        """Hold batch-1 ``other``'s row by taking its buffers (its reservations and pages move
+        here: no page is mapped, copied or unmapped), leaving ``other`` empty; ``other`` must not be
+        used for tokens again (close it). For a cache that continues a row another cache computed
+        (a prefix store's entry). This cache must be empty and of the same model, layouts, memory
+        and at most ``other``'s capacity; full-attention vkv layers only. Raises ``ValueError``
+        (nothing changed) otherwise."""
+        if self.get_seq_length() or self.rows:
+            raise ValueError("take_over fills an empty cache; this one holds rows")
+        if not isinstance(other, VKVCache) or other.rows != 1 or len(other._groups) != len(self._groups) \
+                or self.transformers_layers() or other.transformers_layers() or self._layout_name == "static":
+            raise ValueError("take_over takes the one row of a batch-1 cache of the same model whose every layer "
+                             "vkv keeps (not the static layout)")
+        for group, src in zip(self._groups, other._groups):
+            group.check_take_over(src)
+        for group, src in zip(self._groups, other._groups):
+            group.take_over(src)
+        for layer in self.layers:
+            if isinstance(layer, VKVLayer):
+                layer.adopt_group()
+
+    def cut_to(self, length: int) -> None:
+        """Keep at most the first ``length`` tokens of every layer, whatever each holds (a
+        forward that raised part-way leaves layers holding different counts; :meth:`crop` removes
+        the same count from each). Full-attention vkv layers only (``ValueError`` otherwise,
+        nothing changed)."""
+        if length < 0 or self.transformers_layers() or any(g.sliding_window is not None for g in self._groups):
+            raise ValueError("cut_to keeps a length >= 0 of caches whose every layer vkv keeps, with full attention")
+        self._row_operation(lambda group: group.cut_to(length), lambda layer: None)
+
     # ----------------------------------------------------------------------------- row images
     def row_images(self) -> list[GroupImage]:
         """This batch-1 cache's row as page tables, one :class:`GroupImage` per layer group (what

@@ -282,6 +282,16 @@ class LayerGroup:
                 self.buffer.truncate(range(self.buffer.rows), length)
                 self._changed()
 
+    def cut_to(self, length: int) -> None:
+        """Keep at most the first ``length`` tokens of every member (full-attention groups): after
+        a forward that stopped part-way, members may hold different counts."""
+        if self.sliding_window is not None:
+            raise ValueError(f"group {self.name!r} slides: cut_to is for full-attention groups")
+        self.lengths = [min(n, length) for n in self.lengths]
+        if self.buffer is not None and any(self.buffer.length(r) > length for r in range(self.buffer.rows)):
+            self.buffer.truncate(range(self.buffer.rows), length)
+        self._changed()
+
     def start_recording(self) -> None:
         """Keep pages behind the window until :meth:`crop` (assisted decoding rolls back)."""
         if not self.record_past and self.sliding_window is not None:
@@ -359,6 +369,38 @@ class LayerGroup:
         self.lengths = [length] * len(self.members)
         self._changed()
         return len(copied)
+
+    def check_take_over(self, src: LayerGroup) -> Layout:
+        """Raise ``ValueError`` unless :meth:`take_over` can take ``src``'s row: both full-attention
+        groups of the same members in one page store, this one empty, ``src`` one row whose members
+        hold the same tokens, in a layout of the same kind with at least this group's capacity.
+        Returns the layout this group would hold it in (its own, or a new one; nothing changes)."""
+        buffer = src.buffer
+        fits = (self.sliding_window is None and src.sliding_window is None and type(self) is LayerGroup
+                and type(src) is LayerGroup and self.members == src.members and buffer is not None
+                and src.geometry is not None and src.layout is not None and src.batch == 1
+                and len(set(src.lengths)) == 1 and src.lengths[0] > 0 and buffer.rows == 1
+                and buffer.capacity >= self.capacity and self.geometry in (None, src.geometry)
+                and not any(self.lengths) and (self.buffer is None or not self.batch))
+        layout = self.layout or (self._make_layout(src.geometry, len(self.members)) if fits else None)
+        if not fits or type(layout) is not type(src.layout) \
+                or self._arena_for(src.geometry.device, layout) is not buffer.store:
+            raise ValueError(f"group {self.name!r} cannot take over group {src.name!r}'s row (one full-attention "
+                             f"row of the same layers, layout and memory, into an empty group)")
+        return layout
+
+    def take_over(self, src: LayerGroup) -> None:
+        """Hold ``src``'s one row by taking its buffer: no page is mapped, copied or unmapped;
+        ``src`` is left without a buffer (empty). :meth:`check_take_over` says when it can."""
+        layout = self.check_take_over(src)
+        buffer = src._buf()
+        if self.buffer is not None:
+            self.buffer.close()
+        self.geometry, self.layout, self.buffer, self.capacity = src.geometry, layout, buffer, buffer.capacity
+        self.batch, self.lengths, self.written_from = 1, list(src.lengths), src.written_from
+        src.buffer, src.batch, src.lengths, src.written_from = None, 0, [0] * len(src.members), 0
+        src._changed()
+        self._changed()
 
     def _copy_row(self, member: int, i: int, source: tuple[LayerGroup | None, int, int, int], length: int,
                   batch: int) -> None:

@@ -54,6 +54,7 @@ class GenerateCall:
     input_ids: torch.Tensor | None = None  # the prefill's [rows, T] ids, once reuse took the call
     pads: list[int] = field(default_factory=list)  # left padding of each row
     prefilled: bool = False  # the prefill hook ran (assisted decoding has none)
+    taken: int = 0  # tokens of a store entry the cache took over (PrefixStore.take): given back if the call fails
 
 
 def begin(cache: VKVCache, *, owned: bool, rows: int, num_beams: int = 1, store: PrefixStore | None = None,

@@ -286,7 +286,7 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
         returned = not hasattr(out, "shape")  # a dict output carries the cache back to the caller
         reuse.finish(call, cache, getattr(out, "sequences", None) if returned else out, returned=returned)
     except BaseException:
-        if call.owned:
+        if call.owned and not reuse.give_back(call, cache):  # a store entry it took over goes back to the store
             cache.close()  # nobody can reach it after the error: its pages go back now
         raise
     finally:

@@ -48,7 +48,7 @@ import torch
 from .. import devices
 from ..cache import RowSource, VKVCache
 from ..cache.options import PREFIX_STORE_KEY
-from ..memory.errors import CacheOptionError, CacheOptionTypeError
+from ..memory.errors import CacheOptionError, CacheOptionTypeError, VKVError
 from ..prefix import PrefixStore
 from ..prefix.fingerprint import config_fingerprint
 from . import prefill_once
@@ -232,6 +232,11 @@ def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torc
     unique = list(range(0, rows, k))
     ids = input_ids.to("cpu")
     tokens = {u: ids[u, pads[u]:].tolist() for u in unique}
+    if rows == 1 and pads[0] == 0 and call.owned:  # one row continuing an entry: it moves here, nothing mapped
+        call.taken = store.take(tokens[0], into=cache)
+        if call.taken:
+            report.start_column = report.reused_tokens = call.taken
+            return None
     if len(unique) > 1:
         report.common_prefix_tokens = _store_common_prefix(model, store, [tokens[u] for u in unique], call.weights)
         report.computed_tokens += report.common_prefix_tokens
@@ -303,8 +308,26 @@ def finish(call: GenerateCall, cache: VKVCache, sequences: Any, *, returned: boo
     if not call.prefilled and report.refusal is None:
         report.refusal = "assisted decoding: its first forward is not generate's prefill, which reuse starts"
     if report.refusal is None and call.input_ids is not None and isinstance(sequences, torch.Tensor):
+        call.taken = 0  # the row, inserted longer than the entry it took over, stores that entry again
         report.inserted = _insert_rows(call, cache, sequences, give=call.owned and not returned)
     return report.inserted
+
+
+def give_back(call: GenerateCall, cache: VKVCache) -> bool:
+    """The call failed: the store entry ``cache`` took over at its start (:meth:`PrefixStore.take`)
+    goes back into the store, as ``cache`` itself cut back to the entry's tokens (nothing wrote
+    them: the call's writes come after). Returns whether it did; the caller must then not close
+    ``cache``. ``False``: the call took nothing, or the entry could not go back (it is lost from
+    the store: a later prompt prefills it again, never reads wrong K/V)."""
+    taken, call.taken = call.taken, 0
+    if not taken or call.store is None or call.input_ids is None:
+        return False
+    try:
+        cache.cut_to(taken)
+        call.store.insert(call.input_ids[0, :taken].tolist(), cache, give=True, weights=call.weights)
+    except (ValueError, VKVError):
+        return False
+    return True  # the store holds it (or closed it: an entry alone over the budget)
 
 
 def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *, give: bool) -> int:

@@ -237,6 +237,42 @@ class PrefixStore:
                     return
             yield None, 0
 
+    def take(self, input_ids: Any, *, into: VKVCache) -> int:
+        """Move the entry that holds the longest stored prefix of ``input_ids`` (``[T]`` or
+        ``[1, T]``) into the empty cache ``into`` when it holds exactly that prefix (``input_ids``
+        continue it), and return its length ``m``: the entry leaves the store and its row moves
+        (:meth:`VKVCache.take_over`: no page is mapped or copied). For a caller that continues
+        the row and inserts the longer row afterwards, which would have made the entry redundant
+        anyway. Returns 0 (nothing moved, nothing counted) where the longest stored prefix is
+        shorter than its entry (the entry serves other prompts: :meth:`borrow`, :meth:`lookup`)
+        or ``into`` cannot hold the entry's row. Counted as a :meth:`lookup` when it moves."""
+        tokens = token_list(input_ids, name="input_ids")
+        with self._lock:
+            cap = len(tokens) - 1
+            for shared, key in self._tree.common_prefixes(tokens[:cap]):
+                entry = self._entries[key]
+                m = min(shared, cap)
+                if m < max(entry.min_reuse, 1):
+                    continue
+                if m != len(entry.tokens):
+                    return 0
+                self._verify(entry)
+                source = self._cache_of(entry)
+                if entry.id not in self._uncounted:
+                    _pages_of(entry)  # counted from the cache before its row moves
+                try:
+                    into.take_over(source)
+                except ValueError:
+                    return 0
+                entry.cache = None
+                source.close()
+                self._drop(entry)
+                self._lookups += 1
+                self._hits += 1
+                self._reused += m
+                return m
+            return 0
+
     def _verify(self, entry: _Entry) -> None:
         """Check a mapped entry's pages against their checksums before they are first handed out;
         on a difference drop every entry of that file (the store stays usable) and raise

@@ -127,6 +127,48 @@ def test_an_interrupted_call_holds_nothing(error: type[BaseException]) -> None:
     store.check_invariants()
 
 
+@pytest.mark.parametrize("where", ["prefill", "decoding"])
+def test_an_interrupted_call_gives_back_the_entry_it_continued(where: str) -> None:
+    """A prompt that continues a stored entry takes the entry over (its rows move into the call's
+    cache, nothing mapped). Interrupted in the prefill's forward after the first layer wrote (the
+    layers hold different counts) or while decoding, the call gives the entry back as it was:
+    the same prefixes, the same pages in use, no cache left alive; the next call takes it over
+    and equals the DynamicCache that holds the same history, continued, logits included."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    first, ref_first = _call(model, _ids(30), store), _call(model, _ids(30), None)
+    ids = torch.cat([first.sequences, _ids(5, 7)], dim=1)
+    first.past_key_values.close()  # the entry alone holds its pages (a write into them copies none)
+    del first
+    entries, held, caches = store.prefixes(), _in_use(store), _live_caches()
+    assert [len(e) for e in entries] == [35] and store.longest_prefix(ids) == 35
+    failing = {"on": False}
+
+    def fail(module: Any, args: Any, output: Any) -> None:
+        if failing["on"] and args[0].shape[1] > 1:
+            raise RuntimeError("interrupted")
+
+    hook = model.model.layers[-1].register_forward_hook(fail)
+    try:
+        for k in range(3):
+            failing["on"] = where == "prefill"
+            stop = [] if where == "prefill" else [_Interrupt(2 + k, RuntimeError)]
+            with pytest.raises(RuntimeError, match="interrupted"):
+                _call(model, ids, store, stopping_criteria=StoppingCriteriaList(stop))
+            assert store.prefixes() == entries and _in_use(store) == held and _live_caches() == caches
+            store.check_invariants()
+    finally:
+        failing["on"] = False
+        hook.remove()
+    got = _call(model, ids, store, output_logits=True)
+    ref = _call(model, ids, None, output_logits=True, past_key_values=ref_first.past_key_values)
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.logits, got.logits, strict=True))
+    report = reuse_report(got)
+    assert report.refusal is None and report.reused_tokens == 35 and report.start_column == 35
+    store.check_invariants()
+
+
 def test_out_of_memory_during_beams_leaves_the_store_usable() -> None:
     """Beams that outgrow the store's memory budget raise :class:`KVCacheOutOfMemory`; their
     pages go back at once and the next (smaller) call runs and reuses."""

@@ -147,3 +147,91 @@ def test_a_rolled_back_incref_restores_every_count_with_one_undo_step() -> None:
     pool.rollback()
     assert (pool.refcount(pages[0]), pool.refcount(pages[1])) == (1, 1)
     pool.check_invariants()
+
+
+# ----------------------------------------------------------------------------- take_over, cut_to, take
+def test_take_over_moves_the_row_and_its_reservation_without_touching_a_page() -> None:
+    root = VKVCache(CONFIG, layout="head_major", page_bytes=PAGE)
+    src = _filled(150, memory=root)
+    pages, buffer = _pages(src, 0), src.groups[0].buffer
+    keys = [src.layers[layer].keys.clone() for layer in range(2)]
+    dst = VKVCache(CONFIG, memory_of=root, layout="head_major", page_bytes=PAGE)
+    dst.take_over(src)
+    assert dst.groups[0].buffer is buffer and _pages(dst, 0) == pages  # the same reservation, the same pages
+    assert dst.get_seq_length() == 150 and src.get_seq_length() == 0 and src.groups[0].buffer is None
+    assert all(torch.equal(dst.layers[layer].keys, keys[layer]) for layer in range(2))
+    dst.update(*_states(1, 7), 0)  # the row goes on growing where the source stopped
+    dst.update(*_states(1, 8), 1)
+    assert dst.get_seq_length() == 151
+    dst.check_invariants()
+    src.check_invariants()
+    src.close()  # an emptied source closes without touching the moved pages
+    assert _pages(dst, 0)[0][:3] == pages[0][:3]
+    assert torch.equal(dst.layers[1].keys[:, :, :150], keys[1])
+    dst.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["two rows", "other memory", "other layout", "not empty", "larger capacity"])
+def test_take_over_refuses_what_it_cannot_move_and_changes_nothing(case: str) -> None:
+    root = VKVCache(CONFIG, layout="head_major", page_bytes=PAGE)
+    src = _filled(40, memory=root)
+    dst = VKVCache(CONFIG, memory_of=root, layout="head_major", page_bytes=PAGE)
+    if case == "two rows":
+        src = VKVCache(CONFIG, memory_of=root, layout="head_major", page_bytes=PAGE, batch_size=2)
+        for layer in range(2):
+            src.update(*(t.expand(2, -1, -1, -1) for t in _states(40, layer)), layer)
+    elif case == "other memory":
+        dst = VKVCache(CONFIG, layout="head_major", page_bytes=PAGE)
+    elif case == "other layout":
+        dst = VKVCache(CONFIG, memory_of=root, layout="token_major", page_bytes=PAGE)
+    elif case == "not empty":
+        dst = _filled(5, memory=root, seed=3)
+    else:
+        dst = VKVCache(CONFIG, memory_of=root, layout="head_major", page_bytes=PAGE, max_tokens=1024)
+    held, pages = (dst.get_seq_length(), src.get_seq_length()), _pages(src, 0)
+    with pytest.raises(ValueError):
+        dst.take_over(src)
+    assert (dst.get_seq_length(), src.get_seq_length()) == held and _pages(src, 0) == pages
+    src.check_invariants()
+    dst.check_invariants()
+
+
+def test_cut_to_evens_out_layers_that_hold_different_counts() -> None:
+    """A forward that raised part-way: layer 0 holds 3 more tokens than layer 1; ``cut_to`` keeps
+    the first ``n`` of each, ``crop`` would have removed 3 from both."""
+    cache = _filled(70)
+    cache.update(*_states(3, 5), 0)
+    assert [layer.get_seq_length() for layer in cache.layers] == [73, 70]
+    before = cache.layers[1].keys.clone()
+    cache.cut_to(70)
+    assert [layer.get_seq_length() for layer in cache.layers] == [70, 70]
+    assert torch.equal(cache.layers[1].keys, before)
+    cache.check_invariants()
+    with pytest.raises(ValueError):
+        cache.cut_to(-1)
+
+
+def test_store_take_moves_an_entry_the_prompt_continues_and_only_that() -> None:
+    store = PrefixStore(CONFIG, cache_config={"layout": "head_major", "page_bytes": PAGE})
+    entry = store.new_cache(batch_size=1)
+    for layer in range(2):
+        entry.update(*_states(50, layer), layer)
+    store.insert(list(range(50)), entry, give=True)
+    keys = store.lookup(list(range(51))).layers[0].keys.clone()
+    # a prompt that stops inside the entry: the entry serves others, nothing moves or counts
+    dst = store.new_cache(batch_size=1)
+    lookups, hits = store.stats().lookups, store.stats().hits
+    assert store.take(list(range(30)), into=dst) == 0 and dst.get_seq_length() == 0
+    assert store.stats().lookups == lookups and store.prefixes() == [tuple(range(50))]
+    # a prompt that continues it: the entry moves, the store no longer holds it
+    assert store.take(list(range(50)) + [7, 8], into=dst) == 50
+    assert dst.get_seq_length() == 50 and torch.equal(dst.layers[0].keys, keys)
+    assert store.prefixes() == [] and store.stats().bytes_held == 0
+    stats = store.stats()
+    assert (stats.lookups, stats.hits, stats.tokens_reused) == (lookups + 1, hits + 1, 50 + 50)
+    store.check_invariants()
+    # a cache that cannot hold it (a row already there): nothing moves
+    store.insert(list(range(50)), dst)
+    other = _filled(5, memory=store.memory("cpu"), seed=4)
+    assert store.take(list(range(51)), into=other) == 0 and store.prefixes() == [tuple(range(50))]
+    store.check_invariants()
