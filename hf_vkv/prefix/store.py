@@ -143,6 +143,7 @@ class PrefixStore:
         self._page_bytes: dict[Hashable, int] = {}  # page key -> bytes, for pages some counted entry holds
         self._held = 0  # sum of _page_bytes
         self._uncounted: set[int] = set()  # ids of entries whose pages are not counted yet
+        self._leaving: list[dict[Hashable, int]] = []  # counted pages of entries taken, not discounted yet
         self._lookups = self._hits = self._reused = self._inserts = self._evictions = 0
         self._prompt_tokens = self._computed = 0
 
@@ -258,15 +259,18 @@ class PrefixStore:
                     return 0
                 self._verify(entry)
                 source = self._cache_of(entry)
-                if entry.id not in self._uncounted:
-                    _pages_of(entry)  # counted from the cache before its row moves
+                counted = entry.id not in self._uncounted
+                pages = _pages_of(entry) if counted else None  # read from the cache before its row moves
                 try:
                     into.take_over(source)
                 except ValueError:
                     return 0
                 entry.cache = None
                 source.close()
+                self._uncounted.add(entry.id)  # _drop discounts nothing now: _count does, off the caller's time
                 self._drop(entry)
+                if pages is not None:
+                    self._leaving.append(pages)
                 self._lookups += 1
                 self._hits += 1
                 self._reused += m
@@ -563,7 +567,9 @@ class PrefixStore:
             return self._held
 
     def _count(self) -> None:
-        """Count the pages of the entries not counted yet."""
+        """Discount the pages of entries taken (:meth:`take`), count those of entries not counted yet."""
+        while self._leaving:
+            self._discount(self._leaving.pop())
         for key in self._uncounted:
             for page, nbytes in _pages_of(self._entries[key]).items():
                 if not self._page_holders[page]:
@@ -684,16 +690,20 @@ class PrefixStore:
         if entry.id in self._uncounted:
             self._uncounted.discard(entry.id)
         else:
-            holders = self._page_holders
-            for page in _pages_of(entry):
-                holders[page] -= 1
-                if not holders[page]:
-                    del holders[page]
-                    self._held -= self._page_bytes.pop(page)
+            self._discount(_pages_of(entry))
         if entry.cache is not None:
             entry.cache.close()
         if entry.pending is not None:
             entry.pending.release()
+
+    def _discount(self, pages: dict[Hashable, int]) -> None:
+        """A counted entry's ``pages`` are no longer held by it."""
+        holders = self._page_holders
+        for page in pages:
+            holders[page] -= 1
+            if not holders[page]:
+                del holders[page]
+                self._held -= self._page_bytes.pop(page)
 
     def _evict(self) -> None:
         if self.budget_bytes is None:
