@@ -17,7 +17,8 @@
 #
 #   1  bindings, driver rules, backend, DLPack on the device + driver-latency benchmark (gpu_vmm.py)
 #   2  generate() token identity: fp16/bf16 x sdpa/eager x greedy/beams/sampling, tiny models and
-#      SmolLM2-shaped / wide llamas whose rows cross several 2 MiB pages
+#      SmolLM2-shaped / wide llamas whose rows cross several 2 MiB pages; a chat with a prefix
+#      store against the continued DynamicCache (tests/gpu/test_gpu_reuse.py)
 #   3  the state machine on device memory + compute-sanitizer memcheck (generate, page-crossing
 #      beams, the readable reservation's scratch page)
 #   4  gpu_generate.py at 1k / 4k context x batch 1 / 8 / 32 (DynamicCache, StaticCache without
@@ -198,7 +199,7 @@ if [[ "$stage" == quick ]]; then
   exit $?
 fi
 if [[ "$stage" == list || ! "$stage" =~ ^[1-7]$ ]]; then
-  sed -n '2,36p' "$0"; exit 2
+  sed -n '2,37p' "$0"; exit 2
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 results=benchmarks/results
@@ -217,7 +218,7 @@ start=$(date +%s)
          tests/unit/test_cuda_backend.py tests/gpu/test_gpu_backend.py -m "gpu or not gpu"
        rc=$?
        timeout 120 python3 benchmarks/gpu_vmm.py --pages 256 --out "$results/gpu_vmm.json" || rc=$((rc ? rc : $?)) ;;
-    2) pytest_gpu -m gpu tests/gpu/test_gpu_generate.py; rc=$? ;;
+    2) pytest_gpu -m gpu tests/gpu/test_gpu_generate.py tests/gpu/test_gpu_reuse.py; rc=$? ;;
     3) pytest_gpu -m gpu tests/gpu/test_gpu_state_machine.py tests/gpu/test_gpu_sanitizer.py; rc=$? ;;
     4) timeout "$limit" python3 benchmarks/gpu_generate.py --model smollm2-random --contexts 1024 4096 \
          --batches 1 8 32 --repeats 2 --new-tokens 512 --beam-context 0 --json "$results/gpu_generate_short.json"
