@@ -90,6 +90,8 @@ class PrefixStore:
       least one token to prefill. A miss returns a new, empty :class:`VKVCache` (so a caller
       always passes what it gets as ``past_key_values``; ``get_seq_length()`` tells the tokens
       reused).
+    * :meth:`take` moves an entry that a prompt continues exactly into the caller's empty cache
+      (no mapping): the caller's finished row, inserted afterwards, replaces it.
     * :meth:`insert` keeps a fork of a finished cache; the caller may go on using its own. A new
       entry that extends an entry makes that one redundant (the longer one serves its prefixes
       by cutting back), so a conversation holds one entry, its latest turn.
