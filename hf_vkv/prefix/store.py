@@ -357,7 +357,7 @@ class PrefixStore:
         parameters keep their storage and versions (an in-place update through ``torch`` bumps a
         version; one through ``param.data`` does not and is not seen)."""
         try:
-            key: tuple | None = tuple((p.data_ptr(), p._version, tuple(p.shape)) for p in model.parameters())
+            key: tuple | None = tuple(_parameter_states(model, []))
         except RuntimeError:  # parameters made under torch.inference_mode keep no version: nothing remembered
             key = None
         with self._lock:
@@ -714,6 +714,18 @@ class PrefixStore:
         while self._held > self.budget_bytes and self._entries:
             self._drop(next(iter(self._entries.values())))  # the least recently used
             self._evictions += 1
+
+
+def _parameter_states(module: torch.nn.Module, out: list) -> list:
+    """``(address, version, shape)`` of every parameter of ``module`` and its submodules, a tied
+    one once per place it is in: ``model.parameters()``'s walk (names, a memo) took 3x as long."""
+    for p in module._parameters.values():
+        if p is not None:
+            out.append((p.data_ptr(), p._version, p.shape))
+    for child in module._modules.values():
+        if child is not None:
+            _parameter_states(child, out)
+    return out
 
 
 def _pages_of(entry: _Entry) -> dict[Hashable, int]:
