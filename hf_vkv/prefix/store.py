@@ -261,18 +261,15 @@ class PrefixStore:
                     return 0
                 self._verify(entry)
                 source = self._cache_of(entry)
-                counted = entry.id not in self._uncounted
-                pages = _pages_of(entry) if counted else None  # read from the cache before its row moves
+                if entry.id not in self._uncounted:
+                    _pages_of(entry)  # read from the cache before its row moves
                 try:
                     into.take_over(source)
                 except ValueError:
                     return 0
                 entry.cache = None
                 source.close()
-                self._uncounted.add(entry.id)  # _drop discounts nothing now: _count does, off the caller's time
-                self._drop(entry)
-                if pages is not None:
-                    self._leaving.append(pages)
+                self._drop(entry, later=True)  # its pages are discounted at the next count, off the caller's time
                 self._lookups += 1
                 self._hits += 1
                 self._reused += m
@@ -686,11 +683,14 @@ class PrefixStore:
         if self._add(entry, mapped.images[0].geometry.dtype if mapped.images else None) and weights is not None:
             self._weights = weights
 
-    def _drop(self, entry: _Entry) -> None:
+    def _drop(self, entry: _Entry, *, later: bool = False) -> None:
+        """Remove ``entry`` and let its pages go; ``later``: discount them at the next :meth:`_count`."""
         del self._entries[entry.id]
         self._tree.remove(entry.id)
         if entry.id in self._uncounted:
             self._uncounted.discard(entry.id)
+        elif later:
+            self._leaving.append(_pages_of(entry))
         else:
             self._discount(_pages_of(entry))
         if entry.cache is not None:
