@@ -226,19 +226,17 @@ class PrefixStore:
         tokens = token_list(input_ids, name="input_ids")
         with self._lock:
             self._lookups += 1
-            cap = len(tokens) - 1
-            for shared, key in self._tree.common_prefixes(tokens[:cap]):
-                entry = self._entries[key]
-                m = min(shared, cap)
-                if m >= max(entry.min_reuse, 1):
-                    self._verify(entry)
-                    cache = self._cache_of(entry)
-                    self._entries.move_to_end(key)
-                    self._hits += 1
-                    self._reused += m
-                    yield cache, m
-                    return
-            yield None, 0
+            found = self._longest(tokens)
+            if found is None:
+                yield None, 0
+                return
+            entry, m = found
+            self._verify(entry)
+            cache = self._cache_of(entry)
+            self._entries.move_to_end(entry.id)
+            self._hits += 1
+            self._reused += m
+            yield cache, m
 
     def take(self, input_ids: Any, *, into: VKVCache) -> int:
         """Move the entry that holds the longest stored prefix of ``input_ids`` (``[T]`` or
@@ -251,30 +249,37 @@ class PrefixStore:
         or ``into`` cannot hold the entry's row. Counted as a :meth:`lookup` when it moves."""
         tokens = token_list(input_ids, name="input_ids")
         with self._lock:
-            cap = len(tokens) - 1
-            for shared, key in self._tree.common_prefixes(tokens[:cap]):
-                entry = self._entries[key]
-                m = min(shared, cap)
-                if m < max(entry.min_reuse, 1):
-                    continue
-                if m != len(entry.tokens):
-                    return 0
-                self._verify(entry)
-                source = self._cache_of(entry)
-                if entry.id not in self._uncounted:
-                    _pages_of(entry)  # read from the cache before its row moves
-                try:
-                    into.take_over(source)
-                except ValueError:
-                    return 0
-                entry.cache = None
-                source.close()
-                self._drop(entry, later=True)  # its pages are discounted at the next count, off the caller's time
-                self._lookups += 1
-                self._hits += 1
-                self._reused += m
-                return m
-            return 0
+            found = self._longest(tokens)
+            if found is None or found[1] != len(found[0].tokens):
+                return 0
+            entry, m = found
+            self._verify(entry)
+            source = self._cache_of(entry)
+            if entry.id not in self._uncounted:
+                _pages_of(entry)  # read from the cache before its row moves
+            try:
+                into.take_over(source)
+            except ValueError:
+                return 0
+            entry.cache = None
+            source.close()
+            self._drop(entry, later=True)  # its pages are discounted at the next count, off the caller's time
+            self._lookups += 1
+            self._hits += 1
+            self._reused += m
+            return m
+
+    def _longest(self, tokens: list[int]) -> tuple[_Entry, int] | None:
+        """The entry serving the longest prefix of ``tokens`` (at most all but the last token) and
+        that prefix's length, or ``None``: what :meth:`borrow`, :meth:`take` and
+        :meth:`longest_prefix` look up (under the lock)."""
+        cap = len(tokens) - 1
+        for shared, key in self._tree.common_prefixes(tokens[:cap]):
+            entry = self._entries[key]
+            m = min(shared, cap)
+            if m >= max(entry.min_reuse, 1):
+                return entry, m
+        return None
 
     def _verify(self, entry: _Entry) -> None:
         """Check a mapped entry's pages against their checksums before they are first handed out;
@@ -310,12 +315,8 @@ class PrefixStore:
         """Tokens of ``input_ids`` :meth:`lookup` would serve now (counting nothing)."""
         tokens = token_list(input_ids, name="input_ids")
         with self._lock:
-            cap = len(tokens) - 1
-            for shared, key in self._tree.common_prefixes(tokens[:cap]):
-                m = min(shared, cap)
-                if m >= max(self._entries[key].min_reuse, 1):
-                    return m
-        return 0
+            found = self._longest(tokens)
+        return 0 if found is None else found[1]
 
     def insert(self, token_ids: Any, cache: VKVCache, *, give: bool = False, weights: str | None = None) -> bool:
         """Keep a fork of ``cache``'s first ``len(token_ids)`` tokens, whose ids are ``token_ids``.
