@@ -65,21 +65,24 @@ class Arena(OpenTables):
     def release(self, pages: Sequence[PageId]) -> None:
         self.backend.release(pages)
 
-    def map_file(self, fd: int, offset: int, num_pages: int) -> list[PageId]:
+    def map_file(self, fd: int, offset: int, num_pages: int, *, holds: Sequence[int] | None = None) -> list[PageId]:
         """``num_pages`` external pages backed by the file open as ``fd`` from byte ``offset`` on
         (mapped read-only, never written: :meth:`PagePool.add_external`), each held by its pin
-        until a table takes it; they retire when no table holds them any more. Raises
+        and ``holds[i]`` references of those who will hold page ``i`` (else none: tables take
+        them later); they retire when no table holds them any more. Raises
         :class:`BackendError` where the backend cannot map files (only the host backend can)."""
         map_file = getattr(self.backend, "map_file", None)
         if map_file is None:
             raise BackendError("map_file", f"the {type(self.backend).__name__} cannot map files: read the file "
                                            f"instead (a saved prefix is loaded by copy on this device)")
         with self.lock:
-            pages = self.pool.add_external(num_pages)
+            pages = self.pool.add_external(num_pages, holds=holds)
             try:
                 self.backend.ensure_id_space(self.pool.id_space)
                 map_file(fd, offset, pages)
             except BaseException:
+                if holds is not None:  # the holders' references go, then the pins
+                    self.pool.decref([p for p, n in zip(pages, holds) for _ in range(n)])
                 self.pool.retire_unheld(pages)
                 raise
         return pages

@@ -356,22 +356,25 @@ class HostBackend:
             return
         view = self.pool_tensor()
         sizes = [self.page_bytes] * len(pairs) if nbytes is None else list(nbytes)
-        if self._file_spans and any(self._file_of(src) is not None for src, _ in pairs):  # copies out of a mapped file
-            read = [self._page(src)[:n].clone() for (src, _), n in zip(pairs, sizes)]
-            for (_, dst), n, data in zip(pairs, sizes, read):
-                if self._file_of(dst) is not None:
-                    raise BackendError("copy", f"page {dst} is a page of a mapped file: it is never written")
-                view[dst, :n].copy_(data)
-            return
+        from_files = False
+        if self._file_spans:
+            bad = next((dst for _, dst in pairs if self._file_of(dst) is not None), None)
+            if bad is not None:
+                raise BackendError("copy", f"page {bad} is a page of a mapped file: it is never written")
+            from_files = any(self._file_of(src) is not None for src, _ in pairs)  # (a fresh row's tails)
         if len(pairs) > 1 and len(set(sizes)) == 1:  # one gathered copy (a reorder's tails)
             n = sizes[0]
             word = next(w for w in (8, 4, 2, 1) if not n % w and not self.page_bytes % w)  # ~6x faster than bytes
             part = view.view(_WORDS[word])[:, :n // word]
             src, dst = zip(*pairs)
-            part.index_copy_(0, _ids(dst), part.index_select(0, _ids(src)))
+            if from_files:  # gathered from each page's own view (file or pool), every one read before any write
+                data = torch.stack([self._page(p)[:n] for p in src]).view(_WORDS[word])
+            else:
+                data = part.index_select(0, _ids(src))
+            part.index_copy_(0, _ids(dst), data)
             return
         # only the written part: the rest of a fresh page is never read before written
-        read = [view[src, :n].clone() for (src, _), n in zip(pairs, sizes)]
+        read = [(self._page(src) if from_files else view[src])[:n].clone() for (src, _), n in zip(pairs, sizes)]
         for (_, dst), n, data in zip(pairs, sizes, read):
             view[dst, :n].copy_(data)
 

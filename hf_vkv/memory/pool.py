@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice, repeat
-from operator import add
+from itertools import compress, islice, repeat
+from operator import add, not_
 from types import MappingProxyType
 from typing import NewType, cast
 
@@ -170,17 +170,29 @@ class PagePool:
         self._bump("_id_space", num_pages)
         return PageId(base)
 
-    def add_external(self, num_pages: int) -> list[PageId]:
+    def add_external(self, num_pages: int, *, holds: Sequence[int] | None = None) -> list[PageId]:
         """A new segment of ``num_pages`` external pages (module docstring), each in use with
-        only its pin (refcount 1) until table entries take it (:meth:`incref`). Outside the
-        budget: their memory is the file's (the page cache), not the pool's. Raises
-        :class:`InvariantError` inside a transaction (a mapped file is opened on its own)."""
+        its pin (refcount 1) and, with ``holds``, ``holds[i]`` references more on page ``i``
+        (those of whoever will hold it: one pass, where :meth:`incref` per holder made a pass
+        each); a page with ``holds[i] == 0`` retires at once. Without ``holds`` every page waits
+        for table entries (:meth:`incref`). Outside the budget: their memory is the file's (the
+        page cache), not the pool's. Raises :class:`InvariantError` inside a transaction (a
+        mapped file is opened on its own) and ``ValueError`` for ``holds`` of another length or
+        with a negative count."""
         if self._undo is not None:
             raise InvariantError("PagePool.add_external() inside an open transaction")
+        if holds is not None and (len(holds) != num_pages or (num_pages and min(holds) < 0)):
+            raise ValueError(f"holds must give a count >= 0 for each of the {num_pages} pages")
         base = self.add_segment(num_pages)
         pages = cast("list[PageId]", list(range(base, base + num_pages)))  # PageId is an int at run time
-        self._refs.update(dict.fromkeys(pages, 1))
         self._external.update(pages)
+        if holds is None:
+            self._refs.update(dict.fromkeys(pages, 1))
+        else:
+            held = list(compress(pages, holds))  # (iterators in C: a file has thousands of pages)
+            self._refs.update(zip(held, map(add, compress(holds, holds), repeat(1))))
+            if len(held) < num_pages:
+                self._retired.update(compress(pages, map(not_, holds)))
         return pages
 
     def retire_unheld(self, pages: Iterable[PageId]) -> list[PageId]:

@@ -19,7 +19,7 @@ index never maps another save's pages.
 the pages' int64 sums in file order; each table is ``[bytes held, first page index, runs]`` with
 ``runs`` a list of ``[first file page, count]`` (a head-major sub-row's pages are one run). Version
 2 wrote the sums and the tables' pages as lists of integers; both are read
-(:func:`_file_checksums`, :func:`_table_ids`). The shorter text parses in about a third of the
+(:func:`_file_checksums`, :func:`_table_runs`). The shorter text parses in about a third of the
 time the lists took.
 
 **Integrity, without reading everything first**: opening checks the index (its own SHA-256), the
@@ -150,22 +150,27 @@ def _runs(pages: list[int]) -> list[list[int]]:
     return out
 
 
-def _table_ids(pages: list, count: int, base: int) -> tuple[int, ...]:
-    """A table's page ids (``base`` + file page index) from the index: runs (version 3) or the
-    indexes themselves (version 2), each checked inside the file's ``count`` pages (``ValueError``
-    otherwise)."""
+def _table_runs(pages: list, count: int) -> list[tuple[int, int]]:
+    """A table's file pages from the index as runs ``[(first, count), ...]``: runs (version 3) or
+    the indexes themselves (version 2), each checked inside the file's ``count`` pages
+    (``ValueError`` otherwise)."""
     if pages and isinstance(pages[0], list):
-        if any(n <= 0 for _, n in pages):
+        runs = [(int(first), int(n)) for first, n in pages]
+        if any(n <= 0 for _, n in runs):
             raise ValueError("an empty run of pages")
-        if len(pages) == 1:  # one run: the common case
-            (first, n), = pages
-            if not (0 <= first and first + n <= count):
-                raise ValueError(f"a run of pages outside the file's {count}")
-            return tuple(range(base + first, base + first + n))
-        pages = [i for first, n in pages for i in range(first, first + n)]
-    if pages and not (0 <= min(pages) and max(pages) < count):
-        raise ValueError(f"pages outside the file's {count}")
-    return tuple(map(base.__add__, pages))
+    else:
+        runs = [(first, n) for first, n in _runs([int(p) for p in pages])]
+    if any(first < 0 or first + n > count for first, n in runs):
+        raise ValueError(f"a run of pages outside the file's {count}")
+    return runs
+
+
+def _page_ids(runs: list[tuple[int, int]], base: int) -> tuple[PageId, ...]:
+    """The page ids (``base`` + file page index) of a table's ``runs``."""
+    if len(runs) == 1:  # one run: the common case
+        (first, n), = runs
+        return tuple(range(base + first, base + first + n))  # type: ignore[arg-type]  # PageId is an int at run time
+    return tuple(base + i for first, n in runs for i in range(first, first + n))  # type: ignore[misc]
 
 
 def _file_checksums(section: dict[str, Any], count: int) -> np.ndarray:
@@ -202,7 +207,7 @@ class MappedPages:
         read straight from the file's pages, run by run); raise :class:`PrefixFileCorruptError`
         naming the first page whose bytes differ from its checksum."""
         n = len(self.page_ids)
-        index = np.fromiter((p - self._first for p in pages), dtype=np.int64, count=len(pages))
+        index = np.asarray(pages, dtype=np.int64) - self._first
         index = np.unique(index[(index >= 0) & (index < n)])
         todo = index[~self._verified[index]]
         if not len(todo):
@@ -305,12 +310,14 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
     out: list[MappedEntry] = []
     page_ids: list[PageId] = []
     arena: Arena | None = None
+    parsed: list[tuple[tuple[int, ...], list[GroupImage], list[list[tuple[int, int, list[tuple[int, int]]]]], np.ndarray]] = []
     try:
         _check_whole(path, fd, section, end=offset + count * page_bytes)
         shapes = [GroupImage(name=str(g["name"]), members=tuple(g["members"]), geometry=_geometry(g, device),
                              layout=str(g["layout"]), item_bytes=int(g["item_bytes"]), parts=int(g["parts"]),
                              page_bytes=page_bytes, lengths=(), tables=()) for g in groups]
-        for e in entries:
+        holds = np.zeros(count, dtype=np.int64)  # entries holding each file page
+        for e in entries:  # everything is checked before a page is mapped
             if len(e["groups"]) != len(groups):
                 raise PrefixFormatError(f"{folder}: an entry of its index describes {len(e['groups'])} groups, "
                                         f"not {len(groups)}")
@@ -322,36 +329,38 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
                                         f"with the same cache_config") from None
             if arena is None:
                 arena = here
-                page_ids = arena.map_file(fd, offset, count)
             elif here is not arena:
                 raise PrefixFormatError(f"{folder}: its entries would live in several arenas")
-            base = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
-            images, held = [], set()
-            for shape, eg in zip(sized, e["groups"]):
+            held = np.zeros(count, dtype=bool)
+            group_tables = []
+            for eg in e["groups"]:
                 try:  # [bytes held, first page index, file pages] per table; ints (the index was checked whole)
-                    tables = tuple(Row(int(length), int(start), _table_ids(pages, count, base))
-                                   for length, start, pages in eg["tables"])
+                    tables = [(int(length), int(start), _table_runs(pages, count)) for length, start, pages in eg["tables"]]
                 except ValueError as err:
                     raise PrefixFormatError(f"{folder}: its index names pages it cannot ({err})") from None
-                held.update(*(t.pages for t in tables))
-                images.append(dataclasses.replace(shape, tables=tables))
-            entry = MappedEntry(tuple(map(int, e["tokens"])), images, arena, list(held))
-            with arena.lock:
-                arena.pool.incref(entry.held)
-            out.append(entry)
-        mapped = None if arena is None else MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes,
-                                                        data_offset=offset)
-        whole = any(len(e.held) == len(page_ids) for e in out)  # an entry holds every page: the usual file
-        unheld = () if whole else set(page_ids).difference(*(e.held for e in out))  # none, in a file save wrote
-        if arena is not None and unheld:
-            with arena.lock:
-                arena.pool.retire_unheld(sorted(unheld))
-        return out, mapped
+                for _, _, runs in tables:
+                    for first, n in runs:
+                        held[first:first + n] = True
+                group_tables.append(tables)
+            holds += held
+            parsed.append((tuple(map(int, e["tokens"])), sized, group_tables, np.flatnonzero(held)))
+        if arena is None:
+            return out, None
+        page_ids = arena.map_file(fd, offset, count, holds=holds.tolist())  # each entry's references with the pins
+        base = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
+        for tokens, sized, group_tables, held in parsed:
+            images = [dataclasses.replace(shape, tables=tuple(Row(length, start, _page_ids(runs, base))
+                                                              for length, start, runs in tables))
+                      for shape, tables in zip(sized, group_tables)]
+            out.append(MappedEntry(tokens, images, arena, (held + base).tolist()))
+        return out, MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes, data_offset=offset)
     except BaseException as e:
         for entry in out:
             entry.release()
-        if arena is not None:
-            with arena.lock:
+        if arena is not None and page_ids:
+            base = int(page_ids[0])
+            with arena.lock:  # the references of entries not made yet, then the pins
+                arena.pool.decref([p for *_, held in parsed[len(out):] for p in (held + base).tolist()])
                 arena.pool.retire_unheld(page_ids)
         if isinstance(e, (KeyError, TypeError, IndexError)):
             raise PrefixFormatError(f"{folder}: the mapped-pages section of its index is malformed ({e!r})") from None

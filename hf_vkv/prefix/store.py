@@ -128,8 +128,9 @@ class PrefixStore:
         self._budget: int | None = None
         self.budget_bytes = budget_bytes
         self.cache_config = dict(cache_config or {})
-        VKVCache.from_cache_config(config, self.cache_config)  # checks it now (no memory until a first update)
-        self._memories: dict[str, VKVCache] = {}  # device type -> an empty cache whose arenas the store draws from
+        # device type -> an empty cache whose arenas the store draws from (no pages until a first
+        # update); the CPU's is made now, which checks the options in cache_config's words
+        self._memories: dict[str, VKVCache] = {"cpu": VKVCache.from_cache_config(config, self._options("cpu"))}
         self._device_type = "cpu"  # of the last memory asked for: where new_cache() draws from
         self._fingerprint = config_fingerprint(config)
         self._tree: RadixTree[int] = RadixTree()

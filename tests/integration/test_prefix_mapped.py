@@ -254,6 +254,7 @@ def test_a_page_damaged_on_disk_is_refused_before_attention_reads_it(tmp_path: P
 
 _RESUME = r"""
 import sys, torch
+torch.set_num_threads({threads})  # the first process's: logits may differ between thread counts
 sys.path.insert(0, {tests!r})
 from models import PAD, save_chat_model, tiny
 import hf_vkv
@@ -301,7 +302,7 @@ def test_a_chat_saved_after_turn_5_resumes_in_another_process(tmp_path: Path) ->
         want.append((r.sequences, list(r.logits)))
     result = tmp_path / "resumed.pt"
     code = _RESUME.format(tests=str(Path(__file__).parents[1]), folder=str(tmp_path / "chat"), history=history,
-                          messages=messages, new=NEW, result=str(result))
+                          messages=messages, new=NEW, result=str(result), threads=torch.get_num_threads())
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                           cwd=str(Path(__file__).parents[2]))

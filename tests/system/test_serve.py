@@ -10,6 +10,7 @@ server must be the stock server's text.
 from __future__ import annotations
 
 import copy
+import gc
 import http.client
 import json
 import os
@@ -90,6 +91,7 @@ def vkv_server(model_dir: str) -> Iterator[dict]:
         yield {"base": base, "server": server}
     finally:
         server.kill_server()
+        gc.unfreeze()  # the store's first request froze this process's objects (serving.freeze_long_lived)
 
 
 @pytest.fixture(scope="module")
@@ -310,8 +312,15 @@ def test_prepare_request_refuses_before_anything_runs(model_dir):
     import torch
 
     inputs = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
-    with pytest.raises(CacheOptionError, match="layout"):
-        serving.prepare_request(model, inputs, config)
+    gc.unfreeze()
+    try:
+        with pytest.raises(CacheOptionError, match="layout"):
+            serving.prepare_request(model, inputs, config)
+        # the model's first request gave it its store, and the model (alive for the server's
+        # life) left the collector's full collections
+        assert gc.get_freeze_count() > 0 and not any(o is model for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
     store = serving.store_of(model)
     assert store is not None and serving.store_of(model) is store
     good = GenerationConfig(max_new_tokens=2)
