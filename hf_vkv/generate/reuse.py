@@ -15,7 +15,9 @@ call, chat messages included) does with it, on its :class:`~hf_vkv.generate.call
    entry's pages, shared; a left-padded row's prefix sits at an unaligned offset and is copied);
    transformers' own prefill (through prefill once) then computes only the rest. Rows with
    different reused lengths start from the smallest common column ``C = min(padding + reused)``:
-   the longer ones compute a few stored tokens again;
+   the longer ones compute a few stored tokens again. One unpadded row that continues an entry
+   (up to :data:`TAKE_TAIL_TOKENS` short of its end) takes the entry over instead
+   (:meth:`PrefixStore.take`): its row moves into the call's cache, nothing mapped;
 3. when the decoding loop ends (:func:`finish`): inserts each finished row (prompt and answer, up
    to its first end-of-sequence token; beams: the prompt only) into the store, as a fork when the
    row is not padded and as a copy when it is, within the store's budget; a one-row cache the call
@@ -55,7 +57,16 @@ from . import prefill_once
 from .call import GenerateCall, begin
 from .names import CACHE_NAMES, cache_kwarg
 
-__all__ = ["attach", "count_prefill", "finish", "memory_conflict", "memory_for", "model_refusal", "split_prefix_store", "start"]
+__all__ = ["TAKE_TAIL_TOKENS", "attach", "count_prefill", "finish", "memory_conflict", "memory_for", "model_refusal",
+           "split_prefix_store", "start"]
+
+#: A one-row call whose prompt continues a stored entry takes the entry over (no page mapped);
+#: it still does when the entry holds up to this many tokens past what the prompt shares, cut off.
+#: A chat server encodes again the text the model generated, and the re-encoded answer can end in
+#: other tokens than those generated (2 tokens short in 2 of 13 turns of a chat through
+#: ``hf-vkv serve``). A longer unshared tail is likely another conversation's: that entry is
+#: borrowed (its shared pages mapped), not cut.
+TAKE_TAIL_TOKENS = 4
 
 #: Inputs of ``generate``'s prefill that token ids (and left padding) fully describe, or that
 #: change nothing the store holds: any other input that is set (pixel values, image features,
@@ -233,7 +244,7 @@ def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torc
     ids = input_ids.to("cpu")
     tokens = {u: ids[u, pads[u]:].tolist() for u in unique}
     if rows == 1 and pads[0] == 0 and call.owned:  # one row continuing an entry: it moves here, nothing mapped
-        call.taken = store.take(tokens[0], into=cache)
+        call.taken = store.take(tokens[0], into=cache, tail_tokens=TAKE_TAIL_TOKENS)
         if call.taken:
             report.start_column = report.reused_tokens = call.taken
             return None

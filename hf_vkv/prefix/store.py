@@ -239,19 +239,21 @@ class PrefixStore:
             self._reused += m
             yield cache, m
 
-    def take(self, input_ids: Any, *, into: VKVCache) -> int:
+    def take(self, input_ids: Any, *, into: VKVCache, tail_tokens: int = 0) -> int:
         """Move the entry that holds the longest stored prefix of ``input_ids`` (``[T]`` or
         ``[1, T]``) into the empty cache ``into`` when it holds exactly that prefix (``input_ids``
-        continue it), and return its length ``m``: the entry leaves the store and its row moves
+        continue it) or at most ``tail_tokens`` tokens more (cut off: :meth:`VKVCache.cut_to`),
+        and return the prefix's length ``m``: the entry leaves the store and its row moves
         (:meth:`VKVCache.take_over`: no page is mapped or copied). For a caller that continues
         the row and inserts the longer row afterwards, which would have made the entry redundant
-        anyway. Returns 0 (nothing moved, nothing counted) where the longest stored prefix is
-        shorter than its entry (the entry serves other prompts: :meth:`borrow`, :meth:`lookup`)
-        or ``into`` cannot hold the entry's row. Counted as a :meth:`lookup` when it moves."""
+        anyway. Returns 0 (nothing moved, nothing counted) where the entry holds more than
+        ``tail_tokens`` tokens past the prefix (it serves other prompts: :meth:`borrow`,
+        :meth:`lookup`) or ``into`` cannot hold the entry's row. Counted as a :meth:`lookup`
+        when it moves."""
         tokens = token_list(input_ids, name="input_ids")
         with self._lock:
             found = self._longest(tokens)
-            if found is None or found[1] != len(found[0].tokens):
+            if found is None or len(found[0].tokens) - found[1] > max(tail_tokens, 0):
                 return 0
             entry, m = found
             self._verify(entry)
@@ -262,6 +264,8 @@ class PrefixStore:
                 into.take_over(source)
             except ValueError:
                 return 0
+            if m < len(entry.tokens):
+                into.cut_to(m)  # (take_over moved only full-attention vkv layers: each can be cut back)
             entry.cache = None
             source.close()
             self._drop(entry, later=True)  # its pages are discounted at the next count, off the caller's time

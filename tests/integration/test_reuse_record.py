@@ -169,6 +169,30 @@ def test_an_interrupted_call_gives_back_the_entry_it_continued(where: str) -> No
     store.check_invariants()
 
 
+@pytest.mark.threads(1, 2)
+def test_a_prompt_a_few_tokens_short_of_an_entry_takes_it_over_cut_back() -> None:
+    """A chat server encodes the generated answer again, and its last tokens can differ: a prompt
+    that shares all but the entry's last 2 tokens takes the entry over, cut back to the shared 33
+    (nothing mapped), and equals the DynamicCache holding those 33 tokens, continued."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    first, ref_first = _call(model, _ids(30), store), _call(model, _ids(30), None)
+    first.past_key_values.close()
+    del first
+    assert [len(e) for e in store.prefixes()] == [35]
+    ids = torch.cat([ref_first.sequences[:, :33], _ids(5, 8)], dim=1)
+    got = _call(model, ids, store, output_logits=True)
+    held = ref_first.past_key_values
+    held.crop(33 - held.get_seq_length())  # the 33 tokens the prompt shares
+    ref = _call(model, ids, None, output_logits=True, past_key_values=held)
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.logits, got.logits, strict=True))
+    report = reuse_report(got)
+    assert report.refusal is None and report.reused_tokens == 33 and report.copied_rows == 0
+    assert [len(e) for e in store.prefixes()] == [43]  # the entry went, cut; the longer row came in
+    store.check_invariants()
+
+
 def test_out_of_memory_during_beams_leaves_the_store_usable() -> None:
     """Beams that outgrow the store's memory budget raise :class:`KVCacheOutOfMemory`; their
     pages go back at once and the next (smaller) call runs and reuses."""

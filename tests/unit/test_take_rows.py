@@ -211,6 +211,34 @@ def test_cut_to_evens_out_layers_that_hold_different_counts() -> None:
         cache.cut_to(-1)
 
 
+def test_store_take_cuts_off_a_short_tail_the_prompt_does_not_share() -> None:
+    """A prompt that shares all but the entry's last tokens (a chat server's re-encoded answer):
+    the entry moves, cut back to the shared tokens, when the tail is at most ``tail_tokens``;
+    a longer tail (another conversation's) stays in the store."""
+    store = PrefixStore(CONFIG, cache_config={"layout": "head_major", "page_bytes": PAGE})
+    entry = store.new_cache(batch_size=1)
+    for layer in range(2):
+        entry.update(*_states(70, layer), layer)  # 70 tokens: the tail crosses into a second page
+    store.insert(list(range(70)), entry, give=True)
+    keys = store.lookup(list(range(71))).layers[0].keys[:, :, :67].clone()
+    prompt = list(range(67)) + [1, 2, 3]  # shares 67: 3 tokens short of the entry's end
+    dst = store.new_cache(batch_size=1)
+    assert store.take(prompt, into=dst, tail_tokens=2) == 0 and store.prefixes() == [tuple(range(70))]
+    assert store.take(prompt, into=dst, tail_tokens=3) == 67
+    assert dst.get_seq_length() == 67 and torch.equal(dst.layers[0].keys, keys)
+    assert store.prefixes() == [] and store.stats().bytes_held == 0
+    dst.check_invariants()
+    # the row goes on from the cut: its next tokens land where the entry's tail was
+    more_k, more_v = _states(3, 9)
+    dst.update(more_k, more_v, 0)
+    assert torch.equal(dst.layers[0].keys[:, :, 67:], more_k) and torch.equal(dst.layers[0].keys[:, :, :67], keys)
+    dst.check_invariants()
+    pool = dst.groups[0].buffer.store.pool
+    dst.close()
+    store.check_invariants()
+    assert pool.stats().in_use == 0  # the cut tail's pages went back with the rest
+
+
 def test_store_take_moves_an_entry_the_prompt_continues_and_only_that() -> None:
     store = PrefixStore(CONFIG, cache_config={"layout": "head_major", "page_bytes": PAGE})
     entry = store.new_cache(batch_size=1)
