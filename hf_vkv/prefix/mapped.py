@@ -52,7 +52,7 @@ from ..cache import GroupGeometry, GroupImage, VKVCache
 from ..memory import Arena, PageId, Row
 from .errors import PrefixFileCorruptError, PrefixFormatError
 
-__all__ = ["MAGIC", "PAGES_FILE", "MappedEntry", "MappedPages", "check_index_text", "index_text", "map_entries", "verify_file",
+__all__ = ["MAGIC", "PAGES_FILE", "MappedEntry", "MappedPages", "TableRuns", "check_index_text", "index_text", "map_entries", "verify_file",
            "write_pages"]
 
 PAGES_FILE = "prefix_store.kv"
@@ -154,6 +154,12 @@ def _table_runs(pages: list, count: int) -> list[tuple[int, int]]:
     """A table's file pages from the index as runs ``[(first, count), ...]``: runs (version 3) or
     the indexes themselves (version 2), each checked inside the file's ``count`` pages
     (``ValueError`` otherwise)."""
+    if len(pages) == 1 and isinstance(pages[0], list):  # one run: the common case
+        (first, n), = pages
+        first, n = int(first), int(n)
+        if n <= 0 or first < 0 or first + n > count:
+            raise ValueError(f"a run of pages empty or outside the file's {count}")
+        return [(first, n)]
     if pages and isinstance(pages[0], list):
         runs = [(int(first), int(n)) for first, n in pages]
         if any(n <= 0 for _, n in runs):
@@ -252,18 +258,35 @@ def _geometry(info: dict[str, Any], device: torch.device) -> GroupGeometry:
     return GroupGeometry(int(info["kv_heads"]), int(info["key_dim"]), int(info["value_dim"]), dtype, device)
 
 
+#: A table of a mapped entry as the index gives it: ``(bytes held, first page index, runs)``, the
+#: runs ``[(first file page, count), ...]`` (page ids are the file's first page id + file page).
+TableRuns = tuple[int, int, list[tuple[int, int]]]
+
+
 @dataclasses.dataclass(slots=True)
 class MappedEntry:
-    """A mapped file's entry before any cache holds it: its token ids, its row's page tables (one
-    :class:`GroupImage` per layer group, pages in ``arena``), and ``held``: the distinct pages of
-    those tables, on each of which the entry holds one reference of the pool's, so no page it needs
-    retires while no table holds it yet. :meth:`install` puts the row into an empty cache and lets
-    the references go; :meth:`release` lets them go without one (pages no one else holds retire)."""
+    """A mapped file's entry before any cache holds it: its token ids, its row's shape (``shapes``:
+    one :class:`GroupImage` per layer group with its geometry and lengths, no tables), its tables
+    as the index gives them (``tables``, per group; pages in ``arena`` from id ``base`` on: the
+    page tables, :attr:`images`, are built when first needed, not at open), and ``held``: the
+    distinct pages of those tables, on each of which the entry holds one reference of the pool's,
+    so no page it needs retires while no table holds it yet. :meth:`install` puts the row into an
+    empty cache and lets the references go; :meth:`release` lets them go without one (pages no
+    one else holds retire)."""
 
     tokens: tuple[int, ...]
-    images: list[GroupImage]
+    shapes: list[GroupImage]
+    tables: list[list[TableRuns]]
+    base: int
     arena: Arena
     held: list[PageId]
+
+    @property
+    def images(self) -> list[GroupImage]:
+        """The row's page tables, one :class:`GroupImage` per layer group."""
+        return [dataclasses.replace(shape, tables=tuple(Row(length, start, _page_ids(runs, self.base))
+                                                        for length, start, runs in tables))
+                for shape, tables in zip(self.shapes, self.tables)]
 
     def install(self, cache: VKVCache) -> None:
         """Fill the empty batch-1 ``cache`` (of the store's memory) with this entry's row; the
@@ -310,7 +333,7 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
     out: list[MappedEntry] = []
     page_ids: list[PageId] = []
     arena: Arena | None = None
-    parsed: list[tuple[tuple[int, ...], list[GroupImage], list[list[tuple[int, int, list[tuple[int, int]]]]], np.ndarray]] = []
+    parsed: list[tuple[tuple[int, ...], list[GroupImage], list[list[TableRuns]], np.ndarray]] = []
     try:
         _check_whole(path, fd, section, end=offset + count * page_bytes)
         shapes = [GroupImage(name=str(g["name"]), members=tuple(g["members"]), geometry=_geometry(g, device),
@@ -349,10 +372,7 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
         page_ids = arena.map_file(fd, offset, count, holds=holds.tolist())  # each entry's references with the pins
         base = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
         for tokens, sized, group_tables, held in parsed:
-            images = [dataclasses.replace(shape, tables=tuple(Row(length, start, _page_ids(runs, base))
-                                                              for length, start, runs in tables))
-                      for shape, tables in zip(sized, group_tables)]
-            out.append(MappedEntry(tokens, images, arena, (held + base).tolist()))
+            out.append(MappedEntry(tokens, sized, group_tables, base, arena, (held + base).tolist()))
         return out, MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes, data_offset=offset)
     except BaseException as e:
         for entry in out:

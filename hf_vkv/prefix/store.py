@@ -625,7 +625,7 @@ class PrefixStore:
         for entry in self._entries.values():
             if entry.pending is not None:  # a mapped entry not used yet: its tables and its hold on their pages
                 pending = entry.pending
-                if entry.cache is not None or any(length != len(entry.tokens) for img in pending.images
+                if entry.cache is not None or any(length != len(entry.tokens) for img in pending.shapes
                                                   for length in img.lengths):
                     raise InvariantError(f"mapped entry {entry.id} does not describe its {len(entry.tokens)} tokens")
                 refs = pending.arena.pool.refs
@@ -672,11 +672,11 @@ class PrefixStore:
 
     def _check_mapped(self, entry: MappedEntry) -> None:
         """What :meth:`_check_cache` refuses, for a mapped entry (its dtype; its length)."""
-        dtype = entry.images[0].geometry.dtype if entry.images else None
+        dtype = entry.shapes[0].geometry.dtype if entry.shapes else None
         if self._entries and dtype is not None and self._dtype is not None and dtype != self._dtype:
             raise PrefixMismatchError("dtype", f"the file holds {dtype} K/V but the store's entries are "
                                       f"{self._dtype}; use one store per dtype")
-        if not entry.tokens or any(n != len(entry.tokens) for img in entry.images for n in img.lengths):
+        if not entry.tokens or any(n != len(entry.tokens) for img in entry.shapes for n in img.lengths):
             raise PrefixFormatError(f"a mapped entry of {len(entry.tokens)} token ids does not hold that many tokens")
 
     def _add_mapped(self, mapped: MappedEntry, pages: MappedPages | None, weights: str | None) -> None:
@@ -686,7 +686,7 @@ class PrefixStore:
             return
         entry = _Entry(id=next(self._ids), tokens=mapped.tokens, cache=None, min_reuse=0, pages=None,
                        mapped=None if pages is None else (pages, tuple(mapped.held)), pending=mapped)
-        if self._add(entry, mapped.images[0].geometry.dtype if mapped.images else None) and weights is not None:
+        if self._add(entry, mapped.shapes[0].geometry.dtype if mapped.shapes else None) and weights is not None:
             self._weights = weights
 
     def _drop(self, entry: _Entry, *, later: bool = False) -> None:
