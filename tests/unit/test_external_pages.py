@@ -42,6 +42,25 @@ def test_an_external_page_is_pinned_and_retires_when_no_table_holds_it() -> None
     assert own
 
 
+def test_external_pages_can_take_their_holders_references_with_their_pins() -> None:
+    """``holds``: page i starts with its pin and holds[i] references (what incref per holder
+    would give); a page nobody holds retires at once; a bad ``holds`` changes nothing."""
+    pool = PagePool(page_bytes=PAGE, budget_pages=2)
+    pool.add_segment(2)
+    with pytest.raises(ValueError):
+        pool.add_external(3, holds=[1, 1])
+    with pytest.raises(ValueError):
+        pool.add_external(2, holds=[1, -1])
+    assert pool.id_space == 2
+    ext = pool.add_external(4, holds=[1, 2, 0, 1])
+    assert [pool.refcount(p) for p in ext] == [2, 3, 0, 2] and pool.stats().external == 3
+    taken, _ = pool.allocate([[ext[2]]])  # the unheld page retired: never handed out
+    assert taken != [ext[2]]
+    pool.decref([ext[0], ext[1], ext[1], ext[3]])
+    assert pool.stats().external == 0
+    pool.check_invariants()
+
+
 def test_the_pool_check_catches_a_mark_on_an_external_page() -> None:
     pool = PagePool(page_bytes=PAGE, budget_pages=4)
     ext = pool.add_external(1)
