@@ -21,16 +21,22 @@ from .layouts import Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout
 
 __all__ = ["ArenaSource", "LayoutMaker"]
 
-#: Attention implementations whose result does not depend on the strides of the K/V they read.
+#: Off the host, attention implementations whose result does not depend on the strides of the K/V they read.
 _STRIDE_EXACT_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_3", "vkv_paged", "vkv_cascade"})
+_OWN_ATTENTION = frozenset({"vkv_paged", "vkv_cascade"})  # vkv's kernels, which read its layouts themselves
 
 
 def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> bool:
     """Whether the model's attention must get contiguous K/V to compute exactly as on
-    DynamicCache's: a matmul over the returned tensors themselves (eager and other
-    non-fused attention) with one key/value head per query head (see
-    :meth:`TokenMajorLayout.attention_inputs`)."""
+    DynamicCache's (see :meth:`TokenMajorLayout.attention_inputs`): on the host, every attention
+    but vkv's own kernels — SDPA's CPU kernels read token-strided keys and values exactly on some
+    CPUs and not on others (an AMD EPYC: a hidden-200 Llama's decode logits 3.7e-7 apart at 4
+    tokens, through SDPA's grouped-query path, which takes the cache's tensors as they are); on
+    other devices, a matmul over the returned tensors themselves (eager and other non-fused
+    attention) with one key/value head per query head."""
     attention = getattr(config, "_attn_implementation", None) or "eager"
+    if geometry.device.type == "cpu":
+        return attention not in _OWN_ATTENTION
     heads = getattr(config, "num_attention_heads", None)
     return attention not in _STRIDE_EXACT_ATTENTION and heads == geometry.kv_heads
 
