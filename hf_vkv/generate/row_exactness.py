@@ -324,6 +324,8 @@ class RowExactness(TorchFunctionMode):
         where a proof admits ``m`` repeats, else ``k`` (DynamicCache's rows)."""
         if func in lane_functions():
             return 1 if self._same_lanes(operands) else self.repeats
+        if _values_decide_rows(func, args, kwargs):
+            return self.repeats
         key = (func, _describe(args), _describe(kwargs), self.prompts, self.repeats, torch.get_num_threads(),
                self._machine, self._fixed_values(func, args, kwargs))
         verdict = _VERDICTS.get(key)
@@ -461,6 +463,19 @@ def _machine() -> tuple:
     """What a kernel's choice depends on besides the call: the CPU capability and matmul settings."""
     return (torch.backends.cpu.get_cpu_capability(), torch.get_float32_matmul_precision(),
             torch.backends.mkldnn.enabled, torch.are_deterministic_algorithms_enabled())
+
+
+def _values_decide_rows(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Calls whose result on the unique rows can differ from DynamicCache's rows for some values
+    and not for others, so that no proof by synthetic draws settles them: they run on every row.
+    Measured: SDPA with an explicit mask on the host at more than one intra-op thread (T5's
+    cross-attention on a 2-core AMD EPYC, AVX2: three draws agreed, the real keys and queries of
+    a 3-prompt batch gave logits 2.4e-7 apart)."""
+    if func is not torch.nn.functional.scaled_dot_product_attention or torch.get_num_threads() < 2:
+        return False
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    query = args[0] if args else kwargs.get("query")
+    return isinstance(mask, torch.Tensor) and isinstance(query, torch.Tensor) and query.device.type == "cpu"
 
 
 def _real_operands(func: Any, args: tuple, kwargs: dict) -> frozenset[int]:
