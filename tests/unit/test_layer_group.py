@@ -184,13 +184,17 @@ def test_which_attention_reads_need_contiguous_states() -> None:
     from hf_vkv.cache.sources import reads_need_contiguous
     from hf_vkv.cache.geometry import GroupGeometry
 
-    def need(attn: str, kv_heads: int) -> bool:
+    def need(attn: str, kv_heads: int, device: str = "cuda") -> bool:
         config = LlamaConfig(num_attention_heads=4, num_key_value_heads=kv_heads)
         config._attn_implementation = attn
         geometry = GroupGeometry(kv_heads=kv_heads, key_dim=8, value_dim=8, dtype=torch.float32,
-                                 device=torch.device("cpu"))
+                                 device=torch.device(device))
         return reads_need_contiguous(config, geometry)
 
     assert need("eager", 4)  # a matmul over the returned tensors themselves
     assert not need("eager", 2)  # repeat_kv copies grouped heads first
     assert not need("sdpa", 4) and not need("vkv_paged", 4)
+    # on the host every attention but vkv's own: SDPA's CPU kernels read strided K/V exactly on
+    # some CPUs only
+    assert need("sdpa", 2, "cpu") and need("sdpa", 4, "cpu") and need("eager", 2, "cpu")
+    assert not need("vkv_paged", 4, "cpu") and not need("vkv_cascade", 2, "cpu")
