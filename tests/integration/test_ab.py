@@ -44,10 +44,13 @@ CASES = {
 class OneElementError(VKVCache):
     """A VKV cache that adds 1.0 to one element of one layer's stored keys (or values) at one step:
     the newest token's first head and dim of ``row``, written through the view ``update`` returns
-    (which is the cache's own memory: the test checks the stored value changed)."""
+    (which is the cache's own memory in the head-major layout, which it asks for unless told
+    otherwise; token-major hands attention copies on the host: the test checks the stored value
+    changed)."""
 
     def __init__(self, config: Any, *, at_step: int, at_layer: int, at_row: int, tensor: str = "keys",
                  **kwargs: Any) -> None:
+        kwargs.setdefault("layout", "head_major")
         super().__init__(config, **kwargs)
         self.at = (at_step, at_layer, at_row, tensor)
         self.updates: Counter[int] = Counter()

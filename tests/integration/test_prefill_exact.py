@@ -79,7 +79,9 @@ def test_short_prompts_sampled(shape: tuple[int, int]) -> None:
 @pytest.mark.parametrize("mode", ["n8", "beams8"])
 def test_hidden_768(mode: str) -> None:
     kwargs = dict(do_sample=True, num_return_sequences=8) if mode == "n8" else dict(do_sample=False, num_beams=8)
-    _on(ab(_llama(768), prompts(1, 5, seed=1), **kwargs))
+    # or proven: on a 2-core AMD EPYC (AVX2) at 2 and 8 threads DynamicCache's own 8 repeats of the
+    # prompt differ in the linear layers, so no one row can give all of them
+    _on(ab(_llama(768), prompts(1, 5, seed=1), **kwargs), or_proven=True)
 
 
 @pytest.mark.threads(1, 2, 8)
