@@ -413,7 +413,9 @@ class RowExactness(TorchFunctionMode):
     def _on_repeats(self, func: Any, args: tuple, kwargs: dict, repeats: int) -> Any:
         """The call on its operands expanded to ``repeats`` repeats of each prompt (``k``:
         DynamicCache's rows; fewer where a proof admits them); one repeat per prompt handed back,
-        in the unique call's layout, when the repeats are equal (else :class:`InexactRows`)."""
+        in the unique call's layout, when the repeats are equal. Fewer repeats that differ among
+        themselves (a proof's draws did not show it) run again on DynamicCache's ``k``; ``k``
+        repeats that differ raise :class:`InexactRows`."""
         try:  # first: an in-place function changes its operand
             big = self._call_on(func, args, kwargs, repeats)
         except Exception as exc:  # the operands are not laid out as this module assumes
@@ -428,6 +430,8 @@ class RowExactness(TorchFunctionMode):
             raise InexactRows(f"{_name(func)} did not return one tensor of the expanded rows")
         grouped = self._grouped(big, repeats)
         if not _bits_equal(grouped, grouped[:, :1].expand_as(grouped)):
+            if repeats < self.repeats:  # the proof's fewer repeats differ among themselves on these values
+                return self._on_repeats(func, args, kwargs, self.repeats)  # (2-core AMD EPYC): DynamicCache's rows
             raise InexactRows(f"{_name(func)} computes a prompt's repeats differently from each other at "
                               f"{torch.get_num_threads()} thread(s)")
         if repeats == self.repeats:
