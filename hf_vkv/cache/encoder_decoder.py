@@ -18,3 +18,13 @@ class VKVEncoderDecoderCache(EncoderDecoderCache):
     def check_dynamic_cache(self, method: str) -> None:
         if not (isinstance(self.self_attention_cache, VKVCache) and isinstance(self.cross_attention_cache, DynamicCache)):
             super().check_dynamic_cache(method)
+
+    def reset(self) -> None:
+        """Both parts empty, the cross-attention's layers uninitialized, so that the next forward
+        may run on another number of rows (prefill once starting again on every row).
+        transformers 5.17's ``DynamicLayer.reset`` zeroes its tensors in place and keeps their
+        batch (5.24 drops them); this drops them on either."""
+        super().reset()
+        for layer in self.cross_attention_cache.layers:
+            layer.keys = layer.values = None
+            layer.is_initialized = False
