@@ -15,7 +15,8 @@ same turns through ``generate(cache_implementation="vkv")`` with a prefix store 
 so a server's TTFT splits into vkv's (``vkv_in_process`` against ``dynamic_continued``) and the
 server's (``serving_s``: the server's TTFT less ``vkv_in_process``'s: HTTP, the request's
 validation, the chat template and tokenizer over the whole history, the hop to the inference
-thread, the streamer).
+thread, the streamer). The two in-process columns run right after each turn of ``hf-vkv serve``
+(interleaved per turn, the same conversation), so the machine's drift falls on all three alike.
 
     HF_HUB_OFFLINE=1 python benchmarks/serve_chat.py --turns 20 --system-tokens 2048 --threads 1 2 \\
         --json benchmarks/results/serve_chat.json
@@ -87,43 +88,135 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def play(kind: str, model_dir: str, *, threads: int, system: str, turns: int, new_tokens: int) -> dict[str, Any]:
-    """One chat through one server: per turn the TTFT, the whole turn's time and the answer."""
-    import openai
+class ServerChat:
+    """One server in a subprocess and one chat through it with the ``openai`` client: per turn the
+    TTFT, the whole turn's time and the answer (streaming, greedy)."""
 
-    port = _free_port()
-    started = time.perf_counter()
-    proc = _start(kind, model_dir, threads, port)
-    startup = time.perf_counter() - started
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600, max_retries=0)
+    def __init__(self, kind: str, model_dir: str, *, threads: int, new_tokens: int) -> None:
+        import openai
+
+        self.kind, self.model_dir, self.new_tokens = kind, model_dir, new_tokens
+        port = _free_port()
+        started = time.perf_counter()
+        self.proc = _start(kind, model_dir, threads, port)
+        self.startup_s = time.perf_counter() - started
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600,
+                                    max_retries=0)
+
+    def turn(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+        start = time.perf_counter()
+        first = None
+        parts = []
+        for chunk in self.client.chat.completions.create(model=self.model_dir, messages=messages, stream=True,
+                                                         temperature=0, max_tokens=self.new_tokens):
+            text = chunk.choices[0].delta.content if chunk.choices else None
+            if text:
+                first = first if first is not None else time.perf_counter() - start
+                parts.append(text)
+        return {"ttft_s": first, "turn_s": time.perf_counter() - start, "answer": "".join(parts)}
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+class DynamicContinued:
+    """The reference: per turn, the TTFT of a DynamicCache holding the conversation so far,
+    continued (the previous turn's cache deep-copied and cut to the shared tokens outside the timed
+    call)."""
+
+    def __init__(self, model: Any, tok: Any) -> None:
+        self.model, self.tok = model, tok
+        self.previous: list[int] = []
+        self.cache: Any = None
+
+    def turn(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+        from transformers import DynamicCache
+
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)["input_ids"]
+        prompt = ids[0].tolist()
+        shared = 0
+        while shared < min(len(prompt), len(self.previous)) and prompt[shared] == self.previous[shared]:
+            shared += 1
+        shared = min(shared, len(prompt) - 1)
+        if self.cache is None or not shared:
+            shared = 0
+        held = DynamicCache(config=self.model.config)
+        if shared:
+            held = copy.deepcopy(self.cache)
+            held.crop(shared - held.get_seq_length())  # transformers 5.24: tokens to remove, as a negative count
+        start = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(): held},
+                                  max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+        ttft = time.perf_counter() - start
+        self.cache = out.past_key_values
+        return {"ttft_s": ttft, "new_tokens": len(prompt) - shared, "prompt_tokens": len(prompt)}
+
+    def answered(self, messages: list[dict[str, str]]) -> None:
+        """The conversation's cache for the next turn: the last prompt and the answer the server gave."""
+        full = self.tok.apply_chat_template(messages, return_tensors="pt", return_dict=True)["input_ids"]
+        self.model.generate(full, attention_mask=torch.ones_like(full), **{cache_kwarg(): self.cache},
+                            max_new_tokens=1, do_sample=False)
+        self.previous = full[0].tolist()
+
+
+class VkvInProcess:
+    """Per turn: the TTFT of ``generate(cache_implementation="vkv")`` with a prefix store holding
+    the conversation so far: what vkv costs without the server, beside :class:`DynamicContinued`."""
+
+    def __init__(self, model: Any, tok: Any) -> None:
+        from hf_vkv import PrefixStore
+
+        self.model, self.tok = model, tok
+        self.store = PrefixStore(model.config, budget_bytes=1 << 30)
+
+    def _generate(self, ids: torch.Tensor) -> None:
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                            cache_implementation="vkv", cache_config={"prefix_store": self.store})
+
+    def turn(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)["input_ids"]
+        start = time.perf_counter()
+        self._generate(ids)
+        return {"ttft_s": time.perf_counter() - start}
+
+    def answered(self, messages: list[dict[str, str]]) -> None:
+        """The answer into the store, as the server's request inserts it."""
+        self._generate(self.tok.apply_chat_template(messages, return_tensors="pt", return_dict=True)["input_ids"])
+
+
+def play(kind: str, model_dir: str, *, threads: int, system: str, turns: int, new_tokens: int,
+         beside: list[Any] = ()) -> dict[str, Any]:
+    """One chat through one server; after each of its turns, the same turn of each of ``beside``
+    (the in-process columns: interleaved per turn, so that the machine's drift falls on all of them
+    alike). Returns the server's result, with ``beside[i]``'s turns under ``beside_turns[i]``."""
+    chat = ServerChat(kind, model_dir, threads=threads, new_tokens=new_tokens)
     messages = [{"role": "system", "content": system}]
-    rows = []
+    rows: list[dict[str, Any]] = []
+    others: list[list[dict[str, Any]]] = [[] for _ in beside]
     try:
         for turn in range(turns):
             messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
-            start = time.perf_counter()
-            first = None
-            parts = []
-            for chunk in client.chat.completions.create(model=model_dir, messages=messages, stream=True,
-                                                        temperature=0, max_tokens=new_tokens):
-                text = chunk.choices[0].delta.content if chunk.choices else None
-                if text:
-                    first = first if first is not None else time.perf_counter() - start
-                    parts.append(text)
-            answer = "".join(parts)
-            rows.append({"turn": turn + 1, "ttft_s": first, "turn_s": time.perf_counter() - start, "answer": answer})
-            messages.append({"role": "assistant", "content": answer})
-            print(f"  {kind} {threads}t turn {turn + 1}: TTFT {first:.3f} s", file=sys.stderr, flush=True)
+            rows.append({"turn": turn + 1, **chat.turn(messages)})
+            for column, out in zip(beside, others):
+                out.append({"turn": turn + 1, **column.turn(messages)})
+            messages.append({"role": "assistant", "content": rows[-1]["answer"]})
+            for column in beside:
+                column.answered(messages)
+            print(f"  {kind} {threads}t turn {turn + 1}: TTFT {rows[-1]['ttft_s']:.3f} s", file=sys.stderr,
+                  flush=True)
     except Exception as exc:  # a server that cannot run the chat (CB on this machine): recorded, not fatal
         return {"server": SERVERS[kind][0], "error": f"{type(exc).__name__}: {exc}"[:2000], "turns": rows}
     finally:
-        _stop(proc)
-    return {"server": SERVERS[kind][0], "startup_s": startup, "turns": rows}
+        chat.stop()
+    return {"server": SERVERS[kind][0], "startup_s": chat.startup_s, "turns": rows, "beside_turns": others}
 
 
 def _median_play(plays: list[dict[str, Any]]) -> dict[str, Any]:
     """The first chat's answers, each turn's median TTFT over the chats (each chat's in ``ttft_runs_s``)."""
     result = dict(plays[0])
+    result.pop("beside_turns", None)
     if len(plays) == 1 or any("error" in p for p in plays):
         return result
     result["turns"] = [{**row, "ttft_runs_s": [p["turns"][i]["ttft_s"] for p in plays],
@@ -133,75 +226,11 @@ def _median_play(plays: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def vkv_in_process(model: Any, tok: Any, system: str, answers: list[str], *, repeats: int = 1) -> list[dict]:
-    """Per turn: the TTFT of ``generate(cache_implementation="vkv")`` with a prefix store holding
-    the conversation so far (``repeats`` stores, each given the same history, one timing each):
-    what vkv costs without the server, beside :func:`dynamic_continued`."""
-    from hf_vkv import PrefixStore
-
-    stores = [PrefixStore(model.config, budget_bytes=1 << 30) for _ in range(repeats)]
-    messages = [{"role": "system", "content": system}]
-    rows = []
-    for turn, answer in enumerate(answers):
-        messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        ids = ids["input_ids"]
-        times = []
-        for store in stores:
-            start = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
-                           cache_implementation="vkv", cache_config={"prefix_store": store})
-            times.append(time.perf_counter() - start)
-        rows.append({"turn": turn + 1, "ttft_s": statistics.median(times), "ttft_runs_s": times})
-        messages.append({"role": "assistant", "content": answer})
-        full = tok.apply_chat_template(messages, return_tensors="pt", return_dict=True)["input_ids"]
-        for store in stores:  # the answer into the store, as the server's request inserts it
-            model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=1, do_sample=False,
-                           cache_implementation="vkv", cache_config={"prefix_store": store})
-    return rows
-
-
-def dynamic_continued(model: Any, tok: Any, system: str, answers: list[str], *, repeats: int = 1) -> list[dict]:
-    """Per turn: the TTFT of a DynamicCache holding the conversation so far, continued (the
-    previous turn's cache deep-copied and cut to the shared tokens outside the timed call), the
-    median of ``repeats`` timings."""
-    from transformers import DynamicCache
-
-    messages = [{"role": "system", "content": system}]
-    previous: list[int] = []
-    cache = None
-    rows = []
-    for turn, answer in enumerate(answers):
-        messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        ids = ids["input_ids"]
-        prompt = ids[0].tolist()
-        shared = 0
-        while shared < min(len(prompt), len(previous)) and prompt[shared] == previous[shared]:
-            shared += 1
-        shared = min(shared, len(prompt) - 1)
-        if cache is None or not shared:
-            shared = 0
-        times = []
-        for _ in range(repeats):
-            held = DynamicCache(config=model.config)
-            if shared:
-                held = copy.deepcopy(cache)
-                held.crop(shared - held.get_seq_length())  # transformers 5.24: tokens to remove, as a negative count
-            start = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(): held}, max_new_tokens=1,
-                                 do_sample=False, return_dict_in_generate=True)
-            times.append(time.perf_counter() - start)
-        rows.append({"turn": turn + 1, "ttft_s": statistics.median(times), "ttft_runs_s": times,
-                     "new_tokens": len(prompt) - shared, "prompt_tokens": len(prompt)})
-        # the conversation's cache for the next turn: this prompt and the answer the servers gave
-        messages.append({"role": "assistant", "content": answer})
-        full = tok.apply_chat_template(messages, return_tensors="pt", return_dict=True)["input_ids"]
-        cache = out.past_key_values
-        model.generate(full, attention_mask=torch.ones_like(full), **{cache_kwarg(): cache}, max_new_tokens=1,
-                       do_sample=False)
-        previous = full[0].tolist()
-    return rows
+def _median_beside(plays: list[dict[str, Any]], column: int) -> list[dict[str, Any]]:
+    """Column ``column`` of the plays' in-process turns: per turn the median over the plays."""
+    runs = [p["beside_turns"][column] for p in plays]
+    return [{**runs[0][i], "ttft_runs_s": [r[i]["ttft_s"] for r in runs],
+             "ttft_s": statistics.median(r[i]["ttft_s"] for r in runs)} for i in range(len(runs[0]))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16, help="max_tokens per answer (default: %(default)s)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--servers", nargs="+", choices=sorted(SERVERS), default=["stock", "vkv", "cb"])
-    parser.add_argument("--repeats", type=int, default=1, help="chats per server (a fresh server each) and timings per "
-                        "turn of dynamic_continued; the median per turn (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=1, help="chats per server (a fresh server and fresh in-process "
+                        "columns each); the median per turn (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/serve_chat.json"))
     args = parser.parse_args(argv)
     model, tok = load_default_model()
@@ -227,17 +256,17 @@ def main(argv: list[str] | None = None) -> int:
                   "threads, a DynamicCache of the conversation so far continued over the turn's new tokens",
         "runs": [],
     }
+    hosts = "vkv" if "vkv" in args.servers else args.servers[0]  # the server the in-process columns interleave with
     for threads in args.threads:
         torch.set_num_threads(threads)
         run: dict[str, Any] = {"threads": threads, "servers": {}}
         for kind in args.servers:
-            plays = [play(kind, model_dir, threads=threads, system=system, turns=args.turns, new_tokens=args.new_tokens)
-                     for _ in range(args.repeats)]
+            plays = [play(kind, model_dir, threads=threads, system=system, turns=args.turns, new_tokens=args.new_tokens,
+                          beside=[DynamicContinued(model, tok), VkvInProcess(model, tok)] if kind == hosts else [])
+                     for _ in range(args.repeats)]  # a fresh server and fresh columns per chat
             run["servers"][kind] = _median_play(plays)
-        stock = run["servers"].get("stock", {}).get("turns") or run["servers"]["vkv"]["turns"]
-        answers = [row["answer"] for row in stock]
-        run["dynamic_continued"] = dynamic_continued(model, tok, system, answers, repeats=args.repeats)
-        run["vkv_in_process"] = vkv_in_process(model, tok, system, answers, repeats=args.repeats)
+            if kind == hosts and not any("error" in p for p in plays):
+                run["dynamic_continued"], run["vkv_in_process"] = _median_beside(plays, 0), _median_beside(plays, 1)
         _summarize(run)
         report["runs"].append(run)
         write_report(args.json, report)

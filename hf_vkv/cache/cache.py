@@ -22,6 +22,7 @@ from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
 from .. import devices
 from ..devices import layer_devices_of
 from ..memory import Arena
+from ..memory.held_pages import HeldPages
 from .grad import refuse_trainable_states
 from .group import LayerGroup
 from .shared_prefix_group import SharedPrefixGroup
@@ -542,18 +543,16 @@ class VKVCache(Cache):
             m = length  # transformers' own sliding layers and recurrent states cannot be cut back
         return min(m, length)
 
-    def held_pages(self) -> dict[Hashable, int]:
-        """``{key: bytes}`` for every physical page the cache holds (a page shared with a fork has
-        the same key in both, so a union over caches counts it once), plus the K/V tensors of
-        layers kept in transformers' own classes."""
-        out: dict[Hashable, int] = {}
-        for group in self._groups:
-            out.update(group.held_pages())
+    def held_pages(self) -> HeldPages:
+        """Every physical page the cache holds (a page shared with a fork is the same page of the
+        same store in both, so :class:`~hf_vkv.memory.held_pages.PageCounts` counts it once), plus
+        the K/V tensors of layers kept in transformers' own classes."""
+        tensors: dict[Hashable, int] = {}
         for layer in self.transformers_layers():
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(t, torch.Tensor):
-                    out[("tensor", id(layer), t.data_ptr())] = t.numel() * t.element_size()
-        return out
+                    tensors[("tensor", id(layer), t.data_ptr())] = t.numel() * t.element_size()
+        return HeldPages.of([held for group in self._groups if (held := group.held_pages()) is not None], tensors)
 
     # ----------------------------------------------------------------------------- life cycle
     def fork(self, length: int | None = None) -> VKVCache:

@@ -14,13 +14,14 @@ Invariants (checked by :meth:`LayerGroup.check_invariants`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from ..kv_records import paged_kv_of
-from ..memory import Arena, BufferStats, RowBuffer
+from ..memory import Arena, BufferStats, PageId, RowBuffer
 from ..memory.errors import InvariantError
 from .geometry import GroupGeometry, LayerMismatchError
 from .layouts import Layout
@@ -184,12 +185,13 @@ class LayerGroup:
             return self.written_from
         return max(self.written_from, *(self.buffer.first_live(r) for r in range(self.batch)))
 
-    def held_pages(self) -> dict[tuple[object, int], int]:
-        """``{(store, page id): page bytes}`` for every physical page the rows hold."""
+    def held_pages(self) -> tuple[object, int, Iterator[PageId]] | None:
+        """``(store, page bytes, ids)``: every physical page the rows hold (an id as often as rows
+        hold it), or ``None`` without rows."""
         if self.buffer is None or self.buffer.closed:
-            return {}
-        store, page = self.buffer.store, self.buffer.store.page_bytes
-        return {(store, int(p)): page for row in self.buffer.table for p in row.pages}
+            return None
+        store = self.buffer.store
+        return store, store.page_bytes, itertools.chain.from_iterable(row.pages for row in self.buffer.table)
 
     def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, H, T, D]`` copies of what member ``layer`` holds (``kept_from .. length``)."""

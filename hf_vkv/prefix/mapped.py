@@ -41,6 +41,7 @@ import mmap
 import os
 import threading
 import uuid
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,9 @@ _HEADER_MAX = 4096
 
 
 def _checksums(pages: torch.Tensor) -> list[int]:
-    """The wrapping int64 sum of each page's 64-bit words (``pages``: uint8 ``[n, page_bytes]``)."""
+    """The wrapping int64 sum of each page's 64-bit words (``pages``: uint8 ``[n, page_bytes]``), on
+    torch's intra-op threads (integer sums wrap and are exact in any order: the same at any thread
+    count)."""
     if pages.shape[1] % 8:
         raise ValueError(f"page size {pages.shape[1]} is not a multiple of 8 bytes")
     return pages.view(torch.int64).sum(dim=1).tolist()
@@ -218,14 +221,15 @@ class MappedPages:
         todo = index[~self._verified[index]]
         if not len(todo):
             return
-        words = self._page_bytes // 8
         with self._lock:
             breaks = np.flatnonzero(np.diff(todo) != 1) + 1
             for run in np.split(todo, breaks):
                 lo, count = int(run[0]), len(run)
-                data = np.frombuffer(self._map, dtype=np.int64, count=count * words,
-                                     offset=self._offset + lo * self._page_bytes).reshape(count, words)
-                sums = data.sum(axis=1, dtype=np.int64)  # wraps, as the sums saved did
+                with warnings.catch_warnings():  # the file's pages are read-only, and only read here
+                    warnings.simplefilter("ignore", UserWarning)
+                    data = torch.frombuffer(self._map, dtype=torch.uint8, count=count * self._page_bytes,
+                                            offset=self._offset + lo * self._page_bytes)
+                sums = np.asarray(_checksums(data.view(count, self._page_bytes)), dtype=np.int64)
                 bad = np.flatnonzero(sums != self._checksums[lo:lo + count])
                 if len(bad):
                     raise PrefixFileCorruptError(f"{self.path} is not whole: page {lo + int(bad[0])} differs from its "

@@ -21,8 +21,8 @@ import json
 import os
 import threading
 import weakref
-from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterator
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from .. import devices
 from ..cache import VKVCache
 from ..memory import PageId
 from ..memory.errors import InvariantError
+from ..memory.held_pages import HeldPages, PageCounts
 from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
 from .mapped import PAGES_FILE, MappedEntry, MappedPages, check_index_text, index_text, map_entries, write_pages
@@ -77,7 +78,7 @@ class _Entry:
     tokens: tuple[int, ...]  # token ids of the cached positions, exactly
     cache: VKVCache | None  # a batch-1 fork owned by the store; nobody writes into it (None: not installed yet)
     min_reuse: int  # shortest prefix the cache can be cut back to (sliding windows)
-    pages: dict[Hashable, int] | None  # physical pages it holds -> bytes (fixed; None: not counted yet, _pages_of)
+    pages: HeldPages | None  # the physical pages it holds (fixed; None: not read yet, _pages_of)
     mapped: tuple[MappedPages, tuple[PageId, ...]] | None = None  # a mapped file's pages, until verified
     pending: MappedEntry | None = None  # a mapped file's entry, until first used: then it fills ``cache``
 
@@ -142,11 +143,9 @@ class PrefixStore:
         # the entries' pages, each counted once however many entries hold it (bytes_held): kept as
         # entries come and go; an entry is counted when first needed (a mapped entry's at open costs
         # a pass over its pages that opening does not need)
-        self._page_holders: Counter[Hashable] = Counter()  # page key -> counted entries holding it
-        self._page_bytes: dict[Hashable, int] = {}  # page key -> bytes, for pages some counted entry holds
-        self._held = 0  # sum of _page_bytes
+        self._counts = PageCounts()  # the counted entries' pages; its bytes: bytes_held
         self._uncounted: set[int] = set()  # ids of entries whose pages are not counted yet
-        self._leaving: list[dict[Hashable, int]] = []  # counted pages of entries taken, not discounted yet
+        self._leaving: list[HeldPages] = []  # counted pages of entries taken, not discounted yet
         self._lookups = self._hits = self._reused = self._inserts = self._evictions = 0
         self._prompt_tokens = self._computed = 0
 
@@ -569,18 +568,14 @@ class PrefixStore:
         """Physical bytes of every page the entries hold, a page shared by entries counted once."""
         with self._lock:
             self._count()
-            return self._held
+            return self._counts.bytes
 
     def _count(self) -> None:
         """Discount the pages of entries taken (:meth:`take`), count those of entries not counted yet."""
         while self._leaving:
-            self._discount(self._leaving.pop())
+            self._counts.remove(self._leaving.pop())
         for key in self._uncounted:
-            for page, nbytes in _pages_of(self._entries[key]).items():
-                if not self._page_holders[page]:
-                    self._page_bytes[page] = nbytes
-                    self._held += nbytes
-                self._page_holders[page] += 1
+            self._counts.add(_pages_of(self._entries[key]))
         self._uncounted.clear()
 
     def stats(self) -> PrefixStats:
@@ -636,14 +631,12 @@ class PrefixStore:
             if entry.cache is None or entry.cache.rows != 1 or entry.cache.get_seq_length() != len(entry.tokens):
                 raise InvariantError(f"entry {entry.id} holds no batch-1 cache of {len(entry.tokens)} tokens")
             entry.cache.check_invariants()
-        pages: dict[Hashable, int] = {}
-        holders: Counter[Hashable] = Counter()
+        counts = PageCounts()
         for entry in self._entries.values():
-            pages.update(_pages_of(entry))
-            holders.update(_pages_of(entry).keys())
+            counts.add(_pages_of(entry))
         self._count()
-        if self._held != sum(pages.values()) or self._page_holders != holders or self._page_bytes != pages:
-            raise InvariantError(f"the store counts {self._held:,} bytes held, its entries hold {sum(pages.values()):,}")
+        if not self._counts.same_as(counts):
+            raise InvariantError(f"the store counts {self._counts.bytes:,} bytes held, its entries hold {counts.bytes:,}")
         if self.budget_bytes is not None and self.bytes_held() > self.budget_bytes:
             raise InvariantError(f"the store holds {self.bytes_held():,} bytes over its {self.budget_bytes:,} budget")
 
@@ -698,26 +691,17 @@ class PrefixStore:
         elif later:
             self._leaving.append(_pages_of(entry))
         else:
-            self._discount(_pages_of(entry))
+            self._counts.remove(_pages_of(entry))
         if entry.cache is not None:
             entry.cache.close()
         if entry.pending is not None:
             entry.pending.release()
 
-    def _discount(self, pages: dict[Hashable, int]) -> None:
-        """A counted entry's ``pages`` are no longer held by it."""
-        holders = self._page_holders
-        for page in pages:
-            holders[page] -= 1
-            if not holders[page]:
-                del holders[page]
-                self._held -= self._page_bytes.pop(page)
-
     def _evict(self) -> None:
         if self.budget_bytes is None:
             return
         self._count()
-        while self._held > self.budget_bytes and self._entries:
+        while self._counts.bytes > self.budget_bytes and self._entries:
             self._drop(next(iter(self._entries.values())))  # the least recently used
             self._evictions += 1
 
@@ -734,16 +718,16 @@ def _parameter_states(module: torch.nn.Module, out: list) -> list:
     return out
 
 
-def _pages_of(entry: _Entry) -> dict[Hashable, int]:
-    """``{page key: bytes}`` of the entry's pages, the keys :meth:`VKVCache.held_pages` gives (a
-    mapped entry's are counted when first needed: opening a file counts nothing)."""
+def _pages_of(entry: _Entry) -> HeldPages:
+    """The entry's pages, as :meth:`VKVCache.held_pages` gives them (a mapped entry's are read when
+    first needed: opening a file counts nothing)."""
     if entry.pages is None:
         if entry.cache is not None:
             entry.pages = entry.cache.held_pages()
         else:
             assert entry.pending is not None
             arena = entry.pending.arena
-            entry.pages = {(arena, int(p)): arena.page_bytes for p in entry.pending.held}
+            entry.pages = HeldPages.of([(arena, arena.page_bytes, entry.pending.held)])
     return entry.pages
 
 
