@@ -29,7 +29,9 @@ ideal first, the others rotated by round), on ``threads`` intra-op threads.
 **Checks**: each run's sequences and per-step logits against the reference (DynamicCache; where
 DynamicCache was skipped, vkv): tokens identical, share of equal generated tokens, max
 |Δlogit|. DynamicCache is skipped in a cell when ``dynamic_limit_s`` is set and N x the ideal's
-measured one-row TTFT exceeds it (the skip and the estimate are recorded).
+measured one-row TTFT exceeds it (the skip and the estimate are recorded); DynamicCache and the
+ideal cache, which hold a copy of the prompt per row, are skipped where that K/V exceeds the
+memory available (recorded too).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from .decode import Prompt, load_prompt
 from .ideal import IdealCache
 from ..kv_records import CASCADE_ATTENTION
 from ..generate import cache_kwarg
-from .probes import StepProbe
+from .probes import StepProbe, kv_bytes_per_token
 
 __all__ = [
     "CACHES", "CASCADE_ATTENTION", "DEFAULT_PROMPTS", "METHOD", "SHARED_PROMPT_SCHEMA_VERSION", "WORKLOADS",
@@ -286,6 +288,9 @@ def run_cell(model: PreTrainedModel, prompt: int, workload: str, grid: SharedPro
             for name in _order(names, r):
                 if name in skips:
                     continue
+                if name in ("dynamic", "ideal") and (why := _beyond_memory(model, rows, prompt, grid.decode_steps)):
+                    skips[name] = why  # a cache of a copy of the prompt per row that this machine cannot hold
+                    continue
                 if name == "dynamic" and grid.dynamic_limit_s is not None and columns.get("ideal", _Column()).ttft_s:
                     estimate = rows * columns["ideal"].ttft_s[0]
                     if estimate > grid.dynamic_limit_s:
@@ -314,6 +319,27 @@ def run_cell(model: PreTrainedModel, prompt: int, workload: str, grid: SharedPro
     for name in skips:
         columns.pop(name, None)
     return _cell_result(prompt, workload, rows, grid, columns, skips, load)
+
+
+def _beyond_memory(model: PreTrainedModel, rows: int, prompt: int, decode_steps: int) -> str | None:
+    """Why a cache holding every row's own copy of the prompt (DynamicCache, the ideal) cannot run
+    here: its K/V, ``rows x (prompt + decode_steps + 1)`` tokens, exceed the memory available on
+    the model's device now (Linux ``MemAvailable``, or CUDA's free memory); ``None`` if it fits or
+    this cannot tell. Skipped before it starts: such a run would be killed (the kernel's OOM
+    killer on the host) or spend its prefill of every row before it fails."""
+    need = rows * (prompt + decode_steps + 1) * kv_bytes_per_token(model)
+    if model.device.type == "cuda":
+        available = torch.cuda.mem_get_info(model.device)[0]
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            return None
+    if need <= available:
+        return None
+    return (f"not enough memory: {rows} rows x {prompt + decode_steps + 1} tokens need {need / 2**30:.1f} GiB of "
+            f"K/V, {available / 2**30:.1f} GiB available")
 
 
 def _cell_result(prompt: int, workload: str, rows: int, grid: SharedPromptGrid, columns: dict[str, _Column],

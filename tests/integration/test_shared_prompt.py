@@ -139,3 +139,21 @@ def test_hf_vkv_demo_prints_time_beside_memory(model, monkeypatch: pytest.Monkey
     lines = out[out.index("Time beside memory"):].splitlines()
     assert "TTFT dyn" in lines[1] and "KV vkv" in lines[1]
     assert [line.split()[0] for line in lines[3:6]] == ["n=8", "4", "greedy,"]
+
+
+def test_caches_of_a_prompt_copy_per_row_are_skipped_beyond_memory(model) -> None:
+    """DynamicCache and the ideal hold the prompt once per row: a cell whose copies exceed the
+    memory available skips them before they start (recorded), and vkv's reference becomes vkv."""
+    assert sp._beyond_memory(model, 1, 6, 2) is None
+    why = sp._beyond_memory(model, 10**9, 4096, 2)  # ~10^9 rows of 4k tokens: more than any machine has
+    assert why is not None and why.startswith("not enough memory") and "GiB available" in why
+    huge = sp.SharedPromptGrid(prompt_lengths=(6,), workloads=("sample8",), decode_steps=2, rounds=1,
+                               caches=("dynamic", "vkv", "ideal"))
+    real = sp._beyond_memory
+    try:
+        sp._beyond_memory = lambda m, rows, prompt, steps: real(m, rows * 10**9, 4096, steps)
+        (cell,) = sp.run_shared_prompt(model, huge)
+    finally:
+        sp._beyond_memory = real
+    assert set(cell["caches"]) == {"vkv"} and cell["reference"] == "vkv"
+    assert all(cell["skipped"][n].startswith("not enough memory") for n in ("dynamic", "ideal"))
