@@ -58,7 +58,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
             if not sel:
                 continue
             ns = [c["n"] for c in sel]
-            for cache, style in (("dynamic", "-"), ("vkv", "-"), ("ideal", ":")):
+            for cache, style in (("dynamic", "-"), ("vkv", "-"), ("vkv_cascade", "--"), ("ideal", ":")):
                 mem = [c["caches"].get(cache, {}).get("kv_peak_bytes") for c in sel]
                 ttft = [c["caches"].get(cache, {}).get("ttft_s") for c in sel]
                 step = [c["caches"].get(cache, {}).get("decode_step_ms") for c in sel]
@@ -93,7 +93,14 @@ def main() -> int:
     p.add_argument("--dynamic-limit-s", type=float, default=60.0)
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/scaling_grid.json"))
     p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--plot-only", action="store_true", help="draw --plot from the cells of --json (a finished run), "
+                   "running nothing")
     args = p.parse_args()
+    if args.plot_only:
+        import json
+
+        plot(json.loads(args.json.read_text())["cells"], args.plot)
+        return 0
     model, _ = load_default_model()
     per_token = kv_bytes_per_token(model)
     report: dict[str, Any] = dict(

@@ -14,8 +14,9 @@ store's page bytes, plus the bytes of the kept tensors held at least once; no co
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -43,6 +44,16 @@ class HeldPages:
             ids.setdefault(store, []).append(np.fromiter(pages, dtype=np.int64))
             sizes[store] = page_bytes
         return cls({s: (sizes[s], np.unique(np.concatenate(parts))) for s, parts in ids.items()}, dict(tensors or {}))
+
+    def __iter__(self) -> Iterator[Hashable]:
+        """Each page's key ``(store, id)``, then each kept tensor's: what two holders share is the
+        keys both hold (``set(a) & set(b)``)."""
+        for store, (_, ids) in self.pages.items():
+            yield from zip(repeat(store), ids.tolist())
+        yield from self.tensors
+
+    def __len__(self) -> int:
+        return sum(len(ids) for _, ids in self.pages.values()) + len(self.tensors)
 
     @property
     def nbytes(self) -> int:

@@ -15,6 +15,7 @@ def test_a_page_held_by_two_holders_counts_once_until_both_are_removed() -> None
     first = HeldPages.of([(A, 4096, [3, 4, 5]), (B, 8192, [0])])
     second = HeldPages.of([(A, 4096, [5, 6, 6, 3])])  # an id held twice by one holder is held once
     assert first.nbytes == 3 * 4096 + 8192 and second.nbytes == 3 * 4096
+    assert set(first) & set(second) == {(A, 3), (A, 5)} and len(first) == 4  # the pages both hold, by key
     counts = PageCounts()
     counts.add(first)
     counts.add(second)
