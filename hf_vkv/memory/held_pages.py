@@ -66,7 +66,9 @@ class PageCounts:
     hold together, each page once."""
 
     def __init__(self) -> None:
+        # a store's entries go when it holds no page any more: the counts keep no store alive
         self._counts: dict[object, np.ndarray] = {}  # store -> int32 count per page id
+        self._live: dict[object, int] = {}  # store -> its pages whose count is positive
         self._tensors: Counter[Hashable] = Counter()
         self._tensor_bytes: dict[Hashable, int] = {}
         self.bytes = 0
@@ -82,7 +84,9 @@ class PageCounts:
                 if counts is not None:
                     grown[:len(counts)] = counts
                 counts = self._counts[store] = grown
-            self.bytes += size * int(np.count_nonzero(counts[ids] == 0))
+            new = int(np.count_nonzero(counts[ids] == 0))
+            self.bytes += size * new
+            self._live[store] = self._live.get(store, 0) + new
             counts[ids] += 1
         for key, nbytes in held.tensors.items():
             if not self._tensors[key]:
@@ -102,7 +106,11 @@ class PageCounts:
             if len(ids):
                 counts = self._counts[store]
                 counts[ids] -= 1
-                self.bytes -= size * int(np.count_nonzero(counts[ids] == 0))
+                freed = int(np.count_nonzero(counts[ids] == 0))
+                self.bytes -= size * freed
+                self._live[store] -= freed
+                if not self._live[store]:
+                    del self._counts[store], self._live[store]
         for key in held.tensors:
             self._tensors[key] -= 1
             if not self._tensors[key]:
@@ -111,7 +119,9 @@ class PageCounts:
 
     def same_as(self, other: PageCounts) -> bool:
         """Whether both count the same holders of every page and the same bytes."""
-        stores = set(self._counts) | set(other._counts)
+        if set(self._counts) != set(other._counts):
+            return False
+        stores = set(self._counts)
         for store in stores:
             a, b = self._counts.get(store, np.zeros(0, np.int32)), other._counts.get(store, np.zeros(0, np.int32))
             n = max(len(a), len(b))

@@ -26,6 +26,24 @@ def test_a_page_held_by_two_holders_counts_once_until_both_are_removed() -> None
     assert counts.bytes == 0 and counts.same_as(PageCounts())
 
 
+def test_a_store_whose_pages_are_all_gone_is_not_kept_alive() -> None:
+    import gc
+    import weakref
+
+    class Store:
+        pass
+
+    store = Store()
+    gone = weakref.ref(store)
+    counts = PageCounts()
+    held = HeldPages.of([(store, 4096, [7])])
+    counts.add(held)
+    counts.remove(held)
+    del store, held
+    gc.collect()
+    assert gone() is None
+
+
 def test_removing_what_was_not_added_raises_and_changes_nothing() -> None:
     counts = PageCounts()
     held = HeldPages.of([(A, 4096, [1, 2])])
