@@ -119,6 +119,13 @@ class ServerChat:
         _stop(self.proc)
 
 
+def _ids(tok: Any, messages: list[dict[str, str]], *, prompt: bool) -> torch.Tensor:
+    """``[1, T]`` ids of the conversation: as a request's prompt (``prompt``: the generation
+    prompt added), or with the last answer as it goes into the next turn's cache."""
+    return tok.apply_chat_template(messages, add_generation_prompt=prompt, return_tensors="pt",
+                                   return_dict=True)["input_ids"]
+
+
 class DynamicContinued:
     """The reference: per turn, the TTFT of a DynamicCache holding the conversation so far,
     continued (the previous turn's cache deep-copied and cut to the shared tokens outside the timed
@@ -132,8 +139,7 @@ class DynamicContinued:
     def turn(self, messages: list[dict[str, str]]) -> dict[str, Any]:
         from transformers import DynamicCache
 
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)["input_ids"]
+        ids = _ids(self.tok, messages, prompt=True)
         prompt = ids[0].tolist()
         shared = 0
         while shared < min(len(prompt), len(self.previous)) and prompt[shared] == self.previous[shared]:
@@ -154,7 +160,7 @@ class DynamicContinued:
 
     def answered(self, messages: list[dict[str, str]]) -> None:
         """The conversation's cache for the next turn: the last prompt and the answer the server gave."""
-        full = self.tok.apply_chat_template(messages, return_tensors="pt", return_dict=True)["input_ids"]
+        full = _ids(self.tok, messages, prompt=False)
         self.model.generate(full, attention_mask=torch.ones_like(full), **{cache_kwarg(): self.cache},
                             max_new_tokens=1, do_sample=False)
         self.previous = full[0].tolist()
@@ -175,15 +181,14 @@ class VkvInProcess:
                             cache_implementation="vkv", cache_config={"prefix_store": self.store})
 
     def turn(self, messages: list[dict[str, str]]) -> dict[str, Any]:
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)["input_ids"]
+        ids = _ids(self.tok, messages, prompt=True)
         start = time.perf_counter()
         self._generate(ids)
         return {"ttft_s": time.perf_counter() - start}
 
     def answered(self, messages: list[dict[str, str]]) -> None:
         """The answer into the store, as the server's request inserts it."""
-        self._generate(self.tok.apply_chat_template(messages, return_tensors="pt", return_dict=True)["input_ids"])
+        self._generate(_ids(self.tok, messages, prompt=False))
 
 
 def play(kind: str, model_dir: str, *, threads: int, system: str, turns: int, new_tokens: int,

@@ -21,9 +21,9 @@ from .layouts import Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout
 
 __all__ = ["ArenaSource", "LayoutMaker"]
 
-#: Off the host, attention implementations whose result does not depend on the strides of the K/V they read.
-_STRIDE_EXACT_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_3", "vkv_paged", "vkv_cascade"})
 _OWN_ATTENTION = frozenset({"vkv_paged", "vkv_cascade"})  # vkv's kernels, which read its layouts themselves
+#: Off the host, attention implementations whose result does not depend on the strides of the K/V they read.
+_STRIDE_EXACT_ATTENTION = _OWN_ATTENTION | {"sdpa", "flash_attention_2", "flash_attention_3"}
 
 
 def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> bool:

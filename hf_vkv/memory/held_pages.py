@@ -119,12 +119,11 @@ class PageCounts:
 
     def same_as(self, other: PageCounts) -> bool:
         """Whether both count the same holders of every page and the same bytes."""
-        if set(self._counts) != set(other._counts):
+        if self._counts.keys() != other._counts.keys():
             return False
-        stores = set(self._counts)
-        for store in stores:
-            a, b = self._counts.get(store, np.zeros(0, np.int32)), other._counts.get(store, np.zeros(0, np.int32))
-            n = max(len(a), len(b))
+        for store, a in self._counts.items():
+            b = other._counts[store]
+            n = max(len(a), len(b))  # the arrays grow on their own
             if not np.array_equal(np.pad(a, (0, n - len(a))), np.pad(b, (0, n - len(b)))):
                 return False
         return self.bytes == other.bytes and +self._tensors == +other._tensors
