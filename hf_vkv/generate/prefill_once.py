@@ -55,6 +55,7 @@ from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..devices import policy_for
 from .names import CACHE_NAMES
+from .head_rows import HeadReads, RepeatedRows, repeat_for_head
 from .row_exactness import InexactRows, RowExactness
 
 __all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim", "unique_prompts",
@@ -281,39 +282,57 @@ def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, model_kwargs:
     return repeats_refusal(input_ids, model_kwargs, cache.prompt_repeats)
 
 
-def _expand_hidden(output: Any, prompts: int, k: int) -> Any:
+def _expand_hidden(output: Any, prompts: int, k: int, keep: Any = None) -> tuple[Any, RepeatedRows | None]:
     """The base model's ``output`` with its last hidden state ``[prompts, T, H]`` repeated to
-    ``[prompts*k, T, H]`` (contiguous, as DynamicCache's), so that the head runs on every row."""
+    ``[prompts*k, T, H]`` (contiguous, as DynamicCache's), so that the head runs on every row;
+    where generate keeps ``keep`` positions for the head (``logits_to_keep``), only those are
+    written, and the returned record says so (:func:`~hf_vkv.generate.head_rows.repeat_for_head`)."""
     if isinstance(output, tuple):
         first = output[0]
-        return (first.repeat_interleave(k, dim=0), *output[1:]) if first.shape[0] == prompts else output
+        return ((first.repeat_interleave(k, dim=0), *output[1:]) if first.shape[0] == prompts else output), None
     hidden = output.get("last_hidden_state") if isinstance(output, dict) else None
     if not isinstance(hidden, torch.Tensor) or hidden.shape[0] != prompts:
-        return output
+        return output, None
     out = copy_mapping(output)
-    out["last_hidden_state"] = hidden.repeat_interleave(k, dim=0)
-    return out
+    rows = repeat_for_head(hidden, k, keep)
+    out["last_hidden_state"] = hidden.repeat_interleave(k, dim=0) if rows is None else rows.full
+    return out, rows
 
 
 @contextlib.contextmanager
-def _rows_checked(model: Any, prompts: int, k: int) -> Iterator[RowExactness]:
+def _rows_checked(model: Any, prompts: int, k: int, *, keep: Any = None) -> Iterator[RowExactness]:
     """Inside: the base model's forwards are checked call by call (:class:`RowExactness`) and its
-    output rows expanded before the head reads them."""
+    output rows expanded before the head reads them (the positions ``keep`` names only, guarded
+    by :class:`~hf_vkv.generate.head_rows.HeadReads` from the first such expansion to the end)."""
     base = base_of(model)
     mode = RowExactness(prompts=prompts, repeats=k)
+    reads = HeadReads()
+    guarding = False
 
     def start(module: Any, args: Any) -> None:
         mode.watching = True
         mode.base_calls += 1
 
     def stop(module: Any, args: Any, output: Any) -> Any:
+        nonlocal guarding
         mode.watching = False
-        return _expand_hidden(output, prompts, k)
+        output, rows = _expand_hidden(output, prompts, k, keep)
+        if rows is not None:
+            if not guarding:
+                reads.__enter__()
+                guarding = True
+            reads.add(rows)
+        return output
 
     handles = [base.register_forward_pre_hook(start), base.register_forward_hook(stop, always_call=True)]
     try:
         with mode:
-            yield mode
+            try:
+                yield mode
+            finally:
+                if guarding:
+                    reads.__exit__(None, None, None)
+                    reads.settle()
         if not mode.base_calls:  # nothing was checked and the head did not see expanded rows
             raise InexactRows(f"{type(model).__name__}'s forward did not run {type(base).__name__}, the module whose "
                               f"rows prefill once checks and expands")
@@ -342,7 +361,7 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
         try:
             # the check innermost: a forward it rejects leaves the cache's rows unrepeated and uncounted
             with unique_prompts(cache, prompts=prompts, tokens=tokens, repeat_rows=repeat), \
-                    _rows_checked(model, prompts, k) as mode:
+                    _rows_checked(model, prompts, k, keep=model_kwargs.get("logits_to_keep")) as mode:
                 outputs = original(model, input_ids[::k], generation_config, unique_kwargs, *args, **kwargs)
         except InexactRows as exc:
             outer.reset()  # the rows written so far are one per prompt: start again on every row

@@ -289,9 +289,9 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
         taken.extend(map(cut, map(_PAGES, news)))
         dropped.extend(map(cut, bps))
         changes.extend(zip(targets, news, repeat(k)))
-    delta: dict[PageId, int] = Counter(chain.from_iterable(taken))
+    delta = _occurrences(taken)
     get = delta.get
-    for page, n in Counter(chain.from_iterable(dropped)).items():
+    for page, n in _occurrences(dropped).items():
         delta[page] = get(page, 0) - n
     copies = []
     written_into: set[PageId] = set()
@@ -306,6 +306,23 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
         written_into.update(dsts)
         copies += batch
     return changes, dict(delta), copies
+
+
+def _occurrences(runs: list[tuple[PageId, ...]]) -> Counter[PageId]:
+    """How often each page occurs in ``runs``, counting the pages of a tuple that occurs ``m``
+    times once and then ``m`` times over (rows that repeat a row take its very tuples: a repeat of
+    one head-major row into 64 would otherwise count 63 x 180 x its pages one by one)."""
+    times = Counter(map(id, runs))
+    if len(times) == len(runs):
+        return Counter(chain.from_iterable(runs))
+    by_times: dict[int, dict[int, tuple[PageId, ...]]] = {}
+    for run in runs:
+        by_times.setdefault(times[id(run)], {})[id(run)] = run
+    total: Counter[PageId] = Counter()
+    for m, distinct in by_times.items():
+        once = Counter(chain.from_iterable(distinct.values()))
+        total.update(once if m == 1 else dict(zip(once, map(m.__mul__, once.values()))))
+    return total
 
 
 _SHAPE = itemgetter(0, 1)  # a Row's (length, start)

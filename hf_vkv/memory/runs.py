@@ -34,6 +34,9 @@ def consecutive_runs(values: Sequence[int]) -> Iterator[tuple[int, int]]:
 
 
 def is_one_run(values: Sequence[int]) -> bool:
-    """Whether the non-empty ``values`` are one run of consecutive integers (checked in C)."""
+    """Whether the non-empty ``values`` are one run of consecutive integers (checked in C; a
+    ``range`` by its step)."""
+    if type(values) is range:
+        return values.step == 1
     first, n = values[0], len(values)
     return values[-1] - first == n - 1 and (n < 3 or list(values) == list(range(first, first + n)))

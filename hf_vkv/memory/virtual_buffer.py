@@ -27,6 +27,7 @@ from .errors import BackendError, CacheClosedError
 from .map_budget import MapBudget, mapping_change
 from .page_table import PageTable, Row
 from .reorder_plan import common_prefix
+from .runs import is_one_run
 from .pool import PageId
 from .row_buffer import _CLOSED, BufferStats, RowBuffer, return_pages
 
@@ -189,6 +190,7 @@ class VirtualBuffer(RowBuffer):
                 for first, before, after in _slot_changes(old, self._table.row(r))]
         if not plan:
             return
+        plan = _as_ranges(plan)
         reservation = self._reservation
         final = 0
         if reservation.budget is not None:
@@ -261,7 +263,8 @@ class VirtualBuffer(RowBuffer):
         """Set slots ``first ..`` of ``row`` to ``pages`` (None = unmapped), one backend call per
         run; ``reached[0]`` says how far the calls got (the end of the run being made)."""
         backend = self.store.backend
-        if pages and None not in pages:  # a run of pages: the backend maps it in as few calls as it can
+        if pages and (type(pages) is range or None not in pages):  # a run of pages: the backend maps it in as
+            # few calls as it can (``None in`` a range would compare with each id)
             reached[0] = len(pages)
             backend.map(self._slot_address(row, first), pages)  # type: ignore[arg-type]
             return
@@ -287,6 +290,24 @@ def _detail(exc: BaseException) -> str:
 def _root(exc: BaseException) -> str:
     """``call: detail`` of a backend error, else its words: never a nested chain."""
     return f"{exc.call}: {exc.detail}" if isinstance(exc, BackendError) else _detail(exc)
+
+
+def _as_ranges(plan: list[tuple[int, int, Sequence[PageId | None], Sequence[PageId | None]]]
+               ) -> list[tuple[int, int, Sequence[PageId | None], Sequence[PageId | None]]]:
+    """``plan`` with each run of new pages that is one run of consecutive ids as a ``range``, found
+    once per distinct tuple (rows that repeat a row hold its very tuples: a repeat of one row of a
+    head-major group into 64 maps the same 180 tuples 63 times), so that the budget's count and the
+    backend's split take it in one step (:func:`~hf_vkv.memory.runs.is_one_run` of a range)."""
+    seen: dict[int, Sequence[PageId | None]] = {}
+    out = []
+    for r, first, before, after in plan:
+        key = id(after)
+        found = seen.get(key)
+        if found is None:
+            found = seen[key] = range(after[0], after[0] + len(after)) \
+                if after and after[0] is not None and after[-1] is not None and is_one_run(after) else after  # type: ignore[arg-type]
+        out.append((r, first, before, found))
+    return out
 
 
 def _slot_changes(old: Row, new: Row) -> list[tuple[int, Sequence[PageId | None], Sequence[PageId | None]]]:

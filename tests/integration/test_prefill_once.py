@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import pipeline
+from transformers import LlamaForCausalLM, pipeline
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_vkv
 from models import SMALL_PAGE, LayoutRun, assert_same_tokens, prompts, tiny, tokenizer, words
@@ -152,3 +153,35 @@ def test_inputs_embeds_prefill_once() -> None:
     got = model.generate(**kwargs, cache_implementation="vkv", cache_config=SMALL)
     _same(ref, got)
     assert got.past_key_values.stats().prompt_tokens_saved == 2 * 8
+
+
+class _WholeStateLlama(LlamaForCausalLM):
+    """A Llama whose forward reads its base model's whole last hidden state before its head slices
+    it (a scale: per element, so it is exact on any number of rows)."""
+
+    def forward(self, input_ids=None, logits_to_keep=0, **kwargs):
+        out = self.model(input_ids=input_ids, **kwargs)
+        hidden = out.last_hidden_state * 0.5
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, keep, :]), past_key_values=out.past_key_values)
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["head-slices", "whole-state-read"])
+def test_the_head_gets_only_the_positions_it_keeps(whole: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The base model's output is repeated for the head only at the positions ``logits_to_keep``
+    keeps (one a row: ~1.2 GB less to write at 8,000 tokens x 64 rows); a model that reads more of
+    it gets the rest written first, so its tokens and logits are DynamicCache's either way."""
+    from hf_vkv.generate.head_rows import RepeatedRows
+
+    model = tiny("llama")
+    if whole:
+        model = _WholeStateLlama(model.config).eval()
+        model.load_state_dict(tiny("llama").state_dict())
+    fills = []
+    fill = RepeatedRows.fill
+    monkeypatch.setattr(RepeatedRows, "fill", lambda self: (fills.append(self.first), fill(self))[1])
+    ref, got, counts = _both(LayoutRun("head_major"), model, prompts(2, 8, seed=5, left_pad=[0, 3]), seed=7,
+                             max_new_tokens=NEW, do_sample=True, num_return_sequences=4)
+    _same(ref, got)
+    assert counts[NEW] == 16 and got.past_key_values.stats().prefill_once.startswith("on")
+    assert fills == ([7] if whole else [])  # 7 of 8 positions written only where the model read them
