@@ -60,8 +60,8 @@ def table_changes(entries: Sequence[Row], index: Sequence[int | None]) -> tuple[
     indices are valid): the rows whose table changes, and the net reference change per page
     (``+1`` for each page a row takes past the common prefix, ``-1`` for each it drops)."""
     changes: list[Change | None] = []
-    delta: dict[PageId, int] = {}
-    get = delta.get
+    taken: list[tuple[PageId, ...]] = []  # page runs that gain a reference (one per changed row)
+    dropped: list[tuple[PageId, ...]] = []  # page runs that lose one
     for i in range(len(entries)):
         src = index[i] if i < len(index) else None
         before = entries[i]
@@ -79,12 +79,14 @@ def table_changes(entries: Sequence[Row], index: Sequence[int | None]) -> tuple[
                 continue  # the same table
         else:
             k = 0
-        for p in ap[k:]:
-            delta[p] = get(p, 0) + 1
-        for p in bp[k:]:
-            delta[p] = get(p, 0) - 1
+        taken.append(ap[k:])  # (the very tuple where k = 0: a repeat's rows count it once, _occurrences)
+        dropped.append(bp[k:])
         changes.append((i, after, k))
-    return changes, delta
+    delta = _occurrences(taken)
+    get = delta.get
+    for page, n in _occurrences(dropped).items():
+        delta[page] = get(page, 0) - n
+    return changes, dict(delta)
 
 
 def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], entries: Sequence[Row],

@@ -87,6 +87,7 @@ OPS = [
     ("drop_before", lambda b: b.drop_before([0, 1], 120)),
     ("truncate", lambda b: b.truncate([2, 3], 90)),
     ("clear", lambda b: b.clear([1])),
+    ("repeat (one row's very tables in every row)", lambda b: b.reorder([0, 0, 0, 0])),
 ]
 
 

@@ -20,7 +20,7 @@ from hf_vkv.memory import (
     Row,
     check_pages,
 )
-from hf_vkv.memory.reorder_plan import common_prefix, grouped_plan
+from hf_vkv.memory.reorder_plan import _occurrences, common_prefix, grouped_plan
 
 P = PageId
 
@@ -756,3 +756,14 @@ def test_bad_construction_is_a_value_error():
     for rows, ppr, size in [(0, 1, 1), (1, 0, 1), (1, 1, 0)]:
         with pytest.raises(ValueError, match="must be positive"):
             PageTable(pool, rows=rows, pages_per_row=ppr, page_size=size)
+
+
+def test_page_occurrences_count_a_repeated_tuple_once_per_occurrence():
+    """What a reorder counts per page: the same as counting every page of every run, whether the
+    runs are distinct tuples or one tuple taken by many rows (a repeat), or both."""
+    from collections import Counter
+    from itertools import chain
+
+    a, b, c = (1, 2, 3), (3, 4), (9,)
+    for runs in ([a, b, c], [a] * 5, [a, b, a, c, a, b], [], [(1, 1), (1, 1)]):
+        assert _occurrences(list(runs)) == Counter(chain.from_iterable(runs)), runs
