@@ -94,9 +94,22 @@ class HeadReads(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.pending: list[RepeatedRows] = []
+        self._active = False
 
     def add(self, rows: RepeatedRows) -> None:
+        """Guard ``rows`` from now on (the first one enters this mode: it stays active, on top of
+        the modes entered before, until :meth:`close`)."""
+        if not self._active:
+            self.__enter__()
+            self._active = True
         self.pending.append(rows)
+
+    def close(self) -> None:
+        """Leave the mode (if :meth:`add` entered it) and :meth:`settle`."""
+        if self._active:
+            self._active = False
+            self.__exit__(None, None, None)
+        self.settle()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

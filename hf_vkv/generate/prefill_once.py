@@ -29,7 +29,8 @@ costs nothing afterwards; one whose unique result differs runs on the expanded r
 DynamicCache's bits; one whose repeats differ among themselves makes the whole prefill run on every
 row. Everything after the base model (the head: transforms, norms, the decoder, soft-capping, a
 tied head) runs on all expanded rows: the base model's output rows are repeated before the head
-reads them, so the head computes exactly what DynamicCache's does. Tokens and logits are
+reads them, so the head computes exactly what DynamicCache's does (only at the positions generate
+keeps for the head, any other read filling the rest first: :mod:`hf_vkv.generate.head_rows`). Tokens and logits are
 DynamicCache's (``torch.equal``); it is on by default (``cache_config={"prefill_once": False}``
 turns it off). Where it cannot apply — rows that differ, a model in training mode (dropout differs
 per row), mixture-of-experts models (an expert's matmul size depends on the batch), an input whose
@@ -307,20 +308,15 @@ def _rows_checked(model: Any, prompts: int, k: int, *, keep: Any = None) -> Iter
     base = base_of(model)
     mode = RowExactness(prompts=prompts, repeats=k)
     reads = HeadReads()
-    guarding = False
 
     def start(module: Any, args: Any) -> None:
         mode.watching = True
         mode.base_calls += 1
 
     def stop(module: Any, args: Any, output: Any) -> Any:
-        nonlocal guarding
         mode.watching = False
         output, rows = _expand_hidden(output, prompts, k, keep)
         if rows is not None:
-            if not guarding:
-                reads.__enter__()
-                guarding = True
             reads.add(rows)
         return output
 
@@ -330,9 +326,7 @@ def _rows_checked(model: Any, prompts: int, k: int, *, keep: Any = None) -> Iter
             try:
                 yield mode
             finally:
-                if guarding:
-                    reads.__exit__(None, None, None)
-                    reads.settle()
+                reads.close()
         if not mode.base_calls:  # nothing was checked and the head did not see expanded rows
             raise InexactRows(f"{type(model).__name__}'s forward did not run {type(base).__name__}, the module whose "
                               f"rows prefill once checks and expands")
