@@ -31,7 +31,9 @@ class RepeatedRows:
     """``full`` (``[B*k, T, H]``, contiguous): ``hidden`` (``[B, T, H]``) repeated ``k`` times per
     row, written from position :attr:`first` on (all of it once :attr:`whole`).
 
-    Invariant: every element of ``full`` that a call has read is its repeat's value."""
+    Invariant: every element of ``full`` that a call has read is its repeat's value (a call on
+    ``full`` itself; an admitted slice is not followed further: a head that re-strides its own slice
+    past it, ``as_strided``, would not be guarded)."""
 
     __slots__ = ("full", "hidden", "k", "first")
 
