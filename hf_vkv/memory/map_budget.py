@@ -184,26 +184,21 @@ def mapping_change(runs: Sequence[SlotRun], old: Slot, total: int) -> tuple[int,
     a run's ends). Two neighbouring slots are one mapping when both are unmapped or hold
     consecutive pages; the peak adds 2 for the moment inside a run when only part is applied."""
     ends: dict[int, int | None] = {}  # the first and last slot of each run applied -> its page after
-    breaks: dict[int, int] = {}  # id of a run's pages -> its inner breaks (rows that repeat a row share its tuples)
 
-    def inner(pages: Sequence[int | None]) -> int:
-        key = id(pages)
-        found = breaks.get(key)
-        if found is None:
-            found = breaks[key] = _inner_breaks(pages)
-        return found
+    def at(g: int) -> int | None:
+        return ends[g] if g in ends else old(g)
 
     delta = peak = 0
     for first, before, after in runs:
         if not after:
             continue
         last = first + len(after) - 1
-        change = inner(after) - inner(before)
+        change = _inner_breaks(after) - _inner_breaks(before)
         if first >= 1:
-            left = ends[first - 1] if first - 1 in ends else old(first - 1)
+            left = at(first - 1)
             change += _joined(left, before[0]) - _joined(left, after[0])
         if last + 1 <= total - 1:
-            right = ends[last + 1] if last + 1 in ends else old(last + 1)
+            right = at(last + 1)
             change += _joined(before[-1], right) - _joined(after[-1], right)
         ends[first], ends[last] = after[0], after[-1]
         delta += change

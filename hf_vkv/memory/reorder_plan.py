@@ -82,11 +82,7 @@ def table_changes(entries: Sequence[Row], index: Sequence[int | None]) -> tuple[
         taken.append(ap[k:])  # (the very tuple where k = 0: a repeat's rows count it once, _occurrences)
         dropped.append(bp[k:])
         changes.append((i, after, k))
-    delta = _occurrences(taken)
-    get = delta.get
-    for page, n in _occurrences(dropped).items():
-        delta[page] = get(page, 0) - n
-    return changes, dict(delta)
+    return changes, _net_references(taken, dropped)
 
 
 def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], entries: Sequence[Row],
@@ -291,10 +287,8 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
         taken.extend(map(cut, map(_PAGES, news)))
         dropped.extend(map(cut, bps))
         changes.extend(zip(targets, news, repeat(k)))
-    delta = _occurrences(taken)
+    delta = _net_references(taken, dropped)
     get = delta.get
-    for page, n in _occurrences(dropped).items():
-        delta[page] = get(page, 0) - n
     copies = []
     written_into: set[PageId] = set()
     for c in head_copies:
@@ -307,7 +301,16 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
             return None  # a page copied into that another row holds, or reads after it is written
         written_into.update(dsts)
         copies += batch
-    return changes, dict(delta), copies
+    return changes, delta, copies
+
+
+def _net_references(taken: list[tuple[PageId, ...]], dropped: list[tuple[PageId, ...]]) -> dict[PageId, int]:
+    """The net reference change per page: ``+1`` for each occurrence in ``taken``, ``-1`` in ``dropped``."""
+    delta = _occurrences(taken)
+    get = delta.get
+    for page, n in _occurrences(dropped).items():
+        delta[page] = get(page, 0) - n
+    return dict(delta)
 
 
 def _occurrences(runs: list[tuple[PageId, ...]]) -> Counter[PageId]:
