@@ -91,6 +91,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--caches", nargs="+", default=["dynamic", "vkv", "ideal"])
     p.add_argument("--dynamic-limit-s", type=float, default=60.0)
+    p.add_argument("--context", type=int, default=None,
+                   help="positions the model takes (config.max_position_embeddings), for prompts past its trained "
+                        "context: the cost of a long prompt does not depend on what the weights were trained for, "
+                        "its tokens are still compared with DynamicCache's")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/scaling_grid.json"))
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--plot-only", action="store_true", help="draw --plot from the cells of --json (a finished run), "
@@ -102,10 +106,14 @@ def main() -> int:
         plot(json.loads(args.json.read_text())["cells"], args.plot)
         return 0
     model, _ = load_default_model()
+    trained = model.config.max_position_embeddings
+    if args.context is not None:
+        model.config.max_position_embeddings = args.context
     per_token = kv_bytes_per_token(model)
     report: dict[str, Any] = dict(
         benchmark="scaling_grid", command=" ".join([sys.executable, *sys.argv]), environment=describe_environment(model),
         threads=args.threads, rounds=args.rounds, decode_steps=args.decode_steps, kv_bytes_per_token=per_token,
+        context=model.config.max_position_embeddings, trained_context=trained,
         limit="(P + n*G) * bytes per token, G = decode steps + 1 tokens generated per row",
         dynamic_bytes="n * (P + G) * bytes per token", complete=False, cells=[])
     skipped: dict[str, str] = {}
