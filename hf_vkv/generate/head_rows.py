@@ -107,11 +107,16 @@ class HeadReads(TorchFunctionMode):
         self.pending.append(rows)
 
     def close(self) -> None:
-        """Leave the mode (if :meth:`add` entered it) and :meth:`settle`."""
+        """At the forward's end: leave the mode (if :meth:`add` entered it), fill any tensor that
+        something beyond its record still holds (so nothing reads unwritten positions later), and
+        let go of all of them."""
         if self._active:
             self._active = False
             self.__exit__(None, None, None)
-        self.settle()
+        for rows in self.pending:
+            if not rows.whole and sys.getrefcount(rows.full) > 2:  # the record's reference and the call's
+                rows.fill()
+        self.pending.clear()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -125,14 +130,6 @@ class HeadReads(TorchFunctionMode):
         for rows in taken:
             rows.fill()
         return func(*args, **kwargs)
-
-    def settle(self) -> None:
-        """At the forward's end: fill any tensor that something beyond its record still holds (so
-        nothing reads unwritten positions later), and let go of all of them."""
-        for rows in self.pending:
-            if not rows.whole and sys.getrefcount(rows.full) > 2:  # the record's reference and the call's
-                rows.fill()
-        self.pending.clear()
 
 
 def _takes(full: torch.Tensor, args: tuple, kwargs: dict) -> bool:
