@@ -11,10 +11,14 @@ unrelated warm-up generate first (so every column pays the same process start-up
   (the weights fingerprint, computed once per model, is taken before the first: it is the model's
   cost, not the file's);
 * ``fresh``: the first turn (the prefix + ``--question`` new tokens, one token generated) in a
-  process that just opened the file, its pages verified and faulted in by that turn. Its time to
+  process that just opened the file: the turn checks the pages the background check started by
+  the open has not reached yet, and faults them in. Its time to
   first token is taken when ``generate`` hands the token to a streamer (what a chat shows the user
   first); ``call_s`` is the whole call, with what follows the token (the store's insert of the
   conversation);
+* ``ahead``: the same, the turn coming ``--ahead-s`` seconds after the open (a server that opened
+  the file at its start, a chat resumed while its user types): the pages were checked meanwhile,
+  by the check the open starts in the background;
 * ``warm``: the same turn in a process whose store computed the prefix itself (held in memory);
 * ``prefill``: the same turn with DynamicCache over the whole prompt (no reuse);
 * ``continued``: the same turn with a DynamicCache that already holds the prefix (computed in the
@@ -109,6 +113,13 @@ elif mode == "fresh":
     t = time.perf_counter(); store.load({folder!r}, model=model); out["open_s"] = time.perf_counter() - t
     out["ttft_s"] = turn(store)
     out["reused"] = store.stats().tokens_reused
+elif mode == "ahead":
+    store = PrefixStore(model.config)
+    store.fingerprint(model)
+    t = time.perf_counter(); store.load({folder!r}, model=model); out["open_s"] = time.perf_counter() - t
+    time.sleep({ahead_s})  # the turn comes later than the open: the background check has finished
+    out["ttft_s"] = turn(store)
+    out["reused"] = store.stats().tokens_reused
 elif mode == "warm":
     store = PrefixStore(model.config)
     p = torch.tensor([prefix])
@@ -150,7 +161,8 @@ print("RESULT " + json.dumps(out), flush=True)
 
 def _child(mode: str, args: argparse.Namespace, common: dict[str, Any], *, procs: int = 1, barrier: str = "",
            repeats: int = 1) -> list[subprocess.Popen]:
-    code = _CHILD.format(mode=mode, threads=args.threads, repeats=repeats, procs=procs, barrier=barrier, **common)
+    code = _CHILD.format(mode=mode, threads=args.threads, repeats=repeats, procs=procs, barrier=barrier,
+                         ahead_s=args.ahead_s, **common)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     return [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env) for _ in range(procs)]
@@ -174,6 +186,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--ahead-s", type=float, default=0.3,
+                   help="seconds between the open and the turn in the 'ahead' column")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "prefix_files.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -205,7 +219,7 @@ def main() -> int:
     print(f"prefix {n} tokens stored, {one_copy / 2**20:.1f} MiB of pages; file {kv_file.stat().st_size / 2**20:.1f} MiB")
     report["open_s"] = _results(_child("open", args, common, repeats=max(args.repeats, 5)))[0]["open_s"]
     print(f"open: median {1e3 * statistics.median(report['open_s']):.2f} ms of {report['open_s']}")
-    cols: dict[str, list[dict[str, Any]]] = {"fresh": [], "warm": [], "prefill": [], "continued": []}
+    cols: dict[str, list[dict[str, Any]]] = {"fresh": [], "ahead": [], "warm": [], "prefill": [], "continued": []}
     for _ in range(args.repeats):  # interleaved
         for mode in cols:
             cols[mode].extend(_results(_child(mode, args, common)))
@@ -215,6 +229,11 @@ def main() -> int:
         report[f"{mode}_call_s"] = statistics.median(r["call_s"] for r in runs)
         print(f"{mode:8s} TTFT median {report[f'{mode}_ttft_s']:.4f} s of {[round(r['ttft_s'], 4) for r in runs]} "
               f"(whole call {report[f'{mode}_call_s']:.4f} s)")
+    report["ahead_s"] = args.ahead_s
+    report["ahead_over_warm"] = report["ahead_ttft_s"] / report["warm_ttft_s"]
+    report["ahead_over_prefill"] = report["ahead_ttft_s"] / report["prefill_ttft_s"]
+    report["ahead_over_prefill_round_median"] = statistics.median(
+        a["ttft_s"] / p["ttft_s"] for a, p in zip(cols["ahead"], cols["prefill"]))
     report["fresh_over_warm"] = report["fresh_ttft_s"] / report["warm_ttft_s"]
     report["fresh_over_prefill"] = report["fresh_ttft_s"] / report["prefill_ttft_s"]
     # the columns ran interleaved, a round each: the median of each round's ratio is what a
@@ -231,6 +250,8 @@ def main() -> int:
           f"{report['fresh_over_warm_round_median']:.3f}), fresh/prefill {report['fresh_over_prefill']:.4f} "
           f"({report['fresh_over_prefill_round_median']:.4f}); a DynamicCache holding the prefix, continued: "
           f"{report['continued_over_prefill']:.4f} ({report['continued_over_prefill_round_median']:.4f}) of the prefill")
+    print(f"opened {args.ahead_s} s ahead: /warm {report['ahead_over_warm']:.3f}, /prefill {report['ahead_over_prefill']:.4f} "
+          f"({report['ahead_over_prefill_round_median']:.4f})")
     report["pss"] = []
     for procs in args.procs:
         for mode in ("pss-mapped", "pss-copied"):

@@ -274,24 +274,38 @@ class HostBackend:
         """The :meth:`map_file` span ``(lowest id, highest id, file index, byte offset)`` holding ``page``."""
         return next((span for span in self._file_spans if span[0] <= page <= span[1]), None)
 
-    def _file_of(self, page: int) -> tuple[int, int] | None:
-        """``(file index, byte offset)`` of a page backed by a mapped file, else ``None``."""
-        span = self._span_of(page)
-        return None if span is None else (span[2], span[3] + (page - span[0]) * self.page_bytes)
-
     def read_pages(self, pages: Sequence[PageId]) -> torch.Tensor:
         """A ``uint8`` copy ``[len(pages), page_bytes]`` of ``pages`` (resident or file pages)."""
-        out = torch.empty(len(pages), self.page_bytes, dtype=torch.uint8)
-        for i, page in enumerate(pages):
-            out[i].copy_(self._page(page))
-        return out
+        return self._gather(pages, self.page_bytes)
 
-    def _page(self, page: PageId) -> torch.Tensor:
-        """A zero-copy ``uint8`` view of one page (a file page's from a read-only mapping of its file)."""
-        src = self._file_of(page)
-        if src is None:
-            return self.pool_tensor()[page]
-        return self._files[src[0]].view()[src[1]:src[1] + self.page_bytes]
+    def _gather(self, pages: Sequence[PageId], nbytes: int) -> torch.Tensor:
+        """A ``uint8`` copy ``[len(pages), nbytes]`` of the first ``nbytes`` of each of ``pages``
+        (resident pages from the memfd, a mapped file's from its read-only view), read by one
+        gather per source, in words as wide as ``nbytes`` allows (a byte gather is ~6x slower)."""
+        word = _word(nbytes, self.page_bytes)
+        out = torch.empty(len(pages), nbytes // word, dtype=_WORDS[word])
+        if not len(pages):
+            return out.view(torch.uint8)
+        ids = _ids(pages)
+        pool = self.pool_tensor().view(_WORDS[word])[:, :nbytes // word]
+        if not self._file_spans:
+            return pool.index_select(0, ids).view(torch.uint8)
+        left = None  # the rows no file holds (None: every row)
+        for lo, hi, index, offset in self._file_spans:
+            hit = (ids >= lo) & (ids <= hi)
+            if not bool(hit.any()):
+                continue
+            rows = hit.nonzero().squeeze(1)
+            file = self._files[index].view()[offset:offset + (hi - lo + 1) * self.page_bytes]
+            source = file.view(hi - lo + 1, self.page_bytes).view(_WORDS[word])[:, :nbytes // word]
+            out.index_copy_(0, rows, source.index_select(0, ids.index_select(0, rows) - lo))
+            left = ~hit if left is None else left & ~hit
+        if left is None:
+            out.copy_(pool.index_select(0, ids))
+        elif bool(left.any()):
+            rows = left.nonzero().squeeze(1)
+            out.index_copy_(0, rows, pool.index_select(0, ids.index_select(0, rows)))
+        return out.view(torch.uint8)
 
     def file_pages(self) -> int:
         """Pages backed by mapped files (ever: a retired page keeps its file)."""
@@ -356,27 +370,22 @@ class HostBackend:
             return
         view = self.pool_tensor()
         sizes = [self.page_bytes] * len(pairs) if nbytes is None else list(nbytes)
-        from_files = False
-        if self._file_spans:
-            bad = next((dst for _, dst in pairs if self._file_of(dst) is not None), None)
-            if bad is not None:
-                raise BackendError("copy", f"page {bad} is a page of a mapped file: it is never written")
-            from_files = any(self._file_of(src) is not None for src, _ in pairs)  # (a fresh row's tails)
-        if len(pairs) > 1 and len(set(sizes)) == 1:  # one gathered copy (a reorder's tails)
+        src, dst = zip(*pairs)
+        written = _ids(dst) if self._file_spans else None
+        for lo, hi, _, _ in self._file_spans:
+            hit = ((written >= lo) & (written <= hi)).nonzero()
+            if len(hit):
+                raise BackendError("copy", f"page {dst[int(hit[0])]} is a page of a mapped file: it is never written")
+        if len(pairs) > 1 and len(set(sizes)) == 1:  # one gathered copy (a reorder's tails, a fresh row's)
+            data = self._gather(src, sizes[0])  # every source read before any write
             n = sizes[0]
-            word = next(w for w in (8, 4, 2, 1) if not n % w and not self.page_bytes % w)  # ~6x faster than bytes
-            part = view.view(_WORDS[word])[:, :n // word]
-            src, dst = zip(*pairs)
-            if from_files:  # gathered from each page's own view (file or pool), every one read before any write
-                data = torch.stack([self._page(p)[:n] for p in src]).view(_WORDS[word])
-            else:
-                data = part.index_select(0, _ids(src))
-            part.index_copy_(0, _ids(dst), data)
+            word = _WORDS[_word(n, self.page_bytes)]
+            view.view(word)[:, :n // word.itemsize].index_copy_(0, _ids(dst), data.view(word))
             return
         # only the written part: the rest of a fresh page is never read before written
-        read = [(self._page(src) if from_files else view[src])[:n].clone() for (src, _), n in zip(pairs, sizes)]
-        for (_, dst), n, data in zip(pairs, sizes, read):
-            view[dst, :n].copy_(data)
+        read = [self._gather((s,), n) for s, n in zip(src, sizes)]
+        for d, n, data in zip(dst, sizes, read):
+            view[d, :n].copy_(data[0])
 
     def close(self) -> None:
         """Close the memfd: its memory goes once no mapping refers to it. Reservations are given
@@ -387,6 +396,11 @@ class HostBackend:
             self._fd_finalizer()
             for f in self._files:  # mappings of them stay valid until their reservations go
                 f.close()
+
+
+def _word(nbytes: int, page_bytes: int) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that divides both sizes: what a page copy moves."""
+    return next(w for w in (8, 4, 2, 1) if not nbytes % w and not page_bytes % w)
 
 
 def _ids(pages: Sequence[int]) -> torch.Tensor:

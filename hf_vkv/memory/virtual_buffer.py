@@ -317,6 +317,9 @@ def _slot_changes(old: Row, new: Row) -> list[tuple[int, Sequence[PageId | None]
     if not old.pages or not new.pages:  # a row filled from nothing (a share) or emptied: one run, no loop or copy
         return [(new.start, (None,) * len(new.pages), new.pages)] if new.pages else \
             [(old.start, old.pages, (None,) * len(old.pages))]
+    k = len(old.pages)
+    if old.start == new.start and len(new.pages) > k and new.pages[:k] == old.pages:  # a row that grew (compared in C)
+        return [(old.start + k, (None,) * (len(new.pages) - k), new.pages[k:])]
     lo = min(old.start if old.pages else new.start, new.start if new.pages else old.start)
     hi = max(old.end, new.end)
     a, b = max(old.start, new.start), min(old.end, new.end)

@@ -479,6 +479,8 @@ class PrefixStore:
                     self.insert(tokens, cache, weights=weights)
                 while given:
                     self._add_mapped(given.pop(0), mapped, weights)
+            if mapped is not None:
+                mapped.check_in_background()  # its pages are checked by their first use, or then
         finally:
             for cache, _ in loaded:
                 cache.close()

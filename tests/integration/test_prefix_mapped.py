@@ -390,3 +390,36 @@ def test_bit_flips_anywhere_are_refused_never_served(tmp_path: Path) -> None:
         target.write_bytes(data)
     assert refused > 30  # flips in the header page's zero padding beyond its JSON change nothing that is read
     assert served + refused == 60
+
+
+_EXIT_WHILE_CHECKING = r"""
+import sys, time, torch
+sys.path.insert(0, {tests!r})
+from models import tiny
+import hf_vkv
+import hf_vkv.prefix.mapped as mapped
+plain = mapped._checksums
+def slow(pages):  # a file of gigabytes: the check is still inside torch when the process exits
+    a = torch.randn(700, 700)
+    for _ in range(40):
+        a = torch.tanh(a @ a)
+    return plain(pages)
+mapped._checksums = slow
+model = tiny("llama")
+store = hf_vkv.PrefixStore(model.config)
+store.load({folder!r}, model=model)
+print("opened", flush=True)
+"""
+
+
+def test_a_process_that_exits_while_its_pages_are_checked_exits_cleanly(tmp_path: Path) -> None:
+    """Opening starts the page check in a thread; a process that exits before it ends waits for
+    it instead of aborting (a daemon thread inside a torch call at exit ends the process with
+    SIGABRT)."""
+    model = tiny("llama")
+    _, folder, _ = _saved_store(tmp_path, model)
+    code = _EXIT_WHILE_CHECKING.format(tests=str(Path(__file__).parents[1]), folder=str(folder))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=str(Path(__file__).parents[2]))
+    assert proc.returncode == 0 and "opened" in proc.stdout, proc.stderr[-3000:]

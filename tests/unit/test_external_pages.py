@@ -138,3 +138,29 @@ def test_read_pages_reads_memfd_and_file_pages(tmp_path: Path) -> None:
     got = backend.read_pages([PageId(3), PageId(0), PageId(2)])
     assert torch.equal(got[0], data[1]) and bool((got[1] == 9).all()) and torch.equal(got[2], data[0])
     backend.close()
+
+
+@pytest.mark.parametrize("nbytes", [None, [PAGE - 24] * 3, [100, PAGE, 8]])
+def test_one_copy_reads_file_and_memfd_sources_before_it_writes(tmp_path: Path, nbytes: list[int] | None) -> None:
+    """A copy whose sources are a mapped file's pages and memfd pages (a reorder of rows that took
+    a fresh row's tails): each destination gets its source's written bytes, and a destination that
+    is also a source is read before it is written."""
+    fd, data = _file(tmp_path, 2, 0)
+    backend = HostBackend(page_bytes=PAGE)
+    backend.ensure_id_space(8)
+    backend.create([PageId(i) for i in range(4)])
+    pool = backend.pool_tensor()
+    for i in range(4):
+        pool[i].fill_(10 + i)
+    backend.map_file(fd, 0, [PageId(6), PageId(7)])
+    os.close(fd)
+    before = pool[:4].clone()
+    backend.copy([(PageId(7), PageId(0)), (PageId(0), PageId(1)), (PageId(6), PageId(3))], nbytes)
+    sizes = nbytes or [PAGE] * 3
+    for dst, source, n in ((0, data[1], sizes[0]), (1, before[0], sizes[1]), (3, data[0], sizes[2])):
+        assert torch.equal(pool[dst, :n], source[:n])
+        assert torch.equal(pool[dst, n:], before[dst, n:])  # past the written part: untouched
+    assert torch.equal(pool[2], before[2])
+    with pytest.raises(BackendError, match="page 7 is a page of a mapped file"):
+        backend.copy([(PageId(0), PageId(7))])
+    backend.close()
