@@ -218,6 +218,7 @@ class MappedPages:
         self._offset = data_offset
         self._map = mmap.mmap(fd, 0, prot=mmap.PROT_READ) if page_ids else None  # read-only, the file's pages
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child makes its own lock (the thread may have held this one)
         self._thread: threading.Thread | None = None
         self.verified_bytes = 0  # bytes checked so far (what verification cost: see docs)
 
@@ -230,6 +231,8 @@ class MappedPages:
             return
         index = np.asarray(pages, dtype=np.int64) - self._first
         index = np.unique(index[(index >= 0) & (index < n)])
+        if self._pid != os.getpid():  # a child forked while the check ran: no thread here, and the lock
+            self._lock, self._pid = threading.Lock(), os.getpid()  # may have been held at the fork
         with self._lock:
             self._check(index[~self._verified[index]])
 

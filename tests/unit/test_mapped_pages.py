@@ -5,6 +5,8 @@ entry holding it, whichever comes first; a damaged page is never passed, whoever
 from __future__ import annotations
 
 import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +77,35 @@ def test_a_damaged_page_stops_the_thread_and_its_first_use_raises(tmp_path: Path
     pages.verify(range(BASE + 2 * MappedPages.CHUNK, BASE + n))  # and after it, checked by this use
     with pytest.raises(PrefixFileCorruptError, match=f"page {bad} differs"):  # never passed later either
         pages.verify(range(BASE, BASE + n))
+
+
+def test_a_child_forked_while_the_check_holds_the_lock_checks_on_its_own(tmp_path: Path) -> None:
+    """A process forked while the background check held the lock (here: held by hand) gets a
+    child whose first use checks its pages itself instead of waiting for a lock no thread of the
+    child will release."""
+    n = 2 * MappedPages.CHUNK
+    path, sums = _file(tmp_path, n, damage=n - 3)
+    pages = _open(path, sums)
+    with pages._lock:  # what the thread holds while it sums a chunk
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the first use checked, and refused the damaged page
+            try:
+                pages.verify(range(BASE, BASE + 10))
+                try:
+                    pages.verify([BASE + n - 3])
+                except PrefixFileCorruptError:
+                    os._exit(0)
+                os._exit(2)
+            finally:
+                os._exit(3)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child waited for the lock it inherited from the fork")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status) == 0
