@@ -283,13 +283,11 @@ class HostBackend:
         (resident pages from the memfd, a mapped file's from its read-only view), read by one
         gather per source, in words as wide as ``nbytes`` allows (a byte gather is ~6x slower)."""
         word = _word(nbytes, self.page_bytes)
-        out = torch.empty(len(pages), nbytes // word, dtype=_WORDS[word])
-        if not len(pages):
-            return out.view(torch.uint8)
         ids = _ids(pages)
         pool = self.pool_tensor().view(_WORDS[word])[:, :nbytes // word]
         if not self._file_spans:
             return pool.index_select(0, ids).view(torch.uint8)
+        out = torch.empty(len(pages), nbytes // word, dtype=_WORDS[word])
         left = None  # the rows no file holds (None: every row)
         for lo, hi, index, offset in self._file_spans:
             hit = (ids >= lo) & (ids <= hi)

@@ -428,8 +428,9 @@ class PrefixStore:
         first), with every check :func:`~hf_vkv.load_prefix` does (model, weights, dtype,
         checksums). Returns the tokens loaded (summed over the folder's entries). The pages live
         in the store's memory, so requests share them: a folder's ``prefix_store.kv`` is mapped,
-        not read (:mod:`hf_vkv.prefix.mapped`: each page is checked against its checksum when an
-        entry holding it is first handed out); prefix files are read by copy.
+        not read (:mod:`hf_vkv.prefix.mapped`: each page is checked against its checksum before
+        an entry holding it is first handed out, by a thread the open starts or by that first
+        use); prefix files are read by copy.
 
         All or nothing: every file is read and checked, and checked against the store's entries
         (model, dtype, weights), before any is inserted; a refusal inserts nothing and leaves the
