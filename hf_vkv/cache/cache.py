@@ -195,10 +195,16 @@ class VKVCache(Cache):
         super().__init__(layers=layers)
 
     @staticmethod
+    def layer_kinds(config: PretrainedConfig) -> list[str]:
+        """The distinct layer kinds of ``config``'s (decoder) model, in order of first use, as
+        transformers names them (``"full_attention"``, ``"linear_attention"``, ...)."""
+        types, _ = _layer_types(config.get_text_config(decoder=True))
+        return list(dict.fromkeys(types))
+
+    @staticmethod
     def stores_kv(config: PretrainedConfig) -> bool:
         """Whether any layer of ``config``'s model keeps K/V that vkv stores."""
-        types, _ = _layer_types(config.get_text_config(decoder=True))
-        return any(kind in _VKV_KINDS for kind in types)
+        return any(kind in _VKV_KINDS for kind in VKVCache.layer_kinds(config))
 
     @classmethod
     def for_generate(cls, model: Any, *, batch_size: int, expand: int, max_length: int,

@@ -49,6 +49,11 @@ _BART = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_h
 _T5 = dict(d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2, vocab_size=VOCAB,
            decoder_start_token_id=PAD, relative_attention_num_buckets=8)
 _MAMBA = dict(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, state_size=8, expand=2, conv_kernel=4)
+#: Mixture-of-experts fields under the names the MoE families use (each takes those it knows).
+_MOE = dict(num_experts=4, num_experts_per_tok=2, num_local_experts=4, moe_intermediate_size=32, n_routed_experts=4,
+            shared_expert_intermediate_size=32, n_shared_experts=1, num_shared_experts=1, first_k_dense_replace=1,
+            n_group=1, topk_group=1)
+_HD16 = {**_LLAMA, "head_dim": 16}
 
 SPECS: dict[str, Spec] = {
     # ---- the usual decoder-only families (full attention)
@@ -81,6 +86,30 @@ SPECS: dict[str, Spec] = {
     "biogpt": Spec("BioGptForCausalLM", "BioGptConfig", dict(hidden_size=32, intermediate_size=64,
                                                              num_hidden_layers=2, num_attention_heads=2,
                                                              max_position_embeddings=64, vocab_size=VOCAB)),
+    # ---- families newer than the set above (transformers 5.x), with their default layer types
+    "glm4": Spec("Glm4ForCausalLM", "Glm4Config", _HD16),
+    "glm4_moe": Spec("Glm4MoeForCausalLM", "Glm4MoeConfig", {**_HD16, **_MOE}),
+    "qwen2_moe": Spec("Qwen2MoeForCausalLM", "Qwen2MoeConfig", {**_HD16, **_MOE}),
+    "olmo3": Spec("Olmo3ForCausalLM", "Olmo3Config", _HD16),
+    "flex_olmo": Spec("FlexOlmoForCausalLM", "FlexOlmoConfig", _HD16),
+    "olmoe": Spec("OlmoeForCausalLM", "OlmoeConfig", {**_HD16, **_MOE}),
+    "exaone4": Spec("Exaone4ForCausalLM", "Exaone4Config", _HD16),
+    "ernie4_5": Spec("Ernie4_5ForCausalLM", "Ernie4_5Config", _HD16),
+    "ernie4_5_moe": Spec("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", {**_HD16, **_MOE}),
+    "granitemoe": Spec("GraniteMoeForCausalLM", "GraniteMoeConfig", {**_HD16, **_MOE}),
+    "nemotron": Spec("NemotronForCausalLM", "NemotronConfig", _HD16),
+    "helium": Spec("HeliumForCausalLM", "HeliumConfig", _HD16),
+    "hunyuan_v1_dense": Spec("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config", _HD16),
+    "seed_oss": Spec("SeedOssForCausalLM", "SeedOssConfig", _HD16),
+    "apertus": Spec("ApertusForCausalLM", "ApertusConfig", _HD16),
+    "arcee": Spec("ArceeForCausalLM", "ArceeConfig", _HD16),
+    "dots1": Spec("Dots1ForCausalLM", "Dots1Config", {**_HD16, **_MOE}),
+    "phimoe": Spec("PhimoeForCausalLM", "PhimoeConfig", {**_HD16, **_MOE}),
+    "minimax_m2": Spec("MiniMaxM2ForCausalLM", "MiniMaxM2Config", {**_HD16, **_MOE}),
+    "ministral3": Spec("Ministral3ForCausalLM", "Ministral3Config", _HD16),
+    "bitnet": Spec("BitNetForCausalLM", "BitNetConfig", _HD16),
+    "cohere2_moe": Spec("Cohere2MoeForCausalLM", "Cohere2MoeConfig", {**_HD16, **_MOE}),  # sliding + full
+    "vaultgemma": Spec("VaultGemmaForCausalLM", "VaultGemmaConfig", _HD16),  # sliding + full, softcapping
     # ---- sliding / chunked windows
     "mistral": Spec("MistralForCausalLM", "MistralConfig", {**_LLAMA, "head_dim": 16, "sliding_window": WINDOW}),
     "ministral": Spec("MinistralForCausalLM", "MinistralConfig",
@@ -125,8 +154,16 @@ SPECS: dict[str, Spec] = {
                         "linear_num_value_heads": 2, "linear_num_key_heads": 1, "linear_key_head_dim": 8,
                         "linear_value_head_dim": 8, "num_experts": 2, "num_experts_per_tok": 1,
                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
+    "nemotron_h": Spec("NemotronHForCausalLM", "NemotronHConfig",
+                       {**_HD16, **_MOE, "layers_block_type": ["linear_attention", "full_attention"],
+                        "ssm_state_size": 8, "mamba_num_heads": 4, "mamba_head_dim": 8, "n_groups": 1,
+                        "chunk_size": 8, "moe_shared_expert_intermediate_size": 32}),
+    "olmo_hybrid": Spec("OlmoHybridForCausalLM", "OlmoHybridConfig", _HD16),
+    # ---- compressed attention vkv does not store (DeepSeek-V4: transformers' cache, one warning)
+    "deepseek_v4": Spec("DeepseekV4ForCausalLM", "DeepseekV4Config", _HD16),
     # ---- no attention at all
     "mamba": Spec("MambaForCausalLM", "MambaConfig", _MAMBA),
+    "falcon_mamba": Spec("FalconMambaForCausalLM", "FalconMambaConfig", _HD16),
     # ---- attention code of their own (not transformers' AttentionInterface)
     "mpt": Spec("MptForCausalLM", "MptConfig", dict(d_model=32, n_layers=2, n_heads=2, max_seq_len=64,
                                                     vocab_size=VOCAB, expansion_ratio=2)),

@@ -77,6 +77,8 @@ _OWN_ATTENTION = refused(UnsupportedModelError, "does not call transformers' Att
 _PAGED_REFUSALS = {
     "gemma2": refused(UnsupportedModelError, "softcapping"),
     "gpt_oss": refused(UnsupportedModelError, "attention sinks (s_aux)"),
+    "deepseek_v4": refused(UnsupportedModelError, "attention sinks (s_aux)"),
+    "vaultgemma": refused(UnsupportedModelError, "softcapping"),
     "t5": refused(UnsupportedModelError, "position bias is computed from the length of the keys"),
     "deepseek_v3": refused(UnsupportedModelError, "multi-head latent attention caches compressed latents"),
     **{arch: _OWN_ATTENTION for arch in ("mpt", "bloom", "codegen", "gptj", "falcon", "gpt_neo", "xglm")},
@@ -190,9 +192,12 @@ def _run_identical(arch: str, mode: str) -> None:
     assert_identical(ref, got, kind)
     if kv_layers(model):
         assert_cache_holds_kv(model, got.past_key_values, paged=paged, num_beams=GENERATE[kind].get("num_beams", 1))
-    else:  # no K/V to store: one clear hf_vkv warning, and transformers' own cache
+    else:  # no K/V to store: one clear hf_vkv warning naming the model's layer kinds, and transformers' own cache
         assert not isinstance(got.past_key_values, hf_vkv.VKVCache)
-        assert len([w for w in caught if "vkv" in str(w.message)]) == 1, [str(w.message) for w in caught]
+        said = [str(w.message) for w in caught if "vkv" in str(w.message)]
+        assert len(said) == 1, [str(w.message) for w in caught]
+        kinds = hf_vkv.VKVCache.layer_kinds(model.config)
+        assert kinds and all(kind in said[0] for kind in kinds), (kinds, said[0])
 
 
 def _run_refused(arch: str, mode: str, expect: Expect) -> None:
