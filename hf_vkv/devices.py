@@ -19,6 +19,7 @@ import torch
 
 from dataclasses import dataclass
 
+from .config_values import positive_ints
 from .kv_records import PAGED_ATTENTION
 from .memory import Arena, HostBackend
 from .memory.errors import CacheOptionError, KVCacheOutOfMemory, VKVError
@@ -392,15 +393,14 @@ def head_major_excess(workload: Workload, *, page_bytes: int | None = None) -> f
 
 def subrow_item_bytes(config: Any, dtype: torch.dtype) -> int | None:
     """Bytes of one token in one head-major sub-row of a model with ``config`` (its text part)
-    in ``dtype``: the wider of its key and value head dims x the dtype's size (``None`` where the
-    config names no head dim)."""
-    dims = [getattr(config, name, None) for name in ("head_dim", "qk_head_dim", "v_head_dim")]
-    dims = [d for d in dims if isinstance(d, int) and d > 0]
+    in ``dtype``: the widest of its key and value head dims over its layers x the dtype's size
+    (``None`` where the config names no head dim)."""
+    dims = positive_ints(config, "head_dim", "qk_head_dim", "v_head_dim")  # per layer where they differ
     if not dims:
-        hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-        if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
+        hidden, heads = positive_ints(config, "hidden_size"), positive_ints(config, "num_attention_heads")
+        if not hidden or not heads:
             return None
-        dims = [hidden // heads]
+        dims = [max(hidden) // min(heads)]
     return max(dims) * dtype.itemsize
 
 

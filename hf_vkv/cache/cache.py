@@ -18,6 +18,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from ..config_values import layer_values
 from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
 from .. import devices
 from ..devices import layer_devices_of
@@ -63,14 +64,19 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
 
 def _subrows(config: PretrainedConfig, types: list[str]) -> int | None:
     """(layer, K/V, head) sub-rows of one row in the head-major layout: 2 x the key/value heads of
-    every layer vkv stores (``types``: the config's layer types; ``None`` where the config names no
-    head count). What the layout rule counts mappings by (:func:`hf_vkv.devices.head_major_mappings`);
+    every layer vkv stores, layer by layer (``types``: the config's layer types; ``None`` where the
+    config names no head count). What the layout rule counts mappings by (:func:`hf_vkv.devices.head_major_mappings`);
     read from the config, before any states are seen."""
-    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
-    if not isinstance(heads, int) or heads < 1:
-        return None
-    layers = sum(1 for kind in types if kind in _VKV_KINDS)
-    return 2 * heads * layers if layers else None
+    kv, q = layer_values(config, "num_key_value_heads"), layer_values(config, "num_attention_heads")
+    kv, q = (kv * len(types) if len(kv) == 1 else kv), (q * len(types) if len(q) == 1 else q)  # one per layer
+    total = 0
+    for kind, k, h in zip(types, kv, q):
+        if kind in _VKV_KINDS:
+            heads = k or h
+            if not isinstance(heads, int) or heads < 1:
+                return None
+            total += heads
+    return 2 * total if total else None
 
 
 class VKVCache(Cache):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig
 
+from ..config_values import layer_values
 from ..devices import arena_for_device, policy_for
 from ..memory import Arena
 from .geometry import GroupGeometry
@@ -37,8 +38,8 @@ def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> 
     attention = getattr(config, "_attn_implementation", None) or "eager"
     if geometry.device.type == "cpu":
         return attention not in _OWN_ATTENTION
-    heads = getattr(config, "num_attention_heads", None)
-    return attention not in _STRIDE_EXACT_ATTENTION and heads == geometry.kv_heads
+    heads = set(layer_values(config, "num_attention_heads"))  # unknown where the layers differ: contiguous
+    return attention not in _STRIDE_EXACT_ATTENTION and (len(heads) > 1 or heads == {geometry.kv_heads})
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ CONFIG_FIELDS = (
     "attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings", "n_embd", "n_layer",
     "n_head", "n_positions", "n_inner", "activation_function", "scale_attn_weights",
     "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "position_embedding_type",
+    "per_layer_config",  # a heterogeneous config's per-layer values (Gemma 4's head dims); absent otherwise
 )
 _SAMPLE = 256  # values hashed per parameter (evenly spaced over the flattened tensor)
 

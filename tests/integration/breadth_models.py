@@ -110,6 +110,15 @@ SPECS: dict[str, Spec] = {
     "bitnet": Spec("BitNetForCausalLM", "BitNetConfig", _HD16),
     "cohere2_moe": Spec("Cohere2MoeForCausalLM", "Cohere2MoeConfig", {**_HD16, **_MOE}),  # sliding + full
     "vaultgemma": Spec("VaultGemmaForCausalLM", "VaultGemmaConfig", _HD16),  # sliding + full, softcapping
+    # ---- per-layer configs (transformers' heterogeneous configs): Gemma 4's full-attention layers
+    # have a wider head_dim (512 here) than its sliding ones (16); the second also shares its last two
+    # layers' K/V with earlier layers, uses the keys as values on its full layers, and has experts
+    "gemma4": Spec("Gemma4ForCausalLM", "Gemma4TextConfig", {**_HD16, "sliding_window": WINDOW}),
+    "gemma4_shared_kv": Spec("Gemma4ForCausalLM", "Gemma4TextConfig",
+                             {**_HD16, "sliding_window": WINDOW, "num_hidden_layers": 4,
+                              "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
+                              "attention_k_eq_v": True, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                              "moe_intermediate_size": 32}),
     # ---- sliding / chunked windows
     "mistral": Spec("MistralForCausalLM", "MistralConfig", {**_LLAMA, "head_dim": 16, "sliding_window": WINDOW}),
     "ministral": Spec("MinistralForCausalLM", "MinistralConfig",
