@@ -18,7 +18,7 @@ __all__ = ["check_call"]
 
 
 def check_call(module: torch.nn.Module, key: torch.Tensor, attention_mask: torch.Tensor | None,
-               paged_kv_len: int | None, kwargs: dict[str, Any]) -> None:
+               paged_kv_len: int | None, kwargs: dict[str, Any], *, values_replaced: bool = False) -> None:
     """Raise :class:`UnsupportedModelError` when this call needs what the paged attention lacks.
 
     Args:
@@ -27,8 +27,15 @@ def check_call(module: torch.nn.Module, key: torch.Tensor, attention_mask: torch
         attention_mask: the mask it passed.
         paged_kv_len: tokens the paged tag says attention reads (``None``: the key is untagged).
         kwargs: the call's other keyword arguments.
+        values_replaced: the key is tagged but the value is not the tensor the cache's update
+            returned with it (the paged attention would read the stored values, not these).
     """
     model_type = model_type_of(getattr(module, "config", None), type(module).__name__)
+    if values_replaced:
+        raise UnsupportedModelError(
+            model_type=model_type,
+            feature="it passes the attention other values than the cache update returned (differential attention "
+                    "splits them), and the paged attention reads the values the cache stored")
     if kwargs.get("s_aux") is not None:
         raise UnsupportedModelError(model_type=model_type,
                                     feature="attention sinks (s_aux) are not part of the paged attention")

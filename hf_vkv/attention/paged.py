@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION, PagedKV, paged_kv_of
+from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION, PagedKV, paged_kv_of, record_of
 from .cascade import vkv_cascade_attention
 from .guards import check_call
 from .kernels import gather_kv, paged_attention
@@ -61,7 +61,8 @@ def vkv_paged_attention(
             softcapping, a position bias sized by the returned keys; see :mod:`.guards`).
     """
     tag: PagedKV | None = paged_kv_of(key)
-    check_call(module, key, attention_mask, None if tag is None else tag.kv_len, kwargs)
+    check_call(module, key, attention_mask, None if tag is None else tag.kv_len, kwargs,
+               values_replaced=tag is not None and record_of(value, PagedKV) is not tag)
     if tag is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

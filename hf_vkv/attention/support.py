@@ -93,6 +93,12 @@ def paged_refusal(model_class: type, config: Any) -> UnsupportedModelError | Non
             feature="multi-head latent attention caches compressed latents and expands them into keys after the "
                     "cache update, so the paged cache's record of what to read never reaches the attention",
         )
+    if "chunk(value_states" in source:  # DiffLlama: the values are split after the cache update (the call
+        # checks catch any model that passes other values than the update returned: guards.check_call)
+        return UnsupportedModelError(
+            model_type=model_type,
+            feature="it passes the attention other values than the cache update returned (differential attention "
+                    "splits them), and the paged attention reads the values the cache stored")
     if "position_bias=" in source:
         return UnsupportedModelError(
             model_type=model_type,

@@ -110,6 +110,7 @@ SPECS: dict[str, Spec] = {
     "bitnet": Spec("BitNetForCausalLM", "BitNetConfig", _HD16),
     "cohere2_moe": Spec("Cohere2MoeForCausalLM", "Cohere2MoeConfig", {**_HD16, **_MOE}),  # sliding + full
     "vaultgemma": Spec("VaultGemmaForCausalLM", "VaultGemmaConfig", _HD16),  # sliding + full, softcapping
+    "diffllama": Spec("DiffLlamaForCausalLM", "DiffLlamaConfig", _MHA),  # two attention calls, values split
     # ---- per-layer configs (transformers' heterogeneous configs): Gemma 4's full-attention layers
     # have a wider head_dim (512 here) than its sliding ones (16); the second also shares its last two
     # layers' K/V with earlier layers, uses the keys as values on its full layers, and has experts

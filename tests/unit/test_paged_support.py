@@ -59,6 +59,13 @@ def test_keys_that_lost_their_paged_tag_are_refused() -> None:
         check_call(_Attention(), _kv(1), torch.ones(1, 1, 1, 5, dtype=torch.bool), None, {})
 
 
+def test_values_other_than_the_update_returned_are_refused() -> None:
+    """A tagged key with a value the model made after the update (DiffLlama splits the values):
+    the paged attention would read the stored values instead."""
+    with pytest.raises(UnsupportedModelError, match="other values than the cache update returned"):
+        check_call(_Attention(), _kv(1), torch.ones(1, 1, 1, 5, dtype=torch.bool), 5, {}, values_replaced=True)
+
+
 def test_ordinary_calls_pass() -> None:
     check_call(_Attention(), _kv(5), torch.ones(1, 1, 1, 5, dtype=torch.bool), None, {})
     check_call(_Attention(), _kv(1), torch.ones(1, 1, 1, 5, dtype=torch.bool), 5,
@@ -79,3 +86,21 @@ def test_attention_assigned_directly_is_refused_at_the_first_forward() -> None:
     model.config._attn_implementation_internal = "vkv_paged"
     with pytest.raises(UnsupportedModelError, match="softcapping"):
         model(input_ids=torch.tensor([[3, 4, 5]]))
+
+
+def test_values_replaced_after_the_update_are_refused_at_the_first_forward() -> None:
+    """DiffLlama past the construction checks: the paged cache tags the values it returns, and a
+    call with other values (the split halves) is refused before any token, never computed over the
+    stored values (which gave other tokens than DynamicCache before the tag)."""
+    import transformers
+
+    if not hasattr(transformers, "DiffLlamaForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no DiffLlama")
+    torch.manual_seed(0)
+    config = transformers.DiffLlamaConfig(**{**_TINY, "num_key_value_heads": 2})
+    model = transformers.DiffLlamaForCausalLM(config).eval()
+    assert paged_refusal(type(model), config) is not None  # what construction says
+    model.config._attn_implementation_internal = "vkv_paged"
+    with pytest.raises(UnsupportedModelError, match="other values than the cache update returned"):
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False, cache_implementation="vkv",
+                       cache_config={"layout": "paged", "block_tokens": 4}, pad_token_id=0)

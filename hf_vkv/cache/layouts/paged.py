@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ... import devices
-from ...kv_records import PagedKV
+from ...kv_records import PagedKV, tag_key
 from ...memory import Arena, BlockBuffer, BlockStore, RowBuffer
 from ..geometry import GroupGeometry
 from .base import Layout
@@ -127,8 +127,10 @@ class PagedLayout(Layout):
 
     def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new states, the key tagged with the :class:`PagedKV` of tokens ``[start, end)``."""
-        return self.paged_kv(buffer, batch=batch, member=member, start=start, end=end).tag(key), value
+        """The new states, both tagged with the :class:`PagedKV` of tokens ``[start, end)`` (the
+        value too, so that the attention can tell a value the model replaced after the update)."""
+        record = self.paged_kv(buffer, batch=batch, member=member, start=start, end=end)
+        return record.tag(key), tag_key(value, record)
 
     def invalidate(self) -> None:
         super().invalidate()
