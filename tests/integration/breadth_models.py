@@ -54,6 +54,13 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, num_local_experts=4, moe_inter
             shared_expert_intermediate_size=32, n_shared_experts=1, num_shared_experts=1, first_k_dense_replace=1,
             n_group=1, topk_group=1)
 _HD16 = {**_LLAMA, "head_dim": 16}
+#: Multi-head latent attention (keys and values of different head dims), with experts.
+_MLA = {**_MHA, "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+        "n_group": 1, "topk_group": 1}
+#: A linear-attention layer, then a full one (Qwen3-Next's and Qwen 3.5's hybrids).
+_LINEAR = {"layer_types": ["linear_attention", "full_attention"], "linear_num_value_heads": 2, "linear_num_key_heads": 1,
+           "linear_key_head_dim": 8, "linear_value_head_dim": 8}
 
 SPECS: dict[str, Spec] = {
     # ---- the usual decoder-only families (full attention)
@@ -136,10 +143,7 @@ SPECS: dict[str, Spec] = {
                    {**_LLAMA, "head_dim": 16, "intermediate_size_mlp": 64, "num_local_experts": 2,
                     "attention_chunk_size": WINDOW, "no_rope_layers": [1, 0], "interleave_moe_layer_step": 2}),
     # ---- MLA (keys and values of different head dims)
-    "deepseek_v3": Spec("DeepseekV3ForCausalLM", "DeepseekV3Config",
-                        {**_MHA, "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
-                         "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4, "num_experts_per_tok": 2,
-                         "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "deepseek_v3": Spec("DeepseekV3ForCausalLM", "DeepseekV3Config", _MLA),
     # ---- attention sinks
     "gpt_oss": Spec("GptOssForCausalLM", "GptOssConfig",
                     {**_LLAMA, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
@@ -171,6 +175,16 @@ SPECS: dict[str, Spec] = {
     "olmo_hybrid": Spec("OlmoHybridForCausalLM", "OlmoHybridConfig", _HD16),
     # ---- compressed attention vkv does not store (DeepSeek-V4: transformers' cache, one warning)
     "deepseek_v4": Spec("DeepseekV4ForCausalLM", "DeepseekV4Config", _HD16),
+    "qwen3_5": Spec("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", {**_HD16, **_LINEAR}),
+    "qwen3_5_moe": Spec("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", {**_HD16, **_LINEAR, **_MOE}),
+    "lfm2_moe": Spec("Lfm2MoeForCausalLM", "Lfm2MoeConfig",
+                     {**_HD16, **_MOE, "layer_types": ["conv", "full_attention"], "num_dense_layers": 1}),
+    # ---- more MLA (DeepSeek-V2, Mistral 4; Kimi-Linear beside linear attention)
+    "deepseek_v2": Spec("DeepseekV2ForCausalLM", "DeepseekV2Config", _MLA),
+    "mistral4": Spec("Mistral4ForCausalLM", "Mistral4Config", _MLA),
+    "kimi_linear": Spec("KimiLinearForCausalLM", "KimiLinearConfig",
+                        {**_MLA, "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2,
+                                                        "head_dim": 8, "short_conv_kernel_size": 4}}),
     # ---- no attention at all
     "mamba": Spec("MambaForCausalLM", "MambaConfig", _MAMBA),
     "falcon_mamba": Spec("FalconMambaForCausalLM", "FalconMambaConfig", _HD16),
