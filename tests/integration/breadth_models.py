@@ -58,6 +58,9 @@ _HD16 = {**_LLAMA, "head_dim": 16}
 _MLA = {**_MHA, "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
         "n_group": 1, "topk_group": 1}
+#: Mamba-2 mixers of the hybrids that name their fields mamba_* (Bamba, Granite 4).
+_MAMBA2 = dict(mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+               mamba_chunk_size=8)
 #: A linear-attention layer, then a full one (Qwen3-Next's and Qwen 3.5's hybrids).
 _LINEAR = {"layer_types": ["linear_attention", "full_attention"], "linear_num_value_heads": 2, "linear_num_key_heads": 1,
            "linear_key_head_dim": 8, "linear_value_head_dim": 8}
@@ -179,6 +182,17 @@ SPECS: dict[str, Spec] = {
     "qwen3_5_moe": Spec("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", {**_HD16, **_LINEAR, **_MOE}),
     "lfm2_moe": Spec("Lfm2MoeForCausalLM", "Lfm2MoeConfig",
                      {**_HD16, **_MOE, "layer_types": ["conv", "full_attention"], "num_dense_layers": 1}),
+    "granitemoehybrid": Spec("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                             {**_HD16, **_MOE, **_MAMBA2, "layer_types": ["mamba", "attention"]}),
+    "bamba": Spec("BambaForCausalLM", "BambaConfig", {**_HD16, **_MAMBA2, "attn_layer_indices": [1]}),
+    "recurrent_gemma": Spec("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig",
+                            {**_HD16, "block_types": ["recurrent", "attention"], "lru_width": 32,
+                             "attention_window_size": 16, "conv1d_width": 4}),
+    # ---- Gemma 3n: AltUp, Laurel and per-layer inputs around sliding and full attention
+    "gemma3n": Spec("Gemma3nForCausalLM", "Gemma3nTextConfig",
+                    {**_HD16, "num_kv_shared_layers": 0, "layer_types": ["sliding_attention", "full_attention"],
+                     "sliding_window": WINDOW, "laurel_rank": 4, "altup_num_inputs": 2,
+                     "hidden_size_per_layer_input": 8, "activation_sparsity_pattern": [0.0, 0.0]}),
     # ---- more MLA (DeepSeek-V2, Mistral 4; Kimi-Linear beside linear attention)
     "deepseek_v2": Spec("DeepseekV2ForCausalLM", "DeepseekV2Config", _MLA),
     "mistral4": Spec("Mistral4ForCausalLM", "Mistral4Config", _MLA),
