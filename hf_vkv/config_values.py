@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["layer_values", "positive_ints"]
+__all__ = ["each_layer", "layer_values", "positive_ints"]
 
 
 def layer_values(config: Any, name: str) -> list[Any]:
@@ -22,6 +22,13 @@ def layer_values(config: Any, name: str) -> list[Any]:
     if per_layer and name in per_layer:
         return [getattr(layer, name, None) for layer in config.per_layer_config]
     return [getattr(config, name, None)]
+
+
+def each_layer(config: Any, name: str, layers: int) -> list[Any]:
+    """``name``'s value for each of the ``layers`` layers: :func:`layer_values`, the config's own
+    value repeated where the attribute is not per-layer."""
+    values = layer_values(config, name)
+    return values if len(values) == layers else values[:1] * layers
 
 
 def positive_ints(config: Any, *names: str) -> list[int]:

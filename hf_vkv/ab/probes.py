@@ -23,7 +23,7 @@ import torch
 from transformers import LogitsProcessor
 from transformers.cache_utils import Cache
 
-from ..config_values import layer_values
+from ..config_values import each_layer
 
 __all__ = ["LayerDigest", "StepProbe", "TeeSource", "UpdateTee", "kv_bytes", "kv_bytes_per_token", "row_digests"]
 
@@ -58,16 +58,9 @@ def kv_bytes_per_token(model: Any) -> int:
     layer holds at most its window, so for those this is the bytes per token below the window.
     """
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layers = cfg.num_hidden_layers
-
-    def per_layer(name: str) -> list[Any]:  # one value per layer (heterogeneous configs: Gemma 4's head dims)
-        values = layer_values(cfg, name)
-        return values * layers if len(values) == 1 else values
-
-    total = 0
-    for kv, q, dim in zip(per_layer("num_key_value_heads"), per_layer("num_attention_heads"), per_layer("head_dim")):
-        total += (kv or q) * (dim or cfg.hidden_size // q)
-    return 2 * total * model.dtype.itemsize
+    kv, q, dims = (each_layer(cfg, name, cfg.num_hidden_layers)  # per layer: Gemma 4's head dims differ
+                   for name in ("num_key_value_heads", "num_attention_heads", "head_dim"))
+    return 2 * sum((k or h) * (d or cfg.hidden_size // h) for k, h, d in zip(kv, q, dims)) * model.dtype.itemsize
 
 
 def row_digests(states: torch.Tensor) -> tuple[bytes, ...]:

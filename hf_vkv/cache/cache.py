@@ -18,7 +18,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..config_values import layer_values
+from ..config_values import each_layer
 from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
 from .. import devices
 from ..devices import layer_devices_of
@@ -65,10 +65,9 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
 def _subrows(config: PretrainedConfig, types: list[str]) -> int | None:
     """(layer, K/V, head) sub-rows of one row in the head-major layout: 2 x the key/value heads of
     every layer vkv stores, layer by layer (``types``: the config's layer types; ``None`` where the
-    config names no head count). What the layout rule counts mappings by (:func:`hf_vkv.devices.head_major_mappings`);
-    read from the config, before any states are seen."""
-    kv, q = layer_values(config, "num_key_value_heads"), layer_values(config, "num_attention_heads")
-    kv, q = (kv * len(types) if len(kv) == 1 else kv), (q * len(types) if len(q) == 1 else q)  # one per layer
+    config names no head count). What the layout rule counts mappings by
+    (:func:`hf_vkv.devices.head_major_mappings`); read from the config, before any states are seen."""
+    kv, q = each_layer(config, "num_key_value_heads", len(types)), each_layer(config, "num_attention_heads", len(types))
     total = 0
     for kind, k, h in zip(types, kv, q):
         if kind in _VKV_KINDS:

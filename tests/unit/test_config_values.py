@@ -56,3 +56,11 @@ def test_gemma4_global_layers_are_wider() -> None:
     assert layer_values(config, "head_dim") == [16, config.per_layer_config[1].head_dim] and \
         config.per_layer_config[1].head_dim > 16
     assert subrow_item_bytes(config, torch.float32) == config.per_layer_config[1].head_dim * 4
+
+
+def test_each_layer_repeats_a_shared_value() -> None:
+    config = _heterogeneous()
+    from hf_vkv.config_values import each_layer
+
+    assert each_layer(config, "num_key_value_heads", 3) == [1, 2, 1]
+    assert each_layer(config, "num_attention_heads", 3) == [4, 4, 4]
