@@ -18,7 +18,8 @@ __all__ = ["check_call"]
 
 
 def check_call(module: torch.nn.Module, key: torch.Tensor, attention_mask: torch.Tensor | None,
-               paged_kv_len: int | None, kwargs: dict[str, Any], *, values_replaced: bool = False) -> None:
+               paged_kv_len: int | None, kwargs: dict[str, Any], *, values_replaced: bool = False,
+               keys_replaced: bool = False) -> None:
     """Raise :class:`UnsupportedModelError` when this call needs what the paged attention lacks.
 
     Args:
@@ -29,8 +30,15 @@ def check_call(module: torch.nn.Module, key: torch.Tensor, attention_mask: torch
         kwargs: the call's other keyword arguments.
         values_replaced: the key is tagged but the value is not the tensor the cache's update
             returned with it (the paged attention would read the stored values, not these).
+        keys_replaced: the value is tagged but the key is not (the model replaced the key after
+            the update: the paged attention would see the new keys alone).
     """
     model_type = model_type_of(getattr(module, "config", None), type(module).__name__)
+    if keys_replaced:
+        raise UnsupportedModelError(
+            model_type=model_type,
+            feature="it passes the attention other keys than the cache update returned, so the paged cache's "
+                    "record of what to read was lost")
     if values_replaced:
         raise UnsupportedModelError(
             model_type=model_type,

@@ -61,8 +61,10 @@ def vkv_paged_attention(
             softcapping, a position bias sized by the returned keys; see :mod:`.guards`).
     """
     tag: PagedKV | None = paged_kv_of(key)
+    value_tag = record_of(value, PagedKV)  # a paged layer tags both: a lone tag means the model replaced the other
     check_call(module, key, attention_mask, None if tag is None else tag.kv_len, kwargs,
-               values_replaced=tag is not None and record_of(value, PagedKV) is not tag)
+               values_replaced=tag is not None and value_tag is not tag,
+               keys_replaced=tag is None and value_tag is not None)
     if tag is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

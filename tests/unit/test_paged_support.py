@@ -66,6 +66,13 @@ def test_values_other_than_the_update_returned_are_refused() -> None:
         check_call(_Attention(), _kv(1), torch.ones(1, 1, 1, 5, dtype=torch.bool), 5, {}, values_replaced=True)
 
 
+def test_keys_other_than_the_update_returned_are_refused_without_a_mask() -> None:
+    """An untagged key beside a tagged value: the model replaced the key after the update; with no
+    mask (a decode step without padding) the lengths alone could not tell."""
+    with pytest.raises(UnsupportedModelError, match="other keys than the cache update returned"):
+        check_call(_Attention(), _kv(1), None, None, {}, keys_replaced=True)
+
+
 def test_ordinary_calls_pass() -> None:
     check_call(_Attention(), _kv(5), torch.ones(1, 1, 1, 5, dtype=torch.bool), None, {})
     check_call(_Attention(), _kv(1), torch.ones(1, 1, 1, 5, dtype=torch.bool), 5,
@@ -103,4 +110,26 @@ def test_values_replaced_after_the_update_are_refused_at_the_first_forward() -> 
     model.config._attn_implementation_internal = "vkv_paged"
     with pytest.raises(UnsupportedModelError, match="other values than the cache update returned"):
         model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False, cache_implementation="vkv",
+                       cache_config={"layout": "paged", "block_tokens": 4}, pad_token_id=0)
+
+
+def test_keys_replaced_after_the_update_are_refused_at_decode_without_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose attention gets a new key tensor after the cache update (here every call's key
+    is ``k * 1.0``), one prompt without padding: no mask tells the lengths apart, and before the
+    value was tagged the decode steps attended to the new key alone and generated other tokens."""
+    from transformers.models.llama import modeling_llama
+
+    interfaces = modeling_llama.ALL_ATTENTION_FUNCTIONS
+    plain = interfaces.get_interface
+
+    def replacing(implementation: str, default: object) -> object:
+        function = plain(implementation, default)
+        return lambda module, q, k, v, mask, **kw: function(module, q, k * 1.0, v, mask, **kw)
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**_TINY)).eval()
+    model.config._attn_implementation_internal = "vkv_paged"
+    monkeypatch.setattr(interfaces, "get_interface", replacing)
+    with pytest.raises(UnsupportedModelError, match="other keys than the cache update returned"):
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False, cache_implementation="vkv",
                        cache_config={"layout": "paged", "block_tokens": 4}, pad_token_id=0)
