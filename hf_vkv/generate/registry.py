@@ -210,8 +210,15 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
             f"Passing both `cache_implementation` (used to initialize certain caches) and `{given[0]}` (a "
             "Cache object) is unsupported. Please use only one of the two."
         )
-    if generation_config.use_cache is False or not model._supports_default_dynamic_cache():
-        return transformers_own()  # transformers warns and ignores the string for models without Cache support
+    if generation_config.use_cache is False:
+        return transformers_own()
+    if not model._supports_default_dynamic_cache():  # transformers logs that it ignores the string
+        warnings.warn(
+            f"cache_implementation='vkv': a {model.config.model_type} model's generate takes no Cache object (it "
+            f"builds its own); generating with it, without vkv"
+            + (", and without the prefix store given in cache_config" if store_given else ""),
+            UserWarning, stacklevel=4)
+        return transformers_own()
     if not VKVCache.stores_kv(model.config):
         warnings.warn(
             f"cache_implementation='vkv': a {model.config.model_type} model keeps no key/value states that vkv "

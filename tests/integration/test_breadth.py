@@ -242,3 +242,27 @@ def test_table_is_broad() -> None:
              "gemma", "phi", "gpt2"}
     assert named <= set(SPECS)
     assert any(spec.encoder_decoder for spec in SPECS.values())
+
+
+def test_a_model_whose_generate_takes_no_cache_gets_one_warning_and_its_own_cache() -> None:
+    """MiniMax (Text-01) builds its own ``MiniMaxCache``, and transformers' generate takes no other:
+    "vkv" cannot be honoured, so the call says so (naming a prefix store given too, which goes
+    unused) and generates exactly as without it."""
+    from breadth_models import _HD16, Spec, _seeded_build
+
+    try:
+        model = _seeded_build(Spec("MiniMaxForCausalLM", "MiniMaxConfig", _HD16), None).eval()
+    except ArchitectureMissing as missing:
+        pytest.skip(str(missing))
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    ref = model.generate(**prompts(), max_new_tokens=NEW, return_dict_in_generate=True, **GENERATE["greedy"])
+    for extra, store_named in (({}, False), ({"cache_config": {"prefix_store": hf_vkv.PrefixStore(model.config)}}, True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = model.generate(**prompts(), max_new_tokens=NEW, return_dict_in_generate=True, **GENERATE["greedy"],
+                                 cache_implementation="vkv", **extra)
+        said = [str(w.message) for w in caught if "vkv" in str(w.message)]
+        assert len(said) == 1 and "takes no Cache object" in said[0], said
+        assert ("prefix store" in said[0]) == store_named, said[0]
+        assert not isinstance(got.past_key_values, hf_vkv.VKVCache)
+        assert_identical(ref, got, "greedy")
