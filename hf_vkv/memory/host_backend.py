@@ -369,7 +369,7 @@ class HostBackend:
         view = self.pool_tensor()
         sizes = [self.page_bytes] * len(pairs) if nbytes is None else list(nbytes)
         src, dst = zip(*pairs)
-        written = _ids(dst) if self._file_spans else None
+        written = _ids(dst)
         for lo, hi, _, _ in self._file_spans:
             hit = ((written >= lo) & (written <= hi)).nonzero()
             if len(hit):
@@ -378,7 +378,7 @@ class HostBackend:
             data = self._gather(src, sizes[0])  # every source read before any write
             n = sizes[0]
             word = _WORDS[_word(n, self.page_bytes)]
-            view.view(word)[:, :n // word.itemsize].index_copy_(0, _ids(dst), data.view(word))
+            view.view(word)[:, :n // word.itemsize].index_copy_(0, written, data.view(word))
             return
         # only the written part: the rest of a fresh page is never read before written
         read = [self._gather((s,), n) for s, n in zip(src, sizes)]

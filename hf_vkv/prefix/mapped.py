@@ -234,7 +234,7 @@ class MappedPages:
         if self._pid != os.getpid():  # a child forked while the check ran: no thread here, and the lock
             self._lock, self._pid = threading.Lock(), os.getpid()  # may have been held at the fork
         with self._lock:
-            self._check(index[~self._verified[index]])
+            self._check(index)
 
     def check_in_background(self) -> None:
         """Start checking every page in a thread, :attr:`CHUNK` pages at a time, so that a
@@ -259,13 +259,13 @@ class MappedPages:
         for lo in range(0, len(self.page_ids), self.CHUNK):
             try:
                 with self._lock:
-                    index = np.arange(lo, min(lo + self.CHUNK, len(self.page_ids)))
-                    self._check(index[~self._verified[index]])
+                    self._check(np.arange(lo, min(lo + self.CHUNK, len(self.page_ids))))
             except PrefixFileCorruptError:
                 return
 
-    def _check(self, todo: np.ndarray) -> None:
-        """Check the file pages ``todo`` (sorted, unchecked; under the lock), run by run."""
+    def _check(self, index: np.ndarray) -> None:
+        """Check the file pages ``index`` (sorted, distinct; under the lock) not checked yet, run by run."""
+        todo = index[~self._verified[index]]
         if not len(todo):
             return
         breaks = np.flatnonzero(np.diff(todo) != 1) + 1
