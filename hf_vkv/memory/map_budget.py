@@ -184,23 +184,25 @@ def mapping_change(runs: Sequence[SlotRun], old: Slot, total: int) -> tuple[int,
     a run's ends). Two neighbouring slots are one mapping when both are unmapped or hold
     consecutive pages; the peak adds 2 for the moment inside a run when only part is applied."""
     ends: dict[int, int | None] = {}  # the first and last slot of each run applied -> its page after
-
-    def at(g: int) -> int | None:
-        return ends[g] if g in ends else old(g)
-
     delta = peak = 0
     for first, before, after in runs:
-        if not after:
+        n = len(after)
+        if not n:
             continue
-        last = first + len(after) - 1
-        change = _inner_breaks(after) - _inner_breaks(before)
+        last = first + n - 1
+        a, z, b, y = after[0], after[-1], before[0], before[-1]
+        if type(after) is range and after.step == 1 and b is None and (n == 1 or before.count(None) == n):
+            change = 0  # one run of pages into unmapped slots (a row that grows, a share, a repeat): no inner break
+        else:
+            change = _inner_breaks(after) - _inner_breaks(before)
         if first >= 1:
-            left = at(first - 1)
-            change += _joined(left, before[0]) - _joined(left, after[0])
-        if last + 1 <= total - 1:
-            right = at(last + 1)
-            change += _joined(before[-1], right) - _joined(after[-1], right)
-        ends[first], ends[last] = after[0], after[-1]
+            left = ends[first - 1] if first - 1 in ends else old(first - 1)
+            change += _joined(left, b) - _joined(left, a)
+        if last + 1 < total:
+            right = ends[last + 1] if last + 1 in ends else old(last + 1)
+            change += _joined(y, right) - _joined(z, right)
+        ends[first], ends[last] = a, z
         delta += change
-        peak = max(peak, delta + 2)
+        if delta + 2 > peak:
+            peak = delta + 2
     return peak, delta

@@ -192,6 +192,40 @@ def test_beam_search_through_a_generation_config_matches_stock(vkv_server, stock
     assert ask(vkv_server["base"]) == ask(stock_server)
 
 
+def test_the_responses_and_completions_endpoints_match_stock_and_reuse_the_store(vkv_server, stock_server, model_dir):
+    """``/v1/responses`` (which this server streams) and ``/v1/completions`` go through the same
+    generate as chat completions: the stock server's text, and the second turn of each reuses what
+    the first one stored."""
+    store = _store_after_first_request(vkv_server, model_dir)
+
+    def turns(base: str) -> list[str]:
+        client = _client(base)
+
+        def respond(items: list[dict]) -> str:
+            events = client.responses.create(model=model_dir, input=items, stream=True, temperature=0, max_output_tokens=12)
+            return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+        def complete(prompt: str) -> str:
+            return client.completions.create(model=model_dir, prompt=prompt, temperature=0, max_tokens=10).choices[0].text
+
+        items = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+        first = respond(items)
+        second = respond([*items, {"role": "assistant", "content": first}, {"role": "user", "content": QUESTIONS[1]}])
+        prompt = f"{SYSTEM} Q: {QUESTIONS[0]} A:"
+        third = complete(prompt)
+        return [first, second, third, complete(f"{prompt}{third} Q: {QUESTIONS[2]} A:")]
+
+    before = store.stats()
+    ours = turns(vkv_server["base"])
+    after = store.stats()
+    assert ours == turns(stock_server)
+    assert all(ours), ours
+    assert after.lookups - before.lookups == 4
+    assert after.hits - before.hits >= 2  # each second turn continues its first
+    assert after.tokens_reused > before.tokens_reused
+    store.check_invariants()
+
+
 def test_a_requests_generation_config_json_with_vkv_options(vkv_server, model_dir):
     store = _store_after_first_request(vkv_server, model_dir)
     client = _client(vkv_server["base"])

@@ -76,6 +76,11 @@ def test_mapping_change_equals_the_slot_by_slot_count():
             running += _mappings(state) - before
             peak = max(peak, running + 2)
         assert mapping_change(_runs(old, new, spans), old.__getitem__, total) == (peak, running), (old, new, spans)
+        # as the buffers give them: a run of consecutive pages as a range (into unmapped slots: counted without a loop)
+        ranged = [(a, before, range(after[0], after[0] + len(after)))
+                  if None not in after and list(after) == list(range(after[0], after[0] + len(after))) else (a, before, after)
+                  for a, before, after in _runs(old, new, spans)]
+        assert mapping_change(ranged, old.__getitem__, total) == (peak, running), (old, new, spans)
 
 
 OPS = [
