@@ -36,7 +36,8 @@ from ..memory.errors import InvariantError
 from ..memory.held_pages import HeldPages, PageCounts
 from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
-from .mapped import PAGES_FILE, MappedEntry, MappedPages, check_index_text, index_text, map_entries, write_pages
+from .mapped import PAGES_FILE, MappedEntry, check_index_text, index_text, map_entries, write_pages
+from .page_check import MappedPages
 from .persist import _check_model, _load, _save
 from .radix import RadixTree
 from .tokens import token_list

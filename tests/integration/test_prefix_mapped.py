@@ -397,14 +397,14 @@ import sys, time, torch
 sys.path.insert(0, {tests!r})
 from models import tiny
 import hf_vkv
-import hf_vkv.prefix.mapped as mapped
-plain = mapped._checksums
+import hf_vkv.prefix.page_check as page_check
+plain = page_check.page_checksums
 def slow(pages):  # a file of gigabytes: the check is still inside torch when the process exits
     a = torch.randn(700, 700)
     for _ in range(40):
         a = torch.tanh(a @ a)
     return plain(pages)
-mapped._checksums = slow
+page_check.page_checksums = slow
 model = tiny("llama")
 store = hf_vkv.PrefixStore(model.config)
 store.load({folder!r}, model=model)

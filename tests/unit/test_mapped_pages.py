@@ -1,4 +1,4 @@
-"""Spec of :class:`hf_vkv.prefix.mapped.MappedPages`: every page of a mapped prefix file is checked
+"""Spec of :class:`hf_vkv.prefix.page_check.MappedPages`: every page of a mapped prefix file is checked
 against its checksum once, by the background check started at open or by the first use of an
 entry holding it, whichever comes first; a damaged page is never passed, whoever reaches it."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_vkv import PrefixFileCorruptError
-from hf_vkv.prefix.mapped import MappedPages, _checksums
+from hf_vkv.prefix.page_check import MappedPages, page_checksums as _checksums
 
 PAGE = 4096
 OFFSET = 2 * PAGE  # the header's room
