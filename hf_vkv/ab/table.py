@@ -199,6 +199,8 @@ def format_step_spread(reports: Sequence[tuple[str, ABReport]]) -> str:
         elif diff <= max(d, v):
             verdict = f"the {diff:.0%} difference of the means is within it: no speed difference can be read"
         else:
-            verdict = f"the {diff:.0%} difference of the means is wider than it"
+            faster = r.vkv.decode_step_s < r.dynamic.decode_step_s
+            verdict = (f"the {diff:.0%} difference of the means is wider than both spreads: vkv's step is "
+                       f"{'faster' if faster else 'slower'}")
         lines.append(f"  {label}: dynamic {d:.0%}, vkv {v:.0%}: {verdict}")
     return "\n".join(lines)

@@ -28,7 +28,10 @@ def test_spread_and_verdicts() -> None:
     assert len(report.steps) == 11
     steady = _with_times(report, [0.010] * 10, [0.005] * 9 + [0.0051])
     assert step_spread(steady, "dynamic") == 0.0 and 0 < step_spread(steady, "vkv") < 0.05
-    assert "difference of the means is wider than it" in format_step_spread([("steady", steady)])
+    assert "difference of the means is wider than both spreads: vkv's step is faster" in format_step_spread(
+        [("steady", steady)])
+    slower = _with_times(report, [0.005] * 10, [0.010] * 9 + [0.0101])
+    assert "wider than both spreads: vkv's step is slower" in format_step_spread([("slower", slower)])
     close = _with_times(report, [0.010, 0.012] * 5, [0.011, 0.0105] * 5)
     assert "within it: no speed difference can be read" in format_step_spread([("close", close)])
     busy = _with_times(report, [0.010, 0.100] * 5, [0.010] * 10)
