@@ -17,6 +17,9 @@ server's (``serving_s``: the server's TTFT less ``vkv_in_process``'s: HTTP, the 
 validation, the chat template and tokenizer over the whole history, the hop to the inference
 thread, the streamer). The two in-process columns run right after each turn of ``hf-vkv serve``
 (interleaved per turn, the same conversation), so the machine's drift falls on all three alike.
+``--servers ... vkv_dir``: ``hf-vkv serve --prefix-dir`` over the system prompt saved once before
+any server starts (``save_system_prompt``, what ``hf-vkv prefix save`` runs; ``prefix_dir_saved``):
+a fresh server whose first turn reuses the saved pages, mapped.
 
     HF_HUB_OFFLINE=1 python benchmarks/serve_chat.py --turns 20 --system-tokens 2048 --threads 1 2 \\
         --json benchmarks/results/serve_chat.json
@@ -32,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 
 from hf_vkv.ab.harness import describe_environment
+from hf_vkv.cli_prefix import save_system_prompt
 from hf_vkv.default_model import default_model_dir, load_default_model
 from hf_vkv.generate import cache_kwarg
 from common import write_report
@@ -49,10 +54,14 @@ from prefix_reuse import USER_TURNS, long_text
 SERVERS = {
     "stock": ("transformers serve", "from transformers.cli.transformers import app; app(['serve', *sys.argv[2:]])"),
     "vkv": ("hf-vkv serve", "from hf_vkv.cli import main; sys.exit(main(['serve', *sys.argv[2:]]))"),
+    # a fresh server whose store starts from the system prompt saved once (`hf-vkv prefix save`): turn 1 too reuses
+    "vkv_dir": ("hf-vkv serve --prefix-dir", "import os; from hf_vkv.cli import main; "
+                "sys.exit(main(['serve', '--prefix-dir', os.environ['HF_VKV_BENCH_PREFIX_DIR'], *sys.argv[2:]]))"),
     "cb": ("transformers serve --continuous-batching",
            "from transformers.cli.transformers import app; app(['serve', '--continuous-batching', *sys.argv[2:]])"),
 }
 STARTUP_S = 180
+PREFIX_DIR_VAR = "HF_VKV_BENCH_PREFIX_DIR"  # the folder the vkv_dir server starts from
 
 
 def _free_port() -> int:
@@ -261,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                   "threads, a DynamicCache of the conversation so far continued over the turn's new tokens",
         "runs": [],
     }
+    if "vkv_dir" in args.servers:  # the system prompt computed once and saved, before any server starts
+        folder = tempfile.mkdtemp(prefix="hf_vkv_serve_chat_")
+        os.environ[PREFIX_DIR_VAR] = folder
+        report["prefix_dir_saved"] = save_system_prompt(model, tok, system, folder)
     hosts = "vkv" if "vkv" in args.servers else args.servers[0]  # the server the in-process columns interleave with
     for threads in args.threads:
         torch.set_num_threads(threads)

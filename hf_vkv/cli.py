@@ -447,6 +447,18 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .generate.registry import register_serving
 
     os.environ[serving.STORE_BYTES_ENV] = str(args.prefix_store_mib << 20)
+    if args.prefix_dir is not None:
+        folder = Path(args.prefix_dir).resolve()
+        if not (folder / "prefix_store.json").is_file():
+            parser.error(f"--prefix-dir {args.prefix_dir}: no prefix_store.json there (a folder `hf-vkv prefix save` "
+                         "or PrefixStore.save wrote)")
+        from .cli_prefix import summary
+
+        held = summary(folder)["file_bytes"]
+        if held > args.prefix_store_mib << 20:
+            parser.error(f"--prefix-dir {args.prefix_dir} holds {held / 2**20:,.0f} MiB of pages, more than "
+                         f"--prefix-store-mib {args.prefix_store_mib}: raise it")
+        os.environ[serving.PREFIX_DIR_ENV] = str(folder)
     rest = list(args.serve_args)
     if rest[:1] == ["--"]:
         rest = rest[1:]
@@ -566,6 +578,9 @@ def _parser() -> argparse.ArgumentParser:
                        epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefix-store-mib", type=count, default=serving.DEFAULT_STORE_BYTES >> 20,
                    help="each model's prefix store budget, least recently used evicted first (default: %(default)s)")
+    p.add_argument("--prefix-dir", default=None, metavar="DIR",
+                   help="start each model's store from this saved folder (`hf-vkv prefix save`), its pages mapped: a "
+                        "saved system prompt is not prefilled, and servers on one machine share its pages")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="transformers serve's arguments")
     p.set_defaults(func=serve, command_parser=p)
 

@@ -11,9 +11,12 @@ generate, :func:`prepare_request`:
   ``cache_implementation="vkv"``. The server deep-copies that config for every request
   (``BaseHandler._build_generation_config``) and a store deep-copies as itself, so every request,
   client and turn of that model shares one store: a conversation prefills only the tokens no
-  earlier request computed (:mod:`hf_vkv.generate.reuse`), within the store's budget (LRU). The
-  objects alive then (the model, the server's) leave the garbage collector's full collections
-  (:func:`freeze_long_lived`);
+  earlier request computed (:mod:`hf_vkv.generate.reuse`), within the store's budget (LRU). A
+  server started with ``--prefix-dir`` (:data:`PREFIX_DIR_ENV`) starts each store from that saved
+  folder, its pages mapped: a long system prompt saved once (``hf-vkv prefix save``) is not
+  prefilled even by a fresh server's first request, and server processes on one machine share its
+  pages (:func:`start_from_folder`). The objects alive then (the model, the server's) leave the
+  garbage collector's full collections (:func:`freeze_long_lived`);
 * makes the request's own config generate with vkv and that store when the request names no
   other cache (a request's ``generation_config`` JSON replaces the model's config in the server:
   its ``cache_config`` keys are vkv's options, checked here, and the store is added to them; a
@@ -38,20 +41,24 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 from typing import Any
 
 from ..cache import VKVCache
 from ..cache.options import PREFIX_STORE_KEY, CacheOptions, config_dict
 from ..memory.errors import VKVError
-from ..prefix import PrefixStore
+from ..prefix import PrefixFileError, PrefixMismatchError, PrefixStore
 from .names import CACHE_IMPLEMENTATION
 from .reuse import memory_conflict
 
-__all__ = ["DEFAULT_STORE_BYTES", "STORE_BYTES_ENV", "ContextTooLongError", "error_response", "freeze_long_lived",
-           "prepare_request", "store_bytes", "store_of"]
+__all__ = ["DEFAULT_STORE_BYTES", "PREFIX_DIR_ENV", "STORE_BYTES_ENV", "ContextTooLongError", "error_response",
+           "freeze_long_lived", "prepare_request", "start_from_folder", "store_bytes", "store_of"]
 
 #: Environment variable holding each model's store budget in bytes (``hf-vkv serve --prefix-store-mib``).
 STORE_BYTES_ENV = "HF_VKV_SERVE_STORE_BYTES"
+#: Environment variable naming a folder :meth:`PrefixStore.save` wrote (``hf-vkv serve --prefix-dir``):
+#: each model's store starts from it, its pages mapped, where it was saved for that model.
+PREFIX_DIR_ENV = "HF_VKV_SERVE_PREFIX_DIR"
 #: A model's store budget when :data:`STORE_BYTES_ENV` is unset: 1 GiB of KV pages (SmolLM2-135M in
 #: float32 holds 46 KiB a token: ~23k tokens of conversations).
 DEFAULT_STORE_BYTES = 1 << 30
@@ -86,10 +93,39 @@ def store_of(model: Any) -> PrefixStore | None:
     if config.cache_implementation not in (None, CACHE_IMPLEMENTATION) or not VKVCache.stores_kv(model.config):
         return None
     store = PrefixStore(model.config, budget_bytes=store_bytes())
+    start_from_folder(store, model)
     config.cache_implementation = CACHE_IMPLEMENTATION
     config.cache_config = {**config_dict(options), PREFIX_STORE_KEY: store}
     freeze_long_lived()
     return store
+
+
+def start_from_folder(store: PrefixStore, model: Any) -> int:
+    """Load the folder :data:`PREFIX_DIR_ENV` names (if set) into the model's new ``store``, its
+    pages mapped (:meth:`PrefixStore.load`, with every check of the model, weights and dtype), and
+    return the tokens loaded. A folder saved for another model, other weights or another dtype, or
+    a damaged one, leaves the store empty (a refused load inserts nothing) with one warning naming
+    the folder and why: the model is served without it, its answers the same, its first turns
+    prefilled. A folder over the store's budget loses what does not fit as it loads (least
+    recently used first, as any insert), with one warning saying so."""
+    folder = os.environ.get(PREFIX_DIR_ENV)
+    if not folder:
+        return 0
+    name = getattr(model.config, "name_or_path", None) or model.config.model_type
+    try:
+        tokens = store.load(folder, model=model)
+    except (PrefixMismatchError, PrefixFileError) as exc:
+        warnings.warn(f"hf-vkv serve: the prefix folder {folder} was not loaded for {name} "
+                      f"({type(exc).__name__}: {' '.join(str(exc).split())}); this model is served without it",
+                      UserWarning, stacklevel=2)
+        return 0
+    evicted = store.stats().evictions
+    if evicted:  # the folder holds more than the store's budget: what did not fit went at once
+        budget = store.budget_bytes or 0
+        warnings.warn(f"hf-vkv serve: the prefix folder {folder} holds more than {name}'s store budget of "
+                      f"{budget / 2**20:,.0f} MiB: {evicted} of its entries were evicted as it loaded (raise "
+                      f"--prefix-store-mib)", UserWarning, stacklevel=2)
+    return tokens
 
 
 def freeze_long_lived() -> None:

@@ -9,6 +9,7 @@ server must be the stock server's text.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import http.client
@@ -17,7 +18,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -75,14 +75,14 @@ def model_dir() -> str:
     return str(default_model_dir())
 
 
-@pytest.fixture(scope="module")
-def vkv_server(model_dir: str) -> Iterator[dict]:
+@contextlib.contextmanager
+def _serving(model_dir: str, *, store_mib: int = STORE_MIB) -> Iterator[dict]:
     """``hf-vkv serve`` in this process (what ``hf-vkv serve`` runs: register_serving, then
-    transformers' Serve), on a free port of 127.0.0.1."""
+    transformers' Serve), on a free port of 127.0.0.1; stopped on leaving."""
     from transformers.cli.serve import Serve
 
     register_serving()
-    os.environ[serving.STORE_BYTES_ENV] = str(STORE_MIB << 20)
+    os.environ[serving.STORE_BYTES_ENV] = str(store_mib << 20)
     port = _free_port()
     server = Serve(force_model=model_dir, host="127.0.0.1", port=port, non_blocking=True)
     base = f"http://127.0.0.1:{port}"
@@ -92,6 +92,12 @@ def vkv_server(model_dir: str) -> Iterator[dict]:
     finally:
         server.kill_server()
         gc.unfreeze()  # the store's first request froze this process's objects (serving.freeze_long_lived)
+
+
+@pytest.fixture(scope="module")
+def vkv_server(model_dir: str) -> Iterator[dict]:
+    with _serving(model_dir) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +196,59 @@ def test_beam_search_through_a_generation_config_matches_stock(vkv_server, stock
             model=model_dir, messages=messages, extra_body={"generation_config": config}).choices[0].message.content
 
     assert ask(vkv_server["base"]) == ask(stock_server)
+
+
+def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_request(
+        stock_server, model_dir, tmp_path: Path, monkeypatch):
+    """``hf-vkv serve --prefix-dir``: the system prompt saved once (``hf-vkv prefix save``) is
+    mapped into a fresh server's store, so its very first request prefills only the user's turn;
+    a folder saved for another model is not loaded (one warning), and that server answers alike."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from models import tiny
+
+    import torch
+
+    from hf_vkv.cli_prefix import save_system_prompt, system_ids
+
+    model, tok = load_default_model()
+    saved = save_system_prompt(model, tok, SYSTEM, tmp_path / "system")
+    other, ids = tiny("llama"), torch.tensor([[5, 6, 7, 8, 9, 10]])
+    kept = PrefixStore(other.config)  # a store of another model
+    other.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                   cache_implementation="vkv", cache_config={"prefix_store": kept})
+    kept.save(tmp_path / "other", model=other)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+
+    def ask(base: str) -> str:
+        return _client(base).chat.completions.create(model=model_dir, messages=messages, temperature=0,
+                                                     max_tokens=12).choices[0].message.content
+
+    stock = ask(stock_server)
+    monkeypatch.setenv(serving.PREFIX_DIR_ENV, str(tmp_path / "system"))
+    with _serving(model_dir) as server:
+        assert ask(server["base"]) == stock
+        stats = _store(server, model_dir).stats()
+        assert stats.lookups == stats.hits == 1
+        assert stats.tokens_reused >= len(system_ids(tok, SYSTEM)) - 1 == saved["tokens"] - 1
+        assert stats.prompt_tokens_computed < stats.prompt_tokens - saved["tokens"] + 2
+        _store(server, model_dir).check_invariants()
+    monkeypatch.setenv(serving.PREFIX_DIR_ENV, str(tmp_path / "other"))
+    with _serving(model_dir) as server:
+        with pytest.warns(UserWarning, match="was not loaded for .*PrefixMismatchError.*served without it"):
+            assert ask(server["base"]) == stock
+        assert _store(server, model_dir).stats().tokens_reused == 0
+    # a folder over the store's budget: its entry goes as it loads, and the server says so
+    monkeypatch.setenv(serving.PREFIX_DIR_ENV, str(tmp_path / "system"))
+    with _serving(model_dir, store_mib=1) as server:
+        with pytest.warns(UserWarning, match="holds more than .*store budget of 1 MiB: 1 of its entries were evicted"):
+            assert ask(server["base"]) == stock
+    # hf-vkv serve refuses both before it starts a server
+    from hf_vkv.cli import main
+
+    for args in (["--prefix-dir", str(tmp_path)], ["--prefix-store-mib", "1", "--prefix-dir", str(tmp_path / "system")]):
+        with pytest.raises(SystemExit) as refused:
+            main(["serve", *args, model_dir])
+        assert refused.value.code == 2
 
 
 def test_the_responses_and_completions_endpoints_match_stock_and_reuse_the_store(vkv_server, stock_server, model_dir):
