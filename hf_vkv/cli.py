@@ -454,7 +454,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                          "or PrefixStore.save wrote)")
         from .cli_prefix import summary
 
-        held = summary(folder)["file_bytes"]
+        try:
+            held = int(summary(folder)["file_bytes"])
+        except (OSError, ValueError) as exc:  # a damaged index (not JSON, its digest differs)
+            parser.error(f"--prefix-dir {args.prefix_dir}: {type(exc).__name__}: {exc}")
         if held > args.prefix_store_mib << 20:
             parser.error(f"--prefix-dir {args.prefix_dir} holds {held / 2**20:,.0f} MiB of pages, more than "
                          f"--prefix-store-mib {args.prefix_store_mib}: raise it")

@@ -245,7 +245,10 @@ def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_re
     # hf-vkv serve refuses both before it starts a server
     from hf_vkv.cli import main
 
-    for args in (["--prefix-dir", str(tmp_path)], ["--prefix-store-mib", "1", "--prefix-dir", str(tmp_path / "system")]):
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "prefix_store.json").write_text("not an index")
+    for args in (["--prefix-dir", str(tmp_path)], ["--prefix-dir", str(tmp_path / "damaged")],
+                 ["--prefix-store-mib", "1", "--prefix-dir", str(tmp_path / "system")]):
         with pytest.raises(SystemExit) as refused:
             main(["serve", *args, model_dir])
         assert refused.value.code == 2
