@@ -309,8 +309,10 @@ def _serve_request(original: Any, manager: Any, model: Any, processor: Any, inpu
     return original(manager, model, processor, inputs, gen_config, *args, **kwargs)
 
 
-def _serve_app(original: Any, *args: Any, **kwargs: Any) -> Any:
-    """The server's app, answering an hf_vkv error with an HTTP 400 naming it."""
-    app = original(*args, **kwargs)
+def _serve_app(original: Any, model_manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """The server's app, answering an hf_vkv error with an HTTP 400 naming it; the models the
+    server preloaded get their stores now (:func:`serving.prepare_preloaded`)."""
+    app = original(model_manager, *args, **kwargs)
     app.add_exception_handler(VKVError, serving.error_response)
+    serving.prepare_preloaded(model_manager, kwargs.get("generation_state"))
     return app

@@ -6,7 +6,8 @@ wrapped the two methods through which its default path calls ``model.generate()`
 (``GenerateManager.generate_streaming`` and ``generate_non_streaming``). Before each request's
 generate, :func:`prepare_request`:
 
-* gives the model its prefix store on its first request (:func:`store_of`): a
+* gives the model its prefix store at the server's start when the server preloads it
+  (:func:`prepare_preloaded`), else on its first request (:func:`store_of`): a
   :class:`~hf_vkv.PrefixStore` put in ``model.generation_config.cache_config`` with
   ``cache_implementation="vkv"``. The server deep-copies that config for every request
   (``BaseHandler._build_generation_config``) and a store deep-copies as itself, so every request,
@@ -52,7 +53,8 @@ from .names import CACHE_IMPLEMENTATION
 from .reuse import memory_conflict
 
 __all__ = ["DEFAULT_STORE_BYTES", "PREFIX_DIR_ENV", "STORE_BYTES_ENV", "ContextTooLongError", "error_response",
-           "freeze_long_lived", "prepare_request", "start_from_folder", "store_bytes", "store_of"]
+           "freeze_long_lived", "prepare_preloaded", "prepare_request", "start_from_folder", "store_bytes",
+           "store_of"]
 
 #: Environment variable holding each model's store budget in bytes (``hf-vkv serve --prefix-store-mib``).
 STORE_BYTES_ENV = "HF_VKV_SERVE_STORE_BYTES"
@@ -126,6 +128,23 @@ def start_from_folder(store: PrefixStore, model: Any) -> int:
                       f"{budget / 2**20:,.0f} MiB: {evicted} of its entries were evicted as it loaded (raise "
                       f"--prefix-store-mib)", UserWarning, stacklevel=2)
     return tokens
+
+
+def prepare_preloaded(model_manager: Any, generation_state: Any) -> None:
+    """At the server's start: each model it preloaded (``transformers serve MODEL``) gets its store
+    now (:func:`store_of`: a ``--prefix-dir`` folder mapped, the long-lived objects frozen), not on
+    its first request, which then pays neither. A model that the continuous-batching path will
+    serve (transformers' own) is left as it is; a model loaded later gets its store on its first
+    request."""
+    from transformers.cli.serving.model_manager import ModelManager
+
+    for timed in list(getattr(model_manager, "loaded_models", {}).values()):
+        model = getattr(timed, "model", None)
+        if model is None:
+            continue
+        modality = ModelManager.get_model_modality(model, getattr(timed, "processor", None))
+        if generation_state is None or not generation_state.use_continuous_batching(model, modality):
+            store_of(model)
 
 
 def freeze_long_lived() -> None:

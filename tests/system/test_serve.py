@@ -226,6 +226,7 @@ def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_re
     stock = ask(stock_server)
     monkeypatch.setenv(serving.PREFIX_DIR_ENV, str(tmp_path / "system"))
     with _serving(model_dir) as server:
+        assert _store(server, model_dir).stats().entries == 1  # mapped as the server started, before any request
         assert ask(server["base"]) == stock
         stats = _store(server, model_dir).stats()
         assert stats.lookups == stats.hits == 1
@@ -233,14 +234,14 @@ def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_re
         assert stats.prompt_tokens_computed < stats.prompt_tokens - saved["tokens"] + 2
         _store(server, model_dir).check_invariants()
     monkeypatch.setenv(serving.PREFIX_DIR_ENV, str(tmp_path / "other"))
-    with _serving(model_dir) as server:
-        with pytest.warns(UserWarning, match="was not loaded for .*PrefixMismatchError.*served without it"):
+    with pytest.warns(UserWarning, match="was not loaded for .*PrefixMismatchError.*served without it"):
+        with _serving(model_dir) as server:  # (the preloaded model's store is made as the server starts)
             assert ask(server["base"]) == stock
-        assert _store(server, model_dir).stats().tokens_reused == 0
+            assert _store(server, model_dir).stats().tokens_reused == 0
     # a folder over the store's budget: its entry goes as it loads, and the server says so
     monkeypatch.setenv(serving.PREFIX_DIR_ENV, str(tmp_path / "system"))
-    with _serving(model_dir, store_mib=1) as server:
-        with pytest.warns(UserWarning, match="holds more than .*store budget of 1 MiB: 1 of its entries were evicted"):
+    with pytest.warns(UserWarning, match="holds more than .*store budget of 1 MiB: 1 of its entries were evicted"):
+        with _serving(model_dir, store_mib=1) as server:
             assert ask(server["base"]) == stock
     # hf-vkv serve refuses both before it starts a server
     from hf_vkv.cli import main
