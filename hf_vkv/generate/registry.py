@@ -53,7 +53,8 @@ transformers' server, an extra) adds :func:`serving_patches`:
    request): the request's config generates with vkv and the model's prefix store
    (:mod:`hf_vkv.generate.serving`);
 8. ``transformers.cli.serving.server.build_server`` (a function of that module): the app it builds
-   answers an hf_vkv error with an HTTP 400 naming the problem.
+   answers an hf_vkv error with an HTTP 400 naming the problem, and each model the server preloaded
+   for the default path gets its prefix store then (:func:`hf_vkv.generate.serving.prepare_preloaded`).
 """
 
 from __future__ import annotations
