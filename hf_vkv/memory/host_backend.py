@@ -211,16 +211,6 @@ class HostBackend:
 
     def map(self, address: int, pages: Sequence[PageId]) -> None:
         fd = self._fd_open()
-        if type(pages) is range and pages.step == 1 and pages and pages.stop <= self._id_space and not any(
-                lo < pages.stop and pages.start <= hi for lo, hi, _, _ in self._file_spans):
-            # one run of memfd pages (what a grown row, a share or a repeat maps): one call, no splitting
-            nbytes = len(pages) * self.page_bytes
-            try:
-                _mmap(address, nbytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED, fd, pages.start * self.page_bytes)
-            except BackendError:
-                self._rereserve(address, nbytes)
-                raise
-            return
         pos = 0  # where the run starts in ``pages``
         for first, count in consecutive_runs(pages):
             if first + count > self._id_space:

@@ -197,16 +197,10 @@ class VirtualBuffer(RowBuffer):
             peak, final = self._mapping_change(plan, changed)
             reservation.budget.check(peak)  # nothing changed yet: the cache stays usable
         done: list[tuple[int, int, Sequence[PageId | None], Sequence[PageId | None]]] = []
-        backend_map, address, stride, page = self.store.backend.map, reservation.address, self.row_stride, \
-            self.store.page_bytes
         for r, first, before, after in plan:
             reached = [0]
             try:
-                if type(after) is range:  # one run of pages (see _as_ranges): one backend call, as _apply makes it
-                    reached[0] = len(after)
-                    backend_map(address + r * stride + first * page, after)
-                else:
-                    self._apply(r, first, after, reached)
+                self._apply(r, first, after, reached)
             except BaseException as exc:
                 # A failed map of several runs may have mapped a prefix of them: restore up to there.
                 done.append((r, first, before[:reached[0]], after[:reached[0]]))
