@@ -19,7 +19,7 @@ from transformers.cache_utils import (
 )
 
 from ..config_values import each_layer
-from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
+from ..kv_records import CASCADE_ATTENTION
 from .. import devices
 from ..devices import layer_devices_of
 from ..memory import Arena

@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from gpu_helpers import GPU, cuda_backend
 

@@ -34,9 +34,7 @@ from transformers.cache_utils import EncoderDecoderCache, get_layer_types_and_kw
 
 import hf_vkv
 from hf_vkv.devices import Workload, choose_layout
-from hf_vkv.devices import policy_for
 from hf_vkv.attention import UnsupportedModelError
-from hf_vkv.cache import LayerMismatchError
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,6 @@ import pytest
 import torch
 from models import (
     LayoutRun,
-    PAGED_BLOCK_TOKENS,
     SMALL_PAGE,
     assert_same_tokens,
     assistant,

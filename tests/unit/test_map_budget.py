@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from hf_vkv.memory import Arena, HostBackend, SubRowBuffer, VirtualBuffer
 from hf_vkv.memory.map_budget import PROCESS_MAP_BUDGET, MappingLimitError, mapping_change, process_mappings
