@@ -5,9 +5,10 @@ the attentions' names and the records. A cache layer's ``update`` may return its
 (:func:`tag_key`) with one record under the attribute :data:`KV_TAG`; the attention reads it back
 with :func:`record_of`. Two kinds:
 
-* :class:`PagedKV` (the paged layout, read by ``"vkv_paged"``): where the cached tokens are. The
-  layout tags the value it returns with the same record, so the attention can tell a key or a
-  value the model replaced between the update and the call (DiffLlama splits its values);
+* :class:`PagedKV` (the paged layout of the fused kernel, read by ``"vkv_paged"``): where the
+  cached tokens are. The layout tags the value it returns with the same record, so the attention
+  can tell a key or a value the model replaced between the update and the call (DiffLlama splits
+  its values);
 * :class:`SharedPrefix` (contiguous layouts under ``"vkv_cascade"``): which rows hold a prefix of
   tokens on the same pages. Rows that ``generate`` expanded from one prompt, beams with a common
   history and forks hold their first tokens on the same physical pages; the cache derives that from

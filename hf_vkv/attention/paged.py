@@ -3,17 +3,23 @@ its block tables.
 
 ``model.set_attn_implementation("vkv_paged")`` (or ``from_pretrained(...,
 attn_implementation="vkv_paged")``) makes the model call :func:`vkv_paged_attention`, and
-``VKVCache`` then picks its paged layout by itself. The paged layer's ``update`` returns the new
-states with a :class:`~hf_vkv.kv_records.PagedKV` tag on the key (see :mod:`hf_vkv.kv_records`
-for why a tag rather than a forward kwarg); this function reads the cached tokens through the tag:
+``VKVCache`` then picks its paged layout by itself. By default the paged layer's ``update`` returns
+the layer's tokens gathered through the block tables (what ``DynamicCache`` returns), and this
+function runs transformers' own sdpa attention on them: tokens and logits identical to
+``DynamicCache`` + ``"sdpa"``, whatever the model does with its keys and values after the update.
+With ``cache_config={"paged_kernel": "fused"}`` the layer returns the new states with a
+:class:`~hf_vkv.kv_records.PagedKV` tag on the key and value (see :mod:`hf_vkv.kv_records` for why a
+tag rather than a forward kwarg), and this function reads the cached tokens through the tag:
 
-* on CPU, and wherever exact equality with sdpa is the point (dropout, ``output_attentions``,
-  non-causal modules), it gathers the layer's tokens out of the blocks (one index per tensor) and
-  runs transformers' own sdpa attention on them, so tokens are identical to ``DynamicCache`` +
-  ``"sdpa"``;
 * on CUDA it runs the paged kernel (:func:`hf_vkv.attention.kernels.paged_attention`: flash-attn's
   paged path when installed and the block size allows, else Triton), which reads the blocks in
-  place.
+  place;
+* on CPU, and wherever exact equality with sdpa is the point (dropout, ``output_attentions``,
+  non-causal modules), it gathers the layer's tokens out of the blocks (one index per tensor) and
+  runs sdpa on them;
+* a call whose key or value alone the model replaced after the update is refused
+  (:mod:`hf_vkv.attention.guards`); a model that replaces both leaves no tag to tell by: the one
+  such attention known, multi-head latent attention, is refused when the fused cache is made.
 
 Untagged key/value (any other cache, or a contiguous ``VKVCache``) are plain tensors: they go to
 sdpa as they are. The mask function registered for ``"vkv_paged"`` is transformers' ``sdpa_mask``
@@ -51,8 +57,9 @@ def vkv_paged_attention(
 
     Args:
         query: ``[B, Hq, q, D]``.
-        key, value: ``[B, Hkv, kv, D]`` plain tensors, or the new ``[B, Hkv, q, D]`` states tagged
-            by a paged cache layer (whose cached tokens are then read through block tables).
+        key, value: ``[B, Hkv, kv, D]`` plain tensors (any cache, the paged layout's gathered
+            tokens included), or the new ``[B, Hkv, q, D]`` states tagged by a paged cache layer
+            of the fused kernel (whose cached tokens are then read through block tables).
         attention_mask: ``sdpa_mask``'s bool ``[B, 1, q, kv]`` (True = attend) or ``None`` (causal).
     Returns:
         ``([B, q, Hq, D], None)`` like transformers' sdpa attention.

@@ -1,16 +1,22 @@
 """Which models the ``"vkv_paged"`` attention can serve exactly, decided from the model class and config.
 
 The paged attention computes what transformers' sdpa attention computes (scaled dot product, an
-optional bool/float mask, GQA) over the K/V a paged cache layer points it to. A model needs more
-than that when its attention
+optional bool/float mask, GQA) over the K/V a paged cache layer returns: by default the layer's
+tokens gathered through the block tables, what ``DynamicCache`` returns, so a model that reworks
+them after the update (DiffLlama splits the values, multi-head latent attention expands cached
+latents into keys and values, T5 sizes its position bias by the keys) computes exactly as on
+``DynamicCache``. A model needs more than that when its attention
 
 * does not go through transformers' ``AttentionInterface`` at all (MPT, Bloom, CodeGen, GPT-J,
-  Falcon, GPT-Neo, XGLM, ...): its own code would read the paged layer's new-tokens-only K/V as if
-  they were the whole cache, or fail to find ``"vkv_paged"`` in its own table;
+  Falcon, GPT-Neo, XGLM, ...): it never calls ``"vkv_paged"``;
 * adds attention sinks (``s_aux``, GPT-OSS) or logit softcapping (``attn_logit_softcapping``, Gemma 2);
-* derives a position bias from the length of the keys the cache returns (T5's relative position
-  bias): a paged layer returns only the new keys;
 * declares ``_supports_sdpa = False`` for any other reason (an sdpa-shaped computation is not exact).
+
+The fused kernel (``cache_config={"paged_kernel": "fused"}``) reads the blocks in place, so there
+the layer returns only the new states, tagged: a model that replaces them after the update is
+refused at its first forward (:mod:`hf_vkv.attention.guards`), and one whose attention expands
+cached latents (which replaces both, leaving nothing to tell by) when the cache is made
+(:class:`~hf_vkv.CacheOptionError`).
 
 :func:`paged_refusal` names the first of these that applies; ``None`` means the model is served.
 The checks read the model's class, its modeling module's source (as transformers' own
@@ -87,24 +93,6 @@ def paged_refusal(model_class: type, config: Any) -> UnsupportedModelError | Non
         return UnsupportedModelError(
             model_type=model_type,
             feature=f"attention logit softcapping (attn_logit_softcapping={cap}) is not part of the paged attention")
-    if getattr(config, "kv_lora_rank", None) is not None:
-        return UnsupportedModelError(
-            model_type=model_type,
-            feature="multi-head latent attention caches compressed latents and expands them into keys after the "
-                    "cache update, so the paged cache's record of what to read never reaches the attention",
-        )
-    if "chunk(value_states" in source:  # DiffLlama: the values are split after the cache update (the call
-        # checks catch any model that passes other values than the update returned: guards.check_call)
-        return UnsupportedModelError(
-            model_type=model_type,
-            feature="it passes the attention other values than the cache update returned (differential attention "
-                    "splits them), and the paged attention reads the values the cache stored")
-    if "position_bias=" in source:
-        return UnsupportedModelError(
-            model_type=model_type,
-            feature="its position bias is computed from the length of the keys the cache returns (T5-style "
-                    "relative attention bias), and a paged cache returns only the new keys",
-        )
     if getattr(model_class, "_supports_sdpa", True) is False:
         return UnsupportedModelError(
             model_type=model_type,

@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from ..config_values import layer_values
 from ..devices import arena_for_device, policy_for
 from ..memory import Arena
+from ..memory.errors import CacheOptionError
 from .geometry import GroupGeometry
 from .. import devices
 from .layouts import Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
@@ -58,8 +59,15 @@ class LayoutMaker:
         if name == "static":
             return StaticLayout(geometry, members=members, base=layout_class(policy_for(geometry.device).layout))
         if name == "paged":
+            fused = self.paged_kernel == "fused"
+            if fused and getattr(self.config, "kv_lora_rank", None) is not None:
+                raise CacheOptionError(
+                    f"cache_config['paged_kernel']='fused' reads K/V in place, but {self.config.model_type}'s "
+                    "attention expands the latents it caches into keys and values after the cache update, which "
+                    "the fused kernel cannot see: leave 'paged_kernel' unset (the paged layout then returns the "
+                    "gathered tokens, exactly as DynamicCache)")
             return PagedLayout(geometry, members=members, block_tokens=self.block_tokens or devices.PAGED_BLOCK_TOKENS,
-                               fused=self.paged_kernel == "fused")
+                               fused=fused)
         kind = layout_class(name)
         if kind is TokenMajorLayout:
             return TokenMajorLayout(geometry, members=members, copy_reads=reads_need_contiguous(self.config, geometry))

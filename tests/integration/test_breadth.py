@@ -77,10 +77,6 @@ _PAGED_REFUSALS = {
     "gpt_oss": refused(UnsupportedModelError, "attention sinks (s_aux)"),
     "deepseek_v4": refused(UnsupportedModelError, "attention sinks (s_aux)"),
     "vaultgemma": refused(UnsupportedModelError, "softcapping"),
-    "diffllama": refused(UnsupportedModelError, "other values than the cache update returned"),
-    "t5": refused(UnsupportedModelError, "position bias is computed from the length of the keys"),
-    **{arch: refused(UnsupportedModelError, "multi-head latent attention caches compressed latents")
-       for arch in ("deepseek_v3", "deepseek_v2", "mistral4", "kimi_linear")},
     **{arch: _OWN_ATTENTION for arch in ("mpt", "bloom", "codegen", "gptj", "falcon", "gpt_neo", "xglm")},
 }
 

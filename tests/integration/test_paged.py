@@ -112,45 +112,51 @@ def test_untagged_key_values_compute_as_sdpa() -> None:
     assert_same_tokens(ref, got)
 
 
-def test_update_tags_only_its_own_tensor() -> None:
+def test_update_returns_dynamic_cache_tensors_and_tags_only_for_the_fused_kernel() -> None:
+    """By default a paged layer's update returns the layer's tokens gathered through the block
+    tables, untagged, as DynamicCache returns them; the fused kernel's layer returns the new states,
+    tagged (a new tensor: the model's own stays untagged)."""
     model = tiny("llama")
     model.set_attn_implementation("vkv_paged")
     try:
-        cache = VKVCache(model.config, block_tokens=4)
-        states = torch.randn(1, 2, 3, 16)
-        keys, values = cache.update(states, states.clone(), 0)
+        exact, fused = VKVCache(model.config, block_tokens=4), VKVCache(model.config, block_tokens=4, paged_kernel="fused")
+        assert exact.layout == fused.layout == "paged"
+        first, second = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 2, 16)
+        exact.update(first, first.clone(), 0)
+        keys, values = exact.update(second, second.clone(), 0)
+        fused.update(first, first.clone(), 0)
+        tagged, _ = fused.update(second, second.clone(), 0)
     finally:
         model.set_attn_implementation("sdpa")
-    tag = getattr(keys, KV_TAG)
-    assert (tag.kv_offset, tag.kv_len) == (0, 3)
-    assert not hasattr(states, KV_TAG)  # the model's own tensor stays untagged
-    assert torch.equal(cache.layers[0].keys, states)  # gathered back through the block tables
+    assert not hasattr(keys, KV_TAG) and not hasattr(values, KV_TAG)
+    assert torch.equal(keys, torch.cat([first, second], dim=2)) and torch.equal(values, keys)
+    tag = getattr(tagged, KV_TAG)
+    assert (tag.kv_offset, tag.kv_len, tag.fused) == (0, 5, True)
+    assert not hasattr(second, KV_TAG)  # the model's own tensor stays untagged
+    assert torch.equal(fused.layers[0].keys, keys)  # gathered back through the block tables
 
 
 def test_the_fused_kernel_is_opt_in_and_cuda_only() -> None:
     """On an H100 the Triton kernel changed a token of a bf16 greedy run against DynamicCache at the
-    first step (benchmarks/results/gpu_paged_probe.json): by default the paged attention gathers and
-    runs sdpa on every device; ``paged_kernel="fused"`` is the opt-in, carried to the attention by
-    the layer's tag."""
+    first step (benchmarks/results/gpu_paged_probe.json): by default the paged attention runs sdpa
+    on the gathered tokens on every device; ``paged_kernel="fused"`` is the opt-in, carried to the
+    attention by the layer's tag."""
     model = tiny("llama")
     model.set_attn_implementation("vkv_paged")
     try:
-        tags = {}
-        for kernel in ("exact", "fused"):
-            cache = VKVCache(model.config, paged_kernel=kernel)
-            keys, _ = cache.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0)
-            tags[kernel] = getattr(keys, KV_TAG)
-        assert getattr(VKVCache(model.config).update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)[0],
-                       KV_TAG).fused is False
+        keys, _ = VKVCache(model.config).update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0)
+        fused, _ = VKVCache(model.config, paged_kernel="fused").update(torch.randn(1, 2, 3, 16),
+                                                                     torch.randn(1, 2, 3, 16), 0)
     finally:
         model.set_attn_implementation("sdpa")
     attention = model.model.layers[0].self_attn
-    assert (tags["exact"].fused, tags["fused"].fused) == (False, True)
-    assert not reads_in_place("cuda", tags["exact"], attention)
-    assert reads_in_place("cuda", tags["fused"], attention)
-    assert not reads_in_place("cpu", tags["fused"], attention)
-    assert not reads_in_place("cuda", tags["fused"], attention, dropout=0.1)
-    assert not reads_in_place("cuda", tags["fused"], attention, output_attentions=True)
+    assert not hasattr(keys, KV_TAG)
+    tag = getattr(fused, KV_TAG)
+    assert tag.fused
+    assert reads_in_place("cuda", tag, attention)
+    assert not reads_in_place("cpu", tag, attention)
+    assert not reads_in_place("cuda", tag, attention, dropout=0.1)
+    assert not reads_in_place("cuda", tag, attention, output_attentions=True)
     with pytest.raises(ValueError, match="paged_kernel"):
         VKVCache(model.config, paged_kernel="triton")
     with pytest.raises(ValueError, match="paged layout only"):

@@ -71,8 +71,8 @@ class TeeCache(VKVCache):
         exp_k, exp_v = self.shadow.update(key_states.clone(), value_states.clone(), layer_idx, *args, **kwargs)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         seen = keys, values
-        if self.layout == "paged":  # what the vkv_paged attention reads
-            tag = getattr(keys, KV_TAG)
+        tag = getattr(keys, KV_TAG, None)
+        if tag is not None:  # the fused kernel's paged layer: what the vkv_paged attention reads
             seen = gather_kv(tag)
         step = f"update #{self.calls['update']} of layer {layer_idx} (q={key_states.shape[2]})"
         for name, got, exp in (("keys", seen[0], exp_k), ("values", seen[1], exp_v)):

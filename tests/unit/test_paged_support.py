@@ -95,28 +95,59 @@ def test_attention_assigned_directly_is_refused_at_the_first_forward() -> None:
         model(input_ids=torch.tensor([[3, 4, 5]]))
 
 
-def test_values_replaced_after_the_update_are_refused_at_the_first_forward() -> None:
-    """DiffLlama past the construction checks: the paged cache tags the values it returns, and a
-    call with other values (the split halves) is refused before any token, never computed over the
-    stored values (which gave other tokens than DynamicCache before the tag)."""
+def _diffllama() -> torch.nn.Module:
     import transformers
 
     if not hasattr(transformers, "DiffLlamaForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no DiffLlama")
     torch.manual_seed(0)
-    config = transformers.DiffLlamaConfig(**{**_TINY, "num_key_value_heads": 2})
-    model = transformers.DiffLlamaForCausalLM(config).eval()
-    assert paged_refusal(type(model), config) is not None  # what construction says
+    return transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(**{**_TINY, "num_key_value_heads": 2})).eval()
+
+
+def _paged(model: torch.nn.Module, **options: object) -> object:
+    """Greedy generate under "vkv_paged" with the paged layout (scores kept)."""
     model.config._attn_implementation_internal = "vkv_paged"
+    try:
+        return model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, do_sample=False, cache_implementation="vkv",
+                              cache_config={"layout": "paged", "block_tokens": 4, **options}, pad_token_id=0,
+                              return_dict_in_generate=True, output_scores=True)
+    finally:
+        model.config._attn_implementation_internal = "sdpa"
+
+
+def _sdpa(model: torch.nn.Module) -> object:
+    """The reference: the same generate on DynamicCache with transformers' sdpa attention."""
+    model.config._attn_implementation_internal = "sdpa"
+    return model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                          return_dict_in_generate=True, output_scores=True)
+
+
+def _same(got: object, ref: object) -> None:
+    assert torch.equal(got.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, ref.scores, strict=True))
+
+
+def test_values_reworked_after_the_update_compute_as_on_dynamic_cache() -> None:
+    """DiffLlama splits the values the cache update returned: the paged layout returns the layer's
+    gathered tokens (what DynamicCache returns), so its tokens and logits are DynamicCache's + sdpa's;
+    construction refuses nothing."""
+    model = _diffllama()
+    assert paged_refusal(type(model), model.config) is None
+    _same(_paged(model), _sdpa(model))
+
+
+def test_values_replaced_after_the_update_are_refused_by_the_fused_kernel_at_the_first_forward() -> None:
+    """The fused kernel reads the blocks in place: its layer tags the new values it returns, and a
+    call with other values (DiffLlama's split halves) is refused before any token, never computed
+    over the stored values (which gave other tokens than DynamicCache before the tag)."""
+    model = _diffllama()
     with pytest.raises(UnsupportedModelError, match="other values than the cache update returned"):
-        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False, cache_implementation="vkv",
-                       cache_config={"layout": "paged", "block_tokens": 4}, pad_token_id=0)
+        _paged(model, paged_kernel="fused")
 
 
-def test_keys_replaced_after_the_update_are_refused_at_decode_without_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A model whose attention gets a new key tensor after the cache update (here every call's key
-    is ``k * 1.0``), one prompt without padding: no mask tells the lengths apart, and before the
-    value was tagged the decode steps attended to the new key alone and generated other tokens."""
+def _replacing_keys_and_values(monkeypatch: pytest.MonkeyPatch, *, values: bool) -> None:
+    """Every attention call of a Llama gets a new key tensor (``k * 1.0``) after the cache update,
+    and a new value tensor too with ``values``."""
     from transformers.models.llama import modeling_llama
 
     interfaces = modeling_llama.ALL_ATTENTION_FUNCTIONS
@@ -124,12 +155,46 @@ def test_keys_replaced_after_the_update_are_refused_at_decode_without_a_mask(mon
 
     def replacing(implementation: str, default: object) -> object:
         function = plain(implementation, default)
-        return lambda module, q, k, v, mask, **kw: function(module, q, k * 1.0, v, mask, **kw)
+        return lambda module, q, k, v, mask, **kw: function(module, q, k * 1.0, v * 1.0 if values else v, mask, **kw)
 
+    monkeypatch.setattr(interfaces, "get_interface", replacing)
+
+
+def test_keys_replaced_after_the_update_are_refused_by_the_fused_kernel_at_decode_without_a_mask(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prompt without padding: no mask tells the lengths apart, and before the value was
+    tagged the fused path's decode steps attended to the new key alone and generated other tokens."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**_TINY)).eval()
-    model.config._attn_implementation_internal = "vkv_paged"
-    monkeypatch.setattr(interfaces, "get_interface", replacing)
+    _replacing_keys_and_values(monkeypatch, values=False)
     with pytest.raises(UnsupportedModelError, match="other keys than the cache update returned"):
-        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False, cache_implementation="vkv",
-                       cache_config={"layout": "paged", "block_tokens": 4}, pad_token_id=0)
+        _paged(model, paged_kernel="fused")
+
+
+@pytest.mark.parametrize("values", [False, True])
+def test_keys_and_values_replaced_after_the_update_compute_as_on_dynamic_cache(
+        monkeypatch: pytest.MonkeyPatch, values: bool) -> None:
+    """By default the attention gets the layer's gathered tokens: a model that replaces the key, or
+    the key and the value (which leaves no tag to tell by, and with no mask at decode attended to
+    the new token alone when the layer returned only the new states), computes on all of them."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**_TINY)).eval()
+    _replacing_keys_and_values(monkeypatch, values=values)
+    _same(_paged(model), _sdpa(model))
+
+
+def test_the_fused_kernel_refuses_attention_that_expands_cached_latents() -> None:
+    """Multi-head latent attention expands the latents the cache holds into keys and values after
+    the update: both replaced, nothing left to tell by, so the fused kernel is refused when the
+    cache is made (the default paged layout serves it: tests/integration/test_breadth.py)."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                           vocab_size=64, max_position_embeddings=32, q_lora_rank=None,
+                                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                                           n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with pytest.raises(hf_vkv.CacheOptionError, match="expands the latents"):
+        _paged(model, paged_kernel="fused")

@@ -4,8 +4,10 @@ The group's rows are :class:`~hf_vkv.memory.BlockBuffer` rows over a
 :class:`~hf_vkv.memory.BlockStore`: a block is ``block_tokens`` tokens of the whole group, laid
 out token-major (``[block_tokens, members, H * (Dk + Dv)]``). Sharing, reorders, copy-on-write,
 forks, crops and windows are the same page-table operations as in the contiguous layouts, with no
-remapping at all. ``update`` returns the new states with a :class:`~hf_vkv.kv_records.PagedKV`
-tag on the key, and the ``"vkv_paged"`` attention reads the cached tokens through the block tables.
+remapping at all. ``update`` returns the layer's tokens gathered through the block tables (what
+``DynamicCache`` returns), or, for the fused kernel (``cache_config={"paged_kernel": "fused"}``),
+the new states with a :class:`~hf_vkv.kv_records.PagedKV` tag, through which the ``"vkv_paged"``
+attention reads the cached tokens in place.
 """
 
 from __future__ import annotations
@@ -127,8 +129,15 @@ class PagedLayout(Layout):
 
     def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new states, both tagged with the :class:`PagedKV` of tokens ``[start, end)`` (the
-        value too, so that the attention can tell a value the model replaced after the update)."""
+        """What ``DynamicCache`` returns: tokens ``[start, end)`` gathered through the block tables
+        (:meth:`cached`), so that a model that reworks its keys or values after the update (values
+        split, latents expanded into keys, a position bias sized by the keys) computes on all of
+        them, as it would on ``DynamicCache``'s. Only for the fused kernel (``fused``), which reads
+        the blocks in place: the new states, both tagged with the :class:`PagedKV` of tokens
+        ``[start, end)`` (the value too, so that the attention can tell a value the model replaced
+        after the update)."""
+        if not self.fused:
+            return self.cached(buffer, batch=batch, member=member, start=start, end=end)
         record = self.paged_kv(buffer, batch=batch, member=member, start=start, end=end)
         return record.tag(key), tag_key(value, record)
 
