@@ -58,7 +58,10 @@ _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # byt
 def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        try:  # glibc's soname: no ``find_library``, which runs ``ldconfig -p`` in a subprocess (~2 ms)
+            lib = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:  # another C library
+            lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
         lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                              ctypes.c_long]

@@ -49,7 +49,7 @@ def process_mappings() -> int:
     """Mappings this process holds now: the lines of ``/proc/self/maps``."""
     try:
         with open("/proc/self/maps", "rb") as f:
-            return sum(1 for _ in f)
+            return f.read().count(b"\n")
     except OSError:
         return 0
 
