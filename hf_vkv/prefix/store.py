@@ -232,8 +232,8 @@ class PrefixStore:
                 yield None, 0
                 return
             entry, m = found
-            self._verify(entry)
             cache = self._cache_of(entry)
+            self._verify(entry)
             self._entries.move_to_end(entry.id)
             self._hits += 1
             self._reused += m
@@ -256,8 +256,8 @@ class PrefixStore:
             if found is None or len(found[0].tokens) - found[1] > max(tail_tokens, 0):
                 return 0
             entry, m = found
-            self._verify(entry)
             source = self._cache_of(entry)
+            self._verify(entry)
             if entry.id not in self._uncounted:
                 _pages_of(entry)  # read from the cache before its row moves
             try:
@@ -289,7 +289,9 @@ class PrefixStore:
     def _verify(self, entry: _Entry) -> None:
         """Check a mapped entry's pages against their checksums before they are first handed out;
         on a difference drop every entry of that file (the store stays usable) and raise
-        :class:`PrefixFileCorruptError`."""
+        :class:`PrefixFileCorruptError`. Called after :meth:`_cache_of`, whose install maps the
+        pages and reads none: the background check that the open started goes on meanwhile (its
+        sums run without the GIL), so a turn right after an open finds most pages checked."""
         if entry.mapped is None:
             return
         mapped, pages = entry.mapped
