@@ -135,8 +135,9 @@ class LayerGroup:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store member ``layer``'s new ``[B, H, q, D]`` states after its cached tokens and return
         what attention reads: ``[B, H, kv_length, D]`` (``kv_length`` as the mask's) or, in the
-        paged layout, the tagged new states (``plain``: there too the ``[B, H, kv_length, D]``
-        tokens, gathered through the block tables: the gradient path's ``torch.cat`` reads them)."""
+        paged layout of the fused kernel, the tagged new states (``plain``: there too the
+        ``[B, H, kv_length, D]`` tokens, gathered through the block tables: the gradient path's
+        ``torch.cat`` reads them)."""
         self.geometry.check(layer, key_states, value_states)
         member = self.member_of[layer]
         start = self.lengths[member]

@@ -126,7 +126,7 @@ class VKVLayer(CacheLayerMixin):
     def _returned(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
                   value_states: torch.Tensor, *, tracked: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``update`` returns once the group stored the states and gave back ``keys``/``values``
-        (``[B, H, kv_length, D]``, or the paged layout's tagged new states when not ``tracked``):
+        (``[B, H, kv_length, D]``, or the fused paged layout's tagged new states when not ``tracked``):
         with autograd on, the cached tokens followed by the states with their history."""
         return with_new_states(keys, values, key_states, value_states) if tracked else (keys, values)
 

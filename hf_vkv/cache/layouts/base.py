@@ -81,8 +81,8 @@ class Layout(ABC):
         """What ``update`` returns after writing ``key``/``value``: the cached tokens ``[start, end)``
         (``kv_length`` of the mask) as attention reads them — views (head-major returns its
         :meth:`cached` views), copies where a view would change
-        the arithmetic (token-major), full-capacity views (static) or the tagged new states
-        (paged)."""
+        the arithmetic (token-major), full-capacity views (static), gathered copies (paged) or
+        the tagged new states (paged, fused kernel)."""
 
     def invalidate(self) -> None:
         """The rows changed: forget views taken of them."""
