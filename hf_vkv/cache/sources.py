@@ -66,8 +66,9 @@ class LayoutMaker:
                     "attention expands the latents it caches into keys and values after the cache update, which "
                     "the fused kernel cannot see: leave 'paged_kernel' unset (the paged layout then returns the "
                     "gathered tokens, exactly as DynamicCache)")
+            config = self.config
             return PagedLayout(geometry, members=members, block_tokens=self.block_tokens or devices.PAGED_BLOCK_TOKENS,
-                               fused=fused)
+                               fused=fused, attention_of=lambda: getattr(config, "_attn_implementation", None))
         kind = layout_class(name)
         if kind is TokenMajorLayout:
             return TokenMajorLayout(geometry, members=members, copy_reads=reads_need_contiguous(self.config, geometry))

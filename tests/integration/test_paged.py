@@ -21,7 +21,7 @@ from models import SMALL_PAGE, assert_same_tokens, prompts, tiny, tokenizer, wor
 from transformers import AutoModelForCausalLM, pipeline
 from transformers.cache_utils import DynamicCache
 
-from hf_vkv import VKVCache
+from hf_vkv import CacheOptionError, VKVCache
 from hf_vkv.devices import policy_for
 from hf_vkv.attention import KV_TAG
 from hf_vkv.attention.paged import reads_in_place
@@ -134,6 +134,31 @@ def test_update_returns_dynamic_cache_tensors_and_tags_only_for_the_fused_kernel
     assert (tag.kv_offset, tag.kv_len, tag.fused) == (0, 5, True)
     assert not hasattr(second, KV_TAG)  # the model's own tensor stays untagged
     assert torch.equal(fused.layers[0].keys, keys)  # gathered back through the block tables
+
+
+def test_a_fused_cache_read_by_another_attention_is_refused_before_it_writes() -> None:
+    """The fused kernel's layer returns only the new states, which "vkv_paged" alone reads through
+    their tag: a model switched to sdpa while such a cache is in use gets a typed error at its next
+    forward, before anything is written, and the cache continues exactly once it is switched back."""
+    model = tiny("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    model.set_attn_implementation("vkv_paged")
+    try:
+        cache, reference = VKVCache(model.config, paged_kernel="fused"), VKVCache(model.config, paged_kernel="fused")
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, past_key_values=reference, use_cache=True)
+            expected = model(ids[:, :1], past_key_values=reference, use_cache=True).logits
+            model.set_attn_implementation("sdpa")
+            with pytest.raises(CacheOptionError, match="read by the 'vkv_paged' attention only"):
+                model(ids[:, :1], past_key_values=cache, use_cache=True)
+            assert cache.get_seq_length() == 5
+            cache.check_invariants()
+            model.set_attn_implementation("vkv_paged")
+            got = model(ids[:, :1], past_key_values=cache, use_cache=True).logits
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(got, expected)
 
 
 def test_the_fused_kernel_is_opt_in_and_cuda_only() -> None:

@@ -12,13 +12,14 @@ attention reads the cached tokens in place.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ... import devices
-from ...kv_records import PagedKV, tag_key
+from ...kv_records import PAGED_ATTENTION, PagedKV, tag_key
 from ...memory import Arena, BlockBuffer, BlockStore, RowBuffer
+from ...memory.errors import CacheOptionError
 from ..geometry import GroupGeometry
 from .base import Layout
 
@@ -31,12 +32,14 @@ class PagedLayout(Layout):
     name = "paged"
 
     def __init__(self, geometry: GroupGeometry, *, members: int, block_tokens: int = devices.PAGED_BLOCK_TOKENS,
-                 fused: bool = False) -> None:
+                 fused: bool = False, attention_of: Callable[[], str | None] | None = None) -> None:
         super().__init__(geometry, members=members)
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
         self.block_tokens = block_tokens
         self.fused = fused  # cache_config["paged_kernel"] == "fused": PagedKV.fused
+        # the model's attention now (its config's): the fused layer's new states are read by "vkv_paged" alone
+        self._attention_of = attention_of
         self._tables: torch.Tensor | None = None  # block tables of the active rows, until invalidate()
         self._blocks: torch.Tensor | None = None  # typed [N, block_tokens, members, H * (Dk + Dv)]
         self._token_indices: dict[tuple[int, int], torch.Tensor] = {}  # (start, q) -> flat token indices, all rows
@@ -87,6 +90,13 @@ class PagedLayout(Layout):
 
     def write(self, buffer: RowBuffer, *, batch: int, member: int, start: int, key: torch.Tensor,
               value: torch.Tensor, rows: Sequence[int] | None) -> None:
+        if self.fused and self._attention_of is not None and self._attention_of() != PAGED_ATTENTION:
+            # another attention would take the new states this layer returns for the whole cache
+            raise CacheOptionError(
+                f"a cache with cache_config['paged_kernel']='fused' is read by the 'vkv_paged' attention only, but "
+                f"the model now uses {self._attention_of()!r}: switch it back (model.set_attn_implementation("
+                f"'vkv_paged')) or use another cache (without 'paged_kernel', the paged layout returns every "
+                f"cached token, as DynamicCache)")
         b, h, q, _ = key.shape
         picked = range(b) if rows is None else rows
         if not picked:
