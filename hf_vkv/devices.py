@@ -239,7 +239,7 @@ class Workload:
     inherited: str | None = None  # the layout of the memory the cache draws from (a prefix store's; "contiguous": the device's default)
     rows: int | None = None  # rows the cache holds: batch x max(num_beams, num_return_sequences) (None: not known)
     subrows: int | None = None  # (layer, K/V, head) sub-rows of one row: 2 x the KV heads of every layer vkv stores
-    mappings_free: int | None = None  # mappings vkv may still add (None: the process's MapBudget.available(), read by the rule)
+    mappings_free: int | None = None  # mappings vkv may still add (None: as the process's MapBudget.fits says)
     prompt_repeats: int | None = None  # rows sharing each prompt: max(num_beams, num_return_sequences) (None: not known)
     item_bytes: int | None = None  # bytes of one token in one sub-row: the wider K/V head dim x the dtype's size (None: not known)
 
@@ -276,8 +276,8 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
        strands at most two 4 KiB pages a row instead of one page per (layer, K/V, head) sub-row;
     7. rows are limited by memory, never by mappings: where the device's default is head-major
        and its rows would need more kernel mappings than the process has free
-       (:func:`head_major_mappings` > ``mappings_free``, by default
-       ``PROCESS_MAP_BUDGET.available()``: ``vm.max_map_count`` less its headroom, the rest of
+       (:func:`head_major_mappings` > ``mappings_free``, by default as
+       ``PROCESS_MAP_BUDGET.fits`` says: ``vm.max_map_count`` less its headroom, the rest of
        the process and what vkv holds), ``"token_major"``, which maps at most ~2 ranges per row
        of a group instead of ~3 per (layer, K/V, head) sub-row;
     8. the device's default (:attr:`DevicePolicy.layout`).
@@ -346,14 +346,14 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
 
 def _head_major_overflow(workload: Workload) -> int | None:
     """The mappings head-major's rows would need (:func:`head_major_mappings`) where that is more
-    than the process has free (``workload.mappings_free``, by default the process budget's
-    :meth:`~hf_vkv.memory.map_budget.MapBudget.available`); ``None`` where they fit or are not known.
+    than the process has free (``workload.mappings_free``, by default as the process budget's
+    :meth:`~hf_vkv.memory.map_budget.MapBudget.fits` says); ``None`` where they fit or are not known.
     Rule 7 and rule 4's store check (:func:`_check_store_rows`) both decide by it."""
     needed = head_major_mappings(workload)
     if needed is None:
         return None
-    free = PROCESS_MAP_BUDGET.available() if workload.mappings_free is None else workload.mappings_free
-    return needed if needed > free else None
+    fits = PROCESS_MAP_BUDGET.fits(needed) if workload.mappings_free is None else needed <= workload.mappings_free
+    return None if fits else needed
 
 
 def _check_store_rows(layout: str, workload: Workload) -> None:

@@ -9,7 +9,11 @@ that fails half way may leave a hole in a reservation. So the host backend never
 * :class:`MapBudget` knows the limit (read from ``/proc/sys/vm/max_map_count``, or injected),
   how many mappings vkv holds (its buffers charge and refund what they change), and how many the
   rest of the process holds (``/proc/self/maps`` less vkv's, re-read when the budget gets tight),
-  and leaves ``headroom`` for the process to grow;
+  and leaves ``headroom`` for the process to grow. Listing ``/proc/self/maps`` costs the kernel
+  ~1.5 ms for a PyTorch process's ~1,000 mappings, so the process's budget does not look while
+  vkv's mappings and the change fit beside :data:`ASSUMED_OTHERS` other mappings (a quarter of the
+  kernel's default limit; a process holding more learns of it from ``mmap``'s ``ENOMEM``, which
+  the host backend reports with the process's count, the cache unchanged);
 * a buffer computes, before it changes any mapping, how many mappings its change needs at its peak
   (:func:`mapping_change`) and asks :meth:`MapBudget.check`, which raises
   :class:`MappingLimitError` (a :class:`~hf_vkv.memory.errors.KVCacheOutOfMemory`) with nothing
@@ -29,11 +33,15 @@ from operator import sub
 from .errors import KVCacheOutOfMemory
 from .runs import is_one_run
 
-__all__ = ["MapBudget", "MappingLimitError", "PROCESS_MAP_BUDGET", "SlotRun", "mapping_change", "process_mappings",
+__all__ = ["ASSUMED_OTHERS", "MapBudget", "MappingLimitError", "PROCESS_MAP_BUDGET", "SlotRun", "mapping_change", "process_mappings",
            "read_max_map_count"]
 
 _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 _DEFAULT_LIMIT = 65530  # the kernel's default, when /proc cannot be read
+
+#: Mappings the process's budget takes the rest of the process to hold before it first looks
+#: (:meth:`MapBudget.fits`): a quarter of the kernel's default limit.
+ASSUMED_OTHERS = _DEFAULT_LIMIT // 4
 
 
 def read_max_map_count() -> int:
@@ -86,14 +94,18 @@ class MapBudget:
     """Mappings vkv may hold in this process (see the module docstring).
 
     ``limit``: ``vm.max_map_count`` (read from ``/proc`` when ``None``); ``headroom``: mappings
-    left for the rest of the process to grow into (default ``max(2048, limit // 8)``).
+    left for the rest of the process to grow into (default ``max(2048, limit // 8)``);
+    ``assumed_others``: what the rest of the process is taken to hold until the budget first
+    looks (``None``: it looks at the first check).
 
     Invariant: ``held`` is the sum of what every live buffer charged and has not refunded.
     """
 
-    def __init__(self, *, limit: int | None = None, headroom: int | None = None) -> None:
+    def __init__(self, *, limit: int | None = None, headroom: int | None = None,
+                 assumed_others: int | None = None) -> None:
         self._limit = limit
         self._headroom = headroom
+        self._assumed_others = assumed_others
         self.held = 0  # mappings vkv's live reservations hold (its count, not the kernel's)
         self._others: int | None = None  # the rest of the process, as last measured
         self._held_at_measure = 0
@@ -120,9 +132,20 @@ class MapBudget:
         """Mappings vkv may still add (may be negative when the process grew past the budget)."""
         return self.limit - self.headroom - self.others() - self.held
 
+    def fits(self, needed: int) -> bool:
+        """Whether ``needed`` more mappings fit: without a look at ``/proc/self/maps`` while they
+        fit beside ``assumed_others`` and the budget has not looked yet, else by the rest of the
+        process as last measured (the first call that gets here measures it)."""
+        if needed <= 0:
+            return True
+        if self._others is None and self._assumed_others is not None and \
+                self.held + needed <= self.limit - self.headroom - self._assumed_others:
+            return True
+        return self.held + needed <= self.limit - self.headroom - self.others()
+
     def check(self, needed: int) -> None:
         """Raise :class:`MappingLimitError` unless ``needed`` more mappings fit (changes nothing)."""
-        if needed <= 0 or self.held + needed <= self.limit - self.headroom - self.others():
+        if self.fits(needed):
             return
         others = self.others(fresh=True)  # the process may have shrunk since the last look
         if self.held + needed > self.limit - self.headroom - others:
@@ -136,17 +159,18 @@ class MapBudget:
     @contextmanager
     def override(self, *, limit: int | None = None, headroom: int | None = None) -> Iterator[MapBudget]:
         """Tests: use ``limit`` / ``headroom`` instead of the machine's for the ``with`` block (so a
-        test reaches the limit with a few hundred mappings, not 65530)."""
-        saved = (self._limit, self._headroom, self._others)
-        self._limit, self._headroom, self._others = limit, headroom, None
+        test reaches the limit with a few hundred mappings, not 65530); the budget looks at the
+        process's mappings at the first check (no assumed count)."""
+        saved = (self._limit, self._headroom, self._others, self._assumed_others)
+        self._limit, self._headroom, self._others, self._assumed_others = limit, headroom, None, None
         try:
             yield self
         finally:
-            self._limit, self._headroom, self._others = saved
+            self._limit, self._headroom, self._others, self._assumed_others = saved
 
 
 #: The process's budget (``vm.max_map_count`` is per process): every host buffer charges it.
-PROCESS_MAP_BUDGET = MapBudget()
+PROCESS_MAP_BUDGET = MapBudget(assumed_others=ASSUMED_OTHERS)
 
 Slot = Callable[[int], "int | None"]  # global slot -> page id mapped there (None: reserved, unmapped)
 
