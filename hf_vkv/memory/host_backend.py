@@ -32,7 +32,6 @@ import mmap
 import os
 import weakref
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 
@@ -374,20 +373,10 @@ class HostBackend:
         sizes = [self.page_bytes] * len(pairs) if nbytes is None else list(nbytes)
         src, dst = zip(*pairs)
         written = _ids(dst)
-        from_file: list[tuple[PageId, PageId, int]] = []
         for lo, hi, _, _ in self._file_spans:
             hit = ((written >= lo) & (written <= hi)).nonzero()
             if len(hit):
                 raise BackendError("copy", f"page {dst[int(hit[0])]} is a page of a mapped file: it is never written")
-            if lo <= max(src) and min(src) <= hi:
-                from_file += [(s, d, n) for s, d, n in zip(src, dst, sizes) if lo <= s <= hi]
-        if from_file:  # a mapped file's pages by the kernel; the rest below (every source read before any write)
-            data = self._read_file_pages(from_file)
-            rest = [(s, d, n) for s, d, n in zip(src, dst, sizes) if self._span_of(s) is None]
-            if rest:
-                self.copy([(s, d) for s, d, _ in rest], [n for _, _, n in rest])
-            self._write_pages([(d, chunk) for (_, d, _), chunk in zip(from_file, data)])
-            return
         if len(pairs) > 1 and len(set(sizes)) == 1:  # one gathered copy (a reorder's tails, a fresh row's)
             data = self._gather(src, sizes[0])  # every source read before any write
             n = sizes[0]
@@ -398,36 +387,6 @@ class HostBackend:
         read = [self._gather((s,), n) for s, n in zip(src, sizes)]
         for d, n, data in zip(dst, sizes, read):
             view[d, :n].copy_(data[0])
-
-    def _read_file_pages(self, pages: Sequence[tuple[PageId, PageId, int]]) -> list[bytes]:
-        """The first ``n`` bytes of each mapped-file page ``s`` of ``pages`` (``(s, d, n)``), read
-        from the file by ``pread``: nothing is touched through a mapping, so nothing faults (a
-        row's first write into 180 file pages of 16 KiB took 2.6 ms so, 7.2 ms gathered through
-        the file's and the memfd's views, whose first touches fault page by page)."""
-        out = []
-        for s, _, n in pages:
-            lo, _, index, offset = cast("tuple[int, int, int, int]", self._span_of(s))
-            try:
-                data = os.pread(self._files[index].fd, n, offset + (s - lo) * self.page_bytes)
-            except OSError as e:
-                raise BackendError("copy", f"reading page {s} of a mapped file failed: {e}") from None
-            if len(data) != n:
-                raise BackendError("copy", f"page {s} of a mapped file ends early ({len(data)} of {n} bytes): "
-                                           f"the file was cut while mapped")
-            out.append(data)
-        return out
-
-    def _write_pages(self, chunks: Sequence[tuple[PageId, bytes]]) -> None:
-        """Write each chunk at the start of its memfd page by ``pwrite`` (the kernel allocates a
-        fresh page without a fault)."""
-        fd = self._fd_open()
-        for d, data in chunks:
-            try:
-                done = os.pwrite(fd, data, d * self.page_bytes)
-            except OSError as e:
-                raise BackendError("copy", f"writing page {d} failed: {e}") from None
-            if done != len(data):
-                raise BackendError("copy", f"writing page {d} stopped after {done} of {len(data)} bytes")
 
     def close(self) -> None:
         """Close the memfd: its memory goes once no mapping refers to it. Reservations are given

@@ -164,24 +164,3 @@ def test_one_copy_reads_file_and_memfd_sources_before_it_writes(tmp_path: Path, 
     with pytest.raises(BackendError, match="page 7 is a page of a mapped file"):
         backend.copy([(PageId(0), PageId(7))])
     backend.close()
-
-
-def test_a_copy_out_of_a_file_reads_it_by_the_kernel_and_refuses_a_cut_file(tmp_path: Path) -> None:
-    """Copies out of a mapped file's pages read the file (``pread``) and write the memfd
-    (``pwrite``), touching neither through a mapping; a file cut while mapped is a
-    :class:`BackendError` naming the page, with nothing written."""
-    fd, data = _file(tmp_path, 3, PAGE)
-    backend = HostBackend(page_bytes=PAGE)
-    backend.ensure_id_space(8)
-    backend.create([PageId(0), PageId(1)])
-    backend.map_file(fd, PAGE, [PageId(4), PageId(5), PageId(6)])
-    os.close(fd)
-    backend.copy([(PageId(6), PageId(0)), (PageId(4), PageId(1))], [PAGE - 256, PAGE])
-    pool = backend.pool_tensor()
-    assert torch.equal(pool[0, :PAGE - 256], data[2, :PAGE - 256]) and torch.equal(pool[1], data[0])
-    before = pool[:2].clone()
-    os.truncate(tmp_path / "pages.kv", 2 * PAGE + 100)  # page 5 (the file's second) now ends early
-    with pytest.raises(BackendError, match="page 5 of a mapped file ends early"):
-        backend.copy([(PageId(4), PageId(0)), (PageId(5), PageId(1))])
-    assert torch.equal(pool[:2], before)  # every source is read before any page is written
-    backend.close()
