@@ -33,8 +33,8 @@ from operator import sub
 from .errors import KVCacheOutOfMemory
 from .runs import is_one_run
 
-__all__ = ["ASSUMED_OTHERS", "MapBudget", "MappingLimitError", "PROCESS_MAP_BUDGET", "SlotRun", "mapping_change", "process_mappings",
-           "read_max_map_count"]
+__all__ = ["ASSUMED_OTHERS", "MapBudget", "MappingLimitError", "PROCESS_MAP_BUDGET", "SlotRun", "mapping_change",
+           "process_mappings", "read_max_map_count"]
 
 _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 _DEFAULT_LIMIT = 65530  # the kernel's default, when /proc cannot be read
@@ -138,10 +138,10 @@ class MapBudget:
         process as last measured (the first call that gets here measures it)."""
         if needed <= 0:
             return True
-        if self._others is None and self._assumed_others is not None and \
-                self.held + needed <= self.limit - self.headroom - self._assumed_others:
+        room = self.limit - self.headroom - self.held
+        if self._others is None and self._assumed_others is not None and needed <= room - self._assumed_others:
             return True
-        return self.held + needed <= self.limit - self.headroom - self.others()
+        return needed <= room - self.others()
 
     def check(self, needed: int) -> None:
         """Raise :class:`MappingLimitError` unless ``needed`` more mappings fit (changes nothing)."""
