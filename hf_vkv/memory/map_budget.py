@@ -10,10 +10,10 @@ that fails half way may leave a hole in a reservation. So the host backend never
   how many mappings vkv holds (its buffers charge and refund what they change), and how many the
   rest of the process holds (``/proc/self/maps`` less vkv's, re-read when the budget gets tight),
   and leaves ``headroom`` for the process to grow. Listing ``/proc/self/maps`` costs the kernel
-  ~1.5 ms for a PyTorch process's ~1,000 mappings, so the process's budget does not look while
-  vkv's mappings and the change fit beside :data:`ASSUMED_OTHERS` other mappings (a quarter of the
-  kernel's default limit; a process holding more learns of it from ``mmap``'s ``ENOMEM``, which
-  the host backend reports with the process's count, the cache unchanged);
+  ~1.5 ms for a PyTorch process's ~1,000 mappings, so the process's budget lets a new reservation
+  (one mapping, nothing mapped in it yet) through until it has looked
+  (:meth:`MapBudget.check_reservation`): a process's first prefix open reserves its arena's range
+  and maps nothing, and the first change that maps pages looks;
 * a buffer computes, before it changes any mapping, how many mappings its change needs at its peak
   (:func:`mapping_change`) and asks :meth:`MapBudget.check`, which raises
   :class:`MappingLimitError` (a :class:`~hf_vkv.memory.errors.KVCacheOutOfMemory`) with nothing
@@ -33,15 +33,11 @@ from operator import sub
 from .errors import KVCacheOutOfMemory
 from .runs import is_one_run
 
-__all__ = ["ASSUMED_OTHERS", "MapBudget", "MappingLimitError", "PROCESS_MAP_BUDGET", "SlotRun", "mapping_change",
-           "process_mappings", "read_max_map_count"]
+__all__ = ["MapBudget", "MappingLimitError", "PROCESS_MAP_BUDGET", "SlotRun", "mapping_change", "process_mappings",
+           "read_max_map_count"]
 
 _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 _DEFAULT_LIMIT = 65530  # the kernel's default, when /proc cannot be read
-
-#: Mappings the process's budget takes the rest of the process to hold before it first looks
-#: (:meth:`MapBudget.fits`): a quarter of the kernel's default limit.
-ASSUMED_OTHERS = _DEFAULT_LIMIT // 4
 
 
 def read_max_map_count() -> int:
@@ -95,17 +91,17 @@ class MapBudget:
 
     ``limit``: ``vm.max_map_count`` (read from ``/proc`` when ``None``); ``headroom``: mappings
     left for the rest of the process to grow into (default ``max(2048, limit // 8)``);
-    ``assumed_others``: what the rest of the process is taken to hold until the budget first
-    looks (``None``: it looks at the first check).
+    ``lazy_reservations``: :meth:`check_reservation` lets a reservation through until the budget
+    has looked at the process (else the first reservation looks).
 
     Invariant: ``held`` is the sum of what every live buffer charged and has not refunded.
     """
 
     def __init__(self, *, limit: int | None = None, headroom: int | None = None,
-                 assumed_others: int | None = None) -> None:
+                 lazy_reservations: bool = False) -> None:
         self._limit = limit
         self._headroom = headroom
-        self._assumed_others = assumed_others
+        self._lazy = lazy_reservations
         self.held = 0  # mappings vkv's live reservations hold (its count, not the kernel's)
         self._others: int | None = None  # the rest of the process, as last measured
         self._held_at_measure = 0
@@ -133,15 +129,9 @@ class MapBudget:
         return self.limit - self.headroom - self.others() - self.held
 
     def fits(self, needed: int) -> bool:
-        """Whether ``needed`` more mappings fit: without a look at ``/proc/self/maps`` while they
-        fit beside ``assumed_others`` and the budget has not looked yet, else by the rest of the
-        process as last measured (the first call that gets here measures it)."""
-        if needed <= 0:
-            return True
-        room = self.limit - self.headroom - self.held
-        if self._others is None and self._assumed_others is not None and needed <= room - self._assumed_others:
-            return True
-        return needed <= room - self.others()
+        """Whether ``needed`` more mappings fit beside the rest of the process as last measured
+        (the first call measures it)."""
+        return needed <= 0 or needed <= self.limit - self.headroom - self.held - self.others()
 
     def check(self, needed: int) -> None:
         """Raise :class:`MappingLimitError` unless ``needed`` more mappings fit (changes nothing)."""
@@ -152,6 +142,13 @@ class MapBudget:
             raise MappingLimitError(needed=needed, held=self.held, limit=self.limit, others=others,
                                     headroom=self.headroom)
 
+    def check_reservation(self) -> None:
+        """:meth:`check` for a new reservation's one mapping; a ``lazy_reservations`` budget that
+        has not looked at the process yet lets it through without a look (one mapping cannot take
+        a process that was within its limit far past it; the first change that maps pages looks)."""
+        if not (self._lazy and self._others is None):
+            self.check(1)
+
     def charge(self, delta: int) -> None:
         """vkv now holds ``delta`` more mappings (negative: fewer)."""
         self.held += delta
@@ -160,17 +157,17 @@ class MapBudget:
     def override(self, *, limit: int | None = None, headroom: int | None = None) -> Iterator[MapBudget]:
         """Tests: use ``limit`` / ``headroom`` instead of the machine's for the ``with`` block (so a
         test reaches the limit with a few hundred mappings, not 65530); the budget looks at the
-        process's mappings at the first check (no assumed count)."""
-        saved = (self._limit, self._headroom, self._others, self._assumed_others)
-        self._limit, self._headroom, self._others, self._assumed_others = limit, headroom, None, None
+        process's mappings at the first check, a reservation's included."""
+        saved = (self._limit, self._headroom, self._others, self._lazy)
+        self._limit, self._headroom, self._others, self._lazy = limit, headroom, None, False
         try:
             yield self
         finally:
-            self._limit, self._headroom, self._others, self._assumed_others = saved
+            self._limit, self._headroom, self._others, self._lazy = saved
 
 
 #: The process's budget (``vm.max_map_count`` is per process): every host buffer charges it.
-PROCESS_MAP_BUDGET = MapBudget(assumed_others=ASSUMED_OTHERS)
+PROCESS_MAP_BUDGET = MapBudget(lazy_reservations=True)
 
 Slot = Callable[[int], "int | None"]  # global slot -> page id mapped there (None: reserved, unmapped)
 

@@ -45,7 +45,7 @@ class _Reservation:
     def __init__(self, backend: Backend, nbytes: int, *, readable: bool) -> None:
         self.budget: MapBudget | None = backend.map_budget
         if self.budget is not None:
-            self.budget.check(1)
+            self.budget.check_reservation()
         self.address = backend.reserve(nbytes, readable=readable)
         self.nbytes = nbytes
         self.closer: _Closer | None = None

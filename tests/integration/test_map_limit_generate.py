@@ -7,6 +7,10 @@ what the process holds), never the machine's."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from models import assert_same_tokens, prompts, tiny
@@ -40,3 +44,60 @@ def test_generate_past_the_mapping_limit_is_refused_and_the_process_goes_on():
                              **kwargs)
         assert_same_tokens(reference, out)
     assert_same_tokens(reference, model.generate(**inputs, cache_implementation="vkv", **kwargs))
+
+
+
+_FULL_PROCESS = r"""
+import ctypes, gc, mmap, sys
+sys.path.insert(0, {tests!r})
+from models import assert_same_tokens, prompts, tiny
+import hf_vkv  # noqa: F401
+from hf_vkv.memory.map_budget import PROCESS_MAP_BUDGET, MappingLimitError, process_mappings
+
+model = tiny("llama", layers=4, kv_heads=4)  # 32 head-major sub-rows a row
+inputs = prompts(4, 20)
+kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, num_beams=2)
+vkv = dict(cache_implementation="vkv", cache_config={{"layout": "head_major"}})
+reference = model.generate(**inputs, **kwargs)  # DynamicCache: vkv has mapped nothing in this process yet
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+page, limit = mmap.PAGESIZE, PROCESS_MAP_BUDGET.limit
+pages = limit - 2000 - process_mappings()  # a filler that leaves 2,000 mappings to the process
+filler = libc.mmap(None, pages * page, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000, -1, 0)
+for i in range(1, pages, 2):  # every other page PROT_NONE: each adds two mappings (it and the rest)
+    assert libc.mprotect(filler + i * page, page, 0) == 0
+others = process_mappings()
+print("filled", others, "of", limit)
+for attempt in range(2):  # refused before any change, twice: nothing was left half done
+    try:
+        model.generate(**inputs, **vkv, **kwargs)
+    except MappingLimitError as e:
+        assert f"vm.max_map_count is {{limit:,}}" in str(e) and e.others >= others - 100, str(e)
+        print("refused", attempt)
+    else:
+        raise AssertionError("generate ran past the budget")
+    gc.collect()
+    assert PROCESS_MAP_BUDGET.held == 0
+assert libc.munmap(filler, pages * page) == 0
+assert_same_tokens(reference, model.generate(**inputs, **vkv, **kwargs))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux: the kernel's per-process mapping limit")
+def test_a_process_that_holds_most_of_the_limit_before_vkv_starts_is_refused_before_any_change():
+    """The process's budget looks at ``/proc/self/maps`` only at the first change that maps pages
+    (a reservation is let through before: a process's first prefix open maps nothing). A process
+    that already holds all but 2,000 of ``vm.max_map_count`` mappings (a filler of single-page
+    mappings) when vkv first runs is refused with the typed :class:`MappingLimitError` naming the
+    limit and its count, before anything is mapped, twice; once the filler is gone the same call
+    gives DynamicCache's tokens. Run in a subprocess: the filler takes the process near the real
+    limit."""
+    code = _FULL_PROCESS.format(tests=str(Path(__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.split("\n")[1:4] == ["refused 0", "refused 1", "ok"], done.stdout

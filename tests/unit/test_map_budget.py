@@ -202,29 +202,34 @@ def test_the_error_is_an_out_of_memory_error_built_by_its_base():
     assert "this step need 40,960 bytes" in str(whole) and "at least 49,152" in str(whole)
 
 
-def test_the_process_is_listed_only_when_the_change_could_come_near_the_limit(monkeypatch):
-    """Listing ``/proc/self/maps`` costs the kernel ~1.5 ms, so a budget with an assumed count
-    for the rest of the process does not look while vkv's mappings and the change fit beside it;
-    past that it looks once, and from then on decides by what it measured."""
+def test_a_reservation_is_let_through_until_the_first_change_that_maps_pages_looks(monkeypatch):
+    """Listing ``/proc/self/maps`` costs the kernel ~1.5 ms, so the process's budget lets a new
+    reservation (one mapping, nothing mapped in it: a process's first prefix open) through
+    without a look; the first change that maps pages looks, and from then on reservations and
+    changes are decided by what it measured. An eager budget and the tests' override look at once."""
     from hf_vkv.memory import map_budget
 
     looks = []
     monkeypatch.setattr(map_budget, "process_mappings", lambda: looks.append(1) or 30_000 + budget.held)
-    budget = map_budget.MapBudget(limit=65530, headroom=8191, assumed_others=map_budget.ASSUMED_OTHERS)
-    budget.charge(1000)
-    room = 65530 - 8191 - map_budget.ASSUMED_OTHERS - 1000
-    budget.check(room)  # fits beside the assumed count: no look
-    assert budget.fits(room) and looks == []
-    assert not budget.fits(room + 1)  # beyond it: the budget looks, and 30,000 others leave less room
-    assert looks == [1]
+    budget = map_budget.MapBudget(limit=65530, headroom=8191, lazy_reservations=True)
+    for _ in range(3):
+        budget.check_reservation()
+        budget.charge(1)
+    assert looks == []
+    room = 65530 - 8191 - 30_000 - 3
+    budget.check(room)  # the first change looks: 30,000 others
+    assert looks == [1] and budget.fits(room) and not budget.fits(room + 1)
     with pytest.raises(MappingLimitError) as refused:
-        budget.check(65530 - 8191 - 30_000 - 1000 + 1)
-    assert refused.value.others == 30_000
-    budget.check(10)  # measured now: a small change is decided by the measured count, without a new look
-    assert looks == [1, 1]  # (the refusal looked again: the process may have shrunk)
-    eager = map_budget.MapBudget(limit=65530, headroom=8191)  # no assumed count: the first check looks
-    eager.check(1)
-    assert len(looks) == 3
+        budget.check(room + 1)
+    assert refused.value.others == 30_000 and len(looks) == 2  # (a refusal looks again: the process may have shrunk)
+    budget.charge(room)
+    with pytest.raises(MappingLimitError):  # measured now: a reservation past the limit is refused
+        budget.check_reservation()
+    assert len(looks) == 4  # (vkv's count moved by more than a quarter of the headroom: a look, then the refusal's)
+    monkeypatch.setattr(map_budget, "process_mappings", lambda: looks.append(1) or 1000)
+    eager = map_budget.MapBudget(limit=65530, headroom=8191)  # not lazy: the first reservation looks
+    eager.check_reservation()
+    assert len(looks) == 5
     with map_budget.PROCESS_MAP_BUDGET.override(limit=65530, headroom=0):  # tests' limits: always looked at
-        map_budget.PROCESS_MAP_BUDGET.check(1)
-    assert len(looks) == 4
+        map_budget.PROCESS_MAP_BUDGET.check_reservation()
+    assert len(looks) == 6
