@@ -53,6 +53,12 @@ def test_call_needing_more_than_sdpa_is_refused(kwargs: dict, phrase: str) -> No
     assert raised.value.model_type == "_Attention"
 
 
+def test_tagged_keys_with_a_mask_of_another_length_are_refused() -> None:
+    """The paged kernel reads the tag's tokens: a mask over fewer (or more) keys is not what it reads."""
+    with pytest.raises(UnsupportedModelError, match="its mask covers 1 keys but the attention got 9"):
+        check_call(_Attention(), _kv(1), torch.ones(1, 1, 1, 1, dtype=torch.bool), 9, {})
+
+
 def test_keys_that_lost_their_paged_tag_are_refused() -> None:
     """A mask over 5 keys with 1 untagged key: the model replaced the tagged key after the update."""
     with pytest.raises(UnsupportedModelError, match="the paged cache's record of what to read was lost"):
@@ -75,6 +81,8 @@ def test_keys_other_than_the_update_returned_are_refused_without_a_mask() -> Non
 
 def test_ordinary_calls_pass() -> None:
     check_call(_Attention(), _kv(5), torch.ones(1, 1, 1, 5, dtype=torch.bool), None, {})
+    # plain keys with a mask sdpa broadcasts, as with DynamicCache's (transformers 5.20's RecurrentGemma)
+    check_call(_Attention(), _kv(9), torch.ones(1, 1, 1, 1, dtype=torch.bool), None, {})
     check_call(_Attention(), _kv(1), torch.ones(1, 1, 1, 5, dtype=torch.bool), 5,
                {"position_bias": torch.zeros(1, 2, 1, 5), "s_aux": None, "softcap": None})
 
