@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything, then runs the whole test suite offline: once on the installed (newest)
-# transformers, then the integration tests again on transformers 5.17, the oldest we support.
+# transformers, then the integration tests again on transformers 5.17, the oldest we support, and
+# the architecture table (tests/integration/test_breadth.py, ~1 minute) on 5.20.2, a release between
+# whose models differ from both ends'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,4 +17,11 @@ if [ ! -d "$OLD/transformers" ]; then
 fi
 if [ -n "$(find tests -name 'test_*.py' -exec grep -l 'pytest.mark.integration' {} +)" ]; then
     PYTHONPATH="$OLD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -m integration "$@"
+fi
+MID=${HF_VKV_MID_TRANSFORMERS_DIR:-/tmp/hf_vkv_transformers_5_20}
+if [ $# -eq 0 ]; then  # (a run of chosen tests leaves it out)
+    if [ ! -d "$MID/transformers" ]; then
+        "$PY" -m pip install -q --no-deps --target "$MID" "transformers==5.20.2"  # its hub is the main install's
+    fi
+    PYTHONPATH="$MID${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q tests/integration/test_breadth.py
 fi
