@@ -52,26 +52,27 @@ def check_call(module: torch.nn.Module, key: torch.Tensor, attention_mask: torch
             model_type=model_type,
             feature=f"attention logit softcapping (softcap={kwargs['softcap']}) is not part of the paged attention")
     kv_len = key.shape[-2] if paged_kv_len is None else paged_kv_len
-
-    def lost(covered: int) -> bool:
-        """Whether a mask or bias over ``covered`` keys says the attention got other keys than the
-        cache holds. Tagged keys: any other length. Plain keys (any cache, the paged layout's
-        gathered tokens) go to sdpa as DynamicCache's would, so one shorter is sdpa's to broadcast
-        as there (transformers 5.20's RecurrentGemma passes a ``[B, 1, 1, 1]`` decode mask); one
-        longer means cached keys are missing (a fused paged cache's key and value both replaced)."""
-        return covered != kv_len if paged_kv_len is not None else covered > kv_len
-
     bias = kwargs.get("position_bias")
-    if bias is not None and lost(bias.shape[-1]):
+    if bias is not None and _lost_keys(bias.shape[-1], kv_len, tagged=paged_kv_len is not None):
         raise UnsupportedModelError(
             model_type=model_type,
             feature=f"its position bias covers {bias.shape[-1]} keys but the cache holds {kv_len}: the bias is "
                     "computed from the length of the keys a paged cache returns, which are only the new ones",
         )
-    if attention_mask is not None and lost(attention_mask.shape[-1]):
+    if attention_mask is not None and _lost_keys(attention_mask.shape[-1], kv_len, tagged=paged_kv_len is not None):
         raise UnsupportedModelError(
             model_type=model_type,
             feature=f"its mask covers {attention_mask.shape[-1]} keys but the attention got {kv_len}: the model "
                     "changed the keys between the cache update and the attention call, so the paged cache's "
                     "record of what to read was lost",
         )
+
+
+def _lost_keys(covered: int, kv_len: int, *, tagged: bool) -> bool:
+    """Whether a mask or position bias over ``covered`` keys says the attention got other keys than
+    the ``kv_len`` the cache holds. Tagged keys (the fused kernel reads the tag's tokens): any other
+    length. Plain keys (any cache, the paged layout's gathered tokens) go to sdpa as DynamicCache's
+    would, so one shorter is sdpa's to broadcast as there (transformers 5.20's RecurrentGemma passes
+    a ``[B, 1, 1, 1]`` decode mask); one longer means cached keys are missing (a fused cache's key
+    and value both replaced after the update)."""
+    return covered != kv_len if tagged else covered > kv_len
