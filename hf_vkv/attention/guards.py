@@ -51,15 +51,15 @@ def check_call(module: torch.nn.Module, key: torch.Tensor, attention_mask: torch
         raise UnsupportedModelError(
             model_type=model_type,
             feature=f"attention logit softcapping (softcap={kwargs['softcap']}) is not part of the paged attention")
-    kv_len = key.shape[-2] if paged_kv_len is None else paged_kv_len
+    kv_len, tagged = (key.shape[-2], False) if paged_kv_len is None else (paged_kv_len, True)
     bias = kwargs.get("position_bias")
-    if bias is not None and _lost_keys(bias.shape[-1], kv_len, tagged=paged_kv_len is not None):
+    if bias is not None and _lost_keys(bias.shape[-1], kv_len, tagged=tagged):
         raise UnsupportedModelError(
             model_type=model_type,
             feature=f"its position bias covers {bias.shape[-1]} keys but the cache holds {kv_len}: the bias is "
                     "computed from the length of the keys a paged cache returns, which are only the new ones",
         )
-    if attention_mask is not None and _lost_keys(attention_mask.shape[-1], kv_len, tagged=paged_kv_len is not None):
+    if attention_mask is not None and _lost_keys(attention_mask.shape[-1], kv_len, tagged=tagged):
         raise UnsupportedModelError(
             model_type=model_type,
             feature=f"its mask covers {attention_mask.shape[-1]} keys but the attention got {kv_len}: the model "

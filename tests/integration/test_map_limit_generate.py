@@ -2,7 +2,7 @@
 injected ``vm.max_map_count`` and gets a typed :class:`KVCacheOutOfMemory` naming the limit, with
 the process and the next calls unharmed; after the fix the error names (token-major) the same
 call runs and gives DynamicCache's tokens. The limit is injected (a few hundred mappings above
-what the process holds), never the machine's."""
+what the process holds), except in the one test that fills a subprocess near the machine's own."""
 
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ def test_generate_past_the_mapping_limit_is_refused_and_the_process_goes_on():
     assert_same_tokens(reference, model.generate(**inputs, cache_implementation="vkv", **kwargs))
 
 
-
 _FULL_PROCESS = r"""
 import ctypes, gc, mmap, sys
 sys.path.insert(0, {tests!r})
@@ -66,7 +65,7 @@ libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 page, limit = mmap.PAGESIZE, PROCESS_MAP_BUDGET.limit
 pages = limit - 2000 - process_mappings()  # a filler that leaves 2,000 mappings to the process
-filler = libc.mmap(None, pages * page, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000, -1, 0)
+filler = libc.mmap(None, pages * page, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000, -1, 0)  # 0x4000: MAP_NORESERVE
 for i in range(1, pages, 2):  # every other page PROT_NONE: each adds two mappings (it and the rest)
     assert libc.mprotect(filler + i * page, page, 0) == 0
 others = process_mappings()
