@@ -8,8 +8,10 @@ that fails half way may leave a hole in a reservation. So the host backend never
 
 * :class:`MapBudget` knows the limit (read from ``/proc/sys/vm/max_map_count``, or injected),
   how many mappings vkv holds (its buffers charge and refund what they change), and how many the
-  rest of the process holds (``/proc/self/maps`` less vkv's, re-read when the budget gets tight),
-  and leaves ``headroom`` for the process to grow. Listing ``/proc/self/maps`` costs the kernel
+  rest of the process holds (``/proc/self/maps`` less vkv's, re-read when vkv's count has moved by
+  a quarter of the headroom, when a change does not fit, and when the count is older than
+  :attr:`MapBudget.STALE_S`: a long-lived process that grows after vkv looked, a server loading
+  another model, is seen within seconds), and leaves ``headroom`` for the process to grow. Listing ``/proc/self/maps`` costs the kernel
   ~1.5 ms for a PyTorch process's ~1,000 mappings, so the process's budget lets a new reservation
   (one mapping, nothing mapped in it yet) through until it has looked
   (:meth:`MapBudget.check_reservation`): a process's first prefix open reserves its arena's range
@@ -29,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from operator import sub
+from time import monotonic
 
 from .errors import KVCacheOutOfMemory
 from .runs import is_one_run
@@ -97,6 +100,12 @@ class MapBudget:
     Invariant: ``held`` is the sum of what every live buffer charged and has not refunded.
     """
 
+    #: Seconds after which the count of the rest of the process is read again at the next check:
+    #: at most one ``/proc/self/maps`` listing per interval of mapping changes (~1.5 ms for a
+    #: PyTorch process's ~1,000 mappings, ~1 us a line), and what the headroom must cover is what the
+    #: rest of the process adds within it.
+    STALE_S = 5.0
+
     def __init__(self, *, limit: int | None = None, headroom: int | None = None,
                  lazy_reservations: bool = False) -> None:
         self._limit = limit
@@ -105,6 +114,7 @@ class MapBudget:
         self.held = 0  # mappings vkv's live reservations hold (its count, not the kernel's)
         self._others: int | None = None  # the rest of the process, as last measured
         self._held_at_measure = 0
+        self._measured_at = 0.0  # monotonic() of that measure
 
     @property
     def limit(self) -> int:
@@ -118,10 +128,13 @@ class MapBudget:
 
     def others(self, *, fresh: bool = False) -> int:
         """Mappings of the rest of the process (``/proc/self/maps`` less vkv's), re-read when
-        ``fresh`` or when vkv's count moved by more than a quarter of the headroom since."""
-        if fresh or self._others is None or abs(self.held - self._held_at_measure) > self.headroom // 4:
+        ``fresh``, when vkv's count moved by more than a quarter of the headroom since, or when the
+        count is older than :attr:`STALE_S` seconds."""
+        now = monotonic()
+        if fresh or self._others is None or abs(self.held - self._held_at_measure) > self.headroom // 4 \
+                or now - self._measured_at > self.STALE_S:
             self._others = max(0, process_mappings() - self.held)
-            self._held_at_measure = self.held
+            self._held_at_measure, self._measured_at = self.held, now
         return self._others
 
     def available(self) -> int:
@@ -158,12 +171,13 @@ class MapBudget:
         """Tests: use ``limit`` / ``headroom`` instead of the machine's for the ``with`` block (so a
         test reaches the limit with a few hundred mappings, not 65530); the budget looks at the
         process's mappings at the first check, a reservation's included."""
-        saved = (self._limit, self._headroom, self._others, self._lazy)
+        saved = (self._limit, self._headroom, self._others, self._lazy, self._held_at_measure, self._measured_at)
         self._limit, self._headroom, self._others, self._lazy = limit, headroom, None, False
         try:
             yield self
         finally:
-            self._limit, self._headroom, self._others, self._lazy = saved
+            (self._limit, self._headroom, self._others, self._lazy, self._held_at_measure,
+             self._measured_at) = saved
 
 
 #: The process's budget (``vm.max_map_count`` is per process): every host buffer charges it.

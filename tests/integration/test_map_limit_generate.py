@@ -47,7 +47,7 @@ def test_generate_past_the_mapping_limit_is_refused_and_the_process_goes_on():
 
 
 _FULL_PROCESS = r"""
-import ctypes, gc, mmap, sys
+import ctypes, gc, mmap, sys, time
 sys.path.insert(0, {tests!r})
 from models import assert_same_tokens, prompts, tiny
 import hf_vkv  # noqa: F401
@@ -58,6 +58,9 @@ inputs = prompts(4, 20)
 kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, num_beams=2)
 vkv = dict(cache_implementation="vkv", cache_config={{"layout": "head_major"}})
 reference = model.generate(**inputs, **kwargs)  # DynamicCache: vkv has mapped nothing in this process yet
+if {vkv_first}:  # vkv runs first: the budget counts the process while it is small
+    assert_same_tokens(reference, model.generate(**inputs, **vkv, **kwargs))
+    PROCESS_MAP_BUDGET.STALE_S = 0.5  # (5 s by default)
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -70,6 +73,8 @@ for i in range(1, pages, 2):  # every other page PROT_NONE: each adds two mappin
     assert libc.mprotect(filler + i * page, page, 0) == 0
 others = process_mappings()
 print("filled", others, "of", limit)
+if {vkv_first}:
+    time.sleep(0.6)  # the budget's count of the rest of the process is older than STALE_S now
 for attempt in range(2):  # refused before any change, twice: nothing was left half done
     try:
         model.generate(**inputs, **vkv, **kwargs)
@@ -89,15 +94,19 @@ print("ok")
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux: the kernel's per-process mapping limit")
 @pytest.mark.skipif(read_max_map_count() > 300_000, reason="vm.max_map_count is raised here: too many mappings to "
                                                              "fill in a test")
-def test_a_process_that_holds_most_of_the_limit_before_vkv_starts_is_refused_before_any_change():
+@pytest.mark.parametrize("vkv_first", [False, True], ids=["filled_before_vkv", "filled_after_vkv_counted"])
+def test_a_process_that_holds_most_of_the_limit_is_refused_before_any_change(vkv_first):
     """The process's budget looks at ``/proc/self/maps`` only at the first change that maps pages
     (a reservation is let through before: a process's first prefix open maps nothing). A process
     that already holds all but 2,000 of ``vm.max_map_count`` mappings (a filler of single-page
     mappings) when vkv first runs is refused with the typed :class:`MappingLimitError` naming the
     limit and its count, before anything is mapped, twice; once the filler is gone the same call
     gives DynamicCache's tokens. Run in a subprocess: the filler takes the process near the real
-    limit."""
-    code = _FULL_PROCESS.format(tests=str(Path(__file__).parents[1]))
+    limit. ``filled_after_vkv_counted``: vkv ran first (the budget counted a small process), then
+    the process grew: a check more than ``STALE_S`` seconds after that count counts again, so the
+    refusal is the same (before, the budget went by its old count and let the step map into the
+    2,000 left to the rest of the process)."""
+    code = _FULL_PROCESS.format(tests=str(Path(__file__).parents[1]), vkv_first=vkv_first)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

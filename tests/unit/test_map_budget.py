@@ -233,3 +233,33 @@ def test_a_reservation_is_let_through_until_the_first_change_that_maps_pages_loo
     with map_budget.PROCESS_MAP_BUDGET.override(limit=65530, headroom=0):  # tests' limits: always looked at
         map_budget.PROCESS_MAP_BUDGET.check_reservation()
     assert len(looks) == 6
+
+
+def test_a_count_older_than_stale_s_is_read_again_at_the_next_check(monkeypatch):
+    """The rest of a long-lived process may grow after the budget looked (a server that loads
+    another model) while vkv's own count stays where it was: a check more than
+    :attr:`MapBudget.STALE_S` seconds after the last look reads ``/proc/self/maps`` again, so the
+    change is decided on what the process holds now and refused with :class:`MappingLimitError`
+    (not left to ``mmap``'s ``ENOMEM`` at the kernel's limit); within the interval no look is made."""
+    from hf_vkv.memory import map_budget
+
+    now, others, looks = [100.0], [1_000], []
+    monkeypatch.setattr(map_budget, "monotonic", lambda: now[0])
+    monkeypatch.setattr(map_budget, "process_mappings", lambda: looks.append(now[0]) or others[0] + budget.held)
+    budget = map_budget.MapBudget(limit=65530, headroom=8191)
+    budget.check(100)
+    budget.charge(100)
+    assert looks == [100.0]
+    others[0] = 55_000  # the process grows past what the budget last saw
+    now[0] += budget.STALE_S / 2
+    budget.check(500)  # decided on the count of the look before: no look within the interval
+    assert looks == [100.0]
+    now[0] += budget.STALE_S
+    with pytest.raises(MappingLimitError) as refused:
+        budget.check(2_500)  # 55,000 + 100 + 2,500 > 65,530 - 8,191
+    assert refused.value.others == 55_000 and len(looks) >= 2
+    assert budget.fits(2_000) and not budget.fits(2_300)  # and from then on on the new count
+    with budget.override(limit=70_000, headroom=0):  # an override's looks do not leave a count behind
+        now[0] += 1
+        budget.check(1)
+    assert budget.others() == 55_000 and budget.limit == 65530
