@@ -37,7 +37,7 @@ class FirstTokenClock(BaseStreamer):
             self.first_token_at = time.perf_counter()
 
     def end(self) -> None:
-        pass
+        """The generation's end: nothing to record (the first token's time is taken in :meth:`put`)."""
 
 
 @dataclass(frozen=True, slots=True)

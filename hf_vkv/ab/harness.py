@@ -23,6 +23,7 @@ compared, max |Δlogit| reported).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import platform
@@ -558,10 +559,8 @@ def describe_environment(model: PreTrainedModel | None = None, *, device: torch.
         "command": command if command is not None else " ".join([os.path.basename(sys.executable), *sys.argv]),
     })
     for dist, key in (("triton", "triton"), ("cuda-bindings", "cuda_bindings")):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             env[key] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     if device.type == "cuda":
         env["device_memory_bytes"] = str(torch.cuda.get_device_properties(device).total_memory)
         env["torch_cuda_version"] = str(torch.version.cuda)

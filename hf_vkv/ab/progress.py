@@ -40,10 +40,10 @@ class _Silent:
     """No output at all."""
 
     def update(self, n: int = 1) -> None:
-        pass
+        """Nothing to show."""
 
     def close(self) -> None:
-        pass
+        """Nothing to write."""
 
 
 class _OneLine:

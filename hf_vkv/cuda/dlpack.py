@@ -55,7 +55,7 @@ class _DLTensor(ctypes.Structure):
 
 
 class _DLManagedTensor(ctypes.Structure):
-    pass
+    """``DLManagedTensor``; its fields are set below (its deleter takes a pointer to it)."""
 
 
 _Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))

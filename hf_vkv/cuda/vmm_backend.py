@@ -53,6 +53,7 @@ imported ones included: each takes a window slot) exist.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -592,11 +593,9 @@ class CudaBackend:
                 # them without waiting, so a failed map leaves nothing of the run mapped.
                 if done:
                     self._timed("unmap", self._driver.unmap, address, done * page)
-                if self._is_readable(address):
-                    try:  # best effort: the caller's rollback (or reset) fills what is still empty
+                if self._is_readable(address):  # best effort: the caller's rollback (or reset) fills what is
+                    with contextlib.suppress(BaseException):  # still empty; the map's own error is the one to report
                         self._fill_scratch(address, list(range(len(pages))))
-                    except BaseException:  # noqa: BLE001  (the map's own error is the one to report)
-                        pass
                 raise
         for k, p in enumerate(pages):
             self._mapped[address + k * page] = p
