@@ -591,11 +591,16 @@ class CudaBackend:
             except BaseException:
                 # No kernel has seen these pages (access was never granted or just now): unmap
                 # them without waiting, so a failed map leaves nothing of the run mapped.
+                kept = 0
                 if done:
-                    self._timed("unmap", self._driver.unmap, address, done * page)
+                    try:
+                        self._timed("unmap", self._driver.unmap, address, done * page)
+                    except BaseException:  # noqa: BLE001  (the map's own error is the one to report)
+                        kept = done  # they stay mapped: recorded, so the caller's rollback or reset unmaps them
+                        self._mapped.update((address + k * page, pages[k]) for k in range(kept))
                 if self._is_readable(address):  # best effort: the caller's rollback (or reset) fills what is
                     with contextlib.suppress(BaseException):  # still empty; the map's own error is the one to report
-                        self._fill_scratch(address, list(range(len(pages))))
+                        self._fill_scratch(address, list(range(kept, len(pages))))
                 raise
         for k, p in enumerate(pages):
             self._mapped[address + k * page] = p
@@ -666,8 +671,14 @@ class CudaBackend:
             for first, n in _runs(slots):
                 self._timed("set_access", d.set_access, address + first * page, n * page)
         except BaseException:
-            for first, n in _runs(mapped):  # never granted to a kernel: no wait
-                self._timed("unmap", d.unmap, address + first * page, n * page)
+            runs = list(_runs(mapped))
+            for i, (first, n) in enumerate(runs):  # never granted to a kernel: no wait
+                try:
+                    self._timed("unmap", d.unmap, address + first * page, n * page)
+                except BaseException:  # this run and the next stay mapped: recorded, so a reset or the
+                    self._scratch_at.update(address + k * page  # reservation's end unmaps them
+                                            for f, m in runs[i:] for k in range(f, f + m))
+                    raise
             raise
         self._scratch_at.update(address + k * page for k in slots)
         self._counts["scratch_mapped"] += len(slots)

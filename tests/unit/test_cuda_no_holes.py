@@ -1,9 +1,14 @@
 """The no-holes rule on the CUDA backend (over the recording fake of ``fake_cuda.py``): in a
 readable reservation (the static layout's), every page slot holds a real page or the scratch page
 after any failure, also when the map, the access grant and the scratch refill of the rollback
-fail; the buffer is intact or closed; :meth:`CudaBackend.reset` backs every slot again."""
+fail; the buffer is intact or closed; :meth:`CudaBackend.reset` backs every slot again; and when
+the buffer goes, every mapping and the range go back to the driver (a failed map whose own cleanup
+unmap failed too left its first pages mapped and unrecorded, so the range could not be freed)."""
 
 from __future__ import annotations
+
+import gc
+import warnings
 
 import pytest
 from fake_cuda import CUresult, fake_backend
@@ -66,4 +71,30 @@ def test_failed_maps_and_rollbacks_leave_no_hole(op):
                     run(buf)  # still usable
                     backed(backend, buf)
                 buf.close()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # (a range that could not be given back warns)
+                    del buf  # (its reservation goes with it)
+                assert not cu.reservations and not cu.mappings, (first, n, m)  # everything went back to the driver
     assert {"intact", "done"} <= outcomes
+
+
+def test_a_range_the_driver_cannot_free_at_a_buffers_end_is_said_in_one_warning():
+    """A reservation is given back by a finalizer, where nothing can catch an error: a driver that
+    refuses ``cuMemAddressFree`` (a sticky error) leaves one ``RuntimeWarning`` naming the range,
+    which stays reserved (the backend keeps its record), instead of a traceback; the pages went
+    back to the pool first."""
+    backend, cu, buf = make()
+    address, arena = buf.address, buf.store
+    other = VirtualBuffer(arena, rows=1, capacity=64, item_bytes=backend.page_bytes // 64)  # the backend stays open
+    buf.close()
+    cu.fail("cuMemAddressFree", 1, CUresult.CUDA_ERROR_INVALID_VALUE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del buf  # its reservation goes with it (or at the next collection)
+        gc.collect()
+    said = [w for w in caught if issubclass(w.category, RuntimeWarning) and "could not give back" in str(w.message)]
+    assert len(said) == 1 and f"{address:#x}" in str(said[0].message), [str(w.message) for w in caught]
+    assert "cuMemAddressFree" in str(said[0].message) and "stays reserved" in str(said[0].message)
+    assert address in backend._reservations and not cu.pending()
+    assert not any(arena.pool.refs.values())  # every page went back before the range
+    other.close()
