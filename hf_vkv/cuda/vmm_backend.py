@@ -675,9 +675,9 @@ class CudaBackend:
             for i, (first, n) in enumerate(runs):  # never granted to a kernel: no wait
                 try:
                     self._timed("unmap", d.unmap, address + first * page, n * page)
-                except BaseException:  # this run and the next stay mapped: recorded, so a reset or the
-                    self._scratch_at.update(address + k * page  # reservation's end unmaps them
-                                            for f, m in runs[i:] for k in range(f, f + m))
+                except BaseException:  # this run and the next stay mapped: recorded, so that a reset
+                    # or the reservation's end unmaps them
+                    self._scratch_at.update(address + k * page for f, m in runs[i:] for k in range(f, f + m))
                     raise
             raise
         self._scratch_at.update(address + k * page for k in slots)

@@ -11,11 +11,11 @@ that fails half way may leave a hole in a reservation. So the host backend never
   rest of the process holds (``/proc/self/maps`` less vkv's, re-read when vkv's count has moved by
   a quarter of the headroom, when a change does not fit, and when the count is older than
   :attr:`MapBudget.STALE_S`: a long-lived process that grows after vkv looked, a server loading
-  another model, is seen within seconds), and leaves ``headroom`` for the process to grow. Listing ``/proc/self/maps`` costs the kernel
-  ~1.5 ms for a PyTorch process's ~1,000 mappings, so the process's budget lets a new reservation
-  (one mapping, nothing mapped in it yet) through until it has looked
-  (:meth:`MapBudget.check_reservation`): a process's first prefix open reserves its arena's range
-  and maps nothing, and the first change that maps pages looks;
+  another model, is seen within seconds), and leaves ``headroom`` for the process to grow.
+  Listing ``/proc/self/maps`` costs the kernel ~1.5 ms for a PyTorch process's ~1,000 mappings,
+  so the process's budget lets a new reservation (one mapping, nothing mapped in it yet) through
+  until it has looked (:meth:`MapBudget.check_reservation`): a process's first prefix open
+  reserves its arena's range and maps nothing, and the first change that maps pages looks;
 * a buffer computes, before it changes any mapping, how many mappings its change needs at its peak
   (:func:`mapping_change`) and asks :meth:`MapBudget.check`, which raises
   :class:`MappingLimitError` (a :class:`~hf_vkv.memory.errors.KVCacheOutOfMemory`) with nothing
