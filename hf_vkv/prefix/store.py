@@ -5,11 +5,12 @@ shares the longest prefix with it, and ``generate()`` prefills only the rest::
 
     store = hf_vkv.PrefixStore(model.config, budget_bytes=512 << 20)
     cache = store.lookup(input_ids)                       # a fork, or an empty cache on a miss
-    out = model.generate(input_ids, past_key_values=cache, return_dict_in_generate=True, ...)
-    n = out.past_key_values.get_seq_length()
-    store.insert(out.sequences[0, :n], out.past_key_values)   # the store keeps its own fork
+    out = model.generate(input_ids, cache=cache, return_dict_in_generate=True, ...)
+    n = out.cache.get_seq_length()
+    store.insert(out.sequences[0, :n], out.cache)   # the store keeps its own fork
 
-Entries are batch-1 caches: one prompt (or conversation) per entry, unpadded.
+(``past_key_values=`` and ``out.past_key_values`` with transformers 5.17-5.23.) Entries are batch-1
+caches: one prompt (or conversation) per entry, unpadded.
 """
 
 from __future__ import annotations
@@ -651,7 +652,7 @@ class PrefixStore:
         if not isinstance(cache, VKVCache):
             raise TypeError(
                 f"insert needs a hf_vkv.VKVCache, got {type(cache).__name__}: generate with "
-                f"cache_implementation='vkv' or past_key_values=store.lookup(...)"
+                f"cache_implementation='vkv' or cache=store.lookup(...) (past_key_values= before transformers 5.24)"
             )
         self._check_config(cache.config, "cache", "the cache belongs to another model than this store's ({})")
         dtype = _dtype_of(cache)
