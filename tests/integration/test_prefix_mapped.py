@@ -225,7 +225,8 @@ def test_damaged_and_foreign_files_are_refused_and_the_store_stays_usable(tmp_pa
     _fresh_refusal(folder, model, corrupt, "lacks")
     kv.write_bytes(whole)
     # another model, other weights, another dtype, other cache options
-    _fresh_refusal(folder, tiny("llama", layers=3), PrefixMismatchError, "")
+    _fresh_refusal(folder, tiny("llama", layers=3), PrefixMismatchError,
+                   r"another model \(num_hidden_layers: file 2, model 3\)")
     _fresh_refusal(folder, tiny("llama", seed=1), PrefixMismatchError, "other weights")
     _fresh_refusal(folder, copy.deepcopy(model).to(torch.bfloat16), PrefixMismatchError, "bfloat16")
     _fresh_refusal(folder, model, hf_vkv.PrefixFormatError, "same cache_config",
