@@ -16,13 +16,14 @@ from breadth_models import prompts, tiny
 from transformers.cache_utils import DynamicCache
 
 import hf_vkv
+from hf_vkv.generate import cache_kwarg
 
 pytestmark = pytest.mark.integration
 
 
 def _filled(cache: Any, arch: str) -> Any:
     with torch.no_grad():
-        tiny(arch)(**prompts(4, 8), past_key_values=cache, use_cache=True)
+        tiny(arch)(**prompts(4, 8), **{cache_kwarg(): cache}, use_cache=True)
     return cache
 
 

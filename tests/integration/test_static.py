@@ -18,6 +18,7 @@ from transformers.cache_utils import StaticCache
 import hf_vkv
 from hf_vkv import VKVCache, devices
 from hf_vkv.ab.probes import kv_bytes
+from hf_vkv.generate import cache_kwarg
 from models import assert_same_tokens, prompts, tiny
 
 pytestmark = pytest.mark.integration
@@ -100,13 +101,13 @@ def test_a_graph_captured_once_survives_beam_reorders_and_copy_on_write() -> Non
     step = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=_counting_backend)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        outs = [model(input_ids=ids, past_key_values=cache, use_cache=True) for cache in (vkv, static)]
+        outs = [model(input_ids=ids, **{cache_kwarg(): cache}, use_cache=True) for cache in (vkv, static)]
         assert torch.equal(outs[0].logits, outs[1].logits)
         for k in range(16):
             nxt = outs[0].logits[:, -1].argmax(-1, keepdim=True)
             positions = torch.full((rows, 1), prompt + k)
             vkv.map_ahead(1)  # what generate does before each step
-            outs = [step(input_ids=nxt, past_key_values=cache, position_ids=positions, use_cache=True)
+            outs = [step(input_ids=nxt, **{cache_kwarg(): cache}, position_ids=positions, use_cache=True)
                     for cache in (vkv, static)]
             assert torch.equal(outs[0].logits, outs[1].logits), f"step {k}"
             beam_idx = torch.randint(0, rows, (rows,), generator=g)
@@ -158,7 +159,7 @@ def test_a_reorder_maps_ahead_again_only_when_it_moved_page_references(monkeypat
     cache = VKVCache(model.config, layout="static", page_bytes=4096, batch_size=2, max_tokens=192)
     ids = prompts(2, prompt, seed=38)["input_ids"]
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **{cache_kwarg(): cache}, use_cache=True)
     cache.map_ahead(1)  # what generate does before each step
     assert _ahead_pages_shared(cache) == []
     before = [list(g.buffer.table.entries) for g in cache.groups]
@@ -174,11 +175,11 @@ def test_a_reorder_maps_ahead_again_only_when_it_moved_page_references(monkeypat
     oracle = StaticCache(config=model.config, max_cache_len=192)
     step = dict(input_ids=ids[:1, :1].expand(2, 1), position_ids=torch.full((2, 1), prompt), use_cache=True)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=oracle, use_cache=True)
+        model(input_ids=ids, **{cache_kwarg(): oracle}, use_cache=True)
         oracle.reorder_cache(torch.tensor([0, 0]))
-        want = model(past_key_values=oracle, **step).logits
+        want = model(**{cache_kwarg(): oracle}, **step).logits
         cache.map_ahead(1)
-        out = model(past_key_values=cache, **step).logits
+        out = model(**{cache_kwarg(): cache}, **step).logits
     assert torch.equal(out, want)
     cache.check_invariants()
 
@@ -211,13 +212,13 @@ def test_resident_bytes_follow_the_tokens_not_the_capacity() -> None:
     ids = prompts(1, 1024, seed=35)["input_ids"]
     cache = VKVCache(model.config, layout="static", page_bytes=4096, max_tokens=32 * 1024)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **{cache_kwarg(): cache}, use_cache=True)
     cache.map_ahead(1)
     stats = cache.stats()
     assert stats.resident_bytes <= 1.1 * stats.token_bytes, (stats.resident_bytes, stats.token_bytes)
     static = StaticCache(config=model.config, max_cache_len=32 * 1024)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=static, use_cache=True)
+        model(input_ids=ids, **{cache_kwarg(): static}, use_cache=True)
     assert kv_bytes(static) >= 30 * stats.resident_bytes  # StaticCache: its full-capacity buffers
     # and the full-capacity views really span the capacity, at fixed addresses
     keys, _ = cache.layers[0].full_keys, cache.layers[0].full_values
@@ -268,13 +269,13 @@ def test_a_fork_of_a_static_cache_has_its_own_length_and_pages() -> None:
     step = dict(position_ids=torch.full((2, 1), 9), use_cache=True)
     with torch.no_grad():
         for c in (cache, alone):
-            model(input_ids=ids, past_key_values=c, use_cache=True)
+            model(input_ids=ids, **{cache_kwarg(): c}, use_cache=True)
         fork = cache.fork()
-        model(input_ids=ids[:, :1], past_key_values=fork, **step)
+        model(input_ids=ids[:, :1], **{cache_kwarg(): fork}, **step)
         assert int(cache.get_seq_length()) == 9 and int(fork.get_seq_length()) == 10
         assert fork.layers[0].full_keys.data_ptr() != cache.layers[0].full_keys.data_ptr()
-        got = model(input_ids=ids[:, 1:2], past_key_values=cache, **step).logits
-        ref = model(input_ids=ids[:, 1:2], past_key_values=alone, **step).logits
+        got = model(input_ids=ids[:, 1:2], **{cache_kwarg(): cache}, **step).logits
+        ref = model(input_ids=ids[:, 1:2], **{cache_kwarg(): alone}, **step).logits
     assert torch.equal(got, ref)
     for c in (cache, fork):
         c.check_invariants()

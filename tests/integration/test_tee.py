@@ -39,6 +39,7 @@ from transformers.cache_utils import DynamicCache
 
 import hf_vkv.generate.registry as registration
 from hf_vkv.devices import policy_for
+from hf_vkv.generate import cache_kwarg
 from hf_vkv import VKVCache
 from hf_vkv.attention.kernels import gather_kv
 from hf_vkv.attention import KV_TAG
@@ -211,7 +212,7 @@ def _manual_loop(layout: LayoutRun, model: Any) -> None:
     def step(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, **{cache_kwarg(): cache})
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     nxt = step(ids, mask)
@@ -245,7 +246,7 @@ def _reset_both(cache: TeeCache) -> None:
 def _prefill(cache: TeeCache, model: Any, batch: int, length: int, seed: int) -> None:
     inputs = prompts(batch, length, seed=seed)
     with torch.no_grad():
-        model(**inputs, past_key_values=cache)
+        model(**inputs, **{cache_kwarg(): cache})
 
 
 def _decode(cache: TeeCache, model: Any, steps: int, seed: int) -> None:
@@ -255,7 +256,7 @@ def _decode(cache: TeeCache, model: Any, steps: int, seed: int) -> None:
         ids = torch.randint(3, 500, (batch, 1), generator=g)
         pos = torch.full((batch, 1), cache.get_seq_length())
         with torch.no_grad():
-            model(input_ids=ids, position_ids=pos, past_key_values=cache)
+            model(input_ids=ids, position_ids=pos, **{cache_kwarg(): cache})
 
 
 @pytest.mark.parametrize("arch", ["llama", pytest.param("mistral", marks=needs_sliding_rollback)])

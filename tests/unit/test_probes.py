@@ -8,6 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.cache_utils import DynamicCache
 
 from hf_vkv.ab.probes import kv_bytes, kv_bytes_per_token
+from hf_vkv.generate import cache_kwarg
 
 
 def _llama(dtype: torch.dtype) -> LlamaForCausalLM:
@@ -30,7 +31,7 @@ def test_kv_bytes_per_token_matches_a_dynamic_cache(build) -> None:
     rows, tokens = 3, 5
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.randint(0, 64, (rows, tokens)), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.randint(0, 64, (rows, tokens)), **{cache_kwarg(): cache}, use_cache=True)
     assert kv_bytes(cache) == rows * tokens * kv_bytes_per_token(model) > 0
 
 
