@@ -570,13 +570,11 @@ def describe_environment(model: PreTrainedModel | None = None, *, device: torch.
 
 def _cpu_model() -> str | None:
     """The CPU's marketing name (``model name`` in ``/proc/cpuinfo``), where Linux says it."""
-    try:
+    with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return None
 
 

@@ -25,6 +25,7 @@ Reading an unmapped address kills the process with SIGSEGV: callers never build 
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -334,10 +335,8 @@ class HostBackend:
     def _rereserve(self, address: int, nbytes: int) -> None:
         """Best effort after a failure (the caller raises the first error, and its rollback or
         :meth:`reset` restores the range)."""
-        try:
+        with contextlib.suppress(BackendError):
             self._rereserve_or_raise(address, nbytes)
-        except BackendError:
-            pass
 
     def _in_readable(self, address: int) -> bool:
         """Whether ``address`` lies in a reservation made with ``readable=True``."""

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from .errors import VKVError
 
 __all__ = ["MAX_CUDA_PAGE_BYTES", "MAX_HOST_PAGE_BYTES", "MIN_PAGE_BYTES", "PageSizeError", "check_page_bytes",
@@ -44,12 +46,10 @@ def check_page_bytes(page_bytes: int, *, low: int = MIN_PAGE_BYTES, high: int = 
 
 def mem_available() -> int | None:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where it cannot be read)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
     return None
 

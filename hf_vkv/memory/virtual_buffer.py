@@ -74,20 +74,20 @@ class _Closer:
 def _release(state: dict, backend: Backend, address: int, nbytes: int) -> None:
     """A reservation's end (its finalizer, when the buffer and its last view are gone): return the
     pages still mapped in it, then give the range back. Nothing can catch an error raised here, so
-    a backend that fails to unmap or free (a CUDA driver in a sticky error) is said in one
+    a backend that cannot free the range (a CUDA driver in a sticky error) is said in one
     ``RuntimeWarning`` naming the range, which stays reserved, instead of a traceback."""
     try:
+        if state.get("closer") is not None:
+            state["closer"]()
+    finally:
+        if state.get("budget") is not None:
+            state["budget"].charge(-state["mappings"])
         try:
-            if state.get("closer") is not None:
-                state["closer"]()
-        finally:
-            if state.get("budget") is not None:
-                state["budget"].charge(-state["mappings"])
             backend.unreserve(address, nbytes)
-    except BackendError as exc:
-        warnings.warn(f"hf_vkv could not give back the {nbytes:,}-byte address range at {address:#x} of a cache that "
-                      f"is gone ({exc.call}: {exc.detail}); it stays reserved until the process ends",
-                      RuntimeWarning, stacklevel=2)
+        except BackendError as exc:
+            warnings.warn(f"hf_vkv could not give back the {nbytes:,}-byte address range at {address:#x} of a cache "
+                          f"that is gone ({exc.call}: {exc.detail}); it stays reserved until the process ends",
+                          RuntimeWarning, stacklevel=2)
 
 
 class VirtualBuffer(RowBuffer):
