@@ -27,8 +27,8 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["CASCADE_ATTENTION", "Cluster", "KV_TAG", "PAGED_ATTENTION", "PagedKV", "SharedPrefix", "paged_kv_of",
-           "record_of", "tag_key"]
+__all__ = ["CASCADE_ATTENTION", "Cluster", "KV_TAG", "PAGED_ATTENTION", "PagedKV", "Receipt", "SharedPrefix",
+           "paged_kv_of", "record_of", "tag_key"]
 
 #: The attention implementation that reads the paged layout (registered on ``import hf_vkv``).
 PAGED_ATTENTION = "vkv_paged"
@@ -53,6 +53,16 @@ def record_of(key: torch.Tensor, kind: type[_R]) -> _R | None:
     return record if isinstance(record, kind) else None
 
 
+@dataclass(slots=True)
+class Receipt:
+    """Whether an attention call got a :class:`PagedKV` its layer handed out: the attention sets
+    ``read``, the layer checks it at its next update. A model that replaces both the key and the
+    value after the update leaves no tag for the attention to refuse it by, only an unread record
+    (and the attention would have read the new states alone)."""
+
+    read: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class PagedKV:
     """Tokens ``[kv_offset, kv_offset + kv_len)`` of every row of one layer, in blocks: the K/V
@@ -64,7 +74,8 @@ class PagedKV:
     * ``kv_lens``: int32 ``[batch]``, row ``b`` holding ``kv_lens[b] <= kv_len`` tokens, or ``None``
       (every row ``kv_len``);
     * ``fused``: the cache's ``paged_kernel == "fused"``: on CUDA the attention may run a fused paged
-      kernel, whose sums are ordered otherwise than sdpa's (else it gathers and runs sdpa, exact).
+      kernel, whose sums are ordered otherwise than sdpa's (else it gathers and runs sdpa, exact);
+    * ``receipt``: set when an attention call got the record (:class:`Receipt`).
     """
 
     key_cache: torch.Tensor
@@ -74,6 +85,7 @@ class PagedKV:
     kv_len: int
     kv_lens: torch.Tensor | None = None
     fused: bool = False
+    receipt: Receipt = field(default_factory=Receipt, compare=False, repr=False)
 
     def caches(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(key_cache, value_cache, block_tables)``."""

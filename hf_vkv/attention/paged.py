@@ -18,8 +18,10 @@ tag rather than a forward kwarg), and this function reads the cached tokens thro
   non-causal modules), it gathers the layer's tokens out of the blocks (one index per tensor) and
   runs sdpa on them;
 * a call whose key or value alone the model replaced after the update is refused
-  (:mod:`hf_vkv.attention.guards`); a model that replaces both leaves no tag to tell by: the one
-  such attention known, multi-head latent attention, is refused when the fused cache is made.
+  (:mod:`hf_vkv.attention.guards`); a model that replaces both leaves no tag to tell by, so each
+  call marks the record it got (:class:`~hf_vkv.kv_records.Receipt`) and the layer refuses to go
+  on at its next update when its last record reached no attention call (the one such attention
+  known, multi-head latent attention, is refused when the fused cache is made).
 
 Untagged key/value (any other cache, or a contiguous ``VKVCache``) are plain tensors: they go to
 sdpa as they are. The mask function registered for ``"vkv_paged"`` is transformers' ``sdpa_mask``
@@ -69,6 +71,9 @@ def vkv_paged_attention(
     """
     tag: PagedKV | None = paged_kv_of(key)
     value_tag = record_of(value, PagedKV)  # a paged layer tags both: a lone tag means the model replaced the other
+    for record in (tag, value_tag):
+        if record is not None:
+            record.receipt.read = True  # the layer's next update checks that its record reached an attention call
     check_call(module, key, attention_mask, None if tag is None else tag.kv_len, kwargs,
                values_replaced=tag is not None and value_tag is not tag,
                keys_replaced=tag is None and value_tag is not None)

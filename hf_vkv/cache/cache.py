@@ -306,6 +306,16 @@ class VKVCache(Cache):
         for group in self._groups:
             group.check_invariants()
 
+    def check_reads(self) -> None:
+        """Raise :class:`~hf_vkv.memory.errors.CacheOptionError` where the last forward's attention
+        did not get what a layer's update returned and the layout cannot serve that
+        (:meth:`~hf_vkv.cache.layouts.base.Layout.check_read`: the fused paged kernel). A forward's
+        other layers are checked at the next update of their group; ``generate`` checks the rest
+        when its loop returns."""
+        for group in self._groups:
+            if group.layout is not None:
+                group.layout.check_read()
+
     # ----------------------------------------------------------------------------- repeated prompts
     def rows_repeat_prompts(self) -> bool:
         """Whether rows ``r*k .. r*k+k-1`` (``k`` = :attr:`prompt_repeats`) hold the same pages

@@ -139,6 +139,8 @@ class LayerGroup:
         ``[B, H, kv_length, D]`` tokens, gathered through the block tables: the gradient path's
         ``torch.cat`` reads them)."""
         self.geometry.check(layer, key_states, value_states)
+        if self.layout is not None:
+            self.layout.check_read()  # the last update's record reached an attention call
         member = self.member_of[layer]
         start = self.lengths[member]
         end = start + key_states.shape[2]
@@ -155,7 +157,8 @@ class LayerGroup:
         self.lengths[member] = end
         keys, values = layout.attention_inputs(buffer, batch=self.batch, member=member, start=self.window_start(start),
                                                end=end, key=key_states, value=value_states)
-        if plain and paged_kv_of(keys) is not None:
+        if plain and (record := paged_kv_of(keys)) is not None:
+            record.receipt.read = True  # the gradient path reads the gathered tokens in its place
             keys, values = layout.cached(buffer, batch=self.batch, member=member, start=self.window_start(start), end=end)
         return self._returned_keys(keys, start, end), values
 

@@ -33,8 +33,9 @@ the others read from the cache transformers hands them (never from module state)
    prompt's forward runs once per prompt (:mod:`hf_vkv.generate.prefill_once`, which adds forward
    hooks to the model's base module for the length of that one call and removes them);
 4. ``GenerationMixin._sample``, ``_beam_search`` and ``_assisted_decoding`` (the decoding loops
-   ``generate`` dispatches to, by name, in 5.17 - 5.24): when the loop returns, a call with a
-   prefix store inserts its finished rows (:func:`hf_vkv.generate.reuse.finish`); however it ends,
+   ``generate`` dispatches to, by name, in 5.17 - 5.24): when the loop returns, the cache checks
+   that the last forward's attention got what its layers returned (:meth:`VKVCache.check_reads`),
+   and a call with a prefix store inserts its finished rows (:func:`hf_vkv.generate.reuse.finish`); however it ends,
    the record leaves the cache, and a cache the call built is closed if the loop raised (its pages
    go back at once: an interrupted call holds nothing);
 5. ``PreTrainedModel.get_correct_attn_implementation``: transformers' validation of an attention
@@ -288,9 +289,13 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
     cache = None if found is None else found[1]
     call = None if cache is None else cache.call
     if call is None:
-        return original(model, input_ids, *args, **model_kwargs)
+        out = original(model, input_ids, *args, **model_kwargs)
+        if cache is not None:
+            cache.check_reads()
+        return out
     try:
         out = original(model, input_ids, *args, **model_kwargs)
+        cache.check_reads()  # the last layers' attention got what their update returned
         returned = not hasattr(out, "shape")  # a dict output carries the cache back to the caller
         reuse.finish(call, cache, getattr(out, "sequences", None) if returned else out, returned=returned)
     except BaseException:

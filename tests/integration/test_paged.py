@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicCache
 from hf_vkv import CacheOptionError, VKVCache
 from hf_vkv.devices import policy_for
 from hf_vkv.attention import KV_TAG
-from hf_vkv.attention.paged import reads_in_place
+from hf_vkv.attention.paged import reads_in_place, vkv_paged_attention
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +115,9 @@ def test_untagged_key_values_compute_as_sdpa() -> None:
 def test_update_returns_dynamic_cache_tensors_and_tags_only_for_the_fused_kernel() -> None:
     """By default a paged layer's update returns the layer's tokens gathered through the block
     tables, untagged, as DynamicCache returns them; the fused kernel's layer returns the new states,
-    tagged (a new tensor: the model's own stays untagged)."""
+    tagged (a new tensor: the model's own stays untagged), and the attention call the model makes
+    must read that record before the layer's next update (else that update is refused, unchanged:
+    a model that replaced both after the update would have attended to the new states alone)."""
     model = tiny("llama")
     model.set_attn_implementation("vkv_paged")
     try:
@@ -124,8 +126,12 @@ def test_update_returns_dynamic_cache_tensors_and_tags_only_for_the_fused_kernel
         first, second = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 2, 16)
         exact.update(first, first.clone(), 0)
         keys, values = exact.update(second, second.clone(), 0)
-        fused.update(first, first.clone(), 0)
+        new_keys, new_values = fused.update(first, first.clone(), 0)
+        vkv_paged_attention(model.model.layers[0].self_attn, torch.randn(1, 4, 3, 16), new_keys, new_values, None)
         tagged, _ = fused.update(second, second.clone(), 0)
+        with pytest.raises(CacheOptionError, match="updated again with no attention call between"):
+            fused.update(second, second.clone(), 0)
+        assert fused.get_seq_length() == 5
     finally:
         model.set_attn_implementation("sdpa")
     assert not hasattr(keys, KV_TAG) and not hasattr(values, KV_TAG)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 import hf_vkv
 from hf_vkv.attention import UnsupportedModelError, paged_refusal, register_attention
 from hf_vkv.attention.guards import check_call
+from hf_vkv.generate.names import cache_kwarg
 
 _TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=1, vocab_size=64, max_position_embeddings=32)
@@ -189,6 +190,72 @@ def test_keys_and_values_replaced_after_the_update_compute_as_on_dynamic_cache(
     model = LlamaForCausalLM(LlamaConfig(**_TINY)).eval()
     _replacing_keys_and_values(monkeypatch, values=values)
     _same(_paged(model), _sdpa(model))
+
+
+def _forwards(model: torch.nn.Module) -> list[str]:
+    """``"start"`` / ``"end"`` for each forward of ``model`` from now on."""
+    seen: list[str] = []
+    model.register_forward_pre_hook(lambda *_: seen.append("start"))
+    model.register_forward_hook(lambda *_: seen.append("end"))
+    return seen
+
+
+def test_keys_and_values_replaced_after_the_update_are_refused_by_the_fused_kernel_in_the_first_forward(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both replaced leaves no tag to refuse the attention call by, and before the receipt the
+    decode steps attended to the new token alone and generated other tokens than DynamicCache's.
+    The second layer's update finds the first layer's record unread: refused inside the first
+    forward, before any logits."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**_TINY, "num_hidden_layers": 2})).eval()
+    _replacing_keys_and_values(monkeypatch, values=True)
+    seen = _forwards(model)
+    with pytest.raises(hf_vkv.CacheOptionError, match="other keys and values than the cache update returned"):
+        _paged(model, paged_kernel="fused")
+    assert seen == ["start"]
+
+
+def test_a_one_layer_model_that_replaces_both_is_refused_before_generate_returns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One layer: no later update in the forward checks its record, so ``generate`` checks when its
+    loop returns (one new token: the prefill's forward is the only one)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**_TINY)).eval()
+    _replacing_keys_and_values(monkeypatch, values=True)
+    model.config._attn_implementation_internal = "vkv_paged"
+    try:
+        with pytest.raises(hf_vkv.CacheOptionError, match="other keys and values than the cache update returned"):
+            model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=1, do_sample=False, cache_implementation="vkv",
+                           cache_config={"layout": "paged", "block_tokens": 4, "paged_kernel": "fused"}, pad_token_id=0)
+    finally:
+        model.config._attn_implementation_internal = "sdpa"
+
+
+@torch.no_grad()  # (with gradients the fused layer returns every token, for the gradient path's torch.cat)
+def test_a_refused_forward_changes_nothing_and_the_cache_continues_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache passed by hand: the forward whose update finds the last record unread is refused
+    before it writes, and once the model attends to what the update returns the cache continues as
+    a DynamicCache holding the same tokens does."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**_TINY)).eval()
+    prompt, step = torch.tensor([[3, 4, 5]]), torch.tensor([[6]])
+    dynamic = DynamicCache(config=model.config)
+    model(input_ids=prompt, **{cache_kwarg(): dynamic})
+    want = model(input_ids=step, **{cache_kwarg(): dynamic}).logits
+    model.config._attn_implementation_internal = "vkv_paged"
+    try:
+        cache = hf_vkv.VKVCache(model.config, layout="paged", block_tokens=4, paged_kernel="fused")
+        with monkeypatch.context() as patched:
+            _replacing_keys_and_values(patched, values=True)
+            model(input_ids=prompt, **{cache_kwarg(): cache})  # the prefill's new states are all its tokens
+            with pytest.raises(hf_vkv.CacheOptionError, match="other keys and values"):
+                model(input_ids=step, **{cache_kwarg(): cache})
+        assert cache.get_seq_length() == 3
+        cache.check_invariants()
+        got = model(input_ids=step, **{cache_kwarg(): cache}).logits
+    finally:
+        model.config._attn_implementation_internal = "sdpa"
+    assert torch.equal(got, want)
 
 
 def test_the_fused_kernel_refuses_attention_that_expands_cached_latents() -> None:

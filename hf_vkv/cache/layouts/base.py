@@ -84,6 +84,12 @@ class Layout(ABC):
         the arithmetic (token-major), full-capacity views (static), gathered copies (paged) or
         the tagged new states (paged, fused kernel)."""
 
+    def check_read(self) -> None:
+        """Raise :class:`~hf_vkv.memory.errors.CacheOptionError` where what :meth:`attention_inputs`
+        last returned cannot have reached the attention. Views and copies are what
+        ``DynamicCache`` returns: whatever the model does with them, nothing to check (the paged
+        layout of the fused kernel checks its record's receipt)."""
+
     def invalidate(self) -> None:
         """The rows changed: forget views taken of them."""
         self._views = {}

@@ -43,6 +43,7 @@ class PagedLayout(Layout):
         self._tables: torch.Tensor | None = None  # block tables of the active rows, until invalidate()
         self._blocks: torch.Tensor | None = None  # typed [N, block_tokens, members, H * (Dk + Dv)]
         self._token_indices: dict[tuple[int, int], torch.Tensor] = {}  # (start, q) -> flat token indices, all rows
+        self._handed: PagedKV | None = None  # the fused kernel's last record, until an attention call reads it
 
     @classmethod
     def page_bytes(cls, backend: str) -> int | None:
@@ -149,7 +150,24 @@ class PagedLayout(Layout):
         if not self.fused:
             return self.cached(buffer, batch=batch, member=member, start=start, end=end)
         record = self.paged_kv(buffer, batch=batch, member=member, start=start, end=end)
+        self._handed = record
         return record.tag(key), tag_key(value, record)
+
+    def check_read(self) -> None:
+        """The fused kernel's last record reached an attention call (its receipt), else refuse:
+        the model replaced both the key and the value after the update (no tag left for the
+        attention to refuse the call by), so the attention read its new states alone where it
+        should have read every cached token. The group checks at each update, before it changes
+        anything (the next member's update: in the same forward for any layer but a group's last),
+        and ``generate`` when its loop returns (:meth:`~hf_vkv.VKVCache.check_reads`)."""
+        handed, self._handed = self._handed, None
+        if handed is not None and not handed.receipt.read:
+            raise CacheOptionError(
+                "cache_config['paged_kernel']='fused' cannot serve this model: a layer's attention got other keys and "
+                "values than the cache update returned (the model replaced both after the update), so it would attend "
+                "to the new tokens alone, not to the cached ones (or the cache was updated again with no attention "
+                "call between: a fused cache is read by the model's 'vkv_paged' attention calls only). Use the paged layout without 'paged_kernel' (it "
+                "returns every cached token, as DynamicCache) or the default contiguous layout")
 
     def invalidate(self) -> None:
         super().invalidate()
