@@ -17,6 +17,13 @@ server's (``serving_s``: the server's TTFT less ``vkv_in_process``'s: HTTP, the 
 validation, the chat template and tokenizer over the whole history, the hop to the inference
 thread, the streamer). The two in-process columns run right after each turn of ``hf-vkv serve``
 (interleaved per turn, the same conversation), so the machine's drift falls on all three alike.
+Each timed call (a server's request, an in-process column's turn) starts ``--settle-s`` seconds
+after the previous call in this process ended: torch's intra-op threads spin-wait after a burst of
+work (at two threads on this machine, ~10 ms of CPU burnt over the 20-100 ms after a 512 x 512
+matmul, ~0.1 ms with ``OMP_WAIT_POLICY=PASSIVE``), and without the pause the previous call's
+spinning threads, in this process or in the server's, took the cores the next call needs (a chat's
+next request comes after its user reads and types; this client does torch work between requests
+only for the columns it measures). ``--settle-s 0`` runs the calls back to back.
 ``--servers ... vkv_dir``: ``hf-vkv serve --prefix-dir`` over the system prompt saved once before
 any server starts (``save_system_prompt``, what ``hf-vkv prefix save`` runs; ``prefix_dir_saved``):
 a fresh server whose first turn reuses the saved pages, mapped.
@@ -201,10 +208,11 @@ class VkvInProcess:
 
 
 def play(kind: str, model_dir: str, *, threads: int, system: str, turns: int, new_tokens: int,
-         beside: list[Any] = ()) -> dict[str, Any]:
+         beside: list[Any] = (), settle_s: float = 0.0) -> dict[str, Any]:
     """One chat through one server; after each of its turns, the same turn of each of ``beside``
     (the in-process columns: interleaved per turn, so that the machine's drift falls on all of them
-    alike). Returns the server's result, with ``beside[i]``'s turns under ``beside_turns[i]``."""
+    alike), each timed call ``settle_s`` after the last call ended. Returns the server's result,
+    with ``beside[i]``'s turns under ``beside_turns[i]``."""
     chat = ServerChat(kind, model_dir, threads=threads, new_tokens=new_tokens)
     messages = [{"role": "system", "content": system}]
     rows: list[dict[str, Any]] = []
@@ -212,8 +220,10 @@ def play(kind: str, model_dir: str, *, threads: int, system: str, turns: int, ne
     try:
         for turn in range(turns):
             messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
+            time.sleep(settle_s)
             rows.append({"turn": turn + 1, **chat.turn(messages)})
             for column, out in zip(beside, others):
+                time.sleep(settle_s)
                 out.append({"turn": turn + 1, **column.turn(messages)})
             messages.append({"role": "assistant", "content": rows[-1]["answer"]})
             for column in beside:
@@ -256,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", nargs="+", choices=sorted(SERVERS), default=["stock", "vkv", "cb"])
     parser.add_argument("--repeats", type=int, default=1, help="chats per server (a fresh server and fresh in-process "
                         "columns each); the median per turn (default: %(default)s)")
+    parser.add_argument("--settle-s", type=float, default=0.05, help="pause before each timed call, so that the "
+                        "last call's spinning threads are idle (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/serve_chat.json"))
     args = parser.parse_args(argv)
     model, tok = load_default_model()
@@ -265,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema": "hf_vkv.serve_chat/1", "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
         "environment": describe_environment(), "model": "SmolLM2-135M-Instruct (embedded), float32, CPU",
         "turns": args.turns, "system_tokens": args.system_tokens, "new_tokens": args.new_tokens,
+        "settle_s": args.settle_s,
         "method": "each server alone in a subprocess with the given torch threads; the openai client streams a greedy "
                   "chat; TTFT = request to the first chunk with text; dynamic_continued: in process, the same "
                   "threads, a DynamicCache of the conversation so far continued over the turn's new tokens",
@@ -280,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         run: dict[str, Any] = {"threads": threads, "servers": {}}
         for kind in args.servers:
             plays = [play(kind, model_dir, threads=threads, system=system, turns=args.turns, new_tokens=args.new_tokens,
-                          beside=[DynamicContinued(model, tok), VkvInProcess(model, tok)] if kind == hosts else [])
+                          beside=[DynamicContinued(model, tok), VkvInProcess(model, tok)] if kind == hosts else [],
+                          settle_s=args.settle_s)
                      for _ in range(args.repeats)]  # a fresh server and fresh columns per chat
             run["servers"][kind] = _median_play(plays)
             if kind == hosts and not any("error" in p for p in plays):
