@@ -14,6 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_vkv import PrefixStore, reuse_report
 from hf_vkv.ab.deterministic import deterministic_kernels
+from hf_vkv.generate import cache_kwarg
 
 pytestmark = [*GPU, pytest.mark.integration]
 
@@ -45,7 +46,7 @@ def test_a_chat_takes_each_entry_over_and_equals_the_continued_dynamic_cache(dty
             lent = store.longest_prefix(history[0].tolist())
             if ref_cache is not None:
                 assert lent == ref_cache.get_seq_length()
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=ref_cache, **kwargs)
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(): ref_cache}, **kwargs)
             got = model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation="vkv",
                                  cache_config={"prefix_store": store}, **kwargs)
             assert torch.equal(ref.sequences, got.sequences), f"turn {turn + 1}: tokens differ"

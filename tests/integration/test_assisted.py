@@ -17,6 +17,7 @@ from models import needs_sliding_rollback
 from transformers.cache_utils import DynamicCache
 
 import hf_vkv
+from hf_vkv.generate import cache_kwarg
 
 pytestmark = pytest.mark.integration
 
@@ -53,9 +54,9 @@ def _recording_layer0_keys(cache: Any, model: Any) -> torch.Tensor:
     cache.activate_past_recording()
     ids = prompts(1, WINDOW + 4, seed=4)["input_ids"]
     with torch.no_grad():
-        model(input_ids=ids[:, :-2], past_key_values=cache, use_cache=True)
-        model(input_ids=ids[:, -2:-1], past_key_values=cache, use_cache=True)
-        model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :-2], **{cache_kwarg(): cache}, use_cache=True)
+        model(input_ids=ids[:, -2:-1], **{cache_kwarg(): cache}, use_cache=True)
+        model(input_ids=ids[:, -1:], **{cache_kwarg(): cache}, use_cache=True)
     return cache.layers[0].keys
 
 
@@ -77,18 +78,18 @@ def _layer_contract_run(cache: Any, model: Any) -> list[tuple[str, list[torch.Te
     ids = prompts(1, 7 * WINDOW + 3, seed=5)["input_ids"]
     seen = []
     with torch.no_grad():
-        model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :5], **{cache_kwarg(): cache}, use_cache=True)
         for layer in cache.layers:
             if hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording()
-        model(input_ids=ids[:, 5:-1], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, 5:-1], **{cache_kwarg(): cache}, use_cache=True)
         seen.append(("recorded", [layer.keys for layer in cache.layers]))
         cache.crop(-3)
         seen.append(("cropped", [layer.keys for layer in cache.layers]))
         for layer in cache.layers:
             if hasattr(layer, "record_past"):
                 layer.record_past = False
-        model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, -1:], **{cache_kwarg(): cache}, use_cache=True)
         seen.append(("after recording", [layer.keys for layer in cache.layers]))
     return seen
 

@@ -22,6 +22,7 @@ from hf_vkv.ab import bench
 from hf_vkv.ab.bench_args import add_arguments, grid_from_args, run_from_args
 from hf_vkv.ab.decode import load_prompt, prefill, time_decode
 from hf_vkv.ab.ideal import IdealCache
+from hf_vkv.generate import cache_kwarg
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ NEW = 10
 
 def _generate(model, inputs, cache, **kwargs):
     torch.manual_seed(0)
-    return model.generate(**inputs, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW,
+    return model.generate(**inputs, **{cache_kwarg(): cache}, max_new_tokens=NEW, min_new_tokens=NEW,
                           output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs)
 
 
@@ -90,7 +91,7 @@ def test_load_prompt_writes_the_same_kv_into_every_cache(model) -> None:
     # the chunked prefill gives the K/V of a one-shot forward
     one = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=bench.prompt_ids(model, 12, 2), past_key_values=one, use_cache=True)
+        model(input_ids=bench.prompt_ids(model, 12, 2), **{cache_kwarg(): one}, use_cache=True)
     assert torch.allclose(one.layers[1].keys, state.keys[1], atol=1e-5, rtol=0)
     caches = _caches(model, 3, 12 + 4)
     load_prompt(caches, state, 3)

@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicCache
 
 from hf_vkv import CacheClosedError, CapacityError, KVCacheOutOfMemory, LayerMismatchError, VKVCache
 from hf_vkv.devices import UnsupportedDeviceError
+from hf_vkv.generate import cache_kwarg
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +82,7 @@ def test_prompt_longer_than_the_reservation() -> None:
     inputs = prompts(2, 10, seed=71)
     cache = VKVCache(config=model.config, max_tokens=8)
     with pytest.raises(CapacityError, match="10 items do not fit: rows were reserved for 8"):
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=3)
+        model.generate(**inputs, **{cache_kwarg(): cache}, max_new_tokens=3)
     assert cache.get_seq_length() == 0
     cache.check_invariants()
     with pytest.raises(CapacityError):
@@ -92,7 +93,7 @@ def test_generation_running_past_the_reservation() -> None:
     model = tiny("llama")
     cache = VKVCache(config=model.config, max_tokens=14, page_bytes=SMALL_PAGE)
     with pytest.raises(CapacityError, match="15 items do not fit"):
-        model.generate(**prompts(2, 10, seed=72), past_key_values=cache, max_new_tokens=10, do_sample=False)
+        model.generate(**prompts(2, 10, seed=72), **{cache_kwarg(): cache}, max_new_tokens=10, do_sample=False)
     assert all(layer.get_seq_length() == 14 for layer in cache.layers)  # every step before it is whole
     cache.check_invariants()
 
@@ -116,7 +117,7 @@ def test_budget_too_small_then_recovers() -> None:
     # token-major: one 512-byte token of both layers after another, 8 tokens a page
     cache = VKVCache(config=model.config, layout="token_major", page_bytes=SMALL_PAGE, budget_bytes=6 * SMALL_PAGE)
     with pytest.raises(KVCacheOutOfMemory):
-        model.generate(**inputs, past_key_values=cache, **kwargs)
+        model.generate(**inputs, **{cache_kwarg(): cache}, **kwargs)
     cache.check_invariants()
     lengths = {layer.get_seq_length() for layer in cache.layers}
     assert lengths == {24}  # 6 pages = 2 rows x 24 tokens: the step that needed a 7th page wrote nothing
@@ -125,7 +126,7 @@ def test_budget_too_small_then_recovers() -> None:
     cache.reset()
     assert cache.stats().resident_bytes == 0
     short = {"max_new_tokens": 12, "do_sample": False}
-    assert_same_tokens(model.generate(**inputs, **short), model.generate(**inputs, past_key_values=cache, **short))
+    assert_same_tokens(model.generate(**inputs, **short), model.generate(**inputs, **{cache_kwarg(): cache}, **short))
     cache.check_invariants()
 
     # a new generate with a bigger budget works
@@ -140,7 +141,7 @@ def test_budget_too_small_then_recovers() -> None:
 def _prefill_kv(model: Any, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(**inputs, past_key_values=ref)
+        model(**inputs, **{cache_kwarg(): ref})
     return ref.layers[0].keys, ref.layers[0].values
 
 
@@ -149,7 +150,7 @@ def test_budget_shared_by_two_groups() -> None:
     model = tiny("gemma3")
     cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE, budget_bytes=4 * SMALL_PAGE)
     with pytest.raises(KVCacheOutOfMemory):
-        model.generate(**prompts(2, 10, seed=74), past_key_values=cache, max_new_tokens=60, do_sample=False)
+        model.generate(**prompts(2, 10, seed=74), **{cache_kwarg(): cache}, max_new_tokens=60, do_sample=False)
     cache.check_invariants()
     assert cache.stats().pool_resident_bytes <= 4 * SMALL_PAGE
 
@@ -175,7 +176,7 @@ def test_use_after_close() -> None:
     with pytest.raises(CacheClosedError, match="closed"):
         cache.layers[0].keys
     with pytest.raises(CacheClosedError):
-        model.generate(input_ids=out.sequences, past_key_values=cache, max_new_tokens=2)
+        model.generate(input_ids=out.sequences, **{cache_kwarg(): cache}, max_new_tokens=2)
     with pytest.raises(CacheClosedError):
         cache.update(*_states(batch=1, q=1), 0)
     assert cache.stats().resident_bytes == 0
@@ -202,10 +203,10 @@ def test_bad_option_values(bad: dict[str, Any]) -> None:
 def test_cache_implementation_with_past_key_values() -> None:
     model = tiny("llama")
     with pytest.raises(ValueError, match="Passing both `cache_implementation`"):
-        model.generate(**prompts(1, 4), cache_implementation="vkv", past_key_values=VKVCache(config=model.config),
+        model.generate(**prompts(1, 4), cache_implementation="vkv", **{cache_kwarg(): VKVCache(config=model.config)},
                        max_new_tokens=2)
     with pytest.raises(ValueError, match="Passing both `cache_implementation`"):
-        model.generate(**prompts(1, 4), cache_implementation="vkv", past_key_values=DynamicCache(), max_new_tokens=2)
+        model.generate(**prompts(1, 4), cache_implementation="vkv", **{cache_kwarg(): DynamicCache()}, max_new_tokens=2)
 
 
 def test_constructor_misuse() -> None:

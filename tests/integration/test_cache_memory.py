@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicCache
 import hf_vkv.generate.registry as registration
 from hf_vkv import VKVCache
 from hf_vkv.ab.probes import kv_bytes
+from hf_vkv.generate import cache_kwarg
 from hf_vkv.memory import Arena
 
 pytestmark = pytest.mark.integration
@@ -260,7 +261,7 @@ def _prefix_run(model: Any, cache_factory: Any, duplicate: Any) -> tuple[Any, li
     prefix = prompts(1, 12, seed=61)
     cache = cache_factory()
     with torch.no_grad():
-        model(**prefix, past_key_values=cache)
+        model(**prefix, **{cache_kwarg(): cache})
     outs = []
     for seed, kwargs in ((62, {"do_sample": False}), (63, {"do_sample": False}),
                          (64, {"do_sample": True, "temperature": 1.5})):
@@ -268,7 +269,7 @@ def _prefix_run(model: Any, cache_factory: Any, duplicate: Any) -> tuple[Any, li
         ids = torch.cat([prefix["input_ids"], suffix], dim=1)
         torch.manual_seed(seed)
         outs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                   past_key_values=duplicate(cache), max_new_tokens=15, **kwargs))
+                                   **{cache_kwarg(): duplicate(cache)}, max_new_tokens=15, **kwargs))
     return cache, outs
 
 
@@ -291,7 +292,7 @@ def test_fork_is_zero_copy_and_isolated(how: str) -> None:
     cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE)
     inputs = prompts(2, 13, seed=65)
     with torch.no_grad():
-        model(**inputs, past_key_values=cache)
+        model(**inputs, **{cache_kwarg(): cache})
     before = cache.stats()
     keys = [layer.keys.clone() for layer in cache.layers]
     values = [layer.values.clone() for layer in cache.layers]
@@ -313,14 +314,14 @@ def test_fork_is_zero_copy_and_isolated(how: str) -> None:
     ref = model.generate(**inputs, max_new_tokens=10, do_sample=False)
     ids = inputs["input_ids"]
     out = model.generate(input_ids=torch.cat([ids, ref[:, 13:14]], 1), attention_mask=torch.ones(2, 14, dtype=int),
-                         past_key_values=twin, max_new_tokens=9, do_sample=False)
+                         **{cache_kwarg(): twin}, max_new_tokens=9, do_sample=False)
     assert_same_tokens(ref, out)
     assert twin.stats().cow_copies == 2 * cache.groups[0].buffer.parts  # one partly filled page per row part
     for layer, k, v in zip(cache.layers, keys, values):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)  # the original is untouched
     # and the original still generates what a fresh run does
     out = model.generate(input_ids=torch.cat([ids, ref[:, 13:14]], 1), attention_mask=torch.ones(2, 14, dtype=int),
-                         past_key_values=cache, max_new_tokens=9, do_sample=False)
+                         **{cache_kwarg(): cache}, max_new_tokens=9, do_sample=False)
     assert_same_tokens(ref, out)
     cache.check_invariants()
     twin.check_invariants()
@@ -340,13 +341,13 @@ def test_kept_keys_stay_valid(arch: str) -> None:
     model = tiny(arch)
     cache = VKVCache(config=model.config, layout="token_major", page_bytes=SMALL_PAGE)  # 8 tokens a page
     ids = prompts(3, 6, seed=66)["input_ids"]
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=2,
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(): cache}, max_new_tokens=2,
                    do_sample=False)
     kept = [(layer.keys, layer.values) for layer in cache.layers]
     copies = [(k.clone(), v.clone()) for k, v in kept]
     cache.reorder_cache(torch.tensor([2, 2, 0], dtype=torch.int32))
     longer = torch.cat([ids[[2, 2, 0]], prompts(3, 30, seed=67)["input_ids"]], 1)
-    model.generate(input_ids=longer, attention_mask=torch.ones_like(longer), past_key_values=cache,
+    model.generate(input_ids=longer, attention_mask=torch.ones_like(longer), **{cache_kwarg(): cache},
                    max_new_tokens=2, do_sample=False)
     if arch == "mistral":  # window 8
         assert cache.groups[0].buffer.first_live(0) > 8  # the kept tokens' pages are gone

@@ -20,6 +20,7 @@ from breadth_models import tiny
 from transformers.cache_utils import DynamicCache
 
 import hf_vkv
+from hf_vkv.generate import cache_kwarg
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +36,12 @@ class _Step(torch.nn.Module):
         self.model = model
 
     def forward(self, ids: torch.Tensor, past: Any) -> torch.Tensor:
-        return self.model(input_ids=ids, past_key_values=past, use_cache=True).logits
+        return self.model(input_ids=ids, **{cache_kwarg(): past}, use_cache=True).logits
 
 
 def _prefilled(model: Any, cache: Any) -> Any:
     with torch.no_grad():
-        model(input_ids=PROMPT, past_key_values=cache, use_cache=True)
+        model(input_ids=PROMPT, **{cache_kwarg(): cache}, use_cache=True)
     return cache
 
 

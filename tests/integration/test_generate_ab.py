@@ -40,6 +40,7 @@ from transformers.cache_utils import DynamicCache
 
 from hf_vkv import VKVCache
 from hf_vkv.cache import VKVSlidingLayer
+from hf_vkv.generate import cache_kwarg
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("layout")]
 
@@ -126,7 +127,7 @@ def test_continue_from_returned_cache(layout: LayoutRun, arch: str) -> None:
         ids = torch.cat([first.sequences, more], dim=1)
         mask = torch.cat([inputs["attention_mask"], torch.ones(2, ids.shape[1] - 7, dtype=torch.long)], dim=1)
         with layout.attention(model) if first is got else contextlib.nullcontext():
-            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=first.past_key_values,
+            out = model.generate(input_ids=ids, attention_mask=mask, **{cache_kwarg(): first.past_key_values},
                                  max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
         assert out.past_key_values is first.past_key_values
         results.append(out)
@@ -171,12 +172,12 @@ def test_cache_object_passed_directly(layout: LayoutRun, arch: str) -> None:
     model = tiny(arch)
     inputs = prompts(2, 8, seed=9, left_pad=[0, 3])
     for kwargs in ({"do_sample": False}, {"num_beams": 4, "num_return_sequences": 2, "do_sample": False}):
-        ref = model.generate(**inputs, max_new_tokens=NEW, past_key_values=DynamicCache(config=model.config),
+        ref = model.generate(**inputs, max_new_tokens=NEW, **{cache_kwarg(): DynamicCache(config=model.config)},
                              **kwargs)
         with layout.attention(model):
             cache = VKVCache(config=model.config, page_bytes=SMALL_PAGE, **layout.config())
             assert cache.layout == layout.name
-            got = model.generate(**inputs, max_new_tokens=NEW, past_key_values=cache, **kwargs)
+            got = model.generate(**inputs, max_new_tokens=NEW, **{cache_kwarg(): cache}, **kwargs)
         assert_same_tokens(ref, got)
         _check(cache)
         assert cache.get_seq_length() == ref.shape[1] - 1

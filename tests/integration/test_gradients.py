@@ -93,8 +93,8 @@ def test_default_session_forward_works() -> None:
     model = tiny("llama")
     assert torch.is_grad_enabled() and next(model.parameters()).requires_grad
     ids = _ids(PREFILL, 2)
-    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
-    got = model(ids, past_key_values=hf_vkv.VKVCache(config=model.config)).logits
+    ref = model(ids, **{cache_kwarg(): DynamicCache(config=model.config)}).logits
+    got = model(ids, **{cache_kwarg(): hf_vkv.VKVCache(config=model.config)}).logits
     assert got.requires_grad and torch.equal(ref, got)
 
 

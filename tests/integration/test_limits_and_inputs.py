@@ -15,6 +15,7 @@ from hf_vkv.devices import arena_for_device, policy_for
 from hf_vkv.memory import Arena, HostBackend, VirtualBuffer
 from hf_vkv.devices import HOST_BUDGET_FRACTION
 from hf_vkv.memory.limits import MAX_HOST_PAGE_BYTES, PageSizeError, mem_available
+from hf_vkv.generate import cache_kwarg
 
 
 def test_a_huge_page_is_refused_when_the_cache_is_built_naming_the_option():
@@ -61,7 +62,7 @@ def test_reorder_cache_refuses_float_indices():
     model = tiny("llama")
     cache = VKVCache(model.config)
     with torch.no_grad():
-        model(**prompts(2, 6), past_key_values=cache, use_cache=True)
+        model(**prompts(2, 6), **{cache_kwarg(): cache}, use_cache=True)
     before = [tuple(t.clone() for t in layer) for layer in ((lay.keys, lay.values) for lay in cache.layers)]
     for bad in (torch.tensor([1.0, 0.0]), torch.tensor([True, False]), torch.tensor([[1, 0]])):
         with pytest.raises(TypeError, match="integer tensor"):
@@ -75,7 +76,7 @@ def test_wrong_shaped_states_and_another_models_cache_are_layer_mismatches():
     model = tiny("llama")
     cache = VKVCache(model.config)
     with torch.no_grad():
-        model(**prompts(2, 6), past_key_values=cache, use_cache=True)
+        model(**prompts(2, 6), **{cache_kwarg(): cache}, use_cache=True)
     k = cache.layers[0].keys
     with pytest.raises(LayerMismatchError, match="layer 0"):
         cache.update(torch.zeros(2, k.shape[1] + 1, 1, k.shape[3]), torch.zeros(2, k.shape[1] + 1, 1, k.shape[3]), 0)
@@ -85,7 +86,7 @@ def test_wrong_shaped_states_and_another_models_cache_are_layer_mismatches():
     other = tiny("llama", kv_heads=4)  # 4 key/value heads instead of 2
     with pytest.raises(LayerMismatchError, match="create a new one for another model"):
         with torch.no_grad():
-            other(**prompts(2, 1), past_key_values=cache, use_cache=True)
+            other(**prompts(2, 1), **{cache_kwarg(): cache}, use_cache=True)
     cache.check_invariants()
 
 
@@ -127,5 +128,5 @@ def test_an_unbounded_max_new_tokens_reserves_what_the_budget_can_hold():
                        cache_config={"budget_bytes": budget, "layout": "head_major", "page_bytes": 4096})
     small = VKVCache(model.config, budget_bytes=budget, layout="head_major", page_bytes=4096)
     with torch.no_grad():
-        model(**inputs, past_key_values=small)
+        model(**inputs, **{cache_kwarg(): small})
     assert small.groups[0].capacity == budget // per_token + 1

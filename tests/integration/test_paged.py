@@ -25,6 +25,7 @@ from hf_vkv import CacheOptionError, VKVCache
 from hf_vkv.devices import policy_for
 from hf_vkv.attention import KV_TAG
 from hf_vkv.attention.paged import reads_in_place, vkv_paged_attention
+from hf_vkv.generate import cache_kwarg
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +89,7 @@ def test_beam_steps_copy_at_most_one_block_per_row_and_never_remap() -> None:
             copies.append(group.buffer.table.cow_copies - before)
 
         group.prepare = counting_prepare  # type: ignore[method-assign]
-        got = model.generate(**inputs, max_new_tokens=16, num_beams=4, do_sample=False, past_key_values=cache)
+        got = model.generate(**inputs, max_new_tokens=16, num_beams=4, do_sample=False, **{cache_kwarg(): cache})
     finally:
         model.set_attn_implementation("sdpa")
     assert_same_tokens(ref, got)
@@ -106,7 +107,8 @@ def test_untagged_key_values_compute_as_sdpa() -> None:
     ref = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     model.set_attn_implementation("vkv_paged")
     try:
-        got = model.generate(**inputs, max_new_tokens=12, do_sample=False, past_key_values=DynamicCache(config=model.config))
+        got = model.generate(**inputs, max_new_tokens=12, do_sample=False,
+                             **{cache_kwarg(): DynamicCache(config=model.config)})
     finally:
         model.set_attn_implementation("sdpa")
     assert_same_tokens(ref, got)
@@ -152,16 +154,16 @@ def test_a_fused_cache_read_by_another_attention_is_refused_before_it_writes() -
     try:
         cache, reference = VKVCache(model.config, paged_kernel="fused"), VKVCache(model.config, paged_kernel="fused")
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
-            model(ids, past_key_values=reference, use_cache=True)
-            expected = model(ids[:, :1], past_key_values=reference, use_cache=True).logits
+            model(ids, **{cache_kwarg(): cache}, use_cache=True)
+            model(ids, **{cache_kwarg(): reference}, use_cache=True)
+            expected = model(ids[:, :1], **{cache_kwarg(): reference}, use_cache=True).logits
             model.set_attn_implementation("sdpa")
             with pytest.raises(CacheOptionError, match="read by the 'vkv_paged' attention only"):
-                model(ids[:, :1], past_key_values=cache, use_cache=True)
+                model(ids[:, :1], **{cache_kwarg(): cache}, use_cache=True)
             assert cache.get_seq_length() == 5
             cache.check_invariants()
             model.set_attn_implementation("vkv_paged")
-            got = model(ids[:, :1], past_key_values=cache, use_cache=True).logits
+            got = model(ids[:, :1], **{cache_kwarg(): cache}, use_cache=True).logits
     finally:
         model.set_attn_implementation("sdpa")
     assert torch.equal(got, expected)

@@ -12,6 +12,7 @@ from transformers import LlamaForCausalLM, pipeline
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_vkv
+from hf_vkv.generate import cache_kwarg
 from models import SMALL_PAGE, LayoutRun, assert_same_tokens, prompts, tiny, tokenizer, words
 
 pytestmark = [pytest.mark.integration, pytest.mark.threads(1, 2)]
@@ -125,7 +126,7 @@ def test_fallbacks_are_visible_and_exact() -> None:
     ids = prompts(4, 6, seed=8)
     ref = model.generate(**ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
     got = model.generate(**ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True,
-                         past_key_values=cache)
+                         **{cache_kwarg(): cache})
     _same(ref, got)
     stats = cache.stats()
     assert stats.prefill_once == "the rows of 'input_ids' differ within a repeated prompt"

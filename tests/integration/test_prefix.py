@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from transformers.cache_utils import DynamicCache
 
 import hf_vkv
+from hf_vkv.generate import cache_kwarg
 from hf_vkv import (
     PrefixFileCorruptError,
     PrefixFileError,
@@ -53,7 +54,7 @@ def _generate(model: Any, ids: torch.Tensor, cache: Any = None, *, sample: bool 
     """``generate`` on ``ids`` ([1, T]) with ``cache`` (None: a fresh DynamicCache, full prefill)."""
     torch.manual_seed(seed)
     extra = {"do_sample": True, "top_k": 0} if sample else {"do_sample": False}
-    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+    return model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(): cache}, max_new_tokens=new,
                           return_dict_in_generate=True, **extra)
 
 
@@ -269,6 +270,7 @@ _CHILD = textwrap.dedent("""
     torch.set_num_threads(1)
     from models import tiny, SMALL_PAGE
     import hf_vkv
+    from hf_vkv.generate import cache_kwarg
     model = tiny("gemma3")
     query = torch.tensor([{query}])
     out = {{}}
@@ -276,7 +278,7 @@ _CHILD = textwrap.dedent("""
         cache, tokens = hf_vkv.load_prefix({path!r}, model=model, cache_config={{"page_bytes": SMALL_PAGE}})
         assert tokens == query[0, :len(tokens)].tolist()
         torch.manual_seed(0)
-        seq = model.generate(query, attention_mask=torch.ones_like(query), past_key_values=cache,
+        seq = model.generate(query, attention_mask=torch.ones_like(query), **{{cache_kwarg(): cache}},
                              max_new_tokens={new}, **extra)
         out[mode] = seq[0].tolist()
     print(json.dumps(out))

@@ -17,6 +17,7 @@ from models import prompts, tiny
 
 from hf_vkv import VKVCache, load_prefix, save_prefix
 from hf_vkv.prefix.errors import PrefixFileCorruptError, PrefixFileError, PrefixFormatError, PrefixMismatchError
+from hf_vkv.generate import cache_kwarg
 
 REFUSED = (PrefixFileError, PrefixMismatchError)
 
@@ -40,7 +41,7 @@ def saved(tmp_path_factory):
     cache = VKVCache(model.config)
     ids = prompts(1, 10, seed=3)["input_ids"]
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **{cache_kwarg(): cache}, use_cache=True)
     path = save_prefix(tmp_path_factory.mktemp("fuzz") / "p.safetensors", cache, ids[0].tolist(), model=model)
     return model, path, path.read_bytes()
 
@@ -166,7 +167,7 @@ def test_a_file_without_weights_fingerprint_needs_the_opt_out(saved, tmp_path):
     cache = VKVCache(model.config)
     ids = prompts(1, 6, seed=5)["input_ids"]
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **{cache_kwarg(): cache}, use_cache=True)
     path = save_prefix(tmp_path / "nofp.safetensors", cache, ids[0].tolist())  # no model: no fingerprint
     with pytest.raises(PrefixMismatchError, match="check_weights=False") as info:
         load_prefix(path, model=model)

@@ -21,6 +21,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_vkv
 from hf_vkv import CacheOptionError, KVCacheOutOfMemory, PrefixStore, VKVCache, reuse_report
+from hf_vkv.generate import cache_kwarg
 
 pytestmark = pytest.mark.integration
 
@@ -161,7 +162,7 @@ def test_an_interrupted_call_gives_back_the_entry_it_continued(where: str) -> No
         failing["on"] = False
         hook.remove()
     got = _call(model, ids, store, output_logits=True)
-    ref = _call(model, ids, None, output_logits=True, past_key_values=ref_first.past_key_values)
+    ref = _call(model, ids, None, output_logits=True, **{cache_kwarg(): ref_first.past_key_values})
     assert_same_tokens(ref.sequences, got.sequences)
     assert all(torch.equal(a, b) for a, b in zip(ref.logits, got.logits, strict=True))
     report = reuse_report(got)
@@ -184,7 +185,7 @@ def test_a_prompt_a_few_tokens_short_of_an_entry_takes_it_over_cut_back() -> Non
     got = _call(model, ids, store, output_logits=True)
     held = ref_first.past_key_values
     held.crop(33 - held.get_seq_length())  # the 33 tokens the prompt shares
-    ref = _call(model, ids, None, output_logits=True, past_key_values=held)
+    ref = _call(model, ids, None, output_logits=True, **{cache_kwarg(): held})
     assert_same_tokens(ref.sequences, got.sequences)
     assert all(torch.equal(a, b) for a, b in zip(ref.logits, got.logits, strict=True))
     report = reuse_report(got)
