@@ -35,9 +35,9 @@ the others read from the cache transformers hands them (never from module state)
 4. ``GenerationMixin._sample``, ``_beam_search`` and ``_assisted_decoding`` (the decoding loops
    ``generate`` dispatches to, by name, in 5.17 - 5.24): when the loop returns, the cache checks
    that the last forward's attention got what its layers returned (:meth:`VKVCache.check_reads`),
-   and a call with a prefix store inserts its finished rows (:func:`hf_vkv.generate.reuse.finish`); however it ends,
-   the record leaves the cache, and a cache the call built is closed if the loop raised (its pages
-   go back at once: an interrupted call holds nothing);
+   and a call with a prefix store inserts its finished rows (:func:`hf_vkv.generate.reuse.finish`);
+   however it ends, the record leaves the cache, and a cache the call built is closed if the loop
+   raised (its pages go back at once: an interrupted call holds nothing);
 5. ``PreTrainedModel.get_correct_attn_implementation``: transformers' validation of an attention
    name (``from_pretrained(..., attn_implementation=...)``, ``Model(config)``,
    ``set_attn_implementation``) refuses ``"vkv_paged"`` for a model it cannot serve, when the

@@ -166,8 +166,9 @@ class PagedLayout(Layout):
                 "cache_config['paged_kernel']='fused' cannot serve this model: a layer's attention got other keys and "
                 "values than the cache update returned (the model replaced both after the update), so it would attend "
                 "to the new tokens alone, not to the cached ones (or the cache was updated again with no attention "
-                "call between: a fused cache is read by the model's 'vkv_paged' attention calls only). Use the paged layout without 'paged_kernel' (it "
-                "returns every cached token, as DynamicCache) or the default contiguous layout")
+                "call between: a fused cache is read by the model's 'vkv_paged' attention calls only). Use the paged "
+                "layout without 'paged_kernel' (it returns every cached token, as DynamicCache) or the default "
+                "contiguous layout")
 
     def invalidate(self) -> None:
         super().invalidate()
