@@ -71,21 +71,23 @@ STARTUP_S = 180
 PREFIX_DIR_VAR = "HF_VKV_BENCH_PREFIX_DIR"  # the folder the vkv_dir server starts from
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _start(kind: str, model_dir: str, threads: int, port: int) -> subprocess.Popen:
-    code = f"import sys, torch; torch.set_num_threads(int(sys.argv[1])); {SERVERS[kind][1]}"
+def start_server(name: str, code: str, argv: list[str], *, threads: int, port: int) -> subprocess.Popen:
+    """``python -c code *argv`` with ``threads`` OpenMP threads, once it answers ``/health`` on
+    ``port`` (``name`` in the errors: it exited, or did not answer within ``STARTUP_S``)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-c", code, str(threads), model_dir, "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{SERVERS[kind][0]} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
                 if response.status == 200:
@@ -93,7 +95,13 @@ def _start(kind: str, model_dir: str, threads: int, port: int) -> subprocess.Pop
         except (urllib.error.URLError, OSError):
             time.sleep(0.5)
     proc.kill()
-    raise TimeoutError(f"{SERVERS[kind][0]} did not answer within {STARTUP_S} s")
+    raise TimeoutError(f"{name} did not answer within {STARTUP_S} s")
+
+
+def _start(kind: str, model_dir: str, threads: int, port: int) -> subprocess.Popen:
+    code = f"import sys, torch; torch.set_num_threads(int(sys.argv[1])); {SERVERS[kind][1]}"
+    return start_server(SERVERS[kind][0], code, [str(threads), model_dir, "--host", "127.0.0.1", "--port", str(port)],
+                        threads=threads, port=port)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -112,7 +120,7 @@ class ServerChat:
         import openai
 
         self.kind, self.model_dir, self.new_tokens = kind, model_dir, new_tokens
-        port = _free_port()
+        port = free_port()
         started = time.perf_counter()
         self.proc = _start(kind, model_dir, threads, port)
         self.startup_s = time.perf_counter() - started

@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ from typing import Any
 
 from common import write_report  # noqa: E402
 from prefix_reuse import USER_TURNS, long_text  # noqa: E402
+from serve_chat import free_port, start_server  # noqa: E402
 
 _SERVER = r"""
 import functools, sys, time
@@ -80,26 +79,6 @@ server.build_server = build_server
 from hf_vkv.cli import main
 sys.exit(main(["serve", sys.argv[2], "--host", "127.0.0.1", "--port", sys.argv[1]]))
 """
-
-
-def _start(model_dir: str, threads: int, port: int, log: str) -> subprocess.Popen:
-    import urllib.request
-
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(port), model_dir, log, str(threads)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"hf-vkv serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("hf-vkv serve did not answer /health in 180 s")
 
 
 def _phases(sent: float, first: float, events: list[tuple[str, float]]) -> dict[str, float | None]:
@@ -169,10 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     _, tok = load_default_model()
     model_dir = str(default_model_dir())
     log = tempfile.NamedTemporaryFile(prefix="hf_vkv_serve_timeline_", suffix=".log", delete=False).name
-    with socket.socket() as probe:  # a free port on 127.0.0.1
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = _start(model_dir, args.threads, port, log)
+    port = free_port()
+    proc = start_server("hf-vkv serve", _SERVER, [str(port), model_dir, log, str(args.threads)], threads=args.threads,
+                        port=port)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600, max_retries=0)
     messages = [{"role": "system", "content": long_text(tok, args.system_tokens)}]
     turns: list[tuple[float, float]] = []
