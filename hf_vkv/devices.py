@@ -28,7 +28,7 @@ from .memory.map_budget import PROCESS_MAP_BUDGET, MappingLimitError
 
 __all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SHARED_TOKENS", "CUDA_CREATE_AHEAD", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES",
            "DevicePolicy", "HEAD_MAJOR_BEAM_SUBROW_MAPPINGS", "HEAD_MAJOR_PAGE_BYTES", "HEAD_MAJOR_SUBROW_MAPPINGS", "HOST_BUDGET_FRACTION", "HOST_PAGE_BYTES", "MAP_AHEAD_TOKENS",
-           "MEMORY_LIMIT_MAX_PROMPT", "MEMORY_LIMIT_SLACK", "MIN_COMMON_PREFIX", "PAGED_BLOCK_TOKENS", "TOKEN_MAJOR_PAGE_BYTES", "PREFIX_STORE_PAGE_BYTES", "UnsupportedDeviceError",
+           "MEMORY_LIMIT_MAX_PROMPT", "MEMORY_LIMIT_SLACK", "VIEW_ALIGNMENT_BYTES", "MIN_COMMON_PREFIX", "PAGED_BLOCK_TOKENS", "TOKEN_MAJOR_PAGE_BYTES", "PREFIX_STORE_PAGE_BYTES", "UnsupportedDeviceError",
            "Workload", "WorkloadError", "arena_for_device", "cascade_refusal", "choose_layout", "default_cuda_budget", "head_major_excess", "head_major_mappings", "subrow_item_bytes", "default_host_budget", "layer_devices_of", "policy_for"]
 
 #: Fewest tokens a cluster of rows must share for the ``"vkv_cascade"`` attention to read them once,
@@ -163,6 +163,19 @@ MEMORY_LIMIT_SLACK = 0.03
 #: with its partly written pages over the limit (docs/layouts.md#memory-at-the-limit); where the
 #: two cross between 512 and 2048 tokens is not measured.
 MEMORY_LIMIT_MAX_PROMPT = 512
+#: Alignment that a (row, head)'s first key or value must share with DynamicCache's for attention
+#: to compute the same bits from a view. DynamicCache hands attention contiguous ``[B, H, T, D]``
+#: tensors, whose (row, head) blocks start ``T * D * itemsize`` bytes apart; vkv's head-major
+#: blocks start on page boundaries. Torch's CPU attention rounds differently by where its inputs
+#: start: SDPA over the same float32 keys and values placed at byte offsets 0, 4, ..., 124 of an
+#: aligned buffer gave the bits of offset 0 only at multiples of 16 (this machine: AMD EPYC, AVX2;
+#: head dims 24, 36, 50, 64, 80; 13, 100 and 517 tokens; bfloat16 at every offset). So where a head's token of keys
+#: or values is not a multiple of this many bytes (a tiny Llama of head dim 50 in float32: decode
+#: logits 1.2e-7 apart from DynamicCache's), attention gets contiguous copies
+#: (:func:`hf_vkv.cache.sources.views_misaligned`), and the static layout, whose views cannot be
+#: copies, refuses a capacity that misplaces its blocks. 64, not the 16 measured: the widest
+#: vector loads (AVX-512) and torch's own CPU allocation alignment.
+VIEW_ALIGNMENT_BYTES = 64
 #: Static layout: tokens of every row made writable ahead of the next compiled step when
 #: ``cache_config['map_ahead']`` says nothing (``docs/static_compile.md``).
 MAP_AHEAD_TOKENS = 32

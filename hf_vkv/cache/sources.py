@@ -19,13 +19,25 @@ from ..memory import Arena
 from ..memory.errors import CacheOptionError
 from .geometry import GroupGeometry
 from .. import devices
-from .layouts import Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
+from .layouts import HeadMajorLayout, Layout, PagedLayout, StaticLayout, TokenMajorLayout, layout_class
 
 __all__ = ["ArenaSource", "LayoutMaker"]
 
 _OWN_ATTENTION = frozenset({"vkv_paged", "vkv_cascade"})  # vkv's kernels, which read its layouts themselves
 #: Off the host, attention implementations whose result does not depend on the strides of the K/V they read.
 _STRIDE_EXACT_ATTENTION = _OWN_ATTENTION | {"sdpa", "flash_attention_2", "flash_attention_3"}
+
+
+def views_misaligned(config: PretrainedConfig, geometry: GroupGeometry) -> bool:
+    """Whether a contiguous layout's views would start some (row, head) of keys or values at
+    another alignment than DynamicCache's contiguous tensors do, so that attention could round
+    differently (:data:`hf_vkv.devices.VIEW_ALIGNMENT_BYTES`): a head's token of keys or values is
+    not a multiple of that many bytes, and the attention is not one of vkv's own kernels (which
+    read the layouts themselves). Then the layouts hand attention contiguous copies."""
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    size = geometry.dtype.itemsize
+    return attention not in _OWN_ATTENTION and any(dim * size % devices.VIEW_ALIGNMENT_BYTES
+                                                   for dim in (geometry.key_dim, geometry.value_dim))
 
 
 def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> bool:
@@ -35,9 +47,10 @@ def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> 
     CPUs and not on others (an AMD EPYC: a hidden-200 Llama's decode logits 3.7e-7 apart at 4
     tokens, through SDPA's grouped-query path, which takes the cache's tensors as they are); on
     other devices, a matmul over the returned tensors themselves (eager and other non-fused
-    attention) with one key/value head per query head."""
+    attention) with one key/value head per query head, and any attention but vkv's own where the
+    views are misaligned (:func:`views_misaligned`)."""
     attention = getattr(config, "_attn_implementation", None) or "eager"
-    if geometry.device.type == "cpu":
+    if geometry.device.type == "cpu" or views_misaligned(config, geometry):
         return attention not in _OWN_ATTENTION
     heads = set(layer_values(config, "num_attention_heads"))  # unknown where the layers differ: contiguous
     return attention not in _STRIDE_EXACT_ATTENTION and (len(heads) > 1 or heads == {geometry.kv_heads})
@@ -72,6 +85,8 @@ class LayoutMaker:
         kind = layout_class(name)
         if kind is TokenMajorLayout:
             return TokenMajorLayout(geometry, members=members, copy_reads=reads_need_contiguous(self.config, geometry))
+        if kind is HeadMajorLayout:
+            return HeadMajorLayout(geometry, members=members, copy_reads=views_misaligned(self.config, geometry))
         return kind(geometry, members=members)
 
 

@@ -184,10 +184,10 @@ def test_which_attention_reads_need_contiguous_states() -> None:
     from hf_vkv.cache.sources import reads_need_contiguous
     from hf_vkv.cache.geometry import GroupGeometry
 
-    def need(attn: str, kv_heads: int, device: str = "cuda") -> bool:
+    def need(attn: str, kv_heads: int, device: str = "cuda", dim: int = 16) -> bool:
         config = LlamaConfig(num_attention_heads=4, num_key_value_heads=kv_heads)
         config._attn_implementation = attn
-        geometry = GroupGeometry(kv_heads=kv_heads, key_dim=8, value_dim=8, dtype=torch.float32,
+        geometry = GroupGeometry(kv_heads=kv_heads, key_dim=dim, value_dim=dim, dtype=torch.float32,
                                  device=torch.device(device))
         return reads_need_contiguous(config, geometry)
 
@@ -198,3 +198,6 @@ def test_which_attention_reads_need_contiguous_states() -> None:
     # some CPUs only
     assert need("sdpa", 2, "cpu") and need("sdpa", 4, "cpu") and need("eager", 2, "cpu")
     assert not need("vkv_paged", 4, "cpu") and not need("vkv_cascade", 2, "cpu")
+    # on any device where a head's token is not a multiple of 64 bytes (views would start the
+    # (row, head) blocks at other alignments than DynamicCache's), every attention but vkv's own
+    assert need("sdpa", 2, dim=8) and need("eager", 2, dim=10) and not need("vkv_paged", 2, dim=8)

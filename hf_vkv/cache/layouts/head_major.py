@@ -20,6 +20,7 @@ import torch
 
 from ... import devices
 from ...memory import Arena, RowBuffer, SubRowBuffer
+from ..geometry import GroupGeometry
 from .base import Layout
 
 __all__ = ["HeadMajorLayout"]
@@ -29,6 +30,10 @@ class HeadMajorLayout(Layout):
     """See the module docstring."""
 
     name = "head_major"
+
+    def __init__(self, geometry: GroupGeometry, *, members: int, copy_reads: bool = False) -> None:
+        super().__init__(geometry, members=members)
+        self.copy_reads = copy_reads  # hand attention contiguous copies (see attention_inputs)
 
     @classmethod
     def page_bytes(cls, backend: str) -> int | None:
@@ -86,5 +91,12 @@ class HeadMajorLayout(Layout):
 
     def attention_inputs(self, buffer: RowBuffer, *, batch: int, member: int, start: int, end: int,
                          key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The views of the cached tokens, as :meth:`cached` (they hold ``key``/``value``, just written)."""
-        return self._pick(self._tokens(buffer, batch, start, end), member)
+        """The views of the cached tokens, as :meth:`cached` (they hold ``key``/``value``, just
+        written); contiguous copies with ``copy_reads``: where a head's token is not a multiple of
+        :data:`hf_vkv.devices.VIEW_ALIGNMENT_BYTES`, a view's (row, head) blocks start at other
+        alignments than DynamicCache's and attention can round differently
+        (:func:`hf_vkv.cache.sources.views_misaligned`)."""
+        keys, values = self._pick(self._tokens(buffer, batch, start, end), member)
+        if self.copy_reads:
+            return keys.contiguous(), values.contiguous()
+        return keys, values

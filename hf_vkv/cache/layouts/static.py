@@ -14,11 +14,14 @@ element order, the same writes, only the returned views differ.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
+from ... import devices
 from ...memory import Arena, RowBuffer
+from ...memory.errors import CacheOptionError
 from ..geometry import GroupGeometry
 from .base import Layout
 from .head_major import HeadMajorLayout
@@ -50,6 +53,20 @@ class StaticLayout(Layout):
         return self.base.preferred_page_bytes(backend)
 
     def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = True) -> RowBuffer:
+        """The base layout's buffer, readable. Over head-major, raise
+        :class:`~hf_vkv.memory.errors.CacheOptionError` where ``StaticCache``'s (row, head) blocks of
+        ``capacity`` tokens would start at other alignments than this layout's page-aligned ones
+        (:data:`hf_vkv.devices.VIEW_ALIGNMENT_BYTES`): attention could round differently, and
+        full-capacity views at fixed addresses cannot be copies."""
+        if isinstance(self.base, HeadMajorLayout):
+            g, align = self.geometry, devices.VIEW_ALIGNMENT_BYTES
+            step = math.lcm(*(align // math.gcd(dim * g.dtype.itemsize, align) for dim in (g.key_dim, g.value_dim)))
+            if capacity % step:
+                raise CacheOptionError(
+                    f"the static layout starts each (row, head) of keys and values on a page, and StaticCache's "
+                    f"start {capacity} tokens apart, which for {g.describe()} is not a multiple of {align} bytes: "
+                    f"attention could round differently from StaticCache's; use a max_cache_len that is a "
+                    f"multiple of {step}, or leave cache_config['layout'] unset")
         return self.base.make_buffer(arena, rows=rows, capacity=capacity, readable=True)
 
     def write(self, buffer: RowBuffer, *, batch: int, member: int, start: int, key: torch.Tensor,
