@@ -45,7 +45,9 @@ def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> 
     DynamicCache's (see :meth:`TokenMajorLayout.attention_inputs`): on the host, every attention
     but vkv's own kernels — SDPA's CPU kernels read token-strided keys and values exactly on some
     CPUs and not on others (an AMD EPYC: a hidden-200 Llama's decode logits 3.7e-7 apart at 4
-    tokens, through SDPA's grouped-query path, which takes the cache's tensors as they are); on
+    tokens, through SDPA's grouped-query path, which takes the cache's tensors as they are; its head
+    dim, 50 in float32, is a misaligned one, :func:`views_misaligned`, which may be the whole cause:
+    not established, so the host keeps copying); on
     other devices, a matmul over the returned tensors themselves (eager and other non-fused
     attention) with one key/value head per query head, and any attention but vkv's own where the
     views are misaligned (:func:`views_misaligned`)."""
