@@ -101,6 +101,24 @@ def _check_model(name: str, parser: argparse.ArgumentParser) -> None:
                      "save a model and its tokenizer with save_pretrained and pass the folder)")
 
 
+def _system_text(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """``--system-file``'s text (default: the demo's handbook), read before any model loads."""
+    from .ab.demo_text import DOCUMENT
+
+    if not args.system_file:
+        return DOCUMENT
+    try:
+        return Path(args.system_file).read_text()
+    except OSError as e:
+        parser.error(f"--system-file: cannot read {args.system_file}: {e.strerror or e}")
+
+
+def _check_folder(path: str | None, option: str, parser: argparse.ArgumentParser) -> None:
+    """A folder the command writes a prefix store into: refused before any work where a file is there."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        parser.error(f"{option} {path} is a file, not a folder: name a folder (new, or one PrefixStore.save wrote)")
+
+
 def _pad_id(tok: PreTrainedTokenizerBase) -> int | None:
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
@@ -221,6 +239,8 @@ def _prompt_texts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if not texts:
             parser.error(f"--prompts-file {args.prompts_file} has no non-empty line (one prompt per line)")
         return texts
+    if args.prompt and not all(text.strip() for text in args.prompt):
+        parser.error("--prompt is empty: give some text (a prompt needs at least one token)")
     return args.prompt or [DEMO_PROMPT]
 
 
@@ -271,15 +291,15 @@ CHAT_MESSAGES = (
 def chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A chat through one prefix store; exit status 1 when an answer differs from DynamicCache's."""
     from .ab.chat import chat_turns, format_turn
-    from .ab.demo_text import DOCUMENT
     from .prefix import PrefixStore
 
     _check_model(args.model, parser)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
+    system = _system_text(args, parser)
+    _check_folder(args.store, "--store", parser)
     _threads(args.threads)
     model, tok = _load(args.model, quiet=True)
-    system = Path(args.system_file).read_text() if args.system_file else DOCUMENT
     store = PrefixStore(model.config, budget_bytes=args.budget_mib << 20)
     if args.store is not None and (Path(args.store) / "prefix_store.json").is_file():
         t = time.perf_counter()
@@ -308,13 +328,13 @@ def chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def prefix_save(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``hf-vkv prefix save DIR``: a system prompt computed once and saved as a mapped prefix store."""
-    from .ab.demo_text import DOCUMENT
     from .cli_prefix import save_system_prompt
 
     _check_model(args.model, parser)
+    system = _system_text(args, parser)
+    _check_folder(args.folder, "prefix save", parser)
     _threads(args.threads)
     model, tok = _load(args.model, quiet=True)
-    system = Path(args.system_file).read_text() if args.system_file else DOCUMENT
     done = save_system_prompt(model, tok, system, args.folder)
     print(f"{args.folder}: {done['tokens']:,} system-prompt tokens computed in {done['compute_s']:.2f} s, saved in "
           f"{done['save_s']:.2f} s ({done['bytes_held'] / 2**20:.1f} MiB of pages); `hf-vkv chat --store "

@@ -32,10 +32,15 @@ REMOVED_KEYS = {
 
 def config_dict(config: Any) -> dict[str, Any]:
     """``cache_config`` as a new dict (``None``: empty); :class:`~hf_vkv.CacheOptionTypeError`
-    naming it for anything that is not a mapping (a string such as ``"page_bytes=4096"``)."""
+    naming it for anything that is not a mapping (a string such as ``"page_bytes=4096"``) and for
+    a key that is not an option's name (a string)."""
     if config is not None and not isinstance(config, Mapping):
         raise CacheOptionTypeError(f"cache_config must be a dict such as {{'page_bytes': 4096}}, got "
                                    f"{type(config).__name__} {config!r}")
+    odd = [key for key in (config or {}) if not isinstance(key, str)]
+    if odd:
+        raise CacheOptionTypeError(f"cache_config's keys are option names (strings such as 'page_bytes'), got "
+                                   f"{type(odd[0]).__name__} {odd[0]!r}")
     return dict(config or {})
 
 

@@ -170,6 +170,32 @@ def _prepare_inputs(original: Any, model: Any, *args: Any, **kwargs: Any) -> Any
     return model_inputs
 
 
+#: Devices on which transformers compiles a ``generate`` call's step given a ``compile_config``
+#: (``GenerationMixin._valid_auto_compile_criteria``, 5.17 - 5.24); elsewhere only where the config
+#: says ``_compile_all_devices``.
+_COMPILING_DEVICES = ("cuda", "xpu", "neuron", "tpu")
+
+
+def _compiles(model: Any, generation_config: Any) -> bool:
+    """Whether transformers will compile this call's decoding step, so that the cache must be
+    static (``compile_config`` set, compiling not disabled, a device it compiles on): on the CPU a
+    plain ``compile_config`` compiles nothing and generates with an eager step, so the call keeps
+    the default layout and computes as DynamicCache, not as StaticCache."""
+    config = generation_config.compile_config
+    if config is None or getattr(generation_config, "disable_compile", False):
+        return False
+    return model.device.type in _COMPILING_DEVICES or bool(getattr(config, "_compile_all_devices", False))
+
+
+def _store_of_the_model(model: Any, generation_config: Any) -> bool:
+    """Whether the call's prefix store is the one in ``model.generation_config`` (merged into every
+    call's config) while the call names another cache than that config does."""
+    own = getattr(model, "generation_config", None)
+    options = getattr(own, "cache_config", None)
+    return isinstance(options, dict) and options.get(PREFIX_STORE_KEY) is generation_config.cache_config.get(
+        PREFIX_STORE_KEY) and own.cache_implementation != generation_config.cache_implementation
+
+
 def _map_ahead(model_inputs: Any) -> None:
     """Before each forward of ``generate``: a static-layout cache maps the pages the step writes
     (outside a compiled step, which cannot run page-table code)."""
@@ -193,6 +219,11 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         if store_given and generation_config.is_assistant:
             # an assistant model's generate gets a copy of the main call's config with its cache
             # implementation unset (it keeps its own cache): the store is the main model's
+            generation_config.cache_config = {k: v for k, v in generation_config.cache_config.items()
+                                              if k != PREFIX_STORE_KEY}
+        elif store_given and _store_of_the_model(model, generation_config):
+            # the model's default config holds a store for vkv, and this call names another cache:
+            # that cache, as transformers builds it, without the store (the call's choice wins)
             generation_config.cache_config = {k: v for k, v in generation_config.cache_config.items()
                                               if k != PREFIX_STORE_KEY}
         elif store_given:
@@ -237,7 +268,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
     build = functools.partial(
         VKVCache.for_generate, model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1,
         cache_config=cache_config, num_beams=generation_config.num_beams or 1,
-        compiling=generation_config.compile_config is not None,
+        compiling=_compiles(model, generation_config),
         prompt_tokens=None if new is None else max(max_cache_length + 1 - new, 0))
     refusal = None
     try:

@@ -29,7 +29,8 @@ class PrefixMismatchError(VKVError, ValueError):
     """A saved or stored prefix does not belong to the model (or dtype) it is used with.
 
     ``field`` names what differs: ``"config"`` (a different architecture or size), ``"weights"``
-    (same architecture, other weights), ``"dtype"`` (K/V saved in another dtype).
+    (same architecture, other weights), ``"dtype"`` (K/V saved in another dtype), ``"token_ids"``
+    (ids given to :meth:`~hf_vkv.PrefixStore.insert` outside the model's vocabulary).
     """
 
     def __init__(self, field: str, message: str) -> None:

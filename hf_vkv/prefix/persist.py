@@ -44,7 +44,7 @@ from ..version import __version__
 from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
 from .checksums import checksums_of, verify_checksums, validate_meta
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
-from .tokens import token_list
+from .tokens import outside_vocabulary, token_list
 
 __all__ = ["save_prefix", "load_prefix", "FORMAT", "VERSION", "LAYOUT"]
 
@@ -272,14 +272,10 @@ def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.
         raise PrefixMismatchError("dtype", f"{path} holds {meta['dtype']} K/V but the model runs in "
                                   f"{str(dtype).removeprefix('torch.')}; save the prefix again from a model in that "
                                   f"dtype (converted K/V would not give the same tokens)")
-    vocab = getattr(config.get_text_config(decoder=True), "vocab_size", None) if hasattr(config, "get_text_config") \
-        else getattr(config, "vocab_size", None)
-    ids = meta["token_ids"]
-    if isinstance(vocab, int) and ids and not (0 <= min(ids) and max(ids) < vocab):
-        bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise PrefixFormatError(f"{path}: token id {bad[1]} at position {bad[0]} is outside the model's "
-                                    f"vocabulary of {vocab} ids")
+    bad = outside_vocabulary(meta["token_ids"], config)
+    if bad is not None:
+        raise PrefixFormatError(f"{path}: token id {bad[1]} at position {bad[0]} is outside the model's "
+                                f"vocabulary of {bad[2]} ids")
     saved_weights = meta.get("weights_fingerprint")
     if model is not None and saved_weights is None and check_weights:
         raise PrefixMismatchError("weights", f"{path} was saved without a weights fingerprint, so it cannot be checked "

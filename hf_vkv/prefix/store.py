@@ -41,7 +41,7 @@ from .mapped import PAGES_FILE, MappedEntry, check_index_text, index_text, map_e
 from .page_check import MappedPages
 from .persist import _check_model, _load, _save
 from .radix import RadixTree
-from .tokens import token_list
+from .tokens import outside_vocabulary, token_list
 from ..version import __version__
 
 __all__ = ["PrefixStore", "PrefixStats", "token_list", "STORE_INDEX"]
@@ -346,9 +346,14 @@ class PrefixStore:
             ValueError: ``cache`` holds more than one row, fewer tokens than ``token_ids``, or
                 cannot be cut back to them (sliding windows).
             PrefixMismatchError: ``cache`` belongs to another model, its dtype differs from
-                the entries', or ``weights`` from theirs (``field`` says which).
+                the entries', ``weights`` from theirs, or a token id is outside the model's
+                vocabulary (``field`` says which).
         """
         tokens = tuple(token_list(token_ids))
+        bad = outside_vocabulary(tokens, self.config)
+        if bad is not None:  # refused now, not when a saved folder holding it is loaded
+            raise PrefixMismatchError("token_ids", f"token id {bad[1]} at position {bad[0]} is outside the model's "
+                                      f"vocabulary of {bad[2]} ids: insert the ids the cache was computed from")
         with self._lock:
             if weights is not None:
                 self._check_weights(weights)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["token_list"]
+__all__ = ["outside_vocabulary", "token_list"]
 
 
 def token_list(token_ids: Any, *, name: str = "token_ids") -> list[int]:
@@ -27,3 +27,13 @@ def token_list(token_ids: Any, *, name: str = "token_ids") -> list[int]:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
         raise TypeError(f"{name} must hold ints only")
     return out
+
+
+def outside_vocabulary(ids: Sequence[int], config: Any) -> tuple[int, int, int] | None:
+    """The first ``(position, id)`` of ``ids`` outside ``config``'s vocabulary, and the vocabulary's
+    size (its text config's ``vocab_size``); ``None`` where all are inside or the size is not known."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int) or not ids or (0 <= min(ids) and max(ids) < vocab):
+        return None
+    return next(((i, t, vocab) for i, t in enumerate(ids) if not 0 <= t < vocab), None)

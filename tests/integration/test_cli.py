@@ -121,6 +121,27 @@ def test_an_explicit_zero_or_negative_count_is_a_usage_error(capsys: pytest.Capt
     assert code == 2 and message in err, err
 
 
+def test_missing_inputs_and_files_in_place_of_folders_are_usage_errors_before_any_model_loads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing --system-file, a file where a store folder goes, an empty --prompt: status 2 and
+    a message naming the option, before a model loads (once: raw FileNotFoundError / FileExistsError
+    tracebacks with status 1, the last after the whole chat had run)."""
+    def no_model(*_: object, **__: object) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(cli, "_load", no_model)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    missing = tmp_path / "missing.txt"
+    for args, message in ((("chat", "--system-file", missing), "--system-file: cannot read"),
+                          (("prefix", "save", tmp_path / "out", "--system-file", missing), "--system-file: cannot read"),
+                          (("chat", "--store", a_file), "--store"),
+                          (("prefix", "save", a_file), "is a file, not a folder"),
+                          (("ab", "--prompt", " "), "--prompt is empty")):
+        code, _, err = run_main(capsys, *args)
+        assert code == 2 and message in err and str(a_file if a_file in args else "") in err, (args, err)
+
+
 def test_ab_unknown_model_folder_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_main(capsys, "ab", "--model", tmp_path / "nowhere")
     assert code == 2 and "never downloads" in err

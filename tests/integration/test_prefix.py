@@ -254,6 +254,12 @@ def test_bad_input_is_rejected_and_the_store_stays_usable() -> None:
     with pytest.raises(PrefixMismatchError, match="another model") as err:
         store.insert(_ids(5, seed=3)[0], qwen)
     assert err.value.field == "config"
+    for bad in (model.config.vocab_size, -1):  # once held, then saved, and the saved folder refused as a whole on load
+        ids = tokens.clone()
+        ids[2] = bad
+        with pytest.raises(PrefixMismatchError, match=f"token id {bad} at position 2 is outside") as err:
+            store.insert(ids, cache)
+        assert err.value.field == "token_ids"
     with pytest.raises(ValueError, match="budget_bytes"):
         PrefixStore(model.config, budget_bytes=0)
     with pytest.raises(ValueError, match="cache_config"):

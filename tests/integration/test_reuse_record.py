@@ -330,3 +330,34 @@ def test_a_cache_nobody_gets_back_goes_into_the_store_itself() -> None:
         assert reuse_report(out).reused_tokens == stored
         assert_same_tokens(out.sequences, _call(model, follow, None).sequences)
         store.check_invariants()
+
+
+@pytest.mark.parametrize("other", ["dynamic", "static"])
+def test_a_call_naming_another_cache_than_the_models_config_gets_it_without_the_store(other: str) -> None:
+    """A store in ``model.generation_config`` (as docs/prefix_reuse.md sets it up) and a call that
+    names another cache: that cache, exactly as on a model without the store, and the store
+    untouched (before: a CacheOptionError telling the user to add cache_implementation='vkv').
+    The same store given in the call's own ``cache_config`` with another cache is still refused."""
+    model = tiny("llama")
+    ids = _ids(12, seed=3)
+    kwargs = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation=other, **kwargs)
+    store = PrefixStore(model.config)
+    saved = model.generation_config.cache_implementation, model.generation_config.cache_config
+    model.generation_config.cache_implementation = "vkv"
+    model.generation_config.cache_config = {"prefix_store": store}
+    try:
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation=other, **kwargs)
+        assert not isinstance(got.past_key_values, VKVCache)
+        assert_same_tokens(ref.sequences, got.sequences)
+        for a, b in zip(ref.logits, got.logits, strict=True):
+            assert torch.equal(a, b)
+        assert store.stats().lookups == 0 and len(store) == 0
+        with pytest.raises(CacheOptionError, match="needs cache_implementation='vkv'"):
+            model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation=other,
+                           cache_config={"prefix_store": PrefixStore(model.config)}, **kwargs)
+        vkv = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)  # the model's default: vkv, the store
+        assert isinstance(vkv.past_key_values, VKVCache) and store.stats().lookups == 1
+        store.check_invariants()
+    finally:
+        model.generation_config.cache_implementation, model.generation_config.cache_config = saved

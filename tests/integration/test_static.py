@@ -70,6 +70,28 @@ def test_compiled_generate_matches_static_cache(arch: str, mode: str) -> None:
 
 
 @pytest.mark.threads(1, 2)
+@pytest.mark.parametrize("mode", ["greedy", "beams", "sampled"])
+def test_a_compile_config_transformers_does_not_compile_keeps_dynamic_cache_bits(mode: str) -> None:
+    """On the CPU a plain ``CompileConfig()`` compiles nothing (transformers compiles there only
+    with ``_compile_all_devices``), and ``disable_compile=True`` nothing anywhere: the call without
+    vkv generates with DynamicCache, so vkv keeps the default layout and its bits (before, it took
+    the static layout, StaticCache's arithmetic: logits up to 3e-5 apart)."""
+    model = tiny("llama")
+    inputs = prompts(2, 9, seed=34, left_pad=[3, 0])
+    kwargs = dict(max_new_tokens=6, return_dict_in_generate=True, output_logits=True,
+                  **{"greedy": {}, "beams": {"num_beams": 2}, "sampled": {"do_sample": True}}[mode])
+    for extra in ({"compile_config": CompileConfig()}, {"compile_config": _compile_config(), "disable_compile": True}):
+        torch.manual_seed(6)
+        ref = model.generate(**inputs, **extra, **kwargs)
+        torch.manual_seed(6)
+        got = model.generate(**inputs, cache_implementation="vkv", **extra, **kwargs)
+        assert got.past_key_values.layout != "static"
+        assert_same_tokens(ref.sequences, got.sequences)
+        for a, b in zip(ref.logits, got.logits, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.threads(1, 2)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_beam_search_with_a_static_layout_matches_static_cache(arch: str) -> None:
     """transformers' beam search does not compile the forward (5.23): the layout's beams run

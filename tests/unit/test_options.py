@@ -94,6 +94,9 @@ def test_option_refusals_are_typed_vkv_errors_and_builtin_errors(bad: dict, buil
         CacheOptions.from_dict(bad, given_to="VKVCache")
     with pytest.raises(hf_vkv.CacheOptionTypeError, match="cache_config must be a dict"):
         CacheOptions.from_dict("page_bytes=4096")  # type: ignore[arg-type]
+    for key in (None, 1):  # a key that is no option's name (once a TypeError from the "did you mean" hint)
+        with pytest.raises(hf_vkv.CacheOptionTypeError, match=f"option names .*got {type(key).__name__} {key!r}"):
+            CacheOptions.from_dict({key: 1, "page_bytes": 4096})
 
 
 def test_vkvcache_keywords_and_generate_cache_config_refusals_are_vkv_errors() -> None:
