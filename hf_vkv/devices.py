@@ -169,9 +169,9 @@ MEMORY_LIMIT_MAX_PROMPT = 512
 #: blocks start on page boundaries. Torch's CPU attention rounds differently by where its inputs
 #: start: SDPA over the same float32 keys and values placed at byte offsets 0, 4, ..., 124 of an
 #: aligned buffer gave the bits of offset 0 only at multiples of 16 (this machine: AMD EPYC, AVX2;
-#: head dims 24, 36, 50, 64, 80; 13, 100 and 517 tokens; bfloat16 at every offset). So where a head's token of keys
-#: or values is not a multiple of this many bytes (a tiny Llama of head dim 50 in float32: decode
-#: logits 1.2e-7 apart from DynamicCache's), attention gets contiguous copies
+#: head dims 24, 36, 50, 64, 80; 13, 100 and 517 tokens; bfloat16 at every offset). So where a
+#: head's token of keys or values is not a multiple of this many bytes (a tiny Llama of head dim 50
+#: in float32: decode logits 1.2e-7 apart from DynamicCache's), attention gets contiguous copies
 #: (:func:`hf_vkv.cache.sources.views_misaligned`), and the static layout, whose views cannot be
 #: copies, refuses a capacity that misplaces its blocks. 64, not the 16 measured: the widest
 #: vector loads (AVX-512) and torch's own CPU allocation alignment.

@@ -216,14 +216,11 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
     store_given = isinstance(generation_config.cache_config, dict) \
         and generation_config.cache_config.get(PREFIX_STORE_KEY) is not None
     if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
-        if store_given and generation_config.is_assistant:
+        if store_given and (generation_config.is_assistant or _store_of_the_model(model, generation_config)):
             # an assistant model's generate gets a copy of the main call's config with its cache
-            # implementation unset (it keeps its own cache): the store is the main model's
-            generation_config.cache_config = {k: v for k, v in generation_config.cache_config.items()
-                                              if k != PREFIX_STORE_KEY}
-        elif store_given and _store_of_the_model(model, generation_config):
-            # the model's default config holds a store for vkv, and this call names another cache:
-            # that cache, as transformers builds it, without the store (the call's choice wins)
+            # implementation unset (it keeps its own cache): the store is the main model's; and a
+            # call naming another cache than the model's config, whose store is for vkv, gets that
+            # cache as transformers builds it (the call's choice wins): both without the store
             generation_config.cache_config = {k: v for k, v in generation_config.cache_config.items()
                                               if k != PREFIX_STORE_KEY}
         elif store_given:
