@@ -14,6 +14,7 @@ from typing import Any
 from .attention import UnsupportedModelError
 from .cache import CacheOptions, CacheStats, LayerCallError, LayerMismatchError, ReuseReport, VKVCache, VKVGradientError
 from .cache.export import VKVExportError
+from .cache.group import WindowRollbackError
 from .cache.hybrid import RecurrentRollbackError
 from .devices import UnsupportedDeviceError
 from .memory import (
@@ -26,12 +27,20 @@ from .memory import (
     PageSizeError,
     VKVError,
 )
-from .memory.errors import CacheOptionError, CacheOptionTypeError
+from .memory.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    CacheIndexError,
+    CacheOptionError,
+    CacheOptionTypeError,
+    MissingDependencyError,
+)
 from .prefix import (
     PrefixFileCorruptError,
     PrefixFileError,
     PrefixFormatError,
     PrefixMismatchError,
+    PrefixPathError,
     PrefixStats,
     PrefixStore,
     load_prefix,
@@ -51,10 +60,11 @@ __all__ = [
     # checking it against DynamicCache
     "run_ab",
     # errors
-    "VKVError", "CacheOptionError", "CacheOptionTypeError", "KVCacheOutOfMemory", "MappingLimitError", "CapacityError",
+    "VKVError", "ArgumentError", "ArgumentTypeError", "CacheIndexError", "CacheOptionError", "CacheOptionTypeError",
+    "MissingDependencyError", "KVCacheOutOfMemory", "MappingLimitError", "CapacityError",
     "PageSizeError", "CacheClosedError", "BackendError", "InvariantError", "LayerMismatchError", "LayerCallError",
-    "VKVGradientError", "VKVExportError", "RecurrentRollbackError", "UnsupportedModelError", "UnsupportedDeviceError",
-    "PrefixFileError", "PrefixFileCorruptError", "PrefixFormatError", "PrefixMismatchError",
+    "VKVGradientError", "VKVExportError", "RecurrentRollbackError", "WindowRollbackError", "UnsupportedModelError", "UnsupportedDeviceError",
+    "PrefixFileError", "PrefixFileCorruptError", "PrefixFormatError", "PrefixMismatchError", "PrefixPathError",
     # registration (done on import; idempotent)
     "register", "__version__",
 ]

@@ -43,6 +43,7 @@ from .ab.demo_text import SHORT_PROMPT as DEMO_PROMPT
 from .ab.records import AttentionPath
 from .generate import serving
 from .memory.errors import InvariantError, VKVError
+from .version import __version__
 
 __all__ = ["DEMO_PROMPT", "EXIT_REFUSED", "exit_code", "main"]
 
@@ -95,10 +96,34 @@ def _encode(tok: PreTrainedTokenizerBase, texts: Sequence[str], *, chat: bool) -
     return dict(tok(list(texts), return_tensors="pt", padding=True))
 
 
+#: What ``--model FOLDER`` must hold for ``_load`` (each: what the message names, file patterns of which one will do).
+_MODEL_FOLDER_NEEDS = (
+    ("config.json", ("config.json",)),
+    ("the weights (*.safetensors or pytorch_model.bin)",
+     ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")),
+    ("a tokenizer (tokenizer.json or tokenizer_config.json)",
+     ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")),
+)
+
+
+def _model_folder_lacks(folder: Path) -> list[str]:
+    """What ``folder`` lacks to be loaded as a model with its tokenizer (empty: nothing)."""
+    return [what for what, patterns in _MODEL_FOLDER_NEEDS
+            if not any(p.is_file() for pattern in patterns for p in folder.glob(pattern))]
+
+
 def _check_model(name: str, parser: argparse.ArgumentParser) -> None:
-    if name != DEFAULT_MODEL and not Path(name).is_dir():
+    """``--model``: 'default' or a folder holding a model and its tokenizer, checked before anything loads."""
+    if name == DEFAULT_MODEL:
+        return
+    if not Path(name).is_dir():
         parser.error(f"--model {name!r} is neither 'default' nor a local model folder (this tool never downloads: "
                      "save a model and its tokenizer with save_pretrained and pass the folder)")
+    lacks = _model_folder_lacks(Path(name))
+    if lacks:
+        lacking = lacks[0] if len(lacks) == 1 else f"{', '.join(lacks[:-1])} and {lacks[-1]}"
+        parser.error(f"--model {name} is not a model folder: it lacks {lacking}; save a model and its "
+                     "tokenizer there with save_pretrained (this tool never downloads)")
 
 
 def _system_text(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -511,6 +536,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-vkv", description="A virtual-memory KV cache for transformers. "
                                      "Exit status: 0 identical to DynamicCache, 1 diverged (doctor: a check "
                                      "failed), 2 usage error, 3 vkv refused the run (one line says why).")
+    parser.add_argument("--version", action="version", version=f"hf_vkv {__version__}",
+                        help="print the version (hf_vkv X.Y.Z) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="where vkv wins: a ~1k-token document answered with n=8 sampling and 4 beams, "

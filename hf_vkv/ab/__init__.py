@@ -22,6 +22,7 @@ from .schema import AB_REPORT_SCHEMA
 from .table import format_report, format_savings, format_summary
 
 __all__ = [
-    "AB_REPORT_SCHEMA", "ABReport", "AttentionPath", "Divergence", "PAGED_ATTENTION", "Reference", "RunSummary", "SCHEMA_VERSION", "StepReport",
+    "AB_REPORT_SCHEMA", "ABReport", "AttentionPath", "Divergence", "PAGED_ATTENTION", "Reference",
+    "RunSummary", "SCHEMA_VERSION", "StepReport",
     "format_report", "format_savings", "format_summary", "paged_attention_available", "plot_report", "run_ab",
 ]

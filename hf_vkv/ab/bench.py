@@ -34,6 +34,7 @@ from .decode import CacheTiming, load_prompt, prefill, time_decode
 from .harness import run_ab
 from .ideal import IdealCache
 from .probes import kv_bytes
+from ..memory.errors import ArgumentError
 
 __all__ = [
     "BENCH_SCHEMA_VERSION", "CACHES", "DEFAULT_CACHES", "FULL_GRID", "MODES", "QUICK_GRID", "mode_kwargs", "VKV_LAYOUTS", "Grid",
@@ -61,7 +62,7 @@ def mode_kwargs(name: str) -> dict[str, Any]:
         rest = name[len(prefix):]
         if name.startswith(prefix) and rest.isdigit() and int(rest) >= 2 and rest == str(int(rest)):
             return make(int(rest))
-    raise ValueError(f"unknown mode {name!r}: one of {sorted(MODES)}, or beamN / sampleN with N >= 2")
+    raise ArgumentError(f"unknown mode {name!r}: one of {sorted(MODES)}, or beamN / sampleN with N >= 2")
 
 # ------------------------------------------------------------------------------------ layouts
 #: The vkv layouts the decode cells can compare (CPU, contiguous: read by any attention).
@@ -79,7 +80,7 @@ def vkv_cache_config(layout: str) -> dict[str, Any]:
     try:
         return dict(_LAYOUT_CONFIG[layout])
     except KeyError:
-        raise ValueError(f"unknown vkv layout {layout!r}; known: {list(VKV_LAYOUTS)}") from None
+        raise ArgumentError(f"unknown vkv layout {layout!r}; known: {list(VKV_LAYOUTS)}") from None
 
 
 def default_layout(device: torch.device | str = "cpu") -> str:
@@ -142,17 +143,17 @@ class Grid:
         for name in ("prompt_lengths", "batches"):
             values = getattr(self, name)
             if not values or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
-                raise ValueError(f"{name} must be positive ints, got {values!r}")
+                raise ArgumentError(f"{name} must be positive ints, got {values!r}")
         for name, low in (("new_tokens", 2), ("rounds", 1), ("distinct_tokens", 1), ("threads", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+                raise ArgumentError(f"{name} must be an int >= {low}, got {value!r}")
         for name, known in (("caches", CACHES), ("modes", tuple(MODES))):
             unknown = sorted(set(getattr(self, name)) - set(known))
             if unknown:
-                raise ValueError(f"{name} must be some of {list(known)}, got {list(getattr(self, name))!r}")
+                raise ArgumentError(f"{name} must be some of {list(known)}, got {list(getattr(self, name))!r}")
         if "dynamic" not in self.caches:
-            raise ValueError("caches must include 'dynamic' (the reference every step is checked against)")
+            raise ArgumentError("caches must include 'dynamic' (the reference every step is checked against)")
 
     def cells(self) -> list[tuple[int, int]]:
         """``(prompt_length, batch)`` in run order."""

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..generate import cache_kwarg
+from ..memory.errors import ArgumentError
 
 __all__ = ["CacheTiming", "Prompt", "load_prompt", "prefill", "time_decode"]
 
@@ -125,7 +126,7 @@ def time_decode(model: PreTrainedModel, caches: Mapping[str, Cache], prompt: Pro
         name -> :class:`CacheTiming`, in the order of ``caches``.
     """
     if reference not in caches:
-        raise ValueError(f"the reference cache {reference!r} is not among {list(caches)}")
+        raise ArgumentError(f"the reference cache {reference!r} is not among {list(caches)}: name one of them")
     names = list(caches)
     out = {name: CacheTiming(name=name) for name in names}
     first = prompt.first_tokens.index_select(0, prompt.rows(batch))  # [batch]

@@ -39,6 +39,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from ..cache import CacheOptions, ReuseReport, VKVCache
 from ..generate import cache_kwarg, reuse
 from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
+from ..memory.errors import ArgumentError, ArgumentTypeError
 from ..prefix import PrefixStore
 from ..version import __version__
 from .deterministic import deterministic_kernels
@@ -242,25 +243,25 @@ def run_ab(
 def _check_reference(store: Any, reference: Any, reference_cache: Any, *, tee: bool) -> None:
     """The prefix-store arguments of :func:`run_ab`, checked before either run."""
     if reference not in get_args(Reference):
-        raise ValueError(f"reference must be one of {list(get_args(Reference))}, got {reference!r}")
+        raise ArgumentError(f"reference must be one of {list(get_args(Reference))}, got {reference!r}")
     if reference_cache is not None and not isinstance(reference_cache, DynamicCache):
-        raise TypeError(f"reference_cache must be a transformers DynamicCache (the conversation's history), got "
-                        f"{type(reference_cache).__name__}")
+        raise ArgumentTypeError(f"reference_cache must be a transformers DynamicCache (the conversation's history), got "
+                                f"{type(reference_cache).__name__}")
     if store is None:
         if reference != "continued" or reference_cache is not None:
-            raise ValueError("reference= and reference_cache= choose what a prefix store's vkv run is compared with: "
-                             "pass prefix_store=store too (without a store both runs prefill the whole prompt)")
+            raise ArgumentError("reference= and reference_cache= choose what a prefix store's vkv run is compared with: "
+                                "pass prefix_store=store too (without a store both runs prefill the whole prompt)")
         return
     if not isinstance(store, PrefixStore):
-        raise TypeError(f"prefix_store must be a hf_vkv.PrefixStore, got {type(store).__name__}")
+        raise ArgumentTypeError(f"prefix_store must be a hf_vkv.PrefixStore, got {type(store).__name__}")
     if reference == "prefill":
         if reference_cache is not None:
-            raise ValueError("reference='prefill' prefills the whole prompt in a new DynamicCache: drop "
-                             "reference_cache, or compare with reference='continued'")
+            raise ArgumentError("reference='prefill' prefills the whole prompt in a new DynamicCache: drop "
+                                "reference_cache, or compare with reference='continued'")
         if tee:
-            raise ValueError("tee=True compares every layer's K/V at every step, but with reference='prefill' the vkv "
-                             "prefill computes only the tokens not stored: pass tee=False (tokens and logits are "
-                             "compared), or compare with reference='continued'")
+            raise ArgumentError("tee=True compares every layer's K/V at every step, but with reference='prefill' the vkv "
+                                "prefill computes only the tokens not stored: pass tee=False (tokens and logits are "
+                                "compared), or compare with reference='continued'")
 
 
 def _lent_columns(store: PrefixStore, inputs: Mapping[str, torch.Tensor]) -> int:
@@ -285,7 +286,7 @@ def reference_history(cache: DynamicCache | None, *, columns: int, batch: int, e
     """
     held = 0 if cache is None else cache.get_seq_length()
     if held < columns:
-        raise ValueError(
+        raise ArgumentError(
             f"the prefix store lends the vkv run {columns} columns of history, but reference_cache holds {held}: the "
             "continued reference must hold the same history, computed as the store's was. Pass the DynamicCache that "
             "ran the conversation so far (run_ab continues reference_cache in place, turn after turn), or compare "
@@ -293,8 +294,8 @@ def reference_history(cache: DynamicCache | None, *, columns: int, batch: int, e
     layers = [] if cache is None else [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
     for layer in layers:
         if layer.keys.shape[0] % batch:
-            raise ValueError(f"reference_cache holds {layer.keys.shape[0]} rows, not a multiple of the batch's {batch} "
-                             "prompts (one row per prompt, or the rows of the previous turn's sequences)")
+            raise ArgumentError(f"reference_cache holds {layer.keys.shape[0]} rows, not a multiple of the batch's {batch} "
+                                "prompts (one row per prompt, or the rows of the previous turn's sequences)")
     if check_only or cache is None:
         return cache
     for layer in layers:
@@ -308,29 +309,29 @@ def reference_history(cache: DynamicCache | None, *, columns: int, batch: int, e
 def _check_arguments(model: Any, inputs: Any, *, max_new_tokens: Any, layout: Any, tee: Any, seed: Any,
                      generate_kwargs: dict[str, Any]) -> None:
     if not callable(getattr(model, "generate", None)) or not hasattr(model, "config"):
-        raise TypeError(f"model must be a transformers model with generate(), got {type(model).__name__}")
+        raise ArgumentTypeError(f"model must be a transformers model with generate(), got {type(model).__name__}")
     if not isinstance(inputs, Mapping) or not isinstance(inputs.get("input_ids"), torch.Tensor):
-        raise TypeError("inputs must be a mapping with an 'input_ids' tensor [batch, prompt] "
-                        "(e.g. dict(tokenizer(texts, return_tensors='pt', padding=True)))")
+        raise ArgumentTypeError("inputs must be a mapping with an 'input_ids' tensor [batch, prompt] "
+                                "(e.g. dict(tokenizer(texts, return_tensors='pt', padding=True)))")
     if inputs["input_ids"].dim() != 2:
-        raise ValueError(f"inputs['input_ids'] must be [batch, prompt], got shape {tuple(inputs['input_ids'].shape)}")
+        raise ArgumentError(f"inputs['input_ids'] must be [batch, prompt], got shape {tuple(inputs['input_ids'].shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        raise ArgumentError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if layout not in get_args(AttentionPath):
-        raise ValueError(f"layout must be one of {list(get_args(AttentionPath))}, got {layout!r}")
+        raise ArgumentError(f"layout must be one of {list(get_args(AttentionPath))}, got {layout!r}")
     if layout == "paged" and not paged_attention_available():
-        raise ValueError(
+        raise ArgumentError(
             f"layout='paged' needs the {PAGED_ATTENTION!r} attention implementation, which this hf_vkv does not "
             "register (transformers.AttentionInterface has no such name); use layout='contiguous'"
         )
     if not isinstance(tee, bool):
-        raise TypeError(f"tee must be a bool, got {tee!r}")
+        raise ArgumentTypeError(f"tee must be a bool, got {tee!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {seed!r}")
+        raise ArgumentTypeError(f"seed must be an int, got {seed!r}")
     reserved = sorted(set(generate_kwargs) & set(_RESERVED))
     if reserved:
-        raise ValueError(f"run_ab sets {reserved} itself (caches, probes and outputs it compares); leave them out, "
-                         "and pass the vkv options as cache_config=..., the length as max_new_tokens=...")
+        raise ArgumentError(f"run_ab sets {reserved} itself (caches, probes and outputs it compares); leave them out, "
+                            "and pass the vkv options as cache_config=..., the length as max_new_tokens=...")
 
 
 def _source(layout: AttentionPath) -> Literal["returned", "stored"]:

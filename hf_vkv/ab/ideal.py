@@ -19,6 +19,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..memory.errors import ArgumentError, CapacityError
+
 __all__ = ["IdealCache", "IdealLayer"]
 
 
@@ -33,7 +35,7 @@ class IdealLayer(CacheLayerMixin):
     def __init__(self, capacity: int) -> None:
         super().__init__()
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+            raise ArgumentError(f"capacity must be a positive int, got {capacity!r}")
         self.capacity = capacity
         self.length = 0
         self.key_buffer: torch.Tensor | None = None  # [B, H, capacity, D]
@@ -61,7 +63,8 @@ class IdealLayer(CacheLayerMixin):
         assert self.key_buffer is not None and self.value_buffer is not None
         q = key_states.shape[-2]
         if self.length + q > self.capacity:
-            raise ValueError(f"IdealCache holds {self.capacity} tokens per row; {self.length} + {q} do not fit")
+            raise CapacityError(f"IdealCache holds {self.capacity} tokens per row; {self.length} + {q} do not fit: make "
+                                f"it with capacity >= prompt + new tokens")
         self.key_buffer[:, :, self.length : self.length + q].copy_(key_states)
         self.value_buffer[:, :, self.length : self.length + q].copy_(value_states)
         self.length += q
@@ -86,7 +89,7 @@ class IdealLayer(CacheLayerMixin):
         """Forget the last ``-tokens_to_remove`` tokens (a negative int, as for DynamicLayer)."""
         tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+            raise ArgumentError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
         if self.is_initialized:
             self.length = max(self.length + tokens_to_remove, 0)
             self._narrow()
@@ -132,7 +135,8 @@ class IdealCache(Cache):
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         if set(types) != {"full_attention"}:
-            raise ValueError(f"IdealCache serves full-attention layers only; this model has {sorted(set(types))}")
+            raise ArgumentError(f"IdealCache serves full-attention layers only; this model has {sorted(set(types))}: "
+                                f"compare the other caches without it")
         super().__init__(layers=[IdealLayer(capacity) for _ in types])
 
     def nbytes(self) -> int:

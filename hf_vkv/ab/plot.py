@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..memory.errors import MissingDependencyError
 from .records import ABReport
 
 __all__ = ["plot_report"]
@@ -18,7 +19,8 @@ def plot_report(report: ABReport, path: str | Path) -> Path:
     (ms); the first divergence, if any, is marked. Returns ``path``.
 
     Raises:
-        ModuleNotFoundError: matplotlib is not installed (the message says how to install it).
+        MissingDependencyError: matplotlib is not installed (a ``ModuleNotFoundError``; the message says how
+            to install it).
     """
     try:
         import matplotlib
@@ -26,8 +28,8 @@ def plot_report(report: ABReport, path: str | Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError as e:
-        raise ModuleNotFoundError("plots need matplotlib: pip install 'hf_vkv[plot]' (or pip install matplotlib)",
-                                  name="matplotlib") from e
+        raise MissingDependencyError("plots need matplotlib: pip install 'hf_vkv[plot]' (or pip install matplotlib)",
+                                     name="matplotlib") from e
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     steps = [s.step for s in report.steps]

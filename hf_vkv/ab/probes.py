@@ -24,6 +24,7 @@ from transformers import LogitsProcessor
 from transformers.cache_utils import Cache
 
 from ..config_values import each_layer
+from ..memory.errors import ArgumentError
 
 __all__ = ["LayerDigest", "StepProbe", "TeeSource", "UpdateTee", "kv_bytes", "kv_bytes_per_token", "row_digests"]
 
@@ -97,7 +98,7 @@ class UpdateTee:
 
     def __init__(self, *, source: TeeSource = "returned") -> None:
         if source not in ("returned", "stored"):
-            raise ValueError(f"source must be 'returned' or 'stored', got {source!r}")
+            raise ArgumentError(f"source must be 'returned' or 'stored', got {source!r}")
         self.source = source
         self.digests: dict[int, list[LayerDigest]] = {}
         self.overhead_s = 0.0  # time spent digesting (left out of step times)

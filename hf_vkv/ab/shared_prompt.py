@@ -55,6 +55,7 @@ from .decode import Prompt, load_prompt
 from .ideal import IdealCache
 from ..kv_records import CASCADE_ATTENTION
 from ..generate import cache_kwarg
+from ..memory.errors import ArgumentError
 from .probes import StepProbe, kv_bytes_per_token
 
 __all__ = [
@@ -109,21 +110,21 @@ class SharedPromptGrid:
     def __post_init__(self) -> None:
         if not self.prompt_lengths or any(isinstance(p, bool) or not isinstance(p, int) or p < 2
                                           for p in self.prompt_lengths):
-            raise ValueError(f"prompt_lengths must be ints >= 2, got {self.prompt_lengths!r}")
+            raise ArgumentError(f"prompt_lengths must be ints >= 2, got {self.prompt_lengths!r}")
         for name, low in (("decode_steps", 1), ("rounds", 1), ("threads", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+                raise ArgumentError(f"{name} must be an int >= {low}, got {value!r}")
         if not self.workloads:
-            raise ValueError("workloads must not be empty")
+            raise ArgumentError("workloads must not be empty")
         for workload in self.workloads:
             mode_kwargs(workload)  # ValueError naming it
         if not self.caches or set(self.caches) - set(CACHES):
-            raise ValueError(f"caches must be some of {list(CACHES)}, got {list(self.caches)!r}")
+            raise ArgumentError(f"caches must be some of {list(CACHES)}, got {list(self.caches)!r}")
         if "dynamic" not in self.caches:
-            raise ValueError("caches must include 'dynamic' (the reference of tokens and logits)")
+            raise ArgumentError("caches must include 'dynamic' (the reference of tokens and logits)")
         if self.dynamic_limit_s is not None and not self.dynamic_limit_s > 0:
-            raise ValueError(f"dynamic_limit_s must be > 0 seconds or None, got {self.dynamic_limit_s!r}")
+            raise ArgumentError(f"dynamic_limit_s must be > 0 seconds or None, got {self.dynamic_limit_s!r}")
 
     def cells(self) -> list[tuple[int, str]]:
         """``(prompt_length, workload)`` in run order."""

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from .paged_interface import paged_kernel
 from ..kv_records import PagedKV
+from ..memory.errors import ArgumentError
 
 __all__ = ["paged_attention_triton"]
 
@@ -318,7 +319,7 @@ def paged_attention_triton(query: Tensor, kv: PagedKV, *, scale: float, mask: Te
     accumulation), zeros for query rows with nothing to attend to.
     """
     if query.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"paged_attention_triton needs CUDA tensors (got {query.device}); on the CPU use "
-                         f"paged_attention_reference, or set TRITON_INTERPRET=1 before this module is first "
-                         f"imported to run the kernel interpreted")
+        raise ArgumentError(f"paged_attention_triton needs CUDA tensors (got {query.device}); on the CPU use "
+                            f"paged_attention_reference, or set TRITON_INTERPRET=1 before this module is first "
+                            f"imported to run the kernel interpreted")
     return launch_paged_attention(query, kv, scale=scale, mask=mask)

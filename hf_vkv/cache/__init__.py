@@ -3,7 +3,7 @@
 from .cache import RowSource, VKVCache
 from .geometry import GroupGeometry, LayerMismatchError
 from .grad import VKVGradientError
-from .group import LayerGroup
+from .group import LayerGroup, WindowRollbackError
 from .layer import LayerCallError, VKVLayer, VKVSlidingLayer
 from .options import CacheOptions
 from .row_image import GroupImage
@@ -12,5 +12,5 @@ from .stats import CacheStats, GroupStats, PrefillCounts, ReuseReport
 __all__ = [
     "CacheOptions", "CacheStats", "GroupGeometry", "GroupImage", "GroupStats", "LayerCallError", "LayerGroup", "LayerMismatchError",
     "PrefillCounts", "ReuseReport", "RowSource", "VKVCache",
-    "VKVGradientError", "VKVLayer", "VKVSlidingLayer",
+    "VKVGradientError", "VKVLayer", "VKVSlidingLayer", "WindowRollbackError",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import operator
 from dataclasses import dataclass
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from ..kv_records import CASCADE_ATTENTION
 from .. import devices
 from ..devices import layer_devices_of
 from ..memory import Arena
+from ..memory.errors import ArgumentError, ArgumentTypeError, CacheIndexError
 from ..memory.held_pages import HeldPages
 from .grad import refuse_trainable_states
 from .group import LayerGroup
@@ -60,6 +62,15 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
     if isinstance(kwargs, dict):
         kwargs = [dict(kwargs) for _ in types]
     return list(types), list(kwargs)
+
+
+def _int_argument(value: Any, name: str) -> int:
+    """``value`` as an int (an int, a numpy integer, a one-element integer tensor); an
+    :class:`ArgumentTypeError` naming ``name`` (``"fork(length)"``) otherwise (a float, a bool, a str)."""
+    if not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)
+    raise ArgumentTypeError(f"{name} takes an int, got {type(value).__name__} {value!r}")
 
 
 def _subrows(config: PretrainedConfig, types: list[str]) -> int | None:
@@ -131,11 +142,11 @@ class VKVCache(Cache):
         **options: Any,
     ) -> None:
         if config is None or not hasattr(config, "get_text_config"):
-            raise TypeError("VKVCache needs the model's config: VKVCache(config=model.config)")
+            raise ArgumentTypeError("VKVCache needs the model's config: VKVCache(config=model.config)")
         if prompt_repeats < 1:
-            raise ValueError(f"prompt_repeats must be >= 1, got {prompt_repeats}")
+            raise ArgumentError(f"prompt_repeats must be >= 1, got {prompt_repeats} (1: every row its own prompt)")
         if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise ArgumentError(f"batch_size must be >= 1, got {batch_size} (or None: the first update's batch)")
         self.options = CacheOptions.from_dict(options, given_to="VKVCache")
         text_config = config.get_text_config(decoder=True)
         self.config = text_config
@@ -144,7 +155,7 @@ class VKVCache(Cache):
         self.reuse: ReuseReport | None = None
         self.call: Any = None  # hf_vkv.generate.GenerateCall while a generate() call uses the cache
         if memory_of is not None and not isinstance(memory_of, VKVCache):
-            raise TypeError(f"memory_of must be a VKVCache, got {type(memory_of).__name__}")
+            raise ArgumentTypeError(f"memory_of must be a VKVCache (or None), got {type(memory_of).__name__}")
         types, kwargs = _layer_types(text_config)  # (transformers' config lookups: ~1 ms, once)
         workload = workload or devices.Workload()
         workload = dataclasses.replace(
@@ -153,6 +164,7 @@ class VKVCache(Cache):
             rows=workload.rows if workload.rows is not None else batch_size,
             subrows=workload.subrows if workload.subrows is not None else _subrows(text_config, types))
         self._layout_name = devices.choose_layout(self.options.layout, workload)
+        self.options.check_layout(self._layout_name)
         capacity = self.options.max_tokens or getattr(text_config, "max_position_embeddings", None) or 4096
         # memory_of: draw pages from that cache's arenas, so rows can share pages with it (a prefix store)
         self._arena_for = memory_of._arena_for if memory_of is not None else \
@@ -359,22 +371,25 @@ class VKVCache(Cache):
         Full-attention caches only (a sliding window or a layer kept by transformers is a
         ``ValueError``, as is a cache that holds tokens or a source shorter than asked)."""
         if self.get_seq_length() or self.rows:
-            raise ValueError("take_rows fills an empty cache; this one holds rows")
+            raise ArgumentError("take_rows fills an empty cache; this one holds rows (call it on a new VKVCache)")
         if self.transformers_layers() or any(g.sliding_window is not None for g in self._groups) \
                 or self._layout_name == "static":
-            raise ValueError("take_rows fills caches of full-attention layers only (no sliding window, no layer kept "
-                             "by transformers, not the static layout)")
+            raise ArgumentError("take_rows fills caches of full-attention layers only (no sliding window, no layer "
+                                "kept by transformers, not the static layout)")
+        length = _int_argument(length, "take_rows(length)")
         if not sources or length < 1:
-            raise ValueError(f"take_rows needs rows and length >= 1, got {len(sources)} rows of {length}")
+            raise ArgumentError(f"take_rows needs rows and length >= 1, got {len(sources)} rows of {length}")
         for src in sources:
             if src.offset < length:
                 if not isinstance(src.cache, VKVCache) or len(src.cache.groups) != len(self._groups):
-                    raise TypeError(f"a row source must be a VKVCache of the same model, got {type(src.cache).__name__}")
+                    raise ArgumentTypeError(f"a row source must be a VKVCache of the same model, got "
+                                            f"{type(src.cache).__name__}")
                 held = src.cache.get_seq_length()
                 if src.start < 0 or src.offset < 0 or src.start + length - src.offset > held \
                         or not 0 <= src.row < src.cache.rows:
-                    raise ValueError(f"row source {src} asks for tokens its cache ({held} tokens, {src.cache.rows} "
-                                     f"rows) does not hold")
+                    raise ArgumentError(f"row source {src} asks for tokens its cache ({held} tokens, {src.cache.rows} "
+                                        f"rows) does not hold: take rows 0..{src.cache.rows - 1} and start + "
+                                        f"length - offset <= {held}")
         copied = 0
         for g, group in enumerate(self._groups):
             copied = group.take_rows([(None if s.offset >= length else s.cache._groups[g], s.row, s.start, s.offset)
@@ -392,11 +407,11 @@ class VKVCache(Cache):
         and at most ``other``'s capacity; full-attention vkv layers only. Raises ``ValueError``
         (nothing changed) otherwise."""
         if self.get_seq_length() or self.rows:
-            raise ValueError("take_over fills an empty cache; this one holds rows")
+            raise ArgumentError("take_over fills an empty cache; this one holds rows (call it on a new VKVCache)")
         if not isinstance(other, VKVCache) or other.rows != 1 or len(other._groups) != len(self._groups) \
                 or self.transformers_layers() or other.transformers_layers() or self._layout_name == "static":
-            raise ValueError("take_over takes the one row of a batch-1 cache of the same model whose every layer "
-                             "vkv keeps (not the static layout)")
+            raise ArgumentError("take_over takes the one row of a batch-1 cache of the same model whose every layer "
+                                "vkv keeps (not the static layout)")
         for group, src in zip(self._groups, other._groups):
             group.check_take_over(src)
         for group, src in zip(self._groups, other._groups):
@@ -411,7 +426,9 @@ class VKVCache(Cache):
         the same count from each). Full-attention vkv layers only (``ValueError`` otherwise,
         nothing changed)."""
         if length < 0 or self.transformers_layers() or any(g.sliding_window is not None for g in self._groups):
-            raise ValueError("cut_to keeps a length >= 0 of caches whose every layer vkv keeps, with full attention")
+            raise ArgumentError(f"cut_to keeps a length >= 0 of caches whose every layer vkv keeps, with full "
+                                f"attention (got length {length}; crop() cuts the same count from every layer of any "
+                                f"cache)")
         self._row_operation(lambda group: group.cut_to(length), lambda layer: None)
 
     # ----------------------------------------------------------------------------- row images
@@ -420,17 +437,20 @@ class VKVCache(Cache):
         a mapped prefix file records). Full-attention caches of vkv layers only (``ValueError``
         otherwise: a sliding window, a layer kept by transformers, another layout's group)."""
         if self.rows != 1 or self.transformers_layers():
-            raise ValueError("row images are of batch-1 caches whose every layer vkv keeps")
+            raise ArgumentError(f"row images are of batch-1 caches whose every layer vkv keeps (this one holds "
+                                f"{self.rows} rows: batch_select_indices one row of a fork first)")
         return [group.row_image() for group in self._groups]
 
     def arena_for_images(self, images: Sequence[GroupImage]) -> Arena:
         """The one arena this empty cache would hold ``images`` in (see :meth:`install_row`);
         ``ValueError`` if they do not fit its groups or would need several arenas."""
         if len(images) != len(self._groups):
-            raise ValueError(f"{len(images)} group images for a cache of {len(self._groups)} groups")
+            raise ArgumentError(f"{len(images)} group images for a cache of {len(self._groups)} groups: give one "
+                                f"image per group, from a cache of the same model and options")
         arenas = {id(a): a for a in (g.arena_for_image(i) for g, i in zip(self._groups, images))}
         if len(arenas) != 1:
-            raise ValueError(f"the images would live in {len(arenas)} arenas (one per device and page size)")
+            raise ArgumentError(f"the images would live in {len(arenas)} arenas (one per device and page size): "
+                                f"give images of one device and page size")
         return next(iter(arenas.values()))
 
     def install_row(self, images: Sequence[GroupImage]) -> None:
@@ -438,7 +458,7 @@ class VKVCache(Cache):
         pages in use in :meth:`arena_for_images`'s arena, e.g. a mapped file's): no bytes move.
         Raises ``ValueError`` if the cache holds tokens or an image does not fit."""
         if self.get_seq_length() or self.rows:
-            raise ValueError("install_row fills an empty cache; this one holds rows")
+            raise ArgumentError("install_row fills an empty cache; this one holds rows (call it on a new VKVCache)")
         self.arena_for_images(images)
         for group, image in zip(self._groups, images):
             group.install_row(image)
@@ -474,35 +494,60 @@ class VKVCache(Cache):
         """Row ``i`` takes row ``beam_idx[i]``'s pages (``beam_idx``: int tensor, any device): no copy."""
         if not isinstance(beam_idx, torch.Tensor) or beam_idx.is_floating_point() or beam_idx.is_complex() \
                 or beam_idx.dtype == torch.bool or beam_idx.dim() != 1:
-            raise TypeError(f"reorder_cache takes a 1-d integer tensor of row indices (beam_idx), got "
-                            f"{getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
-                            f"{tuple(getattr(beam_idx, 'shape', ()))}; pass e.g. beam_idx.long()")
+            raise ArgumentTypeError(f"reorder_cache takes a 1-d integer tensor of row indices (beam_idx), got "
+                                    f"{getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
+                                    f"{tuple(getattr(beam_idx, 'shape', ()))}; pass e.g. beam_idx.long()")
         index = [int(i) for i in beam_idx.tolist()]  # one host transfer for every group
+        for group in self._groups:  # every group first: a refused reorder changes nothing
+            group.check_index(index, "reorder_cache(beam_idx)")
         self._row_operation(lambda group: group.reorder(index), lambda layer: layer.reorder_cache(beam_idx))
 
     def batch_select_indices(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Keep only the rows ``indices`` (row numbers, negative ones, a bool mask, a tensor or a
         sequence of them), as ``DynamicCache`` selects its batch dimension."""
         if not isinstance(indices, torch.Tensor):
-            indices = torch.tensor(list(indices), dtype=torch.bool if all(isinstance(i, bool) for i in indices) and
-                                   len(indices) else torch.long)
-        index = torch.arange(self.rows)[indices.cpu()].reshape(-1).tolist()
+            given = list(indices)
+            try:
+                indices = torch.tensor(given, dtype=torch.bool if given and all(isinstance(i, bool) for i in given)
+                                       else torch.long)
+            except (TypeError, ValueError, RuntimeError):
+                raise ArgumentTypeError(f"batch_select_indices takes row numbers or a bool mask (a tensor or a "
+                                        f"sequence of ints or bools), got {given[:4]!r}") from None
+        if indices.is_floating_point() or indices.is_complex():
+            raise ArgumentTypeError(f"batch_select_indices takes an integer tensor of row numbers or a bool mask, got "
+                                    f"{indices.dtype}; pass e.g. indices.long()")
+        rows, cpu = self.rows, indices.cpu()
+        try:
+            index = torch.arange(rows)[cpu].reshape(-1).tolist()
+        except IndexError:
+            if cpu.dtype == torch.bool:
+                raise CacheIndexError(f"batch_select_indices: a bool mask of shape {tuple(cpu.shape)} for a batch of "
+                                      f"{rows} rows; pass one entry per row ({rows})") from None
+            bad = [i for i in cpu.reshape(-1).tolist() if not -rows <= i < rows]
+            raise CacheIndexError(f"batch_select_indices: rows {bad[:4]} are outside the batch of {rows} rows; pass "
+                                  f"row numbers in {-rows}..{rows - 1}" if rows else
+                                  f"batch_select_indices: rows {bad[:4]} of an empty cache (it holds no rows yet)"
+                                  ) from None
+        for group in self._groups:  # every group first: a refused selection changes nothing
+            group.check_index(index, "batch_select_indices(indices)")
         self._row_operation(lambda group: group.reorder(index), lambda layer: layer.batch_select_indices(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times, consecutively (pages shared, nothing copied)."""
-        repeats = int(repeats)
+        repeats = _int_argument(repeats, "batch_repeat_interleave(repeats)")
         if repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {repeats}")
+            raise ArgumentError(f"batch_repeat_interleave: repeats must be >= 1, got {repeats} (1 keeps the batch; "
+                                f"reset() or batch_select_indices drop rows)")
         self._row_operation(lambda group: group.repeat_rows(repeats),
                             lambda layer: layer.batch_repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (a negative int, as for DynamicCache);
         sliding layers then hold their window again (``crop(0)`` too)."""
-        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted decoding passes a 0-d tensor
+        # transformers 5.17's assisted decoding passes a 0-d tensor
+        tokens_to_remove = _int_argument(tokens_to_remove, "crop(tokens_to_remove)")
         if tokens_to_remove > 0:
-            raise ValueError(
+            raise ArgumentError(
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
@@ -516,6 +561,16 @@ class VKVCache(Cache):
             group.crop(tokens_to_remove)
         for group in self._groups:
             group.after_row_operation()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Cache.update``, with a ``layer_idx`` outside the model's layers refused
+        (:class:`~hf_vkv.memory.errors.CacheIndexError`, nothing changed)."""
+        n = len(self.layers)
+        if not -n <= layer_idx < n:
+            raise CacheIndexError(f"update: layer_idx {layer_idx} is not a layer of this cache: it has {n} layers, "
+                                  f"0..{n - 1} (a cache serves the model whose config made it)")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reset(self) -> None:
         """Forget every cached token (pages go back to the pool)."""
@@ -535,17 +590,23 @@ class VKVCache(Cache):
         """Store ``[B, H, T, D]`` states as tokens ``[start, start + T)`` of an empty layer, with no
         attention run (a prefix restored from a file). ``start > 0`` only for a sliding layer
         whose window is all that was kept: tokens before it are not held."""
+        n = len(self.layers)
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < n:
+            raise CacheIndexError(f"write_states: layer_idx {layer_idx!r} is not a layer of this cache: it has {n} "
+                                  f"layers, 0..{n - 1}")
         layer = self.layers[layer_idx]
         if start < 0:
-            raise ValueError(f"start must be >= 0, got {start}")
+            raise ArgumentError(f"write_states: start must be >= 0, got {start}")
         if not isinstance(layer, VKVLayer):
             if start:
-                raise ValueError(f"layer {layer_idx} is kept by transformers' own class: it takes states from token 0")
+                raise ArgumentError(f"layer {layer_idx} is kept by transformers' own class: it takes states from "
+                                    f"token 0 (pass start=0)")
             layer.update(key_states, value_states)
             return
         refuse_trainable_states(key_states, value_states, layer_idx=layer_idx, stored_only=True)
         if start and not isinstance(layer, VKVSlidingLayer):
-            raise ValueError(f"layer {layer_idx} is full attention: its states start at token 0, not {start}")
+            raise ArgumentError(f"layer {layer_idx} is full attention: its states start at token 0, not {start} "
+                                f"(pass start=0 with every token)")
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
         layer.group.write_states(layer_idx, key_states, value_states, start=start)
@@ -586,13 +647,16 @@ class VKVCache(Cache):
         then on (transformers' rule for ``crop``)."""
         if length is None:
             return self._fork()
+        length = _int_argument(length, "fork(length)")
         n = self.get_seq_length()
         floor = self.min_prefix_length()
         if not 0 < length <= n or length < floor:
-            raise ValueError(
-                f"cannot cut a cache of {n} tokens back to {length}: it serves prefixes of {max(floor, 1)}..{n} "
-                f"tokens (sliding-window layers dropped the pages behind their window, or a recurrent state cannot "
-                f"be cut back)"
+            why = (" (sliding-window layers dropped the pages behind their window, or a recurrent state cannot be "
+                   "cut back)") if floor > 1 else ""
+            raise ArgumentError(
+                f"fork(length={length}): cannot cut a cache of {n} tokens back to {length}: it serves prefixes of "
+                f"{max(floor, 1)}..{n} tokens{why}; pass a length in that range, or none for the whole cache"
+                if n else f"fork(length={length}): the cache holds no tokens; fork() without a length copies it"
             )
         fork = self._fork()
         try:

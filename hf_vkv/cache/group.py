@@ -22,16 +22,22 @@ import torch
 
 from ..kv_records import paged_kv_of
 from ..memory import Arena, BufferStats, PageId, RowBuffer
-from ..memory.errors import InvariantError
+from ..memory.errors import ArgumentError, CacheIndexError, InvariantError, VKVError
 from .geometry import GroupGeometry, LayerMismatchError
 from .layouts import Layout
 from .prompt_sharing import PromptSharing
 from .row_image import GroupImage
 
-__all__ = ["LayerGroup", "LayoutFactory"]
+__all__ = ["LayerGroup", "LayoutFactory", "WindowRollbackError"]
 
 #: Makes a group's layout from its geometry and member count (``None``: the device's default).
 LayoutFactory = Callable[[GroupGeometry, int], Layout]
+
+
+class WindowRollbackError(VKVError, RuntimeError):
+    """A crop of a sliding-window layer that has passed its window without
+    ``activate_past_recording()``: the tokens the crop would bring back into the window were dropped
+    (transformers' ``DynamicSlidingWindowLayer`` refuses it with a ``RuntimeError`` too)."""
 
 
 class LayerGroup:
@@ -171,7 +177,8 @@ class LayerGroup:
         tokens before ``start`` are not held (a sliding window restored on its own)."""
         member = self.member_of[layer]
         if self.lengths[member]:
-            raise ValueError(f"layer {layer} already holds {self.lengths[member]} tokens; write_states fills an empty layer")
+            raise ArgumentError(f"layer {layer} already holds {self.lengths[member]} tokens; write_states fills an "
+                                f"empty layer (write into a new cache, or reset() this one first)")
         end = start + key_states.shape[2]
         self.prepare(key_states.shape[0], 0, end)
         if start:
@@ -249,13 +256,25 @@ class LayerGroup:
         (False: only bytes moved)."""
         if self.buffer is None:
             return False
-        bad = [i for i in index if not 0 <= i < self.batch]
-        if bad:
-            raise IndexError(f"row indices {bad[:4]} are out of range for a batch of {self.batch}")
+        self.check_index(index, "reorder")
         moved = self.buffer.reorder(index, private_tails=True, written=max(self.lengths))  # static: mapped ahead
         self.batch = len(index)
         self._changed()
         return moved
+
+    def check_index(self, index: Sequence[int], call: str) -> None:
+        """Raise (changing nothing) unless :meth:`reorder` can take ``index``: row numbers of the
+        batch, at most as many as the buffer has rows (:class:`CacheIndexError`, :class:`ArgumentError`)."""
+        if self.buffer is None:
+            return
+        bad = [i for i in index if not 0 <= i < self.batch]
+        if bad:
+            raise CacheIndexError(f"{call}: row indices {bad[:4]} are out of range for a batch of {self.batch}; pass "
+                                  f"row numbers in 0..{self.batch - 1}" if self.batch else
+                                  f"{call}: row indices {bad[:4]} of a cache that holds no rows")
+        if len(index) > self.buffer.rows:
+            raise ArgumentError(f"{call}: {len(index)} rows asked of a cache created for {self.buffer.rows}; create it "
+                                f"with batch_size={len(index)} (or batch_repeat_interleave to repeat every row)")
 
     def repeat_rows(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times, consecutively (shared pages, no copy)."""
@@ -271,7 +290,7 @@ class LayerGroup:
     def check_crop(self) -> None:
         """Raise (changing nothing) if :meth:`crop` may not cut this group back now."""
         if self.sliding_window is not None and not self.record_past and max(self.lengths) >= self.sliding_window:
-            raise RuntimeError(
+            raise WindowRollbackError(
                 "`crop` was called, but the current layer does not track past states, and the sliding window size "
                 "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
             )
@@ -292,7 +311,7 @@ class LayerGroup:
         """Keep at most the first ``length`` tokens of every member (full-attention groups): after
         a forward that stopped part-way, members may hold different counts."""
         if self.sliding_window is not None:
-            raise ValueError(f"group {self.name!r} slides: cut_to is for full-attention groups")
+            raise ArgumentError(f"group {self.name!r} slides: cut_to is for full-attention groups (use crop())")
         self.lengths = [min(n, length) for n in self.lengths]
         if self.buffer is not None and any(self.buffer.length(r) > length for r in range(self.buffer.rows)):
             self.buffer.truncate(range(self.buffer.rows), length)
@@ -331,12 +350,12 @@ class LayerGroup:
         offset == 0`` is shared (pages, no copy); a source equal to an earlier row's shares
         that row's pages; any other is copied. Returns the rows copied."""
         if self.sliding_window is not None:
-            raise ValueError(f"group {self.name!r} slides: take_rows fills full-attention groups only")
+            raise ArgumentError(f"group {self.name!r} slides: take_rows fills full-attention groups only")
         if any(self.lengths) or (self.buffer is not None and self.batch):
-            raise ValueError(f"group {self.name!r} holds tokens: take_rows fills an empty group")
+            raise ArgumentError(f"group {self.name!r} holds tokens: take_rows fills an empty group (use a new cache)")
         donors = [src for src, *_ in sources if src is not None and src.geometry is not None]
         if not donors:
-            raise ValueError("take_rows needs at least one source holding tokens")
+            raise ArgumentError("take_rows needs at least one source holding tokens (a row with offset < length)")
         geometry = donors[0].geometry
         if any(src.geometry != geometry for src in donors) or (self.geometry not in (None, geometry)):
             raise LayerMismatchError(f"the sources of group {self.name!r} hold states of another geometry")
@@ -391,8 +410,8 @@ class LayerGroup:
         layout = self.layout or (self._make_layout(src.geometry, len(self.members)) if fits else None)
         if not fits or type(layout) is not type(src.layout) \
                 or self._arena_for(src.geometry.device, layout) is not buffer.store:
-            raise ValueError(f"group {self.name!r} cannot take over group {src.name!r}'s row (one full-attention "
-                             f"row of the same layers, layout and memory, into an empty group)")
+            raise ArgumentError(f"group {self.name!r} cannot take over group {src.name!r}'s row (one full-attention "
+                                f"row of the same layers, layout and memory, into an empty group)")
         return layout
 
     def take_over(self, src: LayerGroup) -> None:
@@ -434,8 +453,8 @@ class LayerGroup:
         buffer = self.buffer
         if self.sliding_window is not None or buffer is None or self.geometry is None or self.layout is None \
                 or self.batch != 1 or len(set(self.lengths)) != 1 or not self.lengths[0] or type(self) is not LayerGroup:
-            raise ValueError(f"group {self.name!r}: a row image is of one full-attention row whose layers hold "
-                             f"the same tokens (batch {self.batch}, lengths {sorted(set(self.lengths))})")
+            raise ArgumentError(f"group {self.name!r}: a row image is of one full-attention row whose layers hold "
+                                f"the same tokens (batch {self.batch}, lengths {sorted(set(self.lengths))})")
         table = buffer.table
         return GroupImage(name=self.name, members=self.members, geometry=self.geometry,
                           layout=type(self.layout).__name__, item_bytes=buffer.item_bytes, parts=buffer.parts,
@@ -448,10 +467,10 @@ class LayerGroup:
         Raises ``ValueError`` if the image does not fit this group (members, geometry, layout,
         buffer shape, page size)."""
         if self.sliding_window is not None or type(self) is not LayerGroup:
-            raise ValueError(f"group {self.name!r} takes no row image (a sliding window, or a cascade/static group)")
+            raise ArgumentError(f"group {self.name!r} takes no row image (a sliding window, or a cascade/static group)")
         if image.members != self.members or (self.geometry is not None and image.geometry != self.geometry):
-            raise ValueError(f"group {self.name!r}: the image is of layers {image.members[:4]}... with "
-                             f"{image.geometry.describe()}, not this group's")
+            raise ArgumentError(f"group {self.name!r}: the image is of layers {image.members[:4]}... with "
+                                f"{image.geometry.describe()}, not this group's")
         if self.buffer is None:
             self.geometry = image.geometry
             self.layout = self._make_layout(image.geometry, len(self.members))
@@ -461,10 +480,10 @@ class LayerGroup:
         buffer, layout = self._buf(), self._lay()
         shape = (type(layout).__name__, buffer.item_bytes, buffer.parts, buffer.store.page_bytes)
         if shape != (image.layout, image.item_bytes, image.parts, image.page_bytes):
-            raise ValueError(f"group {self.name!r} holds rows as (layout, item bytes, parts, page bytes) {shape}, "
-                             f"the image as {(image.layout, image.item_bytes, image.parts, image.page_bytes)}")
+            raise ArgumentError(f"group {self.name!r} holds rows as (layout, item bytes, parts, page bytes) {shape}, "
+                                f"the image as {(image.layout, image.item_bytes, image.parts, image.page_bytes)}")
         if not isinstance(buffer.store, Arena):
-            raise ValueError(f"group {self.name!r} draws from a {type(buffer.store).__name__}, not an arena")
+            raise ArgumentError(f"group {self.name!r} draws from a {type(buffer.store).__name__}, not an arena")
         return buffer.store
 
     def install_row(self, image: GroupImage) -> None:
@@ -472,7 +491,7 @@ class LayerGroup:
         :meth:`arena_for_image`'s arena); no bytes move. Raises ``ValueError`` (nothing changed)
         if the group holds tokens or the image does not fit."""
         if any(self.lengths) or (self.buffer is not None and self.batch):
-            raise ValueError(f"group {self.name!r} holds tokens: install_row fills an empty group")
+            raise ArgumentError(f"group {self.name!r} holds tokens: install_row fills an empty group (use a new cache)")
         self.arena_for_image(image)
         self._buf().install(0, list(image.tables))
         self.batch = 1

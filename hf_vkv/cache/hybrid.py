@@ -36,7 +36,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from ..memory.errors import VKVError
+from ..memory.errors import ArgumentTypeError, VKVError
 from .group import LayerGroup
 from .layer import LayerCallError, VKVLayer, VKVSlidingLayer
 
@@ -143,7 +143,7 @@ class _HybridParts:
         elif not args:
             self.linear.lazy_initialization(**kwargs)
         else:
-            raise TypeError("lazy_initialization takes (key_states, value_states) or linear states by keyword")
+            raise ArgumentTypeError("lazy_initialization takes (key_states, value_states) or linear states by keyword")
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
         """transformers' ``LinearAttentionLayer.update_conv_state`` (``[B, C, q]`` in, ``[B, C, >= kernel]`` out)."""

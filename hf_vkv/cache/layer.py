@@ -22,6 +22,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .grad import VKVGradientError, refuse_trainable_states, tracks_grad, with_new_states
 from ..memory import KVCacheOutOfMemory, VKVError
+from ..memory.errors import ArgumentError
 from .group import LayerGroup
 from .static_group import StaticGroup
 from .oom import step_out_of_memory
@@ -94,7 +95,8 @@ class VKVLayer(CacheLayerMixin):
         """The group was filled with rows taken from other caches (:meth:`VKVCache.take_rows`,
         which made its geometry and buffer): the layer holds its tokens from now on."""
         if self.group.geometry is None:
-            raise ValueError(f"layer {self.layer_idx}: its group holds no rows to adopt")
+            raise ArgumentError(f"layer {self.layer_idx}: its group holds no rows to adopt (fill the cache with "
+                                f"VKVCache.take_rows, take_over or install_row first)")
         self.is_initialized = True
 
     def update(
@@ -159,7 +161,7 @@ class VKVLayer(CacheLayerMixin):
         """Remove the last ``-tokens_to_remove`` tokens (a negative int), as ``DynamicLayer.crop``."""
         tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
-            raise ValueError(
+            raise ArgumentError(
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )

@@ -101,9 +101,11 @@ class CacheOptions:
     map_ahead: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("page_bytes", "budget_bytes", "block_tokens", "max_tokens"):
+        for name in ("page_bytes", "budget_bytes", "block_tokens", "max_tokens", "map_ahead"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise CacheOptionTypeError(f"cache_config[{name!r}] must be an int, got {type(value).__name__} {value!r}")
+            if value is not None and name != "map_ahead" and value <= 0:
                 raise CacheOptionError(f"cache_config[{name!r}] must be a positive int, got {value!r}")
         if self.page_bytes is not None:
             check_page_bytes(self.page_bytes)  # the backend of the device checks its own range too
@@ -111,8 +113,7 @@ class CacheOptions:
             raise CacheOptionError(f"cache_config['budget_bytes']={self.budget_bytes:,} is smaller than one page "
                                    f"({self.page_bytes or MIN_PAGE_BYTES:,} bytes): give at least a page per layer "
                                    f"group, or leave it unset for the default")
-        if self.map_ahead is not None and (isinstance(self.map_ahead, bool) or not isinstance(self.map_ahead, int)
-                                           or self.map_ahead < 0):
+        if self.map_ahead is not None and self.map_ahead < 0:
             raise CacheOptionError(f"cache_config['map_ahead'] must be an int >= 0, got {self.map_ahead!r}")
         if self.layout is not None and self.layout not in LAYOUT_NAMES:
             raise CacheOptionError(f"cache_config['layout'] must be one of {list(LAYOUT_NAMES)}, got {self.layout!r}")
@@ -133,6 +134,22 @@ class CacheOptions:
             raise CacheOptionError(f"cache_config['paged_kernel'] applies to the paged layout only, not {self.layout!r}")
         if self.map_ahead is not None and self.layout != "static":
             raise CacheOptionError("cache_config['map_ahead'] applies to the static layout only")
+
+    def check_layout(self, layout: str | None) -> None:
+        """:class:`~hf_vkv.CacheOptionError` for an option of the paged layout (``block_tokens``,
+        ``paged_kernel``) given to a cache whose layout, as :func:`hf_vkv.devices.choose_layout`
+        decided it from the options and the workload (``None``: the device's contiguous default at
+        the first update), is another: the option would do nothing."""
+        if layout == "paged":
+            return
+        given = [key for key, value in (("block_tokens", self.block_tokens), ("paged_kernel", self.paged_kernel))
+                 if value not in (None, "exact")]
+        if given:
+            raise CacheOptionError(
+                f"cache_config[{given[0]!r}] applies to the paged layout only, which the 'vkv_paged' attention reads, "
+                f"but this cache's layout is {layout or 'the device default contiguous one'!r}: load the model with "
+                f"attn_implementation='vkv_paged' (or model.set_attn_implementation('vkv_paged')), or leave "
+                f"{given[0]!r} unset")
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | None, *, given_to: str = "cache_config") -> CacheOptions:

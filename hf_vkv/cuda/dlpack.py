@@ -27,6 +27,8 @@ import threading
 
 import torch
 
+from ..memory.errors import ArgumentError
+
 __all__ = ["DeviceRange", "KDL_CPU", "KDL_CUDA", "tensor_over"]
 
 KDL_CPU = 1  # DLDeviceType kDLCPU
@@ -98,13 +100,13 @@ def tensor_over(address: int, nbytes: int, owner: object, *, device: torch.devic
     touches those bytes.
     """
     if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        raise ArgumentError(f"nbytes must be >= 0, got {nbytes}")
     if device.type == "cuda":
         dev = _DLDevice(KDL_CUDA, torch.cuda.current_device() if device.index is None else device.index)
     elif device.type == "cpu":
         dev = _DLDevice(KDL_CPU, 0)
     else:
-        raise ValueError(f"device must be a CPU or CUDA device, got {device}")
+        raise ArgumentError(f"device must be a CPU or CUDA device, got {device}")
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
     shape = (ctypes.c_int64 * 1)(nbytes)

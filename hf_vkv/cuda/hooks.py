@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .dlpack import tensor_over
+from ..memory.errors import ArgumentError
 
 __all__ = ["TorchHooks", "torch_hooks"]
 
@@ -44,7 +45,7 @@ def torch_hooks(device: torch.device) -> TorchHooks:
     """The real hooks for ``device`` (``cuda:N``). Initializes torch's CUDA state first, so that
     torch and the driver calls share the device's primary context."""
     if device.type != "cuda" or device.index is None:
-        raise ValueError(f"device must be an indexed CUDA device such as cuda:0, got {device}")
+        raise ArgumentError(f"device must be an indexed CUDA device such as cuda:0, got {device}")
     torch.cuda.init()
     with torch.cuda.device(device):
         torch.cuda.synchronize(device)  # creates the primary context if torch had not yet

@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from ..memory.errors import BackendError, CacheClosedError, KVCacheOutOfMemory
+from ..memory.errors import ArgumentError, BackendError, CacheClosedError, KVCacheOutOfMemory
 from ..memory.limits import MAX_CUDA_PAGE_BYTES, PageSizeError
 from ..memory.pool import PageId
 from ..memory.runs import consecutive_runs as _runs
@@ -111,16 +111,16 @@ class CudaBackend:
                  hooks: TorchHooks | None = None, shareable: bool = False) -> None:
         device = torch.device(device)
         if device.type != "cuda":
-            raise ValueError(f"device must be a CUDA device, got {device}")
+            raise ArgumentError(f"device must be a CUDA device, got {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if not isinstance(create_ahead, int) or create_ahead < 1:
-            raise ValueError(f"create_ahead must be a positive int, got {create_ahead!r}")
+            raise ArgumentError(f"create_ahead must be a positive int, got {create_ahead!r}")
         self.device = device
         self.create_ahead = create_ahead
         if driver is not None and bool(getattr(driver, "shareable", False)) != bool(shareable):
-            raise ValueError(f"shareable={shareable!r} but the driver given was made with "
-                             f"shareable={getattr(driver, 'shareable', False)!r}")
+            raise ArgumentError(f"shareable={shareable!r} but the driver given was made with "
+                                f"shareable={getattr(driver, 'shareable', False)!r}: pass the driver's value")
         self.shareable = bool(shareable)
         self._hooks = torch_hooks(device) if hooks is None else hooks
         self._driver = Driver(device.index, shareable=shareable) if driver is None else driver
@@ -142,7 +142,7 @@ class CudaBackend:
         if max_pages is None:
             max_pages = max(1, self._hooks.total_bytes() // page_bytes)
         if not isinstance(max_pages, int) or max_pages < 1:
-            raise ValueError(f"max_pages must be a positive int, got {max_pages!r}")
+            raise ArgumentError(f"max_pages must be a positive int, got {max_pages!r}")
         self.max_pages = max_pages
         self._id_space = 0
         self._slot_of: dict[PageId, int] = {}  # created page -> its window slot
@@ -405,8 +405,8 @@ class CudaBackend:
                                          f"{self.page_bytes:,}: both sides need the same page_bytes")
         pages, fds = list(pages), list(fds)
         if len(pages) != len(fds):
-            raise ValueError(f"import_pages needs one file descriptor per page, got {len(pages)} pages and "
-                             f"{len(fds)} descriptors")
+            raise ArgumentError(f"import_pages needs one file descriptor per page, got {len(pages)} pages and "
+                                f"{len(fds)} descriptors")
         self._check_new(call, pages)
         for fd in fds:
             if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
@@ -476,8 +476,8 @@ class CudaBackend:
                 or tuple(data.shape) != (len(pages), self.page_bytes)):
             got = (f"{data.dtype} {data.device} {tuple(data.shape)}" if isinstance(data, torch.Tensor)
                    else type(data).__name__)
-            raise ValueError(f"data must be a uint8 CPU tensor of shape [{len(pages)}, {self.page_bytes}] (one row "
-                             f"per page), got {got}")
+            raise ArgumentError(f"data must be a uint8 CPU tensor of shape [{len(pages)}, {self.page_bytes}] (one row "
+                                f"per page), got {got}")
         if len(set(pages)) != len(pages):
             raise BackendError(call, f"duplicate page ids in {pages[:8]}")
         slots = []
@@ -541,7 +541,7 @@ class CudaBackend:
         one call, then one ``cuMemSetAccess`` over the whole range)."""
         self._open()
         if not isinstance(nbytes, int) or nbytes <= 0 or nbytes % self.page_bytes:
-            raise ValueError(f"nbytes must be a positive multiple of page_bytes ({self.page_bytes}), got {nbytes!r}")
+            raise ArgumentError(f"nbytes must be a positive multiple of page_bytes ({self.page_bytes}), got {nbytes!r}")
         with self._driver.current():
             address = self._timed("reserve", self._driver.reserve, nbytes, self._align)
             if readable:

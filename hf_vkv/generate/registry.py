@@ -76,7 +76,7 @@ from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..cache.export import register_pytree
 from ..cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys
-from ..memory.errors import CacheOptionError, VKVError
+from ..memory.errors import ArgumentError, CacheOptionError, CapacityError, MissingDependencyError, VKVError
 from ..memory.map_budget import MappingLimitError
 from . import prefill_once, reuse, serving
 from .call import begin, end
@@ -133,8 +133,8 @@ def serving_patches() -> tuple[Patch, ...]:
         from transformers.cli.serving import server
         from transformers.cli.serving.utils import GenerateManager
     except ImportError as exc:
-        raise ImportError('hf-vkv serve needs transformers\' server (transformers >= 5.24 with its serving extra): '
-                          'pip install "hf_vkv[serve]"') from exc
+        raise MissingDependencyError('hf-vkv serve needs transformers\' server (transformers >= 5.24 with its serving '
+                                     'extra): pip install "hf_vkv[serve]"', name=exc.name) from exc
     return (Patch(GenerateManager, "generate_streaming", _serve_request),
             Patch(GenerateManager, "generate_non_streaming", _serve_request),
             Patch(server, "build_server", _serve_app))
@@ -236,7 +236,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
             # cache this wrapper built for it in the first round (its config still says "vkv")
             past._is_user_defined = True
             return None
-        raise ValueError(
+        raise ArgumentError(
             f"Passing both `cache_implementation` (used to initialize certain caches) and `{given[0]}` (a "
             "Cache object) is unsupported. Please use only one of the two."
         )
@@ -257,6 +257,14 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         return transformers_own()
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     cache_config = from_transformers_keys(config_dict(generation_config.cache_config))  # max_cache_len: max_tokens
+    asked = cache_config.get("max_tokens")
+    if isinstance(asked, int) and not isinstance(asked, bool) and 0 < asked < max_cache_length:
+        # refused before anything is built or computed, not at the step that would pass it
+        key = "max_cache_len" if "max_cache_len" in generation_config.cache_config else "max_tokens"
+        raise CapacityError(
+            f"cache_config[{key!r}]={asked} holds fewer tokens than this call may cache: "
+            f"{max_cache_length} (its prompt and max_new_tokens, less the last token, which is not cached): raise it to "
+            f"at least {max_cache_length}, or leave it unset (vkv reserves address space for the model's context)")
     store, cache_config = reuse.split_prefix_store(cache_config)
     if store is not None and generation_config.is_assistant:
         store = None  # an assistant's cache is its own (5.17 copies "vkv" to the assistant's config)

@@ -47,7 +47,7 @@ from typing import Any
 
 from ..cache import VKVCache
 from ..cache.options import PREFIX_STORE_KEY, CacheOptions, config_dict
-from ..memory.errors import VKVError
+from ..memory.errors import CacheOptionError, VKVError
 from ..prefix import PrefixFileError, PrefixMismatchError, PrefixStore
 from .names import CACHE_IMPLEMENTATION
 from .reuse import memory_conflict
@@ -80,7 +80,8 @@ def store_bytes() -> int:
     except ValueError:
         value = 0
     if value <= 0:
-        raise ValueError(f"{STORE_BYTES_ENV}={raw!r} must be a positive number of bytes")
+        raise CacheOptionError(f"{STORE_BYTES_ENV}={raw!r} must be a positive number of bytes (the budget of "
+                               f"each model's prefix store), or unset for the default")
     return value
 
 

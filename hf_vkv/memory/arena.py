@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .backend_protocol import Backend
-from .errors import BackendError
+from .errors import BackendError, CacheOptionError
 from .page_store import OpenTables, PageStore
 from .pool import PageId, PagePool
 
@@ -32,8 +32,9 @@ class Arena(OpenTables):
 
     def __init__(self, backend: Backend, *, budget_bytes: int | None = None) -> None:
         if budget_bytes is not None and budget_bytes < backend.page_bytes:
-            raise ValueError(
-                f"budget_bytes={budget_bytes:,} is smaller than one page ({backend.page_bytes:,} bytes)"
+            raise CacheOptionError(
+                f"budget_bytes={budget_bytes:,} is smaller than one page ({backend.page_bytes:,} bytes): raise "
+                f"cache_config['budget_bytes'] to at least {backend.page_bytes:,} (or leave it unset: no budget)"
             )
         super().__init__()
         budget_pages = sys.maxsize if budget_bytes is None else budget_bytes // backend.page_bytes

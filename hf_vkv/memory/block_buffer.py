@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from .arena import Arena
-from .errors import CacheClosedError
+from .errors import ArgumentError, CacheClosedError
 from .page_store import OpenTables
 from .page_table import Row
 from .pool import PageId, PagePool
@@ -46,7 +46,7 @@ class BlockStore(OpenTables):
 
     def __init__(self, arena: Arena, *, block_bytes: int, max_blocks: int) -> None:
         if block_bytes <= 0 or max_blocks <= 0:
-            raise ValueError(f"block_bytes and max_blocks must be positive, got {block_bytes}, {max_blocks}")
+            raise ArgumentError(f"block_bytes and max_blocks must be positive, got {block_bytes}, {max_blocks}")
         super().__init__()
         self.block_bytes = block_bytes
         self.max_blocks = max_blocks
@@ -112,7 +112,7 @@ class BlockBuffer(RowBuffer):
 
     def __init__(self, store: BlockStore, *, rows: int, capacity: int, item_bytes: int) -> None:
         if store.block_bytes % item_bytes:
-            raise ValueError(f"a block of {store.block_bytes} bytes does not hold whole items of {item_bytes} bytes")
+            raise ArgumentError(f"a block of {store.block_bytes} bytes does not hold whole items of {item_bytes} bytes")
         super().__init__(store, rows=rows, capacity=capacity, item_bytes=item_bytes, hinted=False)
         self.block_items = store.block_bytes // item_bytes
         self._finalizer = weakref.finalize(self, return_pages, self._table, store)

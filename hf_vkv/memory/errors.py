@@ -1,6 +1,10 @@
 """The three tiers of errors.
 
-* bad input: ``ValueError`` / ``TypeError`` subclasses naming the argument and the fix;
+Every error hf_vkv raises on purpose is a :class:`VKVError` (``tests/unit/test_error_types.py``
+checks the package's source for a raise of a builtin exception class):
+
+* bad input: ``ValueError`` / ``TypeError`` / ``IndexError`` subclasses naming the argument and the
+  fix, raised before anything changes;
 * exhaustion: :class:`KVCacheOutOfMemory`, raised *before* any bookkeeping changes;
 * bugs and broken backends: ``RuntimeError`` subclasses that say so.
 """
@@ -11,6 +15,10 @@ __all__ = [
     "VKVError",
     "CacheOptionError",
     "CacheOptionTypeError",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "CacheIndexError",
+    "MissingDependencyError",
     "KVCacheOutOfMemory",
     "CapacityError",
     "CacheClosedError",
@@ -31,6 +39,26 @@ class CacheOptionError(VKVError, ValueError):
 class CacheOptionTypeError(VKVError, TypeError):
     """A ``cache_config`` that is not a dict, or an option whose value has the wrong type (the
     message names the option and the type it takes)."""
+
+
+class ArgumentError(VKVError, ValueError):
+    """An argument of an hf_vkv call (not a ``cache_config`` option) that is out of range or does not
+    fit what it is given to: a length past a cache's, a cache of another model, a file where a folder
+    goes. Raised before anything changes; the message names the argument and what it takes."""
+
+
+class ArgumentTypeError(VKVError, TypeError):
+    """An argument of an hf_vkv call of the wrong type (the message names it and the type it takes)."""
+
+
+class CacheIndexError(VKVError, IndexError):
+    """A row or layer index outside the cache (the message names the index and the valid range);
+    nothing was changed."""
+
+
+class MissingDependencyError(VKVError, ModuleNotFoundError):
+    """A package an optional part of hf_vkv needs is not installed (``name``: its import name);
+    the message gives the ``pip install`` command (an extra such as ``hf_vkv[plot]``)."""
 
 
 class KVCacheOutOfMemory(VKVError, MemoryError):

@@ -37,7 +37,8 @@ from collections.abc import Sequence
 import torch
 
 from .errors import BackendError, CacheClosedError
-from .limits import MAX_HOST_PAGE_BYTES, check_page_bytes
+from .errors import ArgumentError
+from .limits import MAX_HOST_PAGE_BYTES, PageSizeError, check_page_bytes
 from .map_budget import PROCESS_MAP_BUDGET, process_mappings, read_max_map_count
 from .pool import PageId
 from .runs import consecutive_runs
@@ -137,8 +138,9 @@ class HostBackend:
 
     def __init__(self, *, page_bytes: int, name: str = "hf_vkv") -> None:
         if page_bytes <= 0 or page_bytes % mmap.PAGESIZE:
-            raise ValueError(
-                f"page_bytes must be a positive multiple of the OS page size ({mmap.PAGESIZE}), got {page_bytes}"
+            raise PageSizeError(
+                f"page_bytes must be a positive multiple of the OS page size ({mmap.PAGESIZE}), got {page_bytes} "
+                f"(cache_config['page_bytes']; leave it unset for the layout's default)"
             )
         check_page_bytes(page_bytes, low=mmap.PAGESIZE, high=MAX_HOST_PAGE_BYTES, where=" of the host (CPU)")
         self.page_bytes = page_bytes
@@ -192,7 +194,7 @@ class HostBackend:
     # ----------------------------------------------------------------------------- address space
     def reserve(self, nbytes: int, *, readable: bool = False) -> int:
         if nbytes <= 0 or nbytes % self.page_bytes:
-            raise ValueError(f"nbytes must be a positive multiple of page_bytes ({self.page_bytes}), got {nbytes}")
+            raise ArgumentError(f"nbytes must be a positive multiple of page_bytes ({self.page_bytes}), got {nbytes}")
         prot = _PROT_RW if readable else _PROT_NONE
         raw = _mmap(None, nbytes + self.page_bytes, prot, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         base = -(-raw // self.page_bytes) * self.page_bytes

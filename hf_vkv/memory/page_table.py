@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 
-from .errors import CapacityError, InvariantError
+from .errors import ArgumentError, CacheIndexError, CapacityError, InvariantError
 from .pool import PageId, PagePool
 from .reorder_plan import grouped_plan, private_tails_plan, table_changes
 from .table_records import CowCopy, Row
@@ -49,7 +49,7 @@ class PageTable:
     def __init__(self, pool: PagePool, *, rows: int, pages_per_row: int, page_size: int,
                  hinted: bool = True) -> None:
         if rows <= 0 or pages_per_row <= 0 or page_size <= 0:
-            raise ValueError(
+            raise ArgumentError(
                 f"rows, pages_per_row and page_size must be positive, got {rows}, {pages_per_row}, {page_size}"
             )
         self.pool = pool
@@ -122,12 +122,12 @@ class PageTable:
 
     def _check_row(self, index: int) -> int:
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.rows:
-            raise IndexError(f"row {index!r} is out of range: this table has rows 0..{self.rows - 1}")
+            raise CacheIndexError(f"row {index!r} is out of range: this table has rows 0..{self.rows - 1}")
         return index
 
     def _check_length(self, row: int, length: int) -> int:
         if length < 0:
-            raise ValueError(f"length must be >= 0, got {length}")
+            raise ArgumentError(f"length must be >= 0, got {length}")
         if _pages_for(length, self.page_size) > self.pages_per_row:
             raise CapacityError(
                 f"row {row} would hold {length} bytes but its reservation holds "
@@ -215,10 +215,10 @@ class PageTable:
         self._check_row(dst)
         length = source.length if length is None else length
         if not 0 <= length <= source.length:
-            raise ValueError(f"length {length} is outside row {src}'s 0..{source.length} bytes")
+            raise ArgumentError(f"length {length} is outside row {src}'s 0..{source.length} bytes")
         end = _pages_for(length, self.page_size)
         if length and end <= source.start:
-            raise ValueError(f"row {src}'s first {length} bytes were dropped behind its window")
+            raise ArgumentError(f"row {src}'s first {length} bytes were dropped behind its window")
         self.assign(dst, Row(length, source.start, source.pages[: end - source.start]) if length else Row())
 
     def assign(self, row: int, table: Row) -> None:
@@ -229,12 +229,12 @@ class PageTable:
             return
         need = _pages_for(table.length, self.page_size)
         if table.end != need or table.start > need:
-            raise ValueError(f"row table {table} does not cover its length")
+            raise ArgumentError(f"row table {table} does not cover its length")
         self._check_length(row, table.length)
         refs = self.pool.refs
         free = [p for p in table.pages if refs.get(p, 0) < 1] if 0 in map(refs.get, table.pages, repeat(0)) else []
         if free:  # (in C when all are in use) named together, as a bad argument, before anything changes
-            raise ValueError(f"row table {table} holds pages {free[:4]} that are not in use in this pool")
+            raise ArgumentError(f"row table {table} holds pages {free[:4]} that are not in use in this pool")
         self.pool.incref(table.pages)
         self.pool.decref(old.pages)
         self._set(row, table)
@@ -269,7 +269,7 @@ class PageTable:
         rows = self.rows
         index = [i if i is None or (type(i) is int and 0 <= i < rows) else self._check_row(int(i)) for i in index]
         if len(index) > rows:
-            raise ValueError(f"index has {len(index)} entries but the table has {rows} rows")
+            raise ArgumentError(f"index has {len(index)} entries but the table has {rows} rows")
         plan = grouped_plan(self.entries, index, groups, self.pool.refs, self.page_size, private_tails=private_tails,
                             remaps_cost=remaps_cost, gathered=gathered, written=written) \
             if groups is not None and len(groups) < rows else None
@@ -317,14 +317,14 @@ class PageTable:
             self._check_length(row, end)
             length = end if end > old.length else old.length
             if start < 0 or start > end:
-                raise ValueError(f"write range [{start}, {end}) is outside row {row}'s 0..{length} bytes")
+                raise ArgumentError(f"write range [{start}, {end}) is outside row {row}'s 0..{length} bytes")
             need = _pages_for(length, ps)
             last = old.pages[-1] if old.pages else None
             for k, index in enumerate(range(old.end, need)):
                 hints.append(([PageId(last + 1 + k)] if last is not None else []) + [home(row, index)] if hinted else [])
             first, final = start // ps, (end - 1) // ps
             if start < end and first < old.start:
-                raise ValueError(f"row {row} cannot write byte {start}: it was dropped behind the window")
+                raise ArgumentError(f"row {row} cannot write byte {start}: it was dropped behind the window")
             shared = []  # as the calls row by row see it: a copy drops its source's reference before the next row
             for i in range(first, min(final + 1, old.end)) if start < end else ():
                 page = old.pages[i - old.start]
@@ -372,7 +372,7 @@ class PageTable:
         """
         old = self.entries[self._check_row(row)]
         if not 0 <= start <= end <= old.length:
-            raise ValueError(f"write range [{start}, {end}) is outside row {row}'s 0..{old.length} bytes")
+            raise ArgumentError(f"write range [{start}, {end}) is outside row {row}'s 0..{old.length} bytes")
         copies, created, _ = self.grow_and_cow([row], start, end)
         return copies, created
 
@@ -380,7 +380,7 @@ class PageTable:
         """Shrink ``row`` to ``length`` bytes, dropping pages past the end."""
         old = self.entries[self._check_row(row)]
         if not 0 <= length <= old.length:
-            raise ValueError(f"cannot truncate row {row} from {old.length} to {length} bytes")
+            raise ArgumentError(f"cannot truncate row {row} from {old.length} to {length} bytes")
         if length == old.length:
             return
         end = _pages_for(length, self.page_size)
@@ -392,7 +392,7 @@ class PageTable:
         """Drop the pages of ``row`` that lie wholly before byte ``offset`` (behind a sliding window)."""
         old = self.entries[self._check_row(row)]
         if not 0 <= offset <= old.length:
-            raise ValueError(f"byte {offset} is outside row {row}'s 0..{old.length} bytes")
+            raise ArgumentError(f"byte {offset} is outside row {row}'s 0..{old.length} bytes")
         new_start = min(offset // self.page_size, old.end)
         if new_start <= old.start:
             return

@@ -37,7 +37,7 @@ from operator import add, not_, sub
 from types import MappingProxyType
 from typing import NewType, cast
 
-from .errors import InvariantError, KVCacheOutOfMemory
+from .errors import ArgumentError, InvariantError, KVCacheOutOfMemory
 
 __all__ = ["PageId", "PagePool", "PoolStats"]
 
@@ -94,9 +94,9 @@ class PagePool:
 
     def __init__(self, *, page_bytes: int, budget_pages: int) -> None:
         if page_bytes <= 0:
-            raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+            raise ArgumentError(f"page_bytes must be positive, got {page_bytes}")
         if budget_pages < 0:
-            raise ValueError(f"budget_pages must be >= 0, got {budget_pages}")
+            raise ArgumentError(f"budget_pages must be >= 0, got {budget_pages}")
         self.page_bytes = page_bytes
         self.budget_pages = budget_pages
         self._refs: dict[PageId, int] = {}
@@ -165,7 +165,7 @@ class PagePool:
     def add_segment(self, num_pages: int) -> PageId:
         """Extend the id space by ``num_pages`` ids and return the first one (a segment's base)."""
         if num_pages < 0:
-            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+            raise ArgumentError(f"num_pages must be >= 0, got {num_pages}")
         base = self._id_space
         self._bump("_id_space", num_pages)
         return PageId(base)
@@ -182,7 +182,7 @@ class PagePool:
         if self._undo is not None:
             raise InvariantError("PagePool.add_external() inside an open transaction")
         if holds is not None and (len(holds) != num_pages or (num_pages and min(holds) < 0)):
-            raise ValueError(f"holds must give a count >= 0 for each of the {num_pages} pages")
+            raise ArgumentError(f"holds must give a count >= 0 for each of the {num_pages} pages")
         base = self.add_segment(num_pages)
         pages = cast("list[PageId]", list(range(base, base + num_pages)))  # PageId is an int at run time
         self._external.update(pages)

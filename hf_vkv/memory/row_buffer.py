@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .errors import CacheClosedError, CapacityError, InvariantError
+from .errors import ArgumentError, CacheClosedError, CacheIndexError, CapacityError, InvariantError
 from .invariants import check_pages
 from .page_store import PageStore
 from .page_table import CowCopy, PageTable, Row
@@ -83,8 +83,8 @@ class RowBuffer(ABC):
     def __init__(self, store: PageStore, *, rows: int, capacity: int, item_bytes: int, hinted: bool,
                  parts: int = 1) -> None:
         if rows <= 0 or capacity <= 0 or item_bytes <= 0 or parts <= 0:
-            raise ValueError(f"rows, capacity, item_bytes and parts must be positive, got {rows}, {capacity}, "
-                             f"{item_bytes}, {parts}")
+            raise ArgumentError(f"rows, capacity, item_bytes and parts must be positive, got {rows}, {capacity}, "
+                                f"{item_bytes}, {parts}")
         page = store.page_bytes
         self.store = store
         self.rows = rows
@@ -204,7 +204,7 @@ class RowBuffer(ABC):
         and give them private copies of shared pages in the range (copy-on-write)."""
         self._check_capacity(end)
         if start < 0 or start > end:
-            raise ValueError(f"invalid write range [{start}, {end})")
+            raise ArgumentError(f"invalid write range [{start}, {end}): need 0 <= start <= end")
         ib = self.item_bytes
         rows = list(rows)
         if end > start:
@@ -237,9 +237,9 @@ class RowBuffer(ABC):
         page (:attr:`~hf_vkv.memory.pool.PagePool.marks`): the first of the two to append writes
         it in place; the other copies it when it writes (a stored prefix never does)."""
         if source.store is not self.store or source.item_bytes != self.item_bytes or source.parts != self.parts:
-            raise ValueError("adopt takes a row of a buffer of the same store, item size and parts")
+            raise ArgumentError("adopt takes a row of a buffer of the same store, item size and parts")
         if not 0 <= length <= source.length(source_row):
-            raise ValueError(f"row {source_row} holds {source.length(source_row)} items, not {length}")
+            raise ArgumentError(f"row {source_row} holds {source.length(source_row)} items, not {length}")
         self._check_capacity(length)
         units, page = length * self.item_bytes, self.store.page_bytes
         pool = self.store.pool
@@ -249,7 +249,7 @@ class RowBuffer(ABC):
                 held = source.table.row(b)
                 end = -(-units // page)
                 if units and end <= held.start:
-                    raise ValueError(f"row {source_row}'s first {length} items were dropped behind its window")
+                    raise ArgumentError(f"row {source_row}'s first {length} items were dropped behind its window")
                 if units == held.length and units % page and pool.refcount(held.pages[-1]) == 1:
                     marks[held.pages[-1]] = units % page  # the source alone holds its last page: it is all it holds
                 table.assign(a, Row(units, held.start, held.pages[:end - held.start]) if units else Row())
@@ -262,10 +262,10 @@ class RowBuffer(ABC):
         table of the wrong count, of uneven lengths, not whole items, or over the capacity."""
         parts = self.table_rows(row)
         if len(tables) != len(parts) or len({t.length for t in tables}) > 1:
-            raise ValueError(f"row {row} has {len(parts)} parts: give one table each, all of one length")
+            raise ArgumentError(f"row {row} has {len(parts)} parts: give one table each, all of one length")
         length = tables[0].length if tables else 0
         if length % self.item_bytes:
-            raise ValueError(f"a table of {length} bytes does not hold whole items of {self.item_bytes}")
+            raise ArgumentError(f"a table of {length} bytes does not hold whole items of {self.item_bytes}")
         self._check_capacity(length // self.item_bytes)
         with self._transaction() as table:
             for a, held in zip(parts, tables):
@@ -286,13 +286,13 @@ class RowBuffer(ABC):
         Returns whether any row's table changed. False: only bytes moved (or nothing), so every
         row holds the pages, lengths and mappings it held, each page as shared as before."""
         if len(index) > self.rows:
-            raise ValueError(f"index has {len(index)} entries but the buffer has {self.rows} rows")
+            raise ArgumentError(f"index has {len(index)} entries but the buffer has {self.rows} rows")
         parts, n = self._parts, self.rows
         moves: list[int | None] = [None] * (n * self.parts)
         for i, src in enumerate(index):
             src = int(src)
             if not 0 <= src < n:
-                raise IndexError(f"row {src} is out of range for {n} rows")
+                raise CacheIndexError(f"row {src} is out of range for {n} rows (0..{n - 1})")
             for a, b in zip(parts[i], parts[src]):
                 moves[a] = b
         units = None if written is None else written * self.item_bytes
@@ -329,7 +329,7 @@ class RowBuffer(ABC):
         rows = self.rows if rows is None else rows
         extra = [r for r in range(rows, self.rows) if self.length(r)]
         if extra:
-            raise ValueError(f"cannot fork into {rows} rows: rows {extra[:4]} hold items")
+            raise ArgumentError(f"cannot fork into {rows} rows: rows {extra[:4]} hold items")
         other = self._sibling(rows)
         try:
             with other._transaction() as new:
@@ -362,7 +362,7 @@ class RowBuffer(ABC):
         parts, n, out = self._parts, self.rows, []
         for r in rows:
             if not 0 <= r < n:
-                raise IndexError(f"row {r} is out of range for {n} rows")
+                raise CacheIndexError(f"row {r} is out of range for {n} rows (0..{n - 1})")
             out += parts[r]
         return out
 

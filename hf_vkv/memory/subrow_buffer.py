@@ -12,6 +12,7 @@ block: :mod:`hf_vkv.cache.layouts.head_major`).
 from __future__ import annotations
 
 from .arena import Arena
+from .errors import ArgumentError
 from .virtual_buffer import VirtualBuffer
 
 __all__ = ["SubRowBuffer"]
@@ -25,7 +26,7 @@ class SubRowBuffer(VirtualBuffer):
     def __init__(self, arena: Arena, *, rows: int, blocks: int, heads: int, capacity: int, item_bytes: int,
                  readable: bool = False) -> None:
         if blocks <= 0 or heads <= 0:
-            raise ValueError(f"blocks and heads must be positive, got {blocks}, {heads}")
+            raise ArgumentError(f"blocks and heads must be positive, got {blocks}, {heads}")
         self.blocks = blocks
         self.heads = heads
         super().__init__(arena, rows=rows, capacity=capacity, item_bytes=item_bytes, parts=blocks * heads,

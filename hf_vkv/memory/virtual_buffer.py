@@ -24,7 +24,7 @@ import torch
 
 from .arena import Arena
 from .backend_protocol import Backend
-from .errors import BackendError, CacheClosedError
+from .errors import ArgumentError, ArgumentTypeError, BackendError, CacheClosedError
 from .map_budget import MapBudget, mapping_change
 from .page_table import PageTable, Row
 from .reorder_plan import common_prefix
@@ -110,8 +110,8 @@ class VirtualBuffer(RowBuffer):
     def __init__(self, arena: Arena, *, rows: int, capacity: int, item_bytes: int, parts: int = 1,
                  readable: bool = False) -> None:
         if parts != self.blocks * self.heads:
-            raise ValueError(f"parts ({parts}) must be blocks x heads ({self.blocks} x {self.heads}): rows in "
-                             "several parts are a SubRowBuffer's")
+            raise ArgumentError(f"parts ({parts}) must be blocks x heads ({self.blocks} x {self.heads}): rows in "
+                                "several parts are a SubRowBuffer's")
         super().__init__(arena, rows=rows, capacity=capacity, item_bytes=item_bytes, hinted=True, parts=parts)
         self.readable = readable
         self._full_views: dict[torch.dtype, torch.Tensor] = {}  # full_view's tensors, one per dtype
@@ -146,13 +146,13 @@ class VirtualBuffer(RowBuffer):
         if self._closed:
             raise CacheClosedError(_CLOSED)
         if not isinstance(rows, range) or rows.step != 1 or not 0 <= rows.start <= rows.stop <= self.rows:
-            raise ValueError(f"rows must be a range with step 1 inside 0..{self.rows}, got {rows!r}")
+            raise ArgumentError(f"rows must be a range with step 1 inside 0..{self.rows}, got {rows!r}")
         ib, page, entries, parts = self.item_bytes, self._table.page_size, self._table.entries, self._parts
         for r in rows:
             row = entries[parts[r][0]]  # every part holds the same items
             if not 0 <= start <= end <= row.length // ib or (end > start and start * ib < row.start * page):
-                raise ValueError(f"items [{start}, {end}) of row {r} are not mapped (it holds "
-                                 f"[{self.first_live(r)}, {row.length // ib}))")
+                raise ArgumentError(f"items [{start}, {end}) of row {r} are not mapped (it holds "
+                                    f"[{self.first_live(r)}, {row.length // ib}))")
         s, n = self.row_stride, (end - start) * ib
         if self.parts == 1:
             return self._storage.as_strided((len(rows), n), (s, 1), rows.start * s + start * ib)
@@ -171,7 +171,8 @@ class VirtualBuffer(RowBuffer):
         tensor share one ``_base``, which ``torch.compile`` needs of inputs mutated in place that
         share storage (``aot_autograd`` rejects aliased inputs with different bases)."""
         if not self.readable:
-            raise TypeError("only a readable buffer (readable=True) may be viewed beyond its mapped items")
+            raise ArgumentTypeError("only a readable buffer (readable=True) may be viewed beyond its mapped items: "
+                                    "make it with readable=True (the static layout's) or view the mapped items")
         self._open()
         full = self._full_views.get(dtype)
         if full is None:

@@ -32,12 +32,22 @@ Decisions, in one place:
   (``hf_vkv[cuda]``; not yet run on a GPU).
 """
 
-from .errors import PrefixFileCorruptError, PrefixFileError, PrefixFormatError, PrefixMismatchError
+from .errors import (
+    PrefixFileCorruptError,
+    PrefixFileError,
+    PrefixFormatError,
+    PrefixIsAFolderError,
+    PrefixMismatchError,
+    PrefixNotAFolderError,
+    PrefixNotFoundError,
+    PrefixPathError,
+)
 from .persist import load_prefix, save_prefix
 from .radix import RadixTree
 from .store import PrefixStats, PrefixStore
 
 __all__ = [
-    "PrefixFileCorruptError", "PrefixFileError", "PrefixFormatError", "PrefixMismatchError", "PrefixStats",
+    "PrefixFileCorruptError", "PrefixFileError", "PrefixFormatError", "PrefixMismatchError", "PrefixPathError",
+    "PrefixNotFoundError", "PrefixIsAFolderError", "PrefixNotAFolderError", "PrefixStats",
     "PrefixStore", "RadixTree", "load_prefix", "save_prefix",
 ]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from ..memory.errors import VKVError
 
-__all__ = ["PrefixFileError", "PrefixFileCorruptError", "PrefixFormatError", "PrefixMismatchError"]
+__all__ = [
+    "PrefixFileError", "PrefixFileCorruptError", "PrefixFormatError", "PrefixMismatchError",
+    "PrefixPathError", "PrefixNotFoundError", "PrefixIsAFolderError", "PrefixNotAFolderError",
+]
 
 
 class PrefixFileError(VKVError, ValueError):
@@ -36,3 +39,25 @@ class PrefixMismatchError(VKVError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(message)
+
+
+class PrefixPathError(VKVError, OSError):
+    """A path given to a prefix call names nothing there, or the wrong kind of thing (a folder
+    where a prefix file goes, a file where a folder goes): the family of the three errors below,
+    each also the ``OSError`` subclass Python raises for it. Raised before anything is read or
+    written; the message names the path and what goes there."""
+
+
+class PrefixNotFoundError(PrefixPathError, FileNotFoundError):
+    """Nothing is at the path given to :func:`~hf_vkv.load_prefix` or
+    :meth:`~hf_vkv.PrefixStore.load`."""
+
+
+class PrefixIsAFolderError(PrefixPathError, IsADirectoryError):
+    """A folder where a prefix file goes (:func:`~hf_vkv.load_prefix`, :func:`~hf_vkv.save_prefix`):
+    a folder :meth:`~hf_vkv.PrefixStore.save` wrote is read by :meth:`~hf_vkv.PrefixStore.load`."""
+
+
+class PrefixNotAFolderError(PrefixPathError, FileExistsError):
+    """A file where :meth:`~hf_vkv.PrefixStore.save` writes its folder (the path, or a folder
+    above it); ``FileExistsError``, as the ``mkdir`` it replaces raised."""

@@ -51,6 +51,7 @@ import torch
 
 from ..cache import GroupGeometry, GroupImage, VKVCache
 from ..memory import Arena, PageId, Row
+from ..memory.errors import InvariantError
 from .errors import PrefixFileCorruptError, PrefixFormatError
 from .page_check import MappedPages, page_checksums
 
@@ -88,7 +89,8 @@ def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[Grou
     that describes them. Every image must draw from one arena (the store's memory)."""
     stores = {id(img.store): img.store for _, images in entries for img in images}
     if len(stores) != 1 or not isinstance(next(iter(stores.values())), Arena):
-        raise ValueError("the entries' pages must live in one arena to be written as one file")
+        raise InvariantError("the entries' pages must live in one arena to be written as one file (PrefixStore.save "
+                             "passes one arena's entries; a bug in hf_vkv)")
     arena: Arena = next(iter(stores.values()))
     page_bytes = arena.page_bytes
     index_of: dict[PageId, int] = {}
@@ -148,21 +150,21 @@ def _runs(pages: list[int]) -> list[list[int]]:
 def _table_runs(pages: list, count: int) -> list[tuple[int, int]]:
     """A table's file pages from the index as runs ``[(first, count), ...]``: runs (version 3) or
     the indexes themselves (version 2), each checked inside the file's ``count`` pages
-    (``ValueError`` otherwise)."""
+    (:class:`PrefixFormatError`, a ``ValueError``, otherwise)."""
     if len(pages) == 1 and isinstance(pages[0], list):  # one run: the common case
         (first, n), = pages
         first, n = int(first), int(n)
         if n <= 0 or first < 0 or first + n > count:
-            raise ValueError(f"a run of pages empty or outside the file's {count}")
+            raise PrefixFormatError(f"a run of pages empty or outside the file's {count}")
         return [(first, n)]
     if pages and isinstance(pages[0], list):
         runs = [(int(first), int(n)) for first, n in pages]
         if any(n <= 0 for _, n in runs):
-            raise ValueError("an empty run of pages")
+            raise PrefixFormatError("an empty run of pages")
     else:
         runs = [(first, n) for first, n in _runs([int(p) for p in pages])]
     if any(first < 0 or first + n > count for first, n in runs):
-        raise ValueError(f"a run of pages outside the file's {count}")
+        raise PrefixFormatError(f"a run of pages outside the file's {count}")
     return runs
 
 
@@ -182,7 +184,7 @@ def _file_checksums(section: dict[str, Any], count: int) -> np.ndarray:
     else:
         out = np.array([int(x) for x in sums], dtype=np.int64)
     if len(out) != count:
-        raise ValueError(f"{len(out)} checksums for {count} pages")
+        raise PrefixFormatError(f"{len(out)} checksums for {count} pages")
     return out
 
 
@@ -275,7 +277,7 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
         page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
         groups, entries, sums = section["groups"], section["entries"], _file_checksums(section, count)
         if Path(section["file"]).name != section["file"]:
-            raise ValueError("file")
+            raise PrefixFormatError(f"its file {section['file']!r} is not a name inside the folder")
     except (KeyError, TypeError, ValueError) as e:
         raise PrefixFormatError(f"{folder}: the mapped-pages section of its index is malformed ({e})") from None
     try:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..memory import PageId
+from ..memory.errors import ArgumentError
 from .errors import PrefixFileCorruptError
 
 __all__ = ["MappedPages", "page_checksums"]
@@ -25,7 +26,8 @@ def page_checksums(pages: torch.Tensor) -> np.ndarray:
     torch's intra-op threads (integer sums wrap and are exact in any order: the same at any thread
     count)."""
     if pages.shape[1] % 8:
-        raise ValueError(f"page size {pages.shape[1]} is not a multiple of 8 bytes")
+        raise ArgumentError(f"page size {pages.shape[1]} is not a multiple of 8 bytes: pass pages as uint8 [n, page_bytes] "
+                            f"with page_bytes a multiple of 8")
     return pages.view(torch.int64).sum(dim=1).numpy()
 
 

@@ -40,8 +40,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..cache import VKVCache
+from ..memory.errors import ArgumentError, ArgumentTypeError
 from ..version import __version__
-from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
+from .errors import (
+    PrefixFileCorruptError,
+    PrefixFormatError,
+    PrefixIsAFolderError,
+    PrefixMismatchError,
+    PrefixNotFoundError,
+)
 from .checksums import checksums_of, verify_checksums, validate_meta
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
 from .tokens import outside_vocabulary, token_list
@@ -71,17 +78,26 @@ def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, mode
     """:func:`save_prefix` with the weights fingerprint given (``None``: the file carries none)."""
     tokens = token_list(token_ids)
     if not isinstance(cache, VKVCache):
-        raise TypeError(f"save_prefix needs a hf_vkv.VKVCache, got {type(cache).__name__}")
+        raise ArgumentTypeError(f"save_prefix needs a hf_vkv.VKVCache, got {type(cache).__name__}: generate with "
+                                f"cache_implementation='vkv' and pass out.past_key_values")
+    path = Path(path)
+    if path.is_dir():
+        raise PrefixIsAFolderError(f"{path} is a folder: save_prefix writes one file, name one inside it (e.g. "
+                                   f"{path / 'prefix.safetensors'}); a whole store goes to a folder by PrefixStore.save")
+    if not path.parent.is_dir():
+        raise PrefixNotFoundError(f"save_prefix writes {path} into the folder {path.parent}, which does not exist: "
+                                  f"create it first")
     kept = len(cache.transformers_layers())
     if kept:
-        raise ValueError(f"save_prefix saves key/value states only, and {kept} layer(s) of this cache keep "
-                         f"recurrent or linear-attention state in transformers' classes: a file without it would "
-                         f"continue the generation wrongly; keep such prefixes in memory (PrefixStore, cache.fork())")
+        raise ArgumentError(f"save_prefix saves key/value states only, and {kept} layer(s) of this cache keep "
+                            f"recurrent or linear-attention state in transformers' classes: a file without it would "
+                            f"continue the generation wrongly; keep such prefixes in memory (PrefixStore, cache.fork())")
     n = cache.get_seq_length()
     if cache.rows != 1:
-        raise ValueError(f"save_prefix saves batch-1 caches, this one holds {cache.rows} rows")
+        raise ArgumentError(f"save_prefix saves batch-1 caches, this one holds {cache.rows} rows; keep one row first "
+                            f"(cache.batch_select_indices(torch.tensor([row])) on a fork)")
     if len(tokens) != n or n == 0:
-        raise ValueError(f"token_ids has {len(tokens)} ids but the cache holds {n} tokens; pass the ids of "
+        raise ArgumentError(f"token_ids has {len(tokens)} ids but the cache holds {n} tokens; pass the ids of "
                          f"the cached positions: out.sequences[0, :cache.get_seq_length()]")
     if model is not None and config_fingerprint(model.config) != config_fingerprint(cache.config):
         raise PrefixMismatchError("config", "the cache was not made by this model (config fingerprints differ)")
@@ -91,7 +107,8 @@ def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, mode
     for i, layer in enumerate(cache.layers):
         keys, values = layer.keys, layer.values
         if keys is None or values is None:
-            raise ValueError(f"layer {i} of the cache holds no states: nothing to save")
+            raise ArgumentError(f"layer {i} of the cache holds no states: nothing to save; save the cache after "
+                                f"generate (or a forward) filled it")
         dtype = dtype or keys.dtype
         tensors[f"layers.{i}.keys"] = keys.detach().to("cpu").contiguous()
         tensors[f"layers.{i}.values"] = values.detach().to("cpu").contiguous()
@@ -104,7 +121,6 @@ def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, mode
         "weights_fingerprint": weights, "layers": layers,
     }
     meta["checksums"] = checksums_of(meta, tensors)
-    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta)})
@@ -133,7 +149,9 @@ def load_prefix(
     into its own, see :meth:`PrefixStore.load`).
 
     Raises:
-        FileNotFoundError: no file at ``path``.
+        PrefixNotFoundError: no file at ``path`` (a ``FileNotFoundError``).
+        PrefixIsAFolderError: ``path`` is a folder (an ``IsADirectoryError``): a folder
+            :meth:`PrefixStore.save` wrote is read by :meth:`PrefixStore.load`.
         PrefixFileCorruptError: the file is not whole: truncated, its safetensors header damaged,
             or a checksum differs (naming the tensor, the ids or the metadata: a flipped bit).
         PrefixFormatError: it is not an hf_vkv prefix this version reads: not safetensors (a text
@@ -154,12 +172,15 @@ def _load(
 ) -> tuple[VKVCache, list[int]]:
     """:func:`load_prefix`; ``weights``: the model's weights fingerprint if already known."""
     if (model is None) == (config is None):
-        raise TypeError("load_prefix needs exactly one of model=... or config=...")
+        raise ArgumentTypeError("load_prefix needs exactly one of model=... or config=...: pass the model the file "
+                                "is for (or its config)")
     config = model.config if model is not None else config
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"{path} is a folder, not a prefix file: a folder written by PrefixStore.save(folder) "
-                                f"is read by PrefixStore.load(folder, model=model)")
+        raise PrefixIsAFolderError(f"{path} is a folder, not a prefix file: a folder written by PrefixStore.save(folder) "
+                                   f"is read by PrefixStore.load(folder, model=model)")
+    if not path.exists():
+        raise PrefixNotFoundError(f"no prefix file at {path}: pass the path save_prefix wrote")
     meta, tensors = _read(path)
     _check_model(path, meta, config, model, dtype, check_weights=check_weights, weights=weights)
     n, tokens = meta["length"], meta["token_ids"]
@@ -182,7 +203,7 @@ def _load(
 
 def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The metadata and the tensors of a prefix file, checked against each other."""
-    with open(path, "rb") as f:  # FileNotFoundError / PermissionError / IsADirectoryError as they are
+    with open(path, "rb") as f:  # PermissionError as it is (_load refuses a missing path and a folder)
         size = os.fstat(f.fileno()).st_size
         head = f.read(9)
         header_len = int.from_bytes(head[:8], "little")
@@ -205,9 +226,10 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     meta_raw = (header.pop("__metadata__", None) or {}) if isinstance(header, dict) else None
     try:
         ends = [info["data_offsets"][1] for info in header.values()]  # type: ignore[union-attr]
-        if not isinstance(meta_raw, dict) or not all(isinstance(e, int) for e in ends):
-            raise TypeError
+        malformed = not isinstance(meta_raw, dict) or not all(isinstance(e, int) for e in ends)
     except (TypeError, KeyError, IndexError, AttributeError):
+        malformed = True
+    if malformed:
         raise PrefixFileCorruptError(f"{path} is not whole: its safetensors header is damaged (malformed)") from None
     described = 8 + header_len + max(ends, default=0)
     if described != size:

@@ -12,7 +12,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from ..memory.errors import InvariantError
+from ..memory.errors import ArgumentError, InvariantError
 
 __all__ = ["RadixTree"]
 
@@ -62,9 +62,9 @@ class RadixTree(Generic[K]):
         """Store ``key`` under ``tokens`` (at least one token); return the key it replaced there."""
         tokens = tuple(tokens)
         if not tokens:
-            raise ValueError("tokens must hold at least one token id")
+            raise ArgumentError("tokens must hold at least one token id")
         if key in self._where:
-            raise ValueError(f"key {key!r} is already stored; remove it first")
+            raise ArgumentError(f"key {key!r} is already stored; remove it first")
         node, depth = self._root, 0
         while depth < len(tokens):
             child = node.children.get(tokens[depth])

@@ -33,9 +33,15 @@ import torch
 from .. import devices
 from ..cache import VKVCache
 from ..memory import PageId
-from ..memory.errors import InvariantError
+from ..memory.errors import ArgumentError, ArgumentTypeError, InvariantError
 from ..memory.held_pages import HeldPages, PageCounts
-from .errors import PrefixFileCorruptError, PrefixFormatError, PrefixMismatchError
+from .errors import (
+    PrefixFileCorruptError,
+    PrefixFormatError,
+    PrefixMismatchError,
+    PrefixNotAFolderError,
+    PrefixNotFoundError,
+)
 from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
 from .mapped import PAGES_FILE, MappedEntry, check_index_text, index_text, map_entries, write_pages
 from .page_check import MappedPages
@@ -125,7 +131,8 @@ class PrefixStore:
     def __init__(self, config: Any, *, budget_bytes: int | None = None, cache_config: dict[str, Any] | None = None
                  ) -> None:
         if config is None or not hasattr(config, "get_text_config"):
-            raise TypeError("PrefixStore needs the model's config: PrefixStore(model.config, ...)")
+            raise ArgumentTypeError(f"PrefixStore needs the model's config, got {type(config).__name__}: "
+                                    f"PrefixStore(model.config, ...)")
         self.config = config
         self._lock = threading.RLock()
         self._budget: int | None = None
@@ -197,10 +204,11 @@ class PrefixStore:
 
     @budget_bytes.setter
     def budget_bytes(self, budget_bytes: int | None) -> None:
-        if budget_bytes is not None and (
-            not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0
-        ):
-            raise ValueError(f"budget_bytes must be a positive int (or None for no bound), got {budget_bytes!r}")
+        if budget_bytes is not None and (not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool)):
+            raise ArgumentTypeError(f"budget_bytes must be a positive int of bytes (or None for no bound), got "
+                                    f"{type(budget_bytes).__name__} {budget_bytes!r}: e.g. budget_bytes=1 << 30 for 1 GiB")
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ArgumentError(f"budget_bytes must be a positive int (or None for no bound), got {budget_bytes!r}")
         with self._lock:
             self._budget = budget_bytes
             if hasattr(self, "_entries"):
@@ -392,8 +400,8 @@ class PrefixStore:
     def _insert(self, tokens: tuple[int, ...], cache: VKVCache, give: bool) -> bool:
         self._check_cache(cache, len(tokens))
         if give and cache.get_seq_length() != len(tokens):
-            raise ValueError(f"insert(give=True) keeps the cache itself: it must hold exactly the {len(tokens)} tokens, "
-                             f"not {cache.get_seq_length()}")
+            raise ArgumentError(f"insert(give=True) keeps the cache itself: it must hold exactly the {len(tokens)} tokens, "
+                                f"not {cache.get_seq_length()}")
         if self._served(tokens):
             if give:
                 cache.close()
@@ -450,6 +458,7 @@ class PrefixStore:
         ``model``'s weights fingerprint for it (:attr:`weights_fingerprint`).
 
         Raises:
+            PrefixNotFoundError: nothing at ``path`` (a ``FileNotFoundError``).
             PrefixFileCorruptError: a file is not whole (truncated, a flipped bit), or the folder
                 lacks a file its index lists.
             PrefixFormatError: a file is not an hf_vkv prefix (or the folder holds none, or its
@@ -460,6 +469,9 @@ class PrefixStore:
         path = Path(path)
         if path.name == PAGES_FILE and path.is_file():
             path = path.parent  # the pages of a saved store: its folder says what they hold
+        if not path.exists():
+            raise PrefixNotFoundError(f"PrefixStore.load: nothing at {path}: pass a folder PrefixStore.save wrote or a "
+                                      f"file save_prefix wrote")
         self._check_model(model)
         files, index = _saved_files(path) if path.is_dir() else ([path], None)
         weights = self.fingerprint(model)
@@ -511,10 +523,15 @@ class PrefixStore:
         checksums before they are written again. Returns the files written.
 
         Raises:
+            PrefixNotAFolderError: ``directory`` (or a folder above it) is a file (a
+                ``FileExistsError``); nothing is written.
             PrefixMismatchError: ``model`` is not the store's model (another config, or other
                 weights than those that computed the entries).
         """
         out = Path(directory)
+        if out.exists() and not out.is_dir():
+            raise PrefixNotAFolderError(f"PrefixStore.save writes a folder, and {out} is a file: name a folder (new, "
+                                        f"or one PrefixStore.save wrote); save_prefix writes one entry to a file")
         if model is not None:
             self._check_model(model)
         weights = None if model is None else self.fingerprint(model)
@@ -529,10 +546,20 @@ class PrefixStore:
         mapped: list[tuple[tuple[int, ...], list]] = []
         section = None
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError) as e:  # a file above it
+                raise PrefixNotAFolderError(f"PrefixStore.save cannot make the folder {out}: {e.strerror} "
+                                            f"({e.filename}); name a folder whose parents are folders") from None
+            # the mapped file holds one arena's pages, the first mappable entry's: an entry in another (a cache
+            # inserted by hand draws from its own memory) is saved as a prefix file
+            arena = None
+            fits = self._memories.get("cpu") or VKVCache(self.config, **self._options("cpu"))  # what load maps into
             for tokens, cache in entries:
-                images = _mappable_images(cache)
-                if images is not None:
+                images = _mappable_images(cache, fits=fits)
+                if images is not None and arena is None:
+                    arena = images[0].store
+                if images is not None and all(img.store is arena for img in images):
                     mapped.append((tokens, images))
                     continue
                 digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:20]
@@ -655,7 +682,7 @@ class PrefixStore:
     # ----------------------------------------------------------------------------- internals
     def _check_cache(self, cache: Any, length: int) -> None:
         if not isinstance(cache, VKVCache):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"insert needs a hf_vkv.VKVCache, got {type(cache).__name__}: generate with "
                 f"cache_implementation='vkv' or cache=store.lookup(...) (past_key_values= before transformers 5.24)"
             )
@@ -666,14 +693,14 @@ class PrefixStore:
                                       f"{self._dtype}; use one store per dtype")
         n = cache.get_seq_length()
         if not 0 < length <= n:
-            raise ValueError(
+            raise ArgumentError(
                 f"token_ids has {length} ids but the cache holds {n} tokens; pass the ids of the cached "
                 f"positions: out.sequences[0, :cache.get_seq_length()]"
             )
         n_rows = cache.rows
         if n_rows != 1:
-            raise ValueError(f"insert stores batch-1 caches, this one holds {n_rows} rows; keep one row first "
-                             f"(cache.batch_select_indices(torch.tensor([row])) on a fork)")
+            raise ArgumentError(f"insert stores batch-1 caches, this one holds {n_rows} rows; keep one row first "
+                                f"(cache.batch_select_indices(torch.tensor([row])) on a fork)")
 
     def _check_mapped(self, entry: MappedEntry) -> None:
         """What :meth:`_check_cache` refuses, for a mapped entry (its dtype; its length)."""
@@ -751,11 +778,14 @@ def _dtype_of(cache: VKVCache) -> torch.dtype | None:
     return None
 
 
-def _mappable_images(cache: VKVCache) -> list | None:
+def _mappable_images(cache: VKVCache, *, fits: VKVCache) -> list | None:
     """``cache``'s row images if its pages can be written as a mapped file (host memory, every
-    layer a full-attention vkv layer), else None (it is saved as a prefix file of its own)."""
+    layer a full-attention vkv layer) that a store's memory like ``fits`` maps back (same layout,
+    page size: a cache inserted by hand may have others), else None (it is saved as a prefix file
+    of its own)."""
     try:
         images = cache.row_images()
+        fits.arena_for_images(images)
     except ValueError:
         return None
     ok = all(getattr(img.store, "backend", None) is not None and hasattr(img.store.backend, "map_file") for img in images)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..memory.errors import ArgumentTypeError
+
 __all__ = ["outside_vocabulary", "token_list"]
 
 
@@ -16,16 +18,18 @@ def token_list(token_ids: Any, *, name: str = "token_ids") -> list[int]:
         if token_ids.dim() == 2 and token_ids.shape[0] == 1:
             token_ids = token_ids[0]
         if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name} must be one sequence of integer token ids ([T] or [1, T]), got a {token_ids.dtype} "
                 f"tensor of shape {tuple(token_ids.shape)}; entries are batch-1: pass one row"
             )
         return [int(t) for t in token_ids.tolist()]
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-        raise TypeError(f"{name} must be a tensor or a sequence of int token ids, got {type(token_ids).__name__}")
+        raise ArgumentTypeError(f"{name} must be a tensor or a sequence of int token ids, got {type(token_ids).__name__}")
     out = list(token_ids)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
-        raise TypeError(f"{name} must hold ints only")
+    for t in out:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ArgumentTypeError(f"{name} must hold ints only, got a {type(t).__name__} ({t!r}): pass the token "
+                                    f"ids as ints (tensor.tolist() gives them)")
     return out
 
 

@@ -147,6 +147,41 @@ def test_ab_unknown_model_folder_is_a_usage_error(tmp_path: Path, capsys: pytest
     assert code == 2 and "never downloads" in err
 
 
+@pytest.mark.parametrize("command", [("ab",), ("chat",), ("prefix", "save", "OUT"), ("bench",)])
+def test_a_folder_that_is_not_a_model_is_a_usage_error_before_any_model_loads(
+        command: tuple[str, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--model`` naming a folder without a model: status 2 and one line naming the folder and what
+    it lacks, before a model loads (once: transformers' OSError / ValueError traceback)."""
+    def no_model(*_: object, **__: object) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(cli, "_load", no_model)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    command = tuple(str(tmp_path / "out") if word == "OUT" else word for word in command)
+    code, _, err = run_main(capsys, *command, "--model", empty)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and f"--model {empty} is not a model folder" in line, err
+    assert "it lacks config.json, the weights" in line and "and a tokenizer" in line and "save_pretrained" in line
+    assert not (tmp_path / "out").exists()
+    (empty / "config.json").write_text("{}")  # a config alone: the weights and the tokenizer are named
+    code, _, err = run_main(capsys, *command, "--model", empty)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and "it lacks the weights" in line and "and a tokenizer" in line and "lacks config.json" not in line, err
+
+
+def test_a_model_folder_passes_the_check(model_dir: Path) -> None:
+    assert cli._model_folder_lacks(model_dir) == []
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from hf_vkv.version import __version__
+
+    code, out, _ = run_main(capsys, "--version")
+    assert code == 0 and out.strip() == f"hf_vkv {__version__}"
+
+
 def test_ab_paged_layout(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(capsys, "ab", "--model", model_dir, "--prompt", "w5 w6 w7", "--layout", "paged",
                               "--max-new-tokens", "6")

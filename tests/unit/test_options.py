@@ -9,6 +9,7 @@ import pytest
 
 from hf_vkv.cache import CacheOptions
 from hf_vkv.cache.options import LAYOUT_NAMES
+from hf_vkv.memory.errors import CacheOptionError, CacheOptionTypeError
 
 
 def test_defaults_and_known_layout_names() -> None:
@@ -22,17 +23,27 @@ def test_defaults_and_known_layout_names() -> None:
 
 
 @pytest.mark.parametrize("name", ["page_bytes", "budget_bytes", "block_tokens", "max_tokens"])
-@pytest.mark.parametrize("value", [0, -4096, True, 4096.0, "4096"])
+@pytest.mark.parametrize("value", [0, -4096])
 def test_sizes_must_be_positive_ints(name: str, value: object) -> None:
     extra = {"layout": "paged"} if name == "block_tokens" else {}
-    with pytest.raises(ValueError, match=rf"^cache_config\['{name}'\] must be a positive int, got {value!r}$"):
+    with pytest.raises(CacheOptionError, match=rf"^cache_config\['{name}'\] must be a positive int, got {value!r}$"):
         CacheOptions(**{name: value}, **extra)
     assert getattr(CacheOptions(**{name: 1 << 16}, **extra), name) == 1 << 16  # a page size and a budget in range
 
 
+@pytest.mark.parametrize("name", ["page_bytes", "budget_bytes", "block_tokens", "max_tokens", "map_ahead"])
+@pytest.mark.parametrize("value", [True, 4096.0, "4096"])
+def test_sizes_of_another_type_are_type_errors(name: str, value: object) -> None:
+    # a wrong type is CacheOptionTypeError (a TypeError), as CacheOptionTypeError's contract says
+    extra = {"layout": {"block_tokens": "paged", "map_ahead": "static"}[name]} if name in ("block_tokens", "map_ahead") else {}
+    with pytest.raises(CacheOptionTypeError,
+                       match=rf"^cache_config\['{name}'\] must be an int, got {type(value).__name__} {value!r}$"):
+        CacheOptions(**{name: value}, **extra)
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"map_ahead": -1, "layout": "static"}, ValueError, r"cache_config\['map_ahead'\] must be an int >= 0, got -1"),
-    ({"map_ahead": True, "layout": "static"}, ValueError, r"must be an int >= 0, got True"),
+    ({"map_ahead": True, "layout": "static"}, TypeError, r"must be an int, got bool True"),
     ({"map_ahead": 4}, ValueError, r"^cache_config\['map_ahead'\] applies to the static layout only$"),
     ({"layout": "ring"}, ValueError,
      r"cache_config\['layout'\] must be one of \['token_major', 'head_major', 'paged', 'static', 'contiguous'\], "

@@ -15,6 +15,7 @@ from :func:`hf_vkv.devices.policy_for`.
 
 from __future__ import annotations
 
+from ...memory.errors import CacheOptionError
 from .base import Layout
 from .head_major import HeadMajorLayout
 from .paged import PagedLayout
@@ -35,4 +36,5 @@ def layout_class(name: str) -> type[Layout]:
     try:
         return LAYOUTS[name]
     except KeyError:
-        raise ValueError(f"unknown layout {name!r}; known layouts: {sorted(LAYOUTS)}") from None
+        raise CacheOptionError(f"unknown layout {name!r}; known layouts: {sorted(LAYOUTS)} "
+                               f"(cache_config['layout'])") from None

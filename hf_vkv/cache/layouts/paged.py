@@ -19,7 +19,7 @@ import torch
 from ... import devices
 from ...kv_records import PAGED_ATTENTION, PagedKV, tag_key
 from ...memory import Arena, BlockBuffer, BlockStore, RowBuffer
-from ...memory.errors import CacheOptionError
+from ...memory.errors import ArgumentError, CacheOptionError
 from ..geometry import GroupGeometry
 from .base import Layout
 
@@ -35,7 +35,7 @@ class PagedLayout(Layout):
                  fused: bool = False, attention_of: Callable[[], str | None] | None = None) -> None:
         super().__init__(geometry, members=members)
         if block_tokens <= 0:
-            raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+            raise CacheOptionError(f"block_tokens must be positive, got {block_tokens} (cache_config['block_tokens'])")
         self.block_tokens = block_tokens
         self.fused = fused  # cache_config["paged_kernel"] == "fused": PagedKV.fused
         # the model's attention now (its config's): the fused layer's new states are read by "vkv_paged" alone
@@ -55,7 +55,8 @@ class PagedLayout(Layout):
 
     def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = False) -> RowBuffer:
         if readable:
-            raise ValueError("the paged layout has no full-capacity view: the static layout builds on a contiguous one")
+            raise ArgumentError("the paged layout has no full-capacity view: the static layout builds on a "
+                                "contiguous one")
         blocks_per_row = -(-capacity // self.block_tokens)
         # Address space only: room for every row at full length four times over (forks, beams).
         store = BlockStore(arena, block_bytes=self.block_tokens * self.item_bytes, max_blocks=4 * rows * blocks_per_row)

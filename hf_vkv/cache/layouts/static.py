@@ -21,7 +21,7 @@ import torch
 
 from ... import devices
 from ...memory import Arena, RowBuffer
-from ...memory.errors import CacheOptionError
+from ...memory.errors import ArgumentError, CacheOptionError
 from ..geometry import GroupGeometry
 from .base import Layout
 from .head_major import HeadMajorLayout
@@ -39,7 +39,7 @@ class StaticLayout(Layout):
     def __init__(self, geometry: GroupGeometry, *, members: int, base: type[Layout]) -> None:
         super().__init__(geometry, members=members)
         if base not in (TokenMajorLayout, HeadMajorLayout):
-            raise ValueError(f"the static layout builds on a contiguous layout, not {base.name!r}")
+            raise ArgumentError(f"the static layout builds on a contiguous layout, not {base.name!r}")
         self.base = base(geometry, members=members)
         self._full: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (batch, member) -> views
         self._full_of: RowBuffer | None = None  # the buffer those views cover
