@@ -139,7 +139,10 @@ def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows
     weights = None
     if refusal is None:
         weights = store.fingerprint(model)
-        if store.weights_fingerprint not in (None, weights):
+        if store.weights_fingerprint not in (None, weights) and store.dtype not in (None, model.dtype):
+            refusal = (f"the store's entries hold {store.dtype} K/V and the model computes in {model.dtype} (a cast "
+                       f"model's weights differ too): a store serves one dtype; use a store per dtype")
+        elif store.weights_fingerprint not in (None, weights):
             refusal = ("the store's entries were computed with other weights (same config, weights fingerprints "
                        "differ): a store serves one model's weights; use a store per model")
     return begin(cache, owned=owned, rows=rows, num_beams=num_beams, store=store, eos_token_id=eos_token_id, refusal=refusal, weights=weights)

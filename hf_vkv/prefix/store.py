@@ -397,6 +397,12 @@ class PrefixStore:
         with self._lock:
             return self._weights if self._entries else None
 
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of the entries' K/V (``None``: no entry). A store serves one dtype."""
+        with self._lock:
+            return self._dtype if self._entries else None
+
     def _insert(self, tokens: tuple[int, ...], cache: VKVCache, give: bool) -> bool:
         self._check_cache(cache, len(tokens))
         if give and cache.get_seq_length() != len(tokens):

@@ -72,6 +72,26 @@ def test_a_model_with_other_weights_steps_aside() -> None:
     store.check_invariants()
 
 
+def test_a_model_cast_to_another_dtype_steps_aside_naming_the_dtype() -> None:
+    """The same model cast to bfloat16 (its weights fingerprint differs too) gets its own
+    DynamicCache's tokens, and the report names the dtypes, not other weights."""
+    model = tiny("llama", seed=0)
+    store = PrefixStore(model.config)
+    history = _ids(40)
+    _call(model, history, store)
+    assert store.dtype == torch.float32
+    entries = store.prefixes()
+    model = model.to(torch.bfloat16)
+    ids = torch.cat([history, _ids(5, 1)], dim=1)
+    got = _call(model, ids, store)
+    assert_same_tokens(_call(model, ids, None).sequences, got.sequences)
+    report = reuse_report(got)
+    assert report.reused_tokens == 0 and "other weights" not in report.refusal
+    assert "torch.float32 K/V and the model computes in torch.bfloat16" in report.refusal, report.refusal
+    assert store.prefixes() == entries
+    store.check_invariants()
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_explicit_position_ids_are_honoured(arch: str) -> None:
     """Positions shifted by 40 make reuse step aside (the tokens are DynamicCache's with those
