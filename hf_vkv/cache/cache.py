@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import operator
 from dataclasses import dataclass
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -31,7 +30,7 @@ from .group import LayerGroup
 from .shared_prefix_group import SharedPrefixGroup
 from .static_group import StaticGroup
 from .hybrid import make_vkv_layer, transformers_part
-from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer
+from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer, int_argument
 from .options import CacheOptions, config_dict
 from .row_image import GroupImage
 from .sources import ArenaSource, LayoutMaker
@@ -62,15 +61,6 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
     if isinstance(kwargs, dict):
         kwargs = [dict(kwargs) for _ in types]
     return list(types), list(kwargs)
-
-
-def _int_argument(value: Any, name: str) -> int:
-    """``value`` as an int (an int, a numpy integer, a one-element integer tensor); an
-    :class:`ArgumentTypeError` naming ``name`` (``"fork(length)"``) otherwise (a float, a bool, a str)."""
-    if not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        with contextlib.suppress(TypeError):
-            return operator.index(value)
-    raise ArgumentTypeError(f"{name} takes an int, got {type(value).__name__} {value!r}")
 
 
 def _subrows(config: PretrainedConfig, types: list[str]) -> int | None:
@@ -376,7 +366,7 @@ class VKVCache(Cache):
                 or self._layout_name == "static":
             raise ArgumentError("take_rows fills caches of full-attention layers only (no sliding window, no layer "
                                 "kept by transformers, not the static layout)")
-        length = _int_argument(length, "take_rows(length)")
+        length = int_argument(length, "take_rows(length)")
         if not sources or length < 1:
             raise ArgumentError(f"take_rows needs rows and length >= 1, got {len(sources)} rows of {length}")
         for src in sources:
@@ -534,7 +524,7 @@ class VKVCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times, consecutively (pages shared, nothing copied)."""
-        repeats = _int_argument(repeats, "batch_repeat_interleave(repeats)")
+        repeats = int_argument(repeats, "batch_repeat_interleave(repeats)")
         if repeats < 1:
             raise ArgumentError(f"batch_repeat_interleave: repeats must be >= 1, got {repeats} (1 keeps the batch; "
                                 f"reset() or batch_select_indices drop rows)")
@@ -545,7 +535,7 @@ class VKVCache(Cache):
         """Remove the last ``-tokens_to_remove`` tokens (a negative int, as for DynamicCache);
         sliding layers then hold their window again (``crop(0)`` too)."""
         # transformers 5.17's assisted decoding passes a 0-d tensor
-        tokens_to_remove = _int_argument(tokens_to_remove, "crop(tokens_to_remove)")
+        tokens_to_remove = int_argument(tokens_to_remove, "crop(tokens_to_remove)")
         if tokens_to_remove > 0:
             raise ArgumentError(
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
@@ -647,7 +637,7 @@ class VKVCache(Cache):
         then on (transformers' rule for ``crop``)."""
         if length is None:
             return self._fork()
-        length = _int_argument(length, "fork(length)")
+        length = int_argument(length, "fork(length)")
         n = self.get_seq_length()
         floor = self.min_prefix_length()
         if not 0 < length <= n or length < floor:

@@ -14,7 +14,9 @@ the tokens of that forward carry their history while cached tokens are data in p
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import operator
 from typing import Any
 
 import torch
@@ -22,12 +24,21 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .grad import VKVGradientError, refuse_trainable_states, tracks_grad, with_new_states
 from ..memory import KVCacheOutOfMemory, VKVError
-from ..memory.errors import ArgumentError
+from ..memory.errors import ArgumentError, ArgumentTypeError
 from .group import LayerGroup
 from .static_group import StaticGroup
 from .oom import step_out_of_memory
 
-__all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer"]
+__all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer", "int_argument"]
+
+
+def int_argument(value: Any, name: str) -> int:
+    """``value`` as an int (an int, a numpy integer, a one-element integer tensor); an
+    :class:`ArgumentTypeError` naming ``name`` (``"fork(length)"``) otherwise (a float, a bool, a str)."""
+    if not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)
+    raise ArgumentTypeError(f"{name} takes an int, got {type(value).__name__} {value!r}")
 
 
 class LayerCallError(VKVError, NotImplementedError):
@@ -159,7 +170,7 @@ class VKVLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (a negative int), as ``DynamicLayer.crop``."""
-        tokens_to_remove = int(tokens_to_remove)
+        tokens_to_remove = int_argument(tokens_to_remove, "crop(tokens_to_remove)")
         if tokens_to_remove > 0:
             raise ArgumentError(
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
@@ -175,7 +186,9 @@ class VKVLayer(CacheLayerMixin):
         """Row ``i`` takes row ``beam_idx[i]``'s pages (no copy), as ``DynamicLayer.reorder_cache``."""
         group = self._alone("reorder_cache(beam_idx)")
         if self.get_seq_length() > 0:
-            group.reorder([int(i) for i in beam_idx.tolist()])
+            index = [int(i) for i in beam_idx.tolist()]
+            group.check_index(index, "reorder_cache(beam_idx)")
+            group.reorder(index)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows ``indices`` (an index or bool tensor), as ``DynamicLayer.batch_select_indices``."""
@@ -187,7 +200,7 @@ class VKVLayer(CacheLayerMixin):
         """Repeat each row ``repeats`` times (pages shared), as ``DynamicLayer.batch_repeat_interleave``."""
         group = self._alone(f"batch_repeat_interleave({repeats})")
         if self.get_seq_length() > 0:
-            group.repeat_rows(int(repeats))
+            group.repeat_rows(int_argument(repeats, "batch_repeat_interleave(repeats)"))
 
     def reset(self) -> None:
         """Forget the cached tokens (pages go back to the pool), as ``DynamicLayer.reset``."""

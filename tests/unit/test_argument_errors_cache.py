@@ -119,6 +119,22 @@ def test_a_refused_call_is_typed_and_changes_nothing(model: Any, ids: torch.Tens
     _continues_exactly(model, cache, reference, length=7, batch=2)
 
 
+@pytest.mark.parametrize("call, error, says", [
+    (lambda layer: layer.crop("x"), hf_vkv.ArgumentTypeError, r"crop\(tokens_to_remove\) takes an int"),
+    (lambda layer: layer.batch_repeat_interleave(2.0), hf_vkv.ArgumentTypeError, r"batch_repeat_interleave\(repeats\)"),
+    (lambda layer: layer.reorder_cache(torch.tensor([3, 0])), hf_vkv.CacheIndexError, r"\[3\].*batch of 2"),
+])
+def test_a_layer_alone_in_its_group_refuses_the_same_way(model: Any, ids: torch.Tensor, call: Any, error: type,
+                                                         says: str) -> None:
+    """With groups='layer' a layer's own row operations are allowed; their bad arguments are
+    refused as the cache's are, before anything changes."""
+    cache, reference = hf_vkv.VKVCache(config=model.config, groups="layer"), DynamicCache(config=model.config)
+    assert torch.equal(_feed(model, cache, ids), _feed(model, reference, ids))
+    with pytest.raises(error, match=says):
+        call(cache.layers[0])
+    _continues_exactly(model, cache, reference, length=7, batch=2)
+
+
 def test_the_calls_still_take_what_they_took(model: Any, ids: torch.Tensor) -> None:
     """What the checks accept: a negative row in a selection, a sequence, a 0-d integer tensor to crop."""
     cache, reference = _prefilled(model, ids)
