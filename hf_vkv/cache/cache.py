@@ -30,7 +30,7 @@ from .group import LayerGroup
 from .shared_prefix_group import SharedPrefixGroup
 from .static_group import StaticGroup
 from .hybrid import make_vkv_layer, transformers_part
-from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer, int_argument
+from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer, int_argument, selected_rows
 from .options import CacheOptions, config_dict
 from .row_image import GroupImage
 from .sources import ArenaSource, LayoutMaker
@@ -495,29 +495,7 @@ class VKVCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Keep only the rows ``indices`` (row numbers, negative ones, a bool mask, a tensor or a
         sequence of them), as ``DynamicCache`` selects its batch dimension."""
-        if not isinstance(indices, torch.Tensor):
-            given = list(indices)
-            try:
-                indices = torch.tensor(given, dtype=torch.bool if given and all(isinstance(i, bool) for i in given)
-                                       else torch.long)
-            except (TypeError, ValueError, RuntimeError):
-                raise ArgumentTypeError(f"batch_select_indices takes row numbers or a bool mask (a tensor or a "
-                                        f"sequence of ints or bools), got {given[:4]!r}") from None
-        if indices.is_floating_point() or indices.is_complex():
-            raise ArgumentTypeError(f"batch_select_indices takes an integer tensor of row numbers or a bool mask, got "
-                                    f"{indices.dtype}; pass e.g. indices.long()")
-        rows, cpu = self.rows, indices.cpu()
-        try:
-            index = torch.arange(rows)[cpu].reshape(-1).tolist()
-        except IndexError:
-            if cpu.dtype == torch.bool:
-                raise CacheIndexError(f"batch_select_indices: a bool mask of shape {tuple(cpu.shape)} for a batch of "
-                                      f"{rows} rows; pass one entry per row ({rows})") from None
-            bad = [i for i in cpu.reshape(-1).tolist() if not -rows <= i < rows]
-            raise CacheIndexError(f"batch_select_indices: rows {bad[:4]} are outside the batch of {rows} rows; pass "
-                                  f"row numbers in {-rows}..{rows - 1}" if rows else
-                                  f"batch_select_indices: rows {bad[:4]} of an empty cache (it holds no rows yet)"
-                                  ) from None
+        index = selected_rows(indices, self.rows)
         for group in self._groups:  # every group first: a refused selection changes nothing
             group.check_index(index, "batch_select_indices(indices)")
         self._row_operation(lambda group: group.reorder(index), lambda layer: layer.batch_select_indices(indices))

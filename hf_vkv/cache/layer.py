@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,12 +25,12 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .grad import VKVGradientError, refuse_trainable_states, tracks_grad, with_new_states
 from ..memory import KVCacheOutOfMemory, VKVError
-from ..memory.errors import ArgumentError, ArgumentTypeError
+from ..memory.errors import ArgumentError, ArgumentTypeError, CacheIndexError
 from .group import LayerGroup
 from .static_group import StaticGroup
 from .oom import step_out_of_memory
 
-__all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer", "int_argument"]
+__all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer", "int_argument", "selected_rows"]
 
 
 def int_argument(value: Any, name: str) -> int:
@@ -39,6 +40,36 @@ def int_argument(value: Any, name: str) -> int:
         with contextlib.suppress(TypeError):
             return operator.index(value)
     raise ArgumentTypeError(f"{name} takes an int, got {type(value).__name__} {value!r}")
+
+
+def selected_rows(indices: torch.Tensor | Sequence[int], rows: int) -> list[int]:
+    """The row numbers a ``batch_select_indices(indices)`` keeps of ``rows`` (row numbers,
+    negative ones, a bool mask, a tensor or a sequence of them, as ``DynamicCache`` selects its
+    batch dimension): :class:`ArgumentTypeError` or :class:`CacheIndexError` naming them otherwise."""
+    if not isinstance(indices, torch.Tensor):
+        given = list(indices)
+        try:
+            indices = torch.tensor(given, dtype=torch.bool if given and all(isinstance(i, bool) for i in given)
+                                   else torch.long)
+        except (TypeError, ValueError, RuntimeError):
+            raise ArgumentTypeError(f"batch_select_indices takes row numbers or a bool mask (a tensor or a "
+                                    f"sequence of ints or bools), got {given[:4]!r}") from None
+    if indices.is_floating_point() or indices.is_complex():
+        raise ArgumentTypeError(f"batch_select_indices takes an integer tensor of row numbers or a bool mask, got "
+                                f"{indices.dtype}; pass e.g. indices.long()")
+    cpu = indices.cpu()
+    try:
+        index = torch.arange(rows)[cpu].reshape(-1).tolist()
+    except IndexError:
+        if cpu.dtype == torch.bool:
+            raise CacheIndexError(f"batch_select_indices: a bool mask of shape {tuple(cpu.shape)} for a batch of "
+                                  f"{rows} rows; pass one entry per row ({rows})") from None
+        bad = [i for i in cpu.reshape(-1).tolist() if not -rows <= i < rows]
+        raise CacheIndexError(f"batch_select_indices: rows {bad[:4]} are outside the batch of {rows} rows; pass "
+                              f"row numbers in {-rows}..{rows - 1}" if rows else
+                              f"batch_select_indices: rows {bad[:4]} of an empty cache (it holds no rows yet)"
+                              ) from None
+    return index
 
 
 class LayerCallError(VKVError, NotImplementedError):
@@ -194,7 +225,9 @@ class VKVLayer(CacheLayerMixin):
         """Keep the rows ``indices`` (an index or bool tensor), as ``DynamicLayer.batch_select_indices``."""
         group = self._alone("batch_select_indices(indices)")
         if self.get_seq_length() > 0:
-            group.reorder(torch.arange(group.batch)[torch.as_tensor(indices).cpu()].reshape(-1).tolist())
+            index = selected_rows(indices, group.batch)
+            group.check_index(index, "batch_select_indices(indices)")
+            group.reorder(index)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times (pages shared), as ``DynamicLayer.batch_repeat_interleave``."""

@@ -123,6 +123,7 @@ def test_a_refused_call_is_typed_and_changes_nothing(model: Any, ids: torch.Tens
     (lambda layer: layer.crop("x"), hf_vkv.ArgumentTypeError, r"crop\(tokens_to_remove\) takes an int"),
     (lambda layer: layer.batch_repeat_interleave(2.0), hf_vkv.ArgumentTypeError, r"batch_repeat_interleave\(repeats\)"),
     (lambda layer: layer.reorder_cache(torch.tensor([3, 0])), hf_vkv.CacheIndexError, r"\[3\].*batch of 2"),
+    (lambda layer: layer.batch_select_indices(torch.tensor([5])), hf_vkv.CacheIndexError, r"rows \[5\].*batch of 2"),
 ])
 def test_a_layer_alone_in_its_group_refuses_the_same_way(model: Any, ids: torch.Tensor, call: Any, error: type,
                                                          says: str) -> None:
