@@ -352,13 +352,20 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
         prompts = rows // k
         unique_kwargs = first_of_repeats(model_kwargs, rows, k, keep=outer)
         repeat = outer.batch_repeat_interleave if outer is not cache else None
+        past = cache.get_seq_length()  # tokens of the stored prefixes the rows started from (reuse)
         try:
             # the check innermost: a forward it rejects leaves the cache's rows unrepeated and uncounted
             with unique_prompts(cache, prompts=prompts, tokens=tokens, repeat_rows=repeat), \
                     _rows_checked(model, prompts, k, keep=model_kwargs.get("logits_to_keep")) as mode:
                 outputs = original(model, input_ids[::k], generation_config, unique_kwargs, *args, **kwargs)
         except InexactRows as exc:
-            outer.reset()  # the rows written so far are one per prompt: start again on every row
+            # start again on every row: the rows, one per prompt, go back to the stored prefixes they
+            # started from, k per prompt on the same pages (a reused prefix is kept), or to nothing
+            if past:
+                cache.cut_to(past)
+                (repeat or cache.batch_repeat_interleave)(k)
+            else:
+                outer.reset()
             reason = str(exc)
         else:
             if mode.expanded or mode.partial:

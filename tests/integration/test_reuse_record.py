@@ -35,8 +35,9 @@ def _ids(n: int, seed: int = 0) -> torch.Tensor:
 def _call(model: Any, ids: torch.Tensor, store: PrefixStore | None, **kwargs: Any) -> Any:
     extra = {"cache_implementation": "vkv", "cache_config": {"prefix_store": store}} if store is not None else {}
     kwargs.setdefault("max_new_tokens", 6)
-    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=PAD,
-                          return_dict_in_generate=True, **kwargs, **extra)
+    kwargs.setdefault("do_sample", False)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=PAD, return_dict_in_generate=True,
+                          **kwargs, **extra)
 
 
 def _in_use(store: PrefixStore) -> int:
@@ -110,6 +111,58 @@ def test_explicit_position_ids_are_honoured(arch: str) -> None:
     assert_same_tokens(_call(model, ids, None, position_ids=plain).sequences, got.sequences)
     report = reuse_report(got)
     assert report.refusal is None and report.reused_tokens > 0
+
+
+def _continued_reference(model: Any, doc: torch.Tensor, ids: torch.Tensor, rows: int, seed: int, **kwargs: Any) -> Any:
+    """The documented reference of a reusing call: a DynamicCache that holds ``doc`` (computed
+    alone, as the store computed it), one copy per row, continued over the rest of ``ids``."""
+    held = model.generate(doc, attention_mask=torch.ones_like(doc), max_new_tokens=1, do_sample=False,
+                          pad_token_id=PAD, return_dict_in_generate=True).past_key_values
+    held.batch_repeat_interleave(rows)
+    torch.manual_seed(seed)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=PAD, return_dict_in_generate=True,
+                          output_logits=True, **{cache_kwarg(): held}, **kwargs)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mode", [{"do_sample": True, "num_return_sequences": 2}, {"num_beams": 2, "do_sample": False}])
+def test_rows_prefilled_one_by_one_keep_the_reused_prefix(mode: dict[str, Any], threads: int) -> None:
+    """Where prefill once cannot compute the rows' new tokens once (a forward's call is not exact on
+    one row per prompt: forced here in the second layer, after the first wrote its tokens), the
+    new tokens run on every row over the stored prefix, which the rows keep: logits equal to the
+    continued DynamicCache's, and the report's computed tokens are the new ones. The rows once went
+    back to nothing and recomputed the whole prompt while the report said it was reused."""
+    from hf_vkv.generate.row_exactness import InexactRows
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    model = tiny("llama")
+    try:
+        store = PrefixStore(model.config)
+        doc = _ids(40)
+        _call(model, doc, store, max_new_tokens=1)
+        ids = torch.cat([doc, _ids(3, 1)], dim=1)
+
+        def refuse(module: Any, args: Any) -> None:
+            if args[0].shape[0] == 1:  # the prefill on one row per prompt
+                raise InexactRows("forced: a call is not exact on one row per prompt")
+
+        handle = model.model.layers[1].register_forward_pre_hook(refuse)
+        try:
+            torch.manual_seed(0)
+            got = _call(model, ids, store, max_new_tokens=3, output_logits=True, **mode)
+        finally:
+            handle.remove()
+        expected = _continued_reference(model, doc, ids, 2, 0, max_new_tokens=3, **mode)
+        assert_same_tokens(expected.sequences, got.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(expected.logits, got.logits))
+        report = reuse_report(got)
+        assert report.refusal is None and report.reused_tokens == 2 * 40 and report.computed_tokens == 2 * 3, report
+        verdict = got.past_key_values.stats().prefill_once  # at 2 threads a linear layer may refuse first
+        assert "forced" in verdict or (threads == 2 and "differently from each other" in verdict), verdict
+        store.check_invariants()
+    finally:
+        torch.set_num_threads(before)
 
 
 class _Interrupt(StoppingCriteria):
