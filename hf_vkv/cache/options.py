@@ -12,7 +12,7 @@ from ..memory.errors import CacheOptionError, CacheOptionTypeError
 from ..memory.limits import MIN_PAGE_BYTES, check_page_bytes
 from .layouts import LAYOUTS
 
-__all__ = ["CacheOptions", "LAYOUT_NAMES", "PREFIX_STORE_KEY", "TRANSFORMERS_KEYS", "config_dict", "from_transformers_keys"]
+__all__ = ["CacheOptions", "LAYOUT_NAMES", "PAGED_KEYS", "PREFIX_STORE_KEY", "TRANSFORMERS_KEYS", "config_dict", "from_transformers_keys"]
 
 #: The ``cache_config`` key of ``generate(cache_implementation="vkv")`` that turns on prefix reuse:
 #: a :class:`~hf_vkv.PrefixStore` (see :mod:`hf_vkv.generate.reuse`).
@@ -23,6 +23,8 @@ PagedKernel = Literal["exact", "fused"]
 #: Names ``layout`` accepts: the layouts, ``"static"`` (the compileable layout over the device's
 #: contiguous one) and ``"contiguous"`` (the device's default contiguous layout).
 LAYOUT_NAMES = (*LAYOUTS, "static", "contiguous")
+#: Options of the paged layout only (:meth:`CacheOptions.check_layout`).
+PAGED_KEYS = ("block_tokens", "paged_kernel")
 #: Options that were removed, and what to write instead.
 REMOVED_KEYS = {
     "group_policy": "it was replaced by 'layout' and 'groups': write {'layout': 'token_major'} for 'model', "
@@ -142,8 +144,7 @@ class CacheOptions:
         the first update), is another: the option would do nothing."""
         if layout == "paged":
             return
-        given = [key for key, value in (("block_tokens", self.block_tokens), ("paged_kernel", self.paged_kernel))
-                 if value not in (None, "exact")]
+        given = [key for key in PAGED_KEYS if getattr(self, key) not in (None, "exact")]
         if given:
             raise CacheOptionError(
                 f"cache_config[{given[0]!r}] applies to the paged layout only, which the 'vkv_paged' attention reads, "

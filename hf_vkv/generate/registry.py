@@ -71,11 +71,11 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
-from ..attention import hooks, register_attention
+from ..attention import PAGED_ATTENTION, hooks, register_attention
 from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..cache.export import register_pytree
-from ..cache.options import PREFIX_STORE_KEY, config_dict, from_transformers_keys
+from ..cache.options import PAGED_KEYS, PREFIX_STORE_KEY, config_dict, from_transformers_keys
 from ..memory.errors import ArgumentError, CacheOptionError, CapacityError, MissingDependencyError, VKVError
 from ..memory.map_budget import MappingLimitError
 from . import prefill_once, reuse, serving
@@ -266,8 +266,12 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
             f"{max_cache_length} (its prompt and max_new_tokens, less the last token, which is not cached): raise it to "
             f"at least {max_cache_length}, or leave it unset (vkv reserves address space for the model's context)")
     store, cache_config = reuse.split_prefix_store(cache_config)
-    if store is not None and generation_config.is_assistant:
-        store = None  # an assistant's cache is its own (5.17 copies "vkv" to the assistant's config)
+    if generation_config.is_assistant:
+        # an assistant's cache is its own (5.17 copies "vkv" and the main call's cache_config to the
+        # assistant's config): not the store, nor the paged layout's options unless it reads that layout
+        store = None
+        if getattr(model.config, "_attn_implementation", None) != PAGED_ATTENTION:
+            cache_config = {k: v for k, v in cache_config.items() if k not in PAGED_KEYS}
     memory = None if store is None else reuse.memory_for(model, store, cache_config)
     new = generation_config.max_new_tokens  # generate sizes the cache max_length - 1 = prompt + new - 1
     build = functools.partial(
