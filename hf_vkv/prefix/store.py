@@ -173,11 +173,15 @@ class PrefixStore:
         the entries' pages. It holds no pages itself."""
         kind = torch.device(device).type
         with self._lock:
-            root = self._memories.get(kind)
-            if root is None:
-                root = self._memories[kind] = VKVCache(self.config, **self._options(kind))
             self._device_type = kind
-            return root
+            return self._memory_of(kind)
+
+    def _memory_of(self, kind: str) -> VKVCache:
+        """The memory of device type ``kind``, made on first use (under the lock)."""
+        root = self._memories.get(kind)
+        if root is None:
+            root = self._memories[kind] = VKVCache(self.config, **self._options(kind))
+        return root
 
     def _options(self, kind: str) -> dict[str, Any]:
         options = dict(self.cache_config)
@@ -548,6 +552,7 @@ class PrefixStore:
             for entry in list(self._entries.values()):
                 self._verify(entry)  # a damaged mapped page is never saved again under a new checksum
             entries = [(e.tokens, self._cache_of(e).fork()) for e in self._entries.values()]
+            fits = self._memory_of("cpu")  # the memory load maps the pages into
         paths = []
         mapped: list[tuple[tuple[int, ...], list]] = []
         section = None
@@ -560,7 +565,6 @@ class PrefixStore:
             # the mapped file holds one arena's pages, the first mappable entry's: an entry in another (a cache
             # inserted by hand draws from its own memory) is saved as a prefix file
             arena = None
-            fits = self._memories.get("cpu") or VKVCache(self.config, **self._options("cpu"))  # what load maps into
             for tokens, cache in entries:
                 images = _mappable_images(cache, fits=fits)
                 if images is not None and arena is None:
