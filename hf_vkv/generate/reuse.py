@@ -27,8 +27,8 @@ call, chat messages included) does with it, on its :class:`~hf_vkv.generate.call
 Where reuse cannot apply, the call runs exactly as without a store and the report
 (``cache.stats().reuse.refusal``, :class:`~hf_vkv.cache.stats.ReuseReport`) says why:
 encoder-decoder models (the decoder's K/V depend on the encoder's input, which the store's keys do
-not hold), a model with another config or other weights than the store's entries, sliding-window
-or recurrent layers, the static layout, ``inputs_embeds``, images and any other model input that
+not hold), a model with another config or other weights (or adapters) than the store's entries,
+sliding-window or recurrent layers, the static layout, ``inputs_embeds``, images and any other model input that
 token ids do not identify, explicit ``position_ids`` other than the ones transformers would use,
 an attention mask that is not left padding, assisted decoding (its first forward is not
 generate's prefill).
@@ -144,7 +144,8 @@ def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows
                        f"model's weights differ too): a store serves one dtype; use a store per dtype")
         elif store.weights_fingerprint not in (None, weights):
             refusal = ("the store's entries were computed with other weights (same config, weights fingerprints "
-                       "differ): a store serves one model's weights; use a store per model")
+                       "differ: they cover the parameters and which adapters are active, disabled or merged): a "
+                       "store serves one model's weights; use a store per model or adapter")
     return begin(cache, owned=owned, rows=rows, num_beams=num_beams, store=store, eos_token_id=eos_token_id, refusal=refusal, weights=weights)
 
 

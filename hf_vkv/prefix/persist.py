@@ -305,4 +305,4 @@ def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.
                                   f"or pass check_weights=False to load it unchecked")
     if model is not None and saved_weights is not None and saved_weights != (weights or weights_fingerprint(model)):
         raise PrefixMismatchError("weights", f"{path} was saved for a model of the same architecture with other "
-                                  f"weights (weights fingerprints differ)")
+                                  f"weights, or other adapters active, disabled or merged (weights fingerprints differ)")

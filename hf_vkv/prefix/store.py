@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -148,7 +147,6 @@ class PrefixStore:
         self._ids = itertools.count()
         self._dtype: torch.dtype | None = None
         self._weights: str | None = None  # weights fingerprint of the model the entries were computed with
-        self._weights_seen: tuple[Any, tuple, str] | None = None  # (model ref, parameters' key, its fingerprint)
         # the entries' pages, each counted once however many entries hold it (bytes_held): kept as
         # entries come and go; an entry is counted when first needed (a mapped entry's at open costs
         # a pass over its pages that opening does not need)
@@ -375,23 +373,9 @@ class PrefixStore:
             return inserted
 
     def fingerprint(self, model: torch.nn.Module) -> str:
-        """:func:`~hf_vkv.prefix.fingerprint.weights_fingerprint` of ``model`` (tens of ms for a
-        135M model), remembered for the last model asked about while it is alive and its
-        parameters keep their storage and versions (an in-place update through ``torch`` bumps a
-        version; one through ``param.data`` does not and is not seen)."""
-        try:
-            key: tuple | None = tuple(_parameter_states(model, []))
-        except RuntimeError:  # parameters made under torch.inference_mode keep no version: nothing remembered
-            key = None
-        with self._lock:
-            seen = self._weights_seen
-            if key is not None and seen is not None and seen[0]() is model and seen[1] == key:
-                return seen[2]
-        digest = weights_fingerprint(model)
-        if key is not None:
-            with self._lock:
-                self._weights_seen = (weakref.ref(model), key, digest)
-        return digest
+        """:func:`~hf_vkv.prefix.fingerprint.weights_fingerprint` of ``model`` (taken anew at each
+        call: nothing cheaper tells that a parameter did not change)."""
+        return weights_fingerprint(model)
 
     @property
     def weights_fingerprint(self) -> str | None:
@@ -609,8 +593,10 @@ class PrefixStore:
         """Refuse other weights than those that computed the entries (``PrefixMismatchError``)."""
         if self._entries and self._weights not in (None, weights):
             raise PrefixMismatchError("weights", f"the store's entries were computed with other weights than the model "
-                                                 f"they are {doing} (same config, weights fingerprints differ): a "
-                                                 f"store serves one model's weights; use a store per model")
+                                                 f"they are {doing} (same config, weights fingerprints differ: they "
+                                                 f"cover the parameters and which adapters are active, disabled or "
+                                                 f"merged): a store serves one model's weights; use a store per model "
+                                                 f"or adapter")
 
     # ----------------------------------------------------------------------------- accounting
     def bytes_held(self) -> int:
@@ -753,18 +739,6 @@ class PrefixStore:
         while self._counts.bytes > self.budget_bytes and self._entries:
             self._drop(next(iter(self._entries.values())))  # the least recently used
             self._evictions += 1
-
-
-def _parameter_states(module: torch.nn.Module, out: list) -> list:
-    """``(address, version, shape)`` of every parameter of ``module`` and its submodules, a tied
-    one once per place it is in: ``model.parameters()``'s walk (names, a memo) took 3x as long."""
-    for p in module._parameters.values():
-        if p is not None:
-            out.append((p.data_ptr(), p._version, p.shape))
-    for child in module._modules.values():
-        if child is not None:
-            _parameter_states(child, out)
-    return out
 
 
 def _pages_of(entry: _Entry) -> HeldPages:

@@ -1,4 +1,5 @@
-"""The weights fingerprint samples every parameter within its bounds, however large it is.
+"""The weights fingerprint: every parameter sampled within its bounds, however large it is; the
+values read again at each call; the state of adapter layers.
 
 SmolLM2's embedding has 28,311,552 values: evenly spaced indices computed with a float32
 ``torch.linspace`` rounded the last one up to 28,311,552, past the end (``IndexError`` in
@@ -7,9 +8,14 @@ SmolLM2's embedding has 28,311,552 values: evenly spaced indices computed with a
 
 from __future__ import annotations
 
-import torch
+import hashlib
 
-from hf_vkv.prefix.fingerprint import weights_fingerprint
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from hf_vkv import PrefixStore
+from hf_vkv.prefix.fingerprint import adapter_state, weights_fingerprint
 
 SMOLLM2_EMBEDDING = 49152 * 576  # 28,311,552 values: past float32's 2**24 exact integers
 
@@ -38,3 +44,70 @@ def test_small_parameters_are_sampled_whole() -> None:
         with torch.no_grad():
             model.weight[-1] = 3
         assert weights_fingerprint(model) != before, numel
+
+
+def _reference(model: torch.nn.Module) -> str:
+    """The fingerprint's definition in plain torch indexing (what files written before hold)."""
+    h = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        flat = param.detach().reshape(-1)
+        n, count = flat.numel(), min(256, flat.numel())
+        index = torch.arange(count, dtype=torch.int64) * (n - 1) // max(count - 1, 1)
+        h.update(f"{name}:{tuple(param.shape)};".encode())
+        h.update(flat[index].float().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+def test_the_fingerprint_reads_the_values_torch_indexing_reads(dtype: torch.dtype) -> None:
+    """CPU tensors numpy can hold are sampled through numpy, the rest through torch: both give
+    the definition's bytes (a file saved before keeps matching its model)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 7), torch.nn.Embedding(1000, 33))
+    for name, param in list(model.named_parameters()):  # Module.to takes floating dtypes only
+        module, leaf = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+        setattr(module, leaf, torch.nn.Parameter((param.detach() * 50).to(dtype), requires_grad=False))
+    assert weights_fingerprint(model) == _reference(model)
+
+
+def test_a_write_through_param_data_is_seen_at_every_call() -> None:
+    """``param.data`` writes bump no version counter: a store's fingerprint is taken anew at
+    each call, so the second call sees the write a remembered one missed."""
+    model = torch.nn.Linear(64, 64)
+    store = PrefixStore(LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, vocab_size=100))
+    before = store.fingerprint(model)
+    version = model.weight._version
+    model.weight.data[-1, -1] += 1  # the last value is sampled
+    assert model.weight._version == version
+    assert store.fingerprint(model) != before
+
+
+class _AdapterLayer(torch.nn.Module):
+    """An adapter layer by the interface the fingerprint reads (peft's tuner layers')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(8, 8)
+        self.active, self.disabled, self.merged_adapters, self.scaling = ["x"], False, [], {"x": 2.0, "y": 1.0}
+
+    @property
+    def active_adapters(self) -> list[str]:
+        return self.active
+
+    @property
+    def disable_adapters(self) -> bool:
+        return self.disabled
+
+
+def test_the_adapter_state_is_part_of_the_fingerprint() -> None:
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert adapter_state(plain) == [] and weights_fingerprint(plain) == _reference(plain)
+    model = torch.nn.Sequential(_AdapterLayer())
+    layer = model[0]
+    seen = {weights_fingerprint(model)}
+    for change in (lambda: setattr(layer, "active", ["y"]), lambda: setattr(layer, "disabled", True),
+                   lambda: layer.merged_adapters.append("y"), lambda: layer.scaling.update(y=0.5)):
+        change()
+        seen.add(weights_fingerprint(model))
+    assert len(seen) == 5  # each change is seen, with no parameter changed
+    assert adapter_state(model) == [[["y"], True, ["y"], [0.5]]]
