@@ -52,7 +52,7 @@ from ..cache import RowSource, VKVCache
 from ..cache.options import PREFIX_STORE_KEY
 from ..memory.errors import CacheOptionError, CacheOptionTypeError, VKVError
 from ..prefix import PrefixStore
-from ..prefix.fingerprint import config_fingerprint
+from ..prefix.fingerprint import WEIGHTS_DIFFER, config_fingerprint
 from . import prefill_once
 from .call import GenerateCall, begin
 from .names import CACHE_NAMES, cache_kwarg
@@ -143,9 +143,8 @@ def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows
             refusal = (f"the store's entries hold {store.dtype} K/V and the model computes in {model.dtype} (a cast "
                        f"model's weights differ too): a store serves one dtype; use a store per dtype")
         elif store.weights_fingerprint not in (None, weights):
-            refusal = ("the store's entries were computed with other weights (same config, weights fingerprints "
-                       "differ: they cover the parameters and which adapters are active, disabled or merged): a "
-                       "store serves one model's weights; use a store per model or adapter")
+            refusal = (f"the store's entries were computed with other weights (same config; {WEIGHTS_DIFFER}): a "
+                       f"store serves one model's weights; use a store per model, adapter or attention")
     return begin(cache, owned=owned, rows=rows, num_beams=num_beams, store=store, eos_token_id=eos_token_id, refusal=refusal, weights=weights)
 
 

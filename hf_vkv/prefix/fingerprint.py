@@ -4,9 +4,10 @@ K/V depend on the architecture *and* on the weights. The config fingerprint hash
 the (text) config that shape attention and the residual stream; the weights fingerprint hashes a
 fixed sample of every parameter (its name, shape and a few hundred of its values), which
 tells two checkpoints of one architecture apart without reading all the weights (~4 ms for
-SmolLM2 on a CPU, taken at each use), and the state of the model's adapter layers
-(:func:`adapter_state`: which adapters are active, disabled or merged, and their scaling), which
-changes what a layer computes without changing a parameter. Both are checks against mistakes, not
+SmolLM2 on a CPU, taken at each use), and what changes what a layer computes without changing a
+parameter (:func:`computation_state`): the state of the model's adapter layers (which adapters
+are active, disabled or merged, and their scaling) and an attention implementation other than
+sdpa's. Both are checks against mistakes, not
 proofs: two configs differing only in a field missing from :data:`CONFIG_FIELDS` hash alike, a
 parameter changed only between the sampled values is not seen, nor is a forward hook that changes
 a layer's output.
@@ -22,8 +23,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "CONFIG_FIELDS", "adapter_state", "config_fields", "config_fingerprint", "describe_difference", "is_adapter_layer",
-    "unwrapped", "weights_fingerprint",
+    "CONFIG_FIELDS", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state", "computation_state", "config_fields",
+    "config_fingerprint", "describe_difference", "is_adapter_layer", "unwrapped", "weights_fingerprint",
 ]
 
 #: Config fields whose values change what a layer computes (those a config has are hashed).
@@ -107,12 +108,38 @@ def adapter_state(model: torch.nn.Module) -> list[list[Any]]:
     return out
 
 
+#: What a refusal of other weights says they cover (the store's, a file's and generate's refusals).
+WEIGHTS_DIFFER = ("weights fingerprints differ: they cover the parameters, which adapters are active, disabled or "
+                  "merged, and the attention implementation")
+
+#: Attention implementations whose K/V are sdpa's bit for bit (``vkv_paged`` copies the blocks and
+#: runs sdpa; ``None``: not set, transformers' default): a store filled under one serves the others.
+SDPA_EXACT_ATTENTION = (None, "sdpa", "vkv_paged")
+
+
+def computation_state(model: torch.nn.Module) -> dict[str, Any]:
+    """What changes the K/V a model computes besides its parameters: its adapter layers' state
+    (``"adapters"``: :func:`adapter_state`) and an attention implementation whose outputs differ
+    from sdpa's in their last bits (``"attention"``: eager's, the cascade's, ...; each layer's K/V
+    after the first are computed from the attention before them). Empty for a model without
+    adapter layers whose attention is sdpa's (:data:`SDPA_EXACT_ATTENTION`)."""
+    state: dict[str, Any] = {}
+    adapters = adapter_state(model)
+    if adapters:
+        state["adapters"] = adapters
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if attention not in SDPA_EXACT_ATTENTION:
+        state["attention"] = str(attention)
+    return state
+
+
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """What the model's weights compute: the sha256 (hex) over every parameter's name, shape and
-    ``_SAMPLE`` evenly spaced values (as float32), and with adapter layers the sha256 of that and
-    :func:`adapter_state` (a model without adapter layers fingerprints as its parameters alone, as
-    fingerprints written before adapter layers were seen do). ``model``: :func:`unwrapped` first.
+    ``_SAMPLE`` evenly spaced values (as float32), and where :func:`computation_state` is not
+    empty (adapter layers, an attention other than sdpa's) the sha256 of that and the state (a
+    model without either fingerprints as its parameters alone, as fingerprints written before the
+    state was seen do). ``model``: :func:`unwrapped` first.
     A model cast to another dtype fingerprints differently: check the dtype first.
 
     ~4 ms for SmolLM2's 272 parameters on a CPU, taken anew at each use: nothing cheaper tells
@@ -128,14 +155,15 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
             count = min(_SAMPLE, n)
             index = indices[n] = np.arange(count, dtype=np.int64) * (n - 1) // max(count - 1, 1)
         values = param.detach()
-        if values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES:  # fewer, cheaper calls than torch's indexing
+        if type(values) is torch.Tensor and values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES:
+            # fewer, cheaper calls than torch's indexing (a tensor subclass, a quantized one, goes through torch)
             sample = values.numpy().reshape(-1)[index].astype(np.float32)
         else:
             sample = values.reshape(-1)[torch.from_numpy(index).to(values.device)].float().cpu().numpy()
         h.update(f"{name}:{tuple(param.shape)};".encode())
         h.update(sample.tobytes())
     digest = h.hexdigest()
-    state = adapter_state(model)
+    state = computation_state(model)
     if not state:
         return digest
-    return hashlib.sha256((digest + json.dumps(state)).encode()).hexdigest()
+    return hashlib.sha256((digest + json.dumps(state, sort_keys=True)).encode()).hexdigest()

@@ -50,7 +50,7 @@ from .errors import (
     PrefixNotFoundError,
 )
 from .checksums import checksums_of, verify_checksums, validate_meta
-from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
+from .fingerprint import WEIGHTS_DIFFER, config_fields, config_fingerprint, describe_difference, weights_fingerprint
 from .tokens import outside_vocabulary, token_list
 
 __all__ = ["save_prefix", "load_prefix", "FORMAT", "VERSION", "LAYOUT"]
@@ -305,4 +305,4 @@ def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.
                                   f"or pass check_weights=False to load it unchecked")
     if model is not None and saved_weights is not None and saved_weights != (weights or weights_fingerprint(model)):
         raise PrefixMismatchError("weights", f"{path} was saved for a model of the same architecture with other "
-                                  f"weights, or other adapters active, disabled or merged (weights fingerprints differ)")
+                                  f"weights ({WEIGHTS_DIFFER})")

@@ -41,7 +41,7 @@ from .errors import (
     PrefixNotAFolderError,
     PrefixNotFoundError,
 )
-from .fingerprint import config_fields, config_fingerprint, describe_difference, weights_fingerprint
+from .fingerprint import WEIGHTS_DIFFER, config_fields, config_fingerprint, describe_difference, weights_fingerprint
 from .mapped import PAGES_FILE, MappedEntry, check_index_text, index_text, map_entries, write_pages
 from .page_check import MappedPages
 from .persist import _check_model, _load, _save
@@ -593,10 +593,8 @@ class PrefixStore:
         """Refuse other weights than those that computed the entries (``PrefixMismatchError``)."""
         if self._entries and self._weights not in (None, weights):
             raise PrefixMismatchError("weights", f"the store's entries were computed with other weights than the model "
-                                                 f"they are {doing} (same config, weights fingerprints differ: they "
-                                                 f"cover the parameters and which adapters are active, disabled or "
-                                                 f"merged): a store serves one model's weights; use a store per model "
-                                                 f"or adapter")
+                                                 f"they are {doing} (same config; {WEIGHTS_DIFFER}): a store serves one "
+                                                 f"model's weights; use a store per model, adapter or attention")
 
     # ----------------------------------------------------------------------------- accounting
     def bytes_held(self) -> int:

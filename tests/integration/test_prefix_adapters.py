@@ -1,5 +1,6 @@
 """A prefix store and a model with adapters (peft's LoRA, as transformers' ``load_adapter`` makes
-it too): a store serves the weights *and adapters* that filled it, and steps aside for any other.
+it too) or another attention: a store serves the weights, adapters and attention that filled it,
+and steps aside for any other.
 
 Found by trying what a peft user does: a store filled with adapter ``one`` and then reused with
 adapter ``two`` active, or with adapters disabled, gave other tokens (SmolLM2 with two random LoRA
@@ -158,3 +159,29 @@ def test_a_saved_store_opens_only_for_the_adapter_that_filled_it(tmp_path: Path)
     got = _call(model, ids, store=other)  # empty and usable: it fills with two's K/V
     _assert_identical(_call(model, ids), got, "adapter two, after the refused open")
     other.check_invariants()
+
+
+@pytest.mark.threads(1, 2)
+def test_a_store_filled_under_sdpa_steps_aside_for_eager_attention() -> None:
+    """Eager attention's outputs differ from sdpa's in their last bits, and every layer's K/V
+    after the first are computed from them: a store filled under sdpa steps aside for the same
+    model switched to eager (it reused sdpa's K/V: logits 1.9e-6 from eager's continued cache), and
+    serves it again once switched back. ``vkv_paged`` (sdpa on copied blocks) is sdpa's class."""
+    model = copy.deepcopy(tiny("llama"))
+    store = PrefixStore(model.config)
+    history = _ids(40, 0)
+    first = _call(model, history, store=store)
+    ids = torch.cat([first.sequences[:, :-1], _ids(6, 1)], dim=1)
+    model.set_attn_implementation("eager")
+    entries = store.prefixes()
+    got = _call(model, ids, store=store)
+    _assert_identical(_call(model, ids), got, "eager")
+    report = reuse_report(got)
+    assert report.reused_tokens == 0 and "attention" in report.refusal, report
+    assert store.prefixes() == entries
+    model.set_attn_implementation("sdpa")
+    lent = store.longest_prefix(ids)
+    again = _call(model, ids, store=store)
+    _assert_identical(_call(model, ids, cache=_continued(_call(model, history), lent)), again, "sdpa again")
+    assert reuse_report(again).refusal is None and reuse_report(again).reused_tokens == lent > 0
+    store.check_invariants()

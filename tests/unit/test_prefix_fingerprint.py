@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig
 
 from hf_vkv import PrefixStore
-from hf_vkv.prefix.fingerprint import adapter_state, weights_fingerprint
+from hf_vkv.prefix.fingerprint import adapter_state, computation_state, weights_fingerprint
 
 SMOLLM2_EMBEDDING = 49152 * 576  # 28,311,552 values: past float32's 2**24 exact integers
 
@@ -111,3 +111,18 @@ def test_the_adapter_state_is_part_of_the_fingerprint() -> None:
         seen.add(weights_fingerprint(model))
     assert len(seen) == 5  # each change is seen, with no parameter changed
     assert adapter_state(model) == [[["y"], True, ["y"], [0.5]]]
+
+
+@pytest.mark.parametrize(("attention", "state"), [
+    (None, {}), ("sdpa", {}), ("vkv_paged", {}), ("eager", {"attention": "eager"}),
+    ("vkv_cascade", {"attention": "vkv_cascade"}),
+])
+def test_an_attention_other_than_sdpa_is_part_of_the_fingerprint(attention: str | None, state: dict) -> None:
+    """Each layer's K/V after the first come from the attention before them: an implementation
+    whose outputs differ from sdpa's in their last bits fingerprints apart; sdpa's class (and an
+    unset one, transformers' default) as the parameters alone."""
+    model = torch.nn.Linear(8, 8)
+    model.config = LlamaConfig()
+    model.config._attn_implementation_internal = attention
+    assert computation_state(model) == state
+    assert (weights_fingerprint(model) == _reference(model)) == (not state)
