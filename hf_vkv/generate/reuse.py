@@ -28,10 +28,10 @@ Where reuse cannot apply, the call runs exactly as without a store and the repor
 (``cache.stats().reuse.refusal``, :class:`~hf_vkv.cache.stats.ReuseReport`) says why:
 encoder-decoder models (the decoder's K/V depend on the encoder's input, which the store's keys do
 not hold), a model with another config or other weights (or adapters) than the store's entries,
-sliding-window or recurrent layers, the static layout, ``inputs_embeds``, images and any other model input that
-token ids do not identify, explicit ``position_ids`` other than the ones transformers would use,
-an attention mask that is not left padding, assisted decoding (its first forward is not
-generate's prefill).
+peft's prompt learning and per-row adapters, sliding-window or recurrent layers, the static
+layout, ``inputs_embeds``, images and any other model input that token ids do not identify,
+explicit ``position_ids`` other than the ones transformers would use, an attention mask that is
+not left padding, assisted decoding (its first forward is not generate's prefill).
 
 Exactness: the reference is what transformers computes when a user reuses a cache by hand — a
 DynamicCache holding the same history, continued over the new tokens; the battery in
@@ -52,7 +52,7 @@ from ..cache import RowSource, VKVCache
 from ..cache.options import PREFIX_STORE_KEY
 from ..memory.errors import CacheOptionError, CacheOptionTypeError, VKVError
 from ..prefix import PrefixStore
-from ..prefix.fingerprint import WEIGHTS_DIFFER, config_fingerprint
+from ..prefix.fingerprint import WEIGHTS_DIFFER, config_fingerprint, per_row_adapters
 from . import prefill_once
 from .call import GenerateCall, begin
 from .names import CACHE_NAMES, cache_kwarg
@@ -98,7 +98,24 @@ def model_refusal(model: Any, store: PrefixStore) -> str | None:
                 "keys (decoder token ids) do not hold")
     if config_fingerprint(model.config) != store.config_fingerprint:
         return "the store was made for another model (config fingerprints differ)"
+    wrapper = inputs_wrapper(model)
+    if wrapper is not None:
+        return (f"the model's generation inputs are prepared by {wrapper} for this call (peft's prompt learning: "
+                f"virtual tokens or prompt embeddings the store's keys, token ids, do not hold)")
+    if per_row_adapters(model):
+        return ("adapters chosen per row (peft's adapter_names): the store's keys, token ids, do not say which "
+                "adapter computed an entry")
     return None
+
+
+def inputs_wrapper(model: Any) -> str | None:
+    """The class of the object whose method prepares ``model``'s generation inputs, where it is
+    not the model's own: peft's prompt learning (prefix and prompt tuning, ...) sets the base
+    model's ``prepare_inputs_for_generation`` to its ``PeftModel``'s for a ``generate`` call,
+    which adds virtual tokens' K/V or prompt embeddings; ``None`` for the model's own method."""
+    prepare = vars(model).get("prepare_inputs_for_generation")
+    owner = getattr(prepare, "__self__", model)
+    return None if prepare is None or owner is model else type(owner).__name__
 
 
 def memory_for(model: Any, store: PrefixStore, cache_config: dict[str, Any]) -> VKVCache | None:

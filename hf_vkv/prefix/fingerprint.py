@@ -24,7 +24,8 @@ import torch
 
 __all__ = [
     "CONFIG_FIELDS", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state", "computation_state", "config_fields",
-    "config_fingerprint", "describe_difference", "is_adapter_layer", "unwrapped", "weights_fingerprint",
+    "config_fingerprint", "describe_difference", "is_adapter_layer", "per_row_adapters", "unwrapped",
+    "weights_fingerprint",
 ]
 
 #: Config fields whose values change what a layer computes (those a config has are hashed).
@@ -88,6 +89,13 @@ def is_adapter_layer(module: torch.nn.Module) -> bool:
     cls = type(module)
     return isinstance(getattr(cls, "active_adapters", None), property) and \
         isinstance(getattr(cls, "disable_adapters", None), property)
+
+
+def per_row_adapters(model: torch.nn.Module) -> bool:
+    """Whether an adapter layer of ``model`` has forward pre-hooks: peft registers them for a
+    ``generate(..., adapter_names=[...])`` call, which runs each row with an adapter of its own
+    (nothing in :func:`adapter_state` says which)."""
+    return any(is_adapter_layer(m) and m._forward_pre_hooks for m in unwrapped(model).modules())
 
 
 def adapter_state(model: torch.nn.Module) -> list[list[Any]]:

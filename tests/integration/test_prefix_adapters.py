@@ -185,3 +185,50 @@ def test_a_store_filled_under_sdpa_steps_aside_for_eager_attention() -> None:
     _assert_identical(_call(model, ids, cache=_continued(_call(model, history), lent)), again, "sdpa again")
     assert reuse_report(again).refusal is None and reuse_report(again).reused_tokens == lent > 0
     store.check_invariants()
+
+
+def test_adapters_chosen_per_row_step_aside() -> None:
+    """peft's ``adapter_names`` runs each row with an adapter of its own (forward pre-hooks on
+    the adapter layers for the call): a store filled with adapter ``one`` steps aside for such a
+    call, whose rows get DynamicCache's tokens, and nothing is stored from it."""
+    model = _with_adapters()
+    store = PrefixStore(model.config)
+    history = _ids(40, 0)
+    _call(model, history, store=store)
+    ids = torch.cat([history, _ids(6, 1)], dim=1).repeat(2, 1)
+    entries = store.prefixes()
+
+    def rows(**extra: Any) -> Any:
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                              pad_token_id=PAD, output_logits=True, return_dict_in_generate=True,
+                              adapter_names=["two", "one"], **extra)
+
+    got = rows(cache_implementation="vkv", cache_config={"prefix_store": store})
+    _assert_identical(rows(), got, "adapter_names")
+    report = reuse_report(got)
+    assert report.reused_tokens == 0 and "adapter_names" in report.refusal, report
+    assert store.prefixes() == entries
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("method", ["prefix", "prompt"])
+def test_prompt_learning_steps_aside(method: str) -> None:
+    """peft's prefix and prompt tuning prepare the base model's inputs themselves (virtual
+    tokens' K/V, prompt embeddings) that token ids do not identify: a store steps aside, the
+    tokens are DynamicCache's, nothing is stored. It used to reuse K/V without the virtual tokens
+    (prefix tuning: other logits) and to fail at the end of a call (prompt tuning: ``IndexError``)."""
+    torch.manual_seed(0)
+    kind = peft.TaskType.CAUSAL_LM
+    config = (peft.PrefixTuningConfig(task_type=kind, num_virtual_tokens=5) if method == "prefix"
+              else peft.PromptTuningConfig(task_type=kind, num_virtual_tokens=5))
+    model = peft.get_peft_model(copy.deepcopy(tiny("llama")), config).eval()
+    store = PrefixStore(model.config)
+    history = _ids(20, 0)
+    for turn in range(2):
+        got = _call(model, history, store=store)
+        _assert_identical(_call(model, history), got, f"{method} tuning, turn {turn + 1}")
+        report = reuse_report(got)
+        assert report.reused_tokens == 0 and "prompt learning" in report.refusal, report
+        assert len(store) == 0
+        history = torch.cat([got.sequences[:, :-1], _ids(4, turn + 1)], dim=1)
+    store.check_invariants()
