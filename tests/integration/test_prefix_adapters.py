@@ -20,7 +20,7 @@ import torch
 from models import PAD, tiny
 from transformers import DynamicCache
 
-from hf_vkv import PrefixMismatchError, PrefixStore, reuse_report
+from hf_vkv import PrefixMismatchError, PrefixStore, VKVCache, reuse_report
 from hf_vkv.generate import cache_kwarg
 from hf_vkv.prefix.fingerprint import weights_fingerprint
 
@@ -228,7 +228,10 @@ def test_prompt_learning_steps_aside(method: str) -> None:
         got = _call(model, history, store=store)
         _assert_identical(_call(model, history), got, f"{method} tuning, turn {turn + 1}")
         report = reuse_report(got)
-        assert report.reused_tokens == 0 and "prompt learning" in report.refusal, report
+        if report is None:  # before transformers 5.24, peft swaps generate's cache for its own holding the prefix
+            assert method == "prefix" and not isinstance(got[cache_kwarg()], VKVCache)
+        else:
+            assert report.reused_tokens == 0 and "prompt learning" in report.refusal, report
         assert len(store) == 0
         history = torch.cat([got.sequences[:, :-1], _ids(4, turn + 1)], dim=1)
     store.check_invariants()
