@@ -73,12 +73,14 @@ def _continued(turn: Any, columns: int) -> DynamicCache:
     return cache
 
 
-def _steps_aside(model: Any, ids: torch.Tensor, store: PrefixStore, where: str) -> None:
+def _steps_aside(model: Any, ids: torch.Tensor, store: PrefixStore, where: str, *, reason: str = "adapters") -> None:
+    """The call gets DynamicCache's tokens and logits, a refusal naming ``reason``, and the store
+    stays as it was."""
     entries = store.prefixes()
     got = _call(model, ids, store=store)
     _assert_identical(_call(model, ids), got, where)
     report = reuse_report(got)
-    assert report.reused_tokens == 0 and "adapters" in report.refusal, (where, report)
+    assert report.reused_tokens == 0 and reason in report.refusal, (where, report)
     assert store.prefixes() == entries, where  # nothing inserted by a call that stepped aside
     store.check_invariants()
 
@@ -124,14 +126,7 @@ def test_weights_merged_through_param_data_are_seen() -> None:
     merged = peft.get_peft_model(model, _lora(1)).merge_and_unload()
     after = list(merged.parameters())  # the same parameter objects, their values changed
     assert len(after) == len(before) and all(a is b for a, b in zip(after, before, strict=True))
-    ids = torch.cat([history, _ids(6, 1)], dim=1)
-    entries = store.prefixes()
-    got = _call(merged, ids, store=store)
-    _assert_identical(_call(merged, ids), got, "merged")
-    report = reuse_report(got)
-    assert report.reused_tokens == 0 and "other weights" in report.refusal, report
-    assert store.prefixes() == entries
-    store.check_invariants()
+    _steps_aside(merged, torch.cat([history, _ids(6, 1)], dim=1), store, "merged", reason="other weights")
 
 
 def test_a_saved_store_opens_only_for_the_adapter_that_filled_it(tmp_path: Path) -> None:
@@ -173,12 +168,7 @@ def test_a_store_filled_under_sdpa_steps_aside_for_eager_attention() -> None:
     first = _call(model, history, store=store)
     ids = torch.cat([first.sequences[:, :-1], _ids(6, 1)], dim=1)
     model.set_attn_implementation("eager")
-    entries = store.prefixes()
-    got = _call(model, ids, store=store)
-    _assert_identical(_call(model, ids), got, "eager")
-    report = reuse_report(got)
-    assert report.reused_tokens == 0 and "attention" in report.refusal, report
-    assert store.prefixes() == entries
+    _steps_aside(model, ids, store, "eager", reason="attention")
     model.set_attn_implementation("sdpa")
     lent = store.longest_prefix(ids)
     again = _call(model, ids, store=store)
