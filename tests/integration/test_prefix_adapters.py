@@ -1,6 +1,6 @@
-"""A prefix store and a model with adapters (peft's LoRA, as transformers' ``load_adapter`` makes
-it too) or another attention: a store serves the weights, adapters and attention that filled it,
-and steps aside for any other.
+"""A prefix store and a model with adapters (peft's LoRA through ``get_peft_model``; transformers'
+own ``load_adapter`` asks for a newer peft than the package index has) or another attention: a
+store serves the weights, adapters and attention that filled it, and steps aside for any other.
 
 Found by trying what a peft user does: a store filled with adapter ``one`` and then reused with
 adapter ``two`` active, or with adapters disabled, gave other tokens (SmolLM2 with two random LoRA
