@@ -257,6 +257,8 @@ class LayerGroup:
         if self.buffer is None:
             return False
         self.check_index(index, "reorder")
+        if len(index) > self.buffer.rows:  # more rows than the buffer has (DynamicCache grows its batch too)
+            self._more_rows(len(index))
         moved = self.buffer.reorder(index, private_tails=True, written=max(self.lengths))  # static: mapped ahead
         self.batch = len(index)
         self._changed()
@@ -264,7 +266,8 @@ class LayerGroup:
 
     def check_index(self, index: Sequence[int], call: str) -> None:
         """Raise (changing nothing) unless :meth:`reorder` can take ``index``: row numbers of the
-        batch, at most as many as the buffer has rows (:class:`CacheIndexError`, :class:`ArgumentError`)."""
+        batch (:class:`CacheIndexError`); as many as wanted, as DynamicCache takes them (more rows
+        than the buffer has move it to a larger one, sharing every page)."""
         if self.buffer is None:
             return
         bad = [i for i in index if not 0 <= i < self.batch]
@@ -272,9 +275,6 @@ class LayerGroup:
             raise CacheIndexError(f"{call}: row indices {bad[:4]} are out of range for a batch of {self.batch}; pass "
                                   f"row numbers in 0..{self.batch - 1}" if self.batch else
                                   f"{call}: row indices {bad[:4]} of a cache that holds no rows")
-        if len(index) > self.buffer.rows:
-            raise ArgumentError(f"{call}: {len(index)} rows asked of a cache created for {self.buffer.rows}; create it "
-                                f"with batch_size={len(index)} (or batch_repeat_interleave to repeat every row)")
 
     def repeat_rows(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times, consecutively (shared pages, no copy)."""

@@ -70,8 +70,6 @@ REFUSALS: dict[str, tuple[Callable[[hf_vkv.VKVCache], Any], type, type, str]] = 
                          r"beam_idx.*\[-1\].*batch of 2"),
     "reorder float": (lambda c: c.reorder_cache(torch.tensor([1.0, 0.0])), hf_vkv.ArgumentTypeError, TypeError,
                       r"beam_idx.*float32.*long\(\)"),
-    "reorder more rows than made": (lambda c: c.reorder_cache(torch.tensor([0, 1, 0, 1, 0])), hf_vkv.ArgumentError,
-                                    ValueError, r"beam_idx.*5 rows.*created for 2.*batch_size=5"),
     "select past the batch": (lambda c: c.batch_select_indices(torch.tensor([5])), hf_vkv.CacheIndexError,
                               IndexError, r"batch_select_indices: rows \[5\].*batch of 2 rows.*-2\.\.1"),
     "select a list past the batch": (lambda c: c.batch_select_indices([0, 5]), hf_vkv.CacheIndexError, IndexError,
@@ -196,3 +194,27 @@ def test_a_crop_behind_a_dropped_window_is_typed_and_changes_nothing() -> None:
         cache.crop(-1)
     assert isinstance(info.value, hf_vkv.VKVError) and isinstance(info.value, RuntimeError)
     _continues_exactly(model, cache, reference, length=7, batch=2)
+
+
+@pytest.mark.parametrize("grow", ["reorder_cache", "batch_select_indices", "select a list", "select a mask then more"])
+def test_more_rows_than_made_grow_the_batch_as_dynamic_cache_does(model: Any, ids: torch.Tensor, grow: str) -> None:
+    """Reordering or selecting more rows than the cache was made for grows its batch, as
+    DynamicCache's ``index_select`` does (a fan-out of a prefilled row by hand: ``[0, 0, 0]``);
+    the rows share the pages, and every later step gives DynamicCache's logits bit for bit. It was
+    refused (``ArgumentError``: "rows asked of a cache created for 2")."""
+    cache, reference = _prefilled(model, ids)
+    index = torch.tensor([1, 0, 1, 1, 0])
+    for c in (cache, reference):
+        if grow == "reorder_cache":
+            c.reorder_cache(index)
+        elif grow == "batch_select_indices":
+            c.batch_select_indices(index)
+        elif grow == "select a list":
+            c.batch_select_indices(index.tolist())
+        else:
+            c.batch_select_indices(torch.tensor([False, True]))
+            c.batch_select_indices(torch.tensor([0, 0, 0, 0, 0]))
+    _continues_exactly(model, cache, reference, length=7, batch=5)
+    for c in (cache, reference):  # and back to fewer rows
+        c.batch_select_indices(torch.tensor([4, 2]))
+    _continues_exactly(model, cache, reference, length=9, batch=2)
