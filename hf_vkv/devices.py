@@ -488,6 +488,15 @@ def _cuda_arena(device: torch.device, *, page_bytes: int | None, budget_bytes: i
     return Arena(backend, budget_bytes=budget_bytes)
 
 
+def model_device(model: Any) -> torch.device | None:
+    """The device a model's K/V will live on, where its parameters say it: ``model.device``, or
+    ``None`` for parameters on the ``meta`` device (accelerate's ``cpu_offload`` /
+    ``disk_offload`` keep the weights elsewhere and move them in at each forward: the K/V live
+    where the forward runs, known at the cache's first update)."""
+    device = model.device
+    return None if device.type == "meta" else device
+
+
 def layer_devices_of(model: Any) -> dict[int, torch.device] | None:
     """Execution device of each decoder layer when accelerate spread them over several devices.
 

@@ -229,8 +229,9 @@ class VKVCache(Cache):
         (the model's device, ``num_beams``, ``prompt_tokens``, ``compiling``, the memory's).
         """
         options = config_dict(cache_config)
-        workload = devices.Workload(device_type=model.device.type, num_beams=num_beams, prompt_tokens=prompt_tokens,
-                                    compiling=compiling, prompt_repeats=expand,
+        device = devices.model_device(model)
+        workload = devices.Workload(device_type=None if device is None else device.type, num_beams=num_beams,
+                                    prompt_tokens=prompt_tokens, compiling=compiling, prompt_repeats=expand,
                                     item_bytes=devices.subrow_item_bytes(model.config.get_text_config(decoder=True), model.dtype))
         if options.get("max_tokens") is None:
             static = options.get("layout") == "static" or (options.get("layout") is None and compiling)

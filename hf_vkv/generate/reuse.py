@@ -52,7 +52,8 @@ from ..cache import RowSource, VKVCache
 from ..cache.options import PREFIX_STORE_KEY
 from ..memory.errors import CacheOptionError, CacheOptionTypeError, VKVError
 from ..prefix import PrefixStore
-from ..prefix.fingerprint import WEIGHTS_DIFFER, config_fingerprint, per_row_adapters
+from ..prefix.errors import PrefixMismatchError
+from ..prefix.fingerprint import OFFLOADED, WEIGHTS_DIFFER, config_fingerprint, per_row_adapters
 from . import prefill_once
 from .call import GenerateCall, begin
 from .names import CACHE_NAMES, cache_kwarg
@@ -98,6 +99,9 @@ def model_refusal(model: Any, store: PrefixStore) -> str | None:
                 "keys (decoder token ids) do not hold")
     if config_fingerprint(model.config) != store.config_fingerprint:
         return "the store was made for another model (config fingerprints differ)"
+    if devices.model_device(model) is None:
+        return (f"the model's parameters are on the meta device (accelerate's cpu_offload / disk_offload: {OFFLOADED}, "
+                f"and the store's memory is per device); load the model onto its device to reuse prefixes")
     wrapper = inputs_wrapper(model)
     if wrapper is not None:
         return (f"the model's generation inputs are prepared by {wrapper} for this call (peft's prompt learning: "
@@ -155,14 +159,19 @@ def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows
     refusal = refusal or model_refusal(model, store)
     weights = None
     if refusal is None:
-        weights = store.fingerprint(model)
-        if store.weights_fingerprint not in (None, weights) and store.dtype not in (None, model.dtype):
+        try:
+            weights = store.fingerprint(model)
+        except PrefixMismatchError as e:  # a parameter on the meta device: nothing to read
+            refusal = str(e)
+    if weights is not None and store.weights_fingerprint not in (None, weights):
+        if store.dtype not in (None, model.dtype):
             refusal = (f"the store's entries hold {store.dtype} K/V and the model computes in {model.dtype} (a cast "
                        f"model's weights differ too): a store serves one dtype; use a store per dtype")
-        elif store.weights_fingerprint not in (None, weights):
+        else:
             refusal = (f"the store's entries were computed with other weights (same config; {WEIGHTS_DIFFER}): a "
                        f"store serves one model's weights; use a store per model, adapter or attention")
-    return begin(cache, owned=owned, rows=rows, num_beams=num_beams, store=store, eos_token_id=eos_token_id, refusal=refusal, weights=weights)
+    return begin(cache, owned=owned, rows=rows, num_beams=num_beams, store=store, eos_token_id=eos_token_id,
+                 refusal=refusal, weights=weights)
 
 
 # --------------------------------------------------------------------------------- the prefill

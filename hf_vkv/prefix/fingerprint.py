@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import PrefixMismatchError
+
 __all__ = [
-    "CONFIG_FIELDS", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state", "computation_state", "config_fields",
+    "CONFIG_FIELDS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state", "computation_state", "config_fields",
     "config_fingerprint", "describe_difference", "is_adapter_layer", "per_row_adapters", "unwrapped",
     "weights_fingerprint",
 ]
@@ -68,6 +70,9 @@ def describe_difference(a: dict[str, Any], b: dict[str, Any], *, a_name: str, b_
         parts.append(f"and {len(diff) - most} more")
     return "; ".join(parts) or "fields outside the fingerprint's list"
 
+
+#: What a refusal of weights on the meta device says of them.
+OFFLOADED = "a store's weights fingerprint reads the parameters, and these are not in memory"
 
 #: dtypes whose CPU tensors are sampled through numpy
 _NUMPY_DTYPES = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -148,7 +153,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     empty (adapter layers, an attention other than sdpa's) the sha256 of that and the state (a
     model without either fingerprints as its parameters alone, as fingerprints written before the
     state was seen do). ``model``: :func:`unwrapped` first.
-    A model cast to another dtype fingerprints differently: check the dtype first.
+    A model cast to another dtype fingerprints differently: check the dtype first. A parameter on
+    the ``meta`` device (offloaded by accelerate) is :class:`~hf_vkv.PrefixMismatchError`
+    (``field="weights"``): there are no values to read.
 
     ~4 ms for SmolLM2's 272 parameters on a CPU, taken anew at each use: nothing cheaper tells
     that a parameter did not change (a write through ``param.data``, which an adapter's merge
@@ -163,6 +170,10 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
             count = min(_SAMPLE, n)
             index = indices[n] = np.arange(count, dtype=np.int64) * (n - 1) // max(count - 1, 1)
         values = param.detach()
+        if values.device.type == "meta":
+            raise PrefixMismatchError("weights", f"the weights cannot be fingerprinted: parameter {name!r} is on the meta "
+                                                 f"device (offloaded by accelerate: {OFFLOADED}); load the model onto its "
+                                                 f"device to use a prefix store with it")
         if type(values) is torch.Tensor and values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES:
             # fewer, cheaper calls than torch's indexing (a tensor subclass, a quantized one, goes through torch)
             sample = values.numpy().reshape(-1)[index].astype(np.float32)
