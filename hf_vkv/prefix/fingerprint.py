@@ -6,11 +6,10 @@ fixed sample of every parameter (its name, shape and a few hundred of its values
 tells two checkpoints of one architecture apart without reading all the weights (~4 ms for
 SmolLM2 on a CPU, taken at each use), and what changes what a layer computes without changing a
 parameter (:func:`computation_state`): the state of the model's adapter layers (which adapters
-are active, disabled or merged, and their scaling) and an attention implementation other than
-sdpa's. Both are checks against mistakes, not
-proofs: two configs differing only in a field missing from :data:`CONFIG_FIELDS` hash alike, a
-parameter changed only between the sampled values is not seen, nor is a forward hook that changes
-a layer's output.
+are active, disabled or merged, and their scaling), the forward hooks a user put on it, and an
+attention implementation other than sdpa's. Both are checks against mistakes, not proofs: two
+configs differing only in a field missing from :data:`CONFIG_FIELDS` hash alike, a parameter
+changed only between the sampled values is not seen, nor is a change in what a hook does.
 """
 
 from __future__ import annotations
@@ -21,13 +20,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from .errors import PrefixMismatchError
 
 __all__ = [
-    "CONFIG_FIELDS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state", "computation_state", "config_fields",
+    "CONFIG_FIELDS", "LIBRARY_HOOKS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state", "computation_state", "config_fields",
     "config_fingerprint", "describe_difference", "is_adapter_layer", "per_row_adapters", "unwrapped",
-    "weights_fingerprint",
+    "user_hooks", "weights_fingerprint",
 ]
 
 #: Config fields whose values change what a layer computes (those a config has are hashed).
@@ -108,22 +108,51 @@ def adapter_state(model: torch.nn.Module) -> list[list[Any]]:
     in the order of ``model.modules()``: its active adapters, whether adapters are disabled, the
     merged ones, and the active ones' scaling where the layer has one (LoRA's). Switching,
     disabling, merging or rescaling an adapter changes it; empty for a model without adapter layers."""
-    out: list[list[Any]] = []
-    for layer in model.modules():
-        if not is_adapter_layer(layer):
+    return _module_state(model)[0]
+
+
+#: Where the forward hooks come from that record or move tensors without changing what a layer
+#: computes (transformers' output capturing; peft's per-row adapter hooks are refused apart): a
+#: hook defined anywhere else is the user's.
+LIBRARY_HOOKS = ("transformers.", "torch.", "accelerate.", "peft.", "hf_vkv.")
+
+
+def user_hooks(model: torch.nn.Module) -> list[list[int]]:
+    """The forward hooks and pre-hooks no library put on ``model``'s modules (a steering vector,
+    an activation patch: they may change what a layer computes, and nothing says how), each as
+    ``[place in the order of model.modules(), handle id]`` (``-1``: a global module hook).
+    Identified by their handles: the same hook registered again is another one."""
+    return _module_state(model)[1]
+
+
+def _module_state(model: torch.nn.Module) -> tuple[list[list[Any]], list[list[int]]]:
+    """:func:`adapter_state` and :func:`user_hooks`, in one walk of the modules."""
+    adapters: list[list[Any]] = []
+    hooks = [[-1, key] for table in (_global_forward_hooks, _global_forward_pre_hooks)
+             for key, hook in table.items() if not _from_library(hook)]
+    for place, module in enumerate(model.modules()):
+        for table in (module._forward_hooks, module._forward_pre_hooks):
+            hooks.extend([place, key] for key, hook in table.items() if not _from_library(hook))
+        if not is_adapter_layer(module):
             continue
-        active = layer.active_adapters
+        active = module.active_adapters
         active = [active] if isinstance(active, str) else [str(a) for a in active]
-        scaling = getattr(layer, "scaling", None)
+        scaling = getattr(module, "scaling", None)
         scales = [float(scaling[a]) for a in active if a in scaling] if isinstance(scaling, dict) else []
-        merged = [str(a) for a in getattr(layer, "merged_adapters", [])]
-        out.append([active, bool(layer.disable_adapters), merged, scales])
-    return out
+        merged = [str(a) for a in getattr(module, "merged_adapters", [])]
+        adapters.append([active, bool(module.disable_adapters), merged, scales])
+    return adapters, hooks
+
+
+def _from_library(hook: Any) -> bool:
+    function = getattr(hook, "func", hook)  # functools.partial
+    function = getattr(function, "__func__", function)  # a bound method
+    return str(getattr(function, "__module__", "")).startswith(LIBRARY_HOOKS)
 
 
 #: What a refusal of other weights says they cover (the store's, a file's and generate's refusals).
 WEIGHTS_DIFFER = ("weights fingerprints differ: they cover the parameters, which adapters are active, disabled or "
-                  "merged, and the attention implementation")
+                  "merged, the attention implementation and the forward hooks a user put on the model")
 
 #: Attention implementations whose K/V are sdpa's bit for bit (``vkv_paged`` copies the blocks and
 #: runs sdpa; ``None``: not set, transformers' default): a store filled under one serves the others.
@@ -132,14 +161,17 @@ SDPA_EXACT_ATTENTION = (None, "sdpa", "vkv_paged")
 
 def computation_state(model: torch.nn.Module) -> dict[str, Any]:
     """What changes the K/V a model computes besides its parameters: its adapter layers' state
-    (``"adapters"``: :func:`adapter_state`) and an attention implementation whose outputs differ
-    from sdpa's in their last bits (``"attention"``: eager's, the cascade's, ...; each layer's K/V
-    after the first are computed from the attention before them). Empty for a model without
-    adapter layers whose attention is sdpa's (:data:`SDPA_EXACT_ATTENTION`)."""
+    (``"adapters"``: :func:`adapter_state`), the forward hooks a user put on it (``"hooks"``:
+    :func:`user_hooks`) and an attention implementation whose outputs differ from sdpa's in their
+    last bits (``"attention"``: eager's, the cascade's, ...; each layer's K/V after the first are
+    computed from the attention before them). Empty for a model without adapter layers or user
+    hooks whose attention is sdpa's (:data:`SDPA_EXACT_ATTENTION`)."""
     state: dict[str, Any] = {}
-    adapters = adapter_state(model)
+    adapters, hooks = _module_state(model)
     if adapters:
         state["adapters"] = adapters
+    if hooks:
+        state["hooks"] = hooks
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if attention not in SDPA_EXACT_ATTENTION:
         state["attention"] = str(attention)

@@ -225,3 +225,30 @@ def test_prompt_learning_steps_aside(method: str) -> None:
         assert len(store) == 0
         history = torch.cat([got.sequences[:, :-1], _ids(4, turn + 1)], dim=1)
     store.check_invariants()
+
+
+def test_a_users_forward_hook_is_part_of_what_a_store_serves() -> None:
+    """A steering hook (a vector added to a layer's output) changes every K/V after it: a store
+    filled without it steps aside for the hooked model, one filled with it serves the hooked model
+    exactly (against its own continued cache), and transformers' own hooks (capturing hidden
+    states) do not count. It reused the unhooked K/V (other logits)."""
+    model = copy.deepcopy(tiny("llama"))
+    store = PrefixStore(model.config)
+    history = _ids(40, 0)
+    plain = _call(model, history, store=store)
+    ids = torch.cat([plain.sequences[:, :-1], _ids(6, 1)], dim=1)
+    shift = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    handle = model.model.layers[0].register_forward_hook(lambda module, args, out: out + shift)
+    _steps_aside(model, ids, store, "a steering hook", reason="hooks")
+
+    hooked = PrefixStore(model.config)
+    first_ref, first = _call(model, history), _call(model, history, store=hooked)
+    _assert_identical(first_ref, first, "hooked, turn 1")
+    model.generate(input_ids=ids, max_new_tokens=1, pad_token_id=PAD, output_hidden_states=True,
+                   return_dict_in_generate=True)  # transformers installs its capturing hooks
+    lent = hooked.longest_prefix(ids)
+    got = _call(model, ids, store=hooked)
+    _assert_identical(_call(model, ids, cache=_continued(first_ref, lent)), got, "hooked, turn 2")
+    assert reuse_report(got).reused_tokens == lent > 0
+    handle.remove()
+    _steps_aside(model, ids, hooked, "the hook removed", reason="hooks")
