@@ -224,7 +224,9 @@ class VKVCache(Cache):
         rows sharing each prompt). Tokens: ``cache_config['max_tokens']``, else room for the
         model's whole context and at least ``max_length`` — only address space, so the returned
         cache can be passed back to ``generate()`` to continue; in the static layout (whose
-        attention reads the whole capacity, as StaticCache's) ``max_length``. Layout:
+        attention reads the whole capacity, as StaticCache's) ``max_length``, or the largest
+        capacity an earlier static call of ``model`` had, as transformers sizes its StaticCache
+        (StaticCache's sums over the capacity, bit for bit). Layout:
         :func:`hf_vkv.devices.choose_layout` of ``cache_config['layout']`` and the call's workload
         (the model's device, ``num_beams``, ``prompt_tokens``, ``compiling``, the memory's).
         """
@@ -233,10 +235,15 @@ class VKVCache(Cache):
         workload = devices.Workload(device_type=None if device is None else device.type, num_beams=num_beams,
                                     prompt_tokens=prompt_tokens, compiling=compiling, prompt_repeats=expand,
                                     item_bytes=devices.subrow_item_bytes(model.config.get_text_config(decoder=True), model.dtype))
-        if options.get("max_tokens") is None:
-            static = options.get("layout") == "static" or (options.get("layout") is None and compiling)
+        if options.get("layout") == "static" or (options.get("layout") is None and compiling):
+            # as transformers sizes its StaticCache in generate: the largest capacity a static call of this model had
+            # (it keeps it in model._previous_max_cache_length, against recompiling), which the attention reads whole
+            asked = options.get("max_tokens") or max_length - 1
+            options["max_tokens"] = max(asked, getattr(model, "_previous_max_cache_length", -1))
+            model._previous_max_cache_length = options["max_tokens"]
+        elif options.get("max_tokens") is None:
             context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
-            options["max_tokens"] = max_length - 1 if static else max(max_length, context)
+            options["max_tokens"] = max(max_length, context)
         return cls.from_cache_config(model.config, options, batch_size=batch_size * expand, prompt_repeats=expand,
                                      layer_devices=layer_devices_of(model), memory_of=memory_of, workload=workload)
 

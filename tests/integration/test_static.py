@@ -301,3 +301,29 @@ def test_a_fork_of_a_static_cache_has_its_own_length_and_pages() -> None:
     assert torch.equal(got, ref)
     for c in (cache, fork):
         c.check_invariants()
+
+
+@pytest.mark.parametrize("given", [None, 20])
+def test_a_shorter_call_after_a_longer_one_keeps_static_cache_s_capacity(given: int | None) -> None:
+    """transformers sizes generate's StaticCache to the largest capacity a static call of the model
+    had (``model._previous_max_cache_length``, against recompiling), and its attention sums over the
+    whole capacity: the static layout does the same, so a shorter call after a longer one gives
+    StaticCache's logits bit for bit. It sized itself to the call alone (logits 2-3e-6 apart, found
+    when another test's longer static call ran first on the same model)."""
+    import copy
+
+    model = copy.deepcopy(tiny("llama"))
+    extra = {} if given is None else {"max_cache_len": given}
+    long, short = prompts(1, 30, seed=2), prompts(2, 8, seed=4)
+    kwargs: dict[str, Any] = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+    model.generate(**long, max_new_tokens=8, cache_implementation="static", **kwargs)
+    capacity = model._previous_max_cache_length
+    assert capacity > 8 + 6
+    ref = model.generate(**short, max_new_tokens=6, cache_implementation="static", cache_config=extra or None,
+                         **kwargs)
+    got = model.generate(**short, max_new_tokens=6, cache_implementation="vkv",
+                         cache_config={"layout": "static", **extra}, **kwargs)
+    assert_same_tokens(ref.sequences, got.sequences)
+    for a, b in zip(ref.logits, got.logits, strict=True):
+        assert torch.equal(a, b)
+    assert got[cache_kwarg()].options.max_tokens == model._previous_max_cache_length == capacity
