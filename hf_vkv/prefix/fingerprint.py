@@ -25,9 +25,9 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 from .errors import PrefixMismatchError
 
 __all__ = [
-    "CONFIG_FIELDS", "LIBRARY_HOOKS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state", "computation_state", "config_fields",
-    "config_fingerprint", "describe_difference", "is_adapter_layer", "per_row_adapters", "unwrapped",
-    "user_hooks", "weights_fingerprint",
+    "CONFIG_FIELDS", "LIBRARY_HOOKS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state",
+    "computation_state", "config_fields", "config_fingerprint", "describe_difference", "is_adapter_layer",
+    "per_row_adapters", "unwrapped", "weights_fingerprint",
 ]
 
 #: Config fields whose values change what a layer computes (those a config has are hashed).
@@ -117,16 +117,12 @@ def adapter_state(model: torch.nn.Module) -> list[list[Any]]:
 LIBRARY_HOOKS = ("transformers.", "torch.", "accelerate.", "peft.", "hf_vkv.")
 
 
-def user_hooks(model: torch.nn.Module) -> list[list[int]]:
-    """The forward hooks and pre-hooks no library put on ``model``'s modules (a steering vector,
-    an activation patch: they may change what a layer computes, and nothing says how), each as
-    ``[place in the order of model.modules(), handle id]`` (``-1``: a global module hook).
-    Identified by their handles: the same hook registered again is another one."""
-    return _module_state(model)[1]
-
-
 def _module_state(model: torch.nn.Module) -> tuple[list[list[Any]], list[list[int]]]:
-    """:func:`adapter_state` and :func:`user_hooks`, in one walk of the modules."""
+    """:func:`adapter_state`, and the forward hooks and pre-hooks no library put on ``model``'s
+    modules (a steering vector, an activation patch: they may change what a layer computes, and
+    nothing says how), each as ``[place in the order of model.modules(), handle id]`` (``-1``: a
+    global module hook), in one walk of the modules. A hook is known by its handle: the same hook
+    registered again is another one."""
     adapters: list[list[Any]] = []
     hooks = [[-1, key] for table in (_global_forward_hooks, _global_forward_pre_hooks)
              for key, hook in table.items() if not _from_library(hook)]
@@ -161,8 +157,8 @@ SDPA_EXACT_ATTENTION = (None, "sdpa", "vkv_paged")
 
 def computation_state(model: torch.nn.Module) -> dict[str, Any]:
     """What changes the K/V a model computes besides its parameters: its adapter layers' state
-    (``"adapters"``: :func:`adapter_state`), the forward hooks a user put on it (``"hooks"``:
-    :func:`user_hooks`) and an attention implementation whose outputs differ from sdpa's in their
+    (``"adapters"``: :func:`adapter_state`), the forward hooks a user put on it (``"hooks"``, by
+    their handles; not :data:`LIBRARY_HOOKS`') and an attention implementation whose outputs differ from sdpa's in their
     last bits (``"attention"``: eager's, the cascade's, ...; each layer's K/V after the first are
     computed from the attention before them). Empty for a model without adapter layers or user
     hooks whose attention is sdpa's (:data:`SDPA_EXACT_ATTENTION`)."""
@@ -182,7 +178,7 @@ def computation_state(model: torch.nn.Module) -> dict[str, Any]:
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """What the model's weights compute: the sha256 (hex) over every parameter's name, shape and
     ``_SAMPLE`` evenly spaced values (as float32), and where :func:`computation_state` is not
-    empty (adapter layers, an attention other than sdpa's) the sha256 of that and the state (a
+    empty (adapter layers, user hooks, an attention other than sdpa's) the sha256 of that and the state (a
     model without either fingerprints as its parameters alone, as fingerprints written before the
     state was seen do). ``model``: :func:`unwrapped` first.
     A model cast to another dtype fingerprints differently: check the dtype first. A parameter on
@@ -203,9 +199,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
             index = indices[n] = np.arange(count, dtype=np.int64) * (n - 1) // max(count - 1, 1)
         values = param.detach()
         if values.device.type == "meta":
-            raise PrefixMismatchError("weights", f"the weights cannot be fingerprinted: parameter {name!r} is on the meta "
-                                                 f"device (offloaded by accelerate: {OFFLOADED}); load the model onto its "
-                                                 f"device to use a prefix store with it")
+            raise PrefixMismatchError("weights", f"the weights cannot be fingerprinted: parameter {name!r} is on the "
+                                                 f"meta device (offloaded by accelerate: {OFFLOADED}); load the model "
+                                                 f"onto its device to use a prefix store with it")
         if type(values) is torch.Tensor and values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES:
             # fewer, cheaper calls than torch's indexing (a tensor subclass, a quantized one, goes through torch)
             sample = values.numpy().reshape(-1)[index].astype(np.float32)
