@@ -183,13 +183,15 @@ def run_ab(
 
     def vkv_cache() -> Cache:  # as generate(cache_implementation="vkv") builds it
         options = dict(cache_config or {})
-        memory = None if prefix_store is None else reuse.memory_for(model, prefix_store, options)
+        refusal = None if prefix_store is None else reuse.model_refusal(model, prefix_store)
+        memory = None if prefix_store is None or refusal is not None else reuse.memory_for(model, prefix_store, options)
         cache = factory.for_generate(model, batch_size=batch, expand=expand, max_length=prompt_len + max_new_tokens + 1,
                                      cache_config=options, num_beams=num_beams, prompt_tokens=prompt_len,
                                      memory_of=memory)
         if prefix_store is not None:  # the call's record, as generate's hook makes it: reuse, then insertion
             eos = generate_kwargs.get("eos_token_id", config.eos_token_id)
-            reuse.attach(cache, prefix_store, model, owned=False, rows=rows, num_beams=num_beams, eos_token_id=eos)
+            reuse.attach(cache, prefix_store, model, owned=False, rows=rows, num_beams=num_beams, eos_token_id=eos,
+                         refusal=refusal)
             assert cache.reuse is not None
             made.append(cache.reuse)
         return cache

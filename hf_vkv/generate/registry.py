@@ -272,14 +272,14 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         store = None
         if getattr(model.config, "_attn_implementation", None) != PAGED_ATTENTION:
             cache_config = {k: v for k, v in cache_config.items() if k not in PAGED_KEYS}
-    memory = None if store is None else reuse.memory_for(model, store, cache_config)
+    refusal = None if store is None else reuse.model_refusal(model, store)  # asked once a call
+    memory = None if store is None or refusal is not None else reuse.memory_for(model, store, cache_config)
     new = generation_config.max_new_tokens  # generate sizes the cache max_length - 1 = prompt + new - 1
     build = functools.partial(
         VKVCache.for_generate, model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1,
         cache_config=cache_config, num_beams=generation_config.num_beams or 1,
         compiling=_compiles(model, generation_config),
         prompt_tokens=None if new is None else max(max_cache_length + 1 - new, 0))
-    refusal = None
     try:
         cache: Any = build(memory_of=memory)
     except MappingLimitError as exc:

@@ -122,13 +122,11 @@ def inputs_wrapper(model: Any) -> str | None:
     return None if prepare is None or owner is model else type(owner).__name__
 
 
-def memory_for(model: Any, store: PrefixStore, cache_config: dict[str, Any]) -> VKVCache | None:
-    """The memory ``generate``'s cache for ``model`` draws from: the store's (its page size,
-    budget and layout), or ``None`` where reuse does not apply to ``model``. The memory options
-    are the store's: a call that names other ``page_bytes`` or ``budget_bytes`` is a
+def memory_for(model: Any, store: PrefixStore, cache_config: dict[str, Any]) -> VKVCache:
+    """The memory ``generate``'s cache for ``model`` draws from, where :func:`model_refusal` said
+    none (the caller asks it once a call): the store's (its page size, budget and layout). The
+    memory options are the store's: a call that names other ``page_bytes`` or ``budget_bytes`` is a
     :class:`~hf_vkv.CacheOptionError` (its pages could not be the store's) naming where they go."""
-    if model_refusal(model, store) is not None:
-        return None
     memory = store.memory(model.device)
     conflict = memory_conflict(memory, cache_config)
     if conflict is not None:
@@ -151,12 +149,12 @@ def memory_conflict(memory: VKVCache, cache_config: dict[str, Any]) -> tuple[str
 
 
 def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows: int, num_beams: int,
-           eos_token_id: Any, refusal: str | None = None) -> GenerateCall:
+           eos_token_id: Any, refusal: str | None) -> GenerateCall:
     """The record of a ``generate`` call whose ``cache`` (made with :func:`memory_for`'s memory)
     reuses ``store``: put on the cache for the prefill (:func:`start`) and the end of the decoding
-    loop (:func:`finish`). ``refusal``: why the call's cache could not draw from the store (its
-    report says so, and nothing is taken from or put into the store)."""
-    refusal = refusal or model_refusal(model, store)
+    loop (:func:`finish`). ``refusal``: why the call's cache could not draw from the store
+    (:func:`model_refusal`'s answer, which the caller asked before building the cache, or another
+    reason; its report says so, and nothing is taken from or put into the store)."""
     weights = None
     if refusal is None:
         try:
