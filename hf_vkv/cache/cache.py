@@ -29,7 +29,7 @@ from .grad import refuse_trainable_states
 from .group import LayerGroup
 from .shared_prefix_group import SharedPrefixGroup
 from .static_group import StaticGroup
-from .hybrid import make_vkv_layer, transformers_part
+from .hybrid import LinearState, cuts_back_unrecorded, make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer, int_argument, selected_rows
 from .options import CacheOptions, config_dict
 from .row_image import GroupImage
@@ -531,7 +531,11 @@ class VKVCache(Cache):
             group.before_row_operation()
         for group in self._groups:
             group.check_crop()  # every group first: a refused crop changes nothing
-        for layer in self.transformers_layers():
+        layers = self.transformers_layers()
+        for layer in layers:
+            if isinstance(layer, LinearState):
+                layer.check_crop(tokens_to_remove)  # every linear state first, as the groups
+        for layer in layers:
             layer.crop(tokens_to_remove)  # transformers' layers may refuse too: before the groups change
         for group in self._groups:
             group.crop(tokens_to_remove)
@@ -552,13 +556,15 @@ class VKVCache(Cache):
         """Forget every cached token (pages go back to the pool)."""
         self._row_operation(LayerGroup.clear, lambda layer: layer.reset())
 
-    def activate_past_recording(self) -> None:
-        """Keep sliding layers' pages behind the window until :meth:`crop` (assisted decoding)."""
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Keep sliding layers' pages behind the window until :meth:`crop` (assisted decoding).
+        ``kwargs`` go to the layers transformers keeps (from transformers 5.25,
+        ``recurrent_states_to_keep``: how many past recurrent states a linear state records)."""
         for group in self._groups:
             group.start_recording()
         for layer in self.transformers_layers():
             if hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()
+                layer.activate_past_recording(**kwargs)
 
     # ----------------------------------------------------------------------------- prefixes
     def write_states(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, *,
@@ -596,8 +602,7 @@ class VKVCache(Cache):
             first = group.first_written()
             if group.sliding_window is not None and first > 0:
                 m = max(m, first + group.sliding_window - 1)
-        if any(getattr(layer, "is_sliding", False) or not getattr(layer, "is_croppable", True)
-               for layer in self.transformers_layers()):
+        if not all(map(cuts_back_unrecorded, self.transformers_layers())):
             m = length  # transformers' own sliding layers and recurrent states cannot be cut back
         return min(m, length)
 

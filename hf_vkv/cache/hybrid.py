@@ -40,7 +40,7 @@ from ..memory.errors import ArgumentTypeError, VKVError
 from .group import LayerGroup
 from .layer import LayerCallError, VKVLayer, VKVSlidingLayer
 
-__all__ = ["LinearState", "RecurrentRollbackError", "VKVHybridLayer", "VKVHybridSlidingLayer", "make_vkv_layer",
+__all__ = ["LinearState", "RecurrentRollbackError", "VKVHybridLayer", "VKVHybridSlidingLayer", "cuts_back_unrecorded", "make_vkv_layer",
            "transformers_part"]
 
 #: Layer types whose attention K/V a group holds beside a linear state.
@@ -64,16 +64,32 @@ class LinearState(LinearAttentionLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' crop (conv states back to ``kernel`` tokens, ``-tokens_to_remove`` fewer);
-        :class:`RecurrentRollbackError` if that would remove tokens from a recurrent state (without
-        ``activate_past_recording`` transformers' own refusal comes first).
-        (``generate`` never asks: it refuses assisted decoding for such stateful models.)"""
-        if self.record_past and tokens_to_remove < 0 and any(self.is_recurrent_states_initialized.values()):
-            raise RecurrentRollbackError(
-                f"cannot remove {-tokens_to_remove} token(s): a recurrent (SSM / linear-attention) state holds every "
-                "past token folded in and cannot be cut back. Keep the cache whole (fork() with no length), or "
-                "prefill the shorter prefix again"
-            )
+        :class:`RecurrentRollbackError` if that would remove tokens from a recurrent state whose
+        past states were not recorded (without ``activate_past_recording`` transformers' own
+        refusal comes first). From transformers 5.25 a recording layer keeps the recurrent state
+        before each token it folds in (``recurrent_states_history``; speculative decoding asks for
+        it): a crop back over at most that many tokens restores the recorded state, as
+        ``DynamicCache`` does; before 5.25 nothing is recorded and every such crop is refused."""
+        self.check_crop(tokens_to_remove)
         super().crop(tokens_to_remove)
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """:class:`RecurrentRollbackError` where :meth:`crop` would refuse; nothing changes."""
+        removed = -tokens_to_remove
+        if self.record_past and removed > 0 and any(
+                initialized and len(self._recorded(i)) < removed
+                for i, initialized in self.is_recurrent_states_initialized.items()):
+            raise RecurrentRollbackError(
+                f"cannot remove {removed} token(s): a recurrent (SSM / linear-attention) state holds every past "
+                "token folded in and cannot be cut back past the states recorded since activate_past_recording "
+                "(transformers >= 5.25 records them). Keep the cache whole (fork() with no length), or prefill the "
+                "shorter prefix again"
+            )
+
+    def _recorded(self, state_idx: int) -> list[torch.Tensor]:
+        """The recurrent states recorded since :meth:`activate_past_recording` (transformers >= 5.25; none before)."""
+        history = getattr(self, "recurrent_states_history", None)
+        return history.get(state_idx, []) if isinstance(history, dict) else []
 
     def _take_rows(self, index: torch.Tensor) -> None:
         for i in range(self.number_of_states):
@@ -118,6 +134,11 @@ class _HybridParts:
     has_previous_state = _OnLinear()
     conv_kernel_size = _OnLinear()
     record_past = _OnLinear()  # Cache.is_recording_past and the models read it; 5.17 reads it on the layer
+    # transformers >= 5.25: the linear state's token count (its increase_count, called on the
+    # layer, adds to it) and its recording of past recurrent states
+    cumulative_length_linear = _OnLinear()
+    recurrent_states_to_keep = _OnLinear()
+    recurrent_states_history = _OnLinear()
     supports_early_init = False  # as transformers' hybrid layers: the linear state has no K/V shapes to guess
     is_compileable = False
     keeps_transformers_state = True  # VKVLayer's flag: the linear state (see transformers_part)
@@ -212,6 +233,16 @@ def make_vkv_layer(kind: str, group: LayerGroup, layer_idx: int, kwargs: dict[st
     if window is not None:
         return VKVSlidingLayer(group, layer_idx, sliding_window=window)
     return VKVLayer(group, layer_idx)
+
+
+def cuts_back_unrecorded(layer: Any) -> bool:
+    """Whether a layer transformers keeps (:func:`transformers_part`) can be cut back to fewer
+    tokens with nothing recorded before: not a sliding window, and no recurrent state, which folds
+    every past token in (from transformers 5.25 such a layer says it is croppable, meaning while
+    it records its past states, which a fork cannot have done)."""
+    if getattr(layer, "is_sliding", False) or not getattr(layer, "is_croppable", True):
+        return False
+    return not any(getattr(layer, "is_recurrent_states_initialized", {}).values())
 
 
 def transformers_part(layer: Any) -> Any | None:

@@ -282,9 +282,10 @@ class VKVSlidingLayer(VKVLayer):
         else:
             self.group.stop_recording()
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: Any) -> None:
         """Keep the tokens behind the window until :meth:`crop`, as ``DynamicSlidingWindowLayer``
-        (assisted decoding and multi-token prediction call it on the cache or on each layer). The
+        (assisted decoding and multi-token prediction call it on the cache or on each layer;
+        ``kwargs``, transformers' ``recurrent_states_to_keep``, concern recurrent states). The
         group records for all its members: pages make keeping the past cheap."""
         self.group.start_recording()
 

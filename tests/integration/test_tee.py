@@ -102,10 +102,10 @@ class TeeCache(VKVCache):
             self._same(f"get_query_offset({layer_idx})", got, self.shadow.get_query_offset(layer_idx))
         return got
 
-    def _both(self, name: str, *args: Any) -> None:
+    def _both(self, name: str, *args: Any, **kwargs: Any) -> None:
         self.calls[name] += 1
-        getattr(super(), name)(*args)
-        getattr(self.shadow, name)(*args)
+        getattr(super(), name)(*args, **kwargs)
+        getattr(self.shadow, name)(*args, **kwargs)
         self.compare_all(name)
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
@@ -120,8 +120,8 @@ class TeeCache(VKVCache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._both("batch_repeat_interleave", repeats)
 
-    def activate_past_recording(self) -> None:
-        self._both("activate_past_recording")
+    def activate_past_recording(self, **kwargs: Any) -> None:  # (5.25: recurrent_states_to_keep=)
+        self._both("activate_past_recording", **kwargs)
 
     def compare_all(self, after: str) -> None:
         """Every layer's cached K/V equal the shadow's (unless a sliding layer records its past)."""

@@ -9,18 +9,21 @@ lengths, mask sizes and layer kinds. A permutation of order 3 as ``beam_idx`` sh
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import pytest
 import torch
 from transformers import FalconH1Config, Qwen3NextConfig
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
 
 import hf_vkv
 from hf_vkv.cache.hybrid import LinearState, RecurrentRollbackError, VKVHybridLayer, VKVHybridSlidingLayer
 
 ROWS, KV_HEADS, HEAD_DIM, CONV_DIM, KERNEL = 3, 1, 16, 8, 4
 CYCLE = [1, 2, 0]  # order 3: applied twice it differs from once
+#: transformers >= 5.25 records the recurrent states a recording layer folds tokens into
+RECORDS_RECURRENT = "recurrent_states_to_keep" in inspect.signature(LinearAttentionLayer.activate_past_recording).parameters
 
 
 _SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -117,7 +120,8 @@ def test_crop_after_recording_rolls_back_kv_and_conv_state() -> None:
 def test_cutting_a_recurrent_state_back_is_refused() -> None:
     got, ref = _pair()
     _step((got, ref), 5, seed=0)
-    assert not got.is_croppable and not ref.is_croppable
+    # transformers' answer: False before 5.25; from 5.25 True (croppable while recording, below)
+    assert got.is_croppable == ref.is_croppable == RECORDS_RECURRENT
     with pytest.raises(ValueError, match=r"serves prefixes of 5..5 tokens .*recurrent state cannot be cut back"):
         got.fork(3)  # (DynamicCache's crop would trim the conv state and keep the recurrent state of 5 tokens)
     with pytest.raises(RecurrentRollbackError, match="cannot be cut back"):
@@ -129,6 +133,32 @@ def test_cutting_a_recurrent_state_back_is_refused() -> None:
     ref.activate_past_recording()
     got.crop(0)  # trimming the conv state back to its kernel removes no token
     ref.crop(0)
+    assert_same(got, ref)
+
+
+@pytest.mark.skipif(not RECORDS_RECURRENT, reason="transformers < 5.25 records no past recurrent states")
+def test_recorded_recurrent_states_roll_back_as_dynamic_cache() -> None:
+    """Speculative decoding on a recurrent model (transformers >= 5.25): the states recorded since
+    ``activate_past_recording`` put the layer back as DynamicCache's; a crop past them is refused
+    (:class:`RecurrentRollbackError`, before anything changes), where DynamicCache's layer fails
+    with an IndexError or restores a state of the wrong length."""
+    got, ref = _pair()
+    _step((got, ref), 5, seed=0)
+    for cache in (got, ref):
+        cache.activate_past_recording(recurrent_states_to_keep=3)
+    for seed in (1, 2, 3):
+        _step((got, ref), 1, seed=seed)
+    assert_same(got, ref)
+    with pytest.raises(RecurrentRollbackError, match="cannot be cut back past the states recorded"):
+        got.crop(-4)  # three recorded: one token more than can be restored
+    assert_same(got, ref)  # nothing changed
+    assert got.get_seq_length() == 8
+    for cache in (got, ref):
+        cache.crop(-2)
+    assert_same(got, ref)
+    assert got.get_seq_length() == 6
+    with pytest.raises(RecurrentRollbackError):
+        got.crop(-1)  # the crop dropped the records
     assert_same(got, ref)
 
 
