@@ -26,6 +26,11 @@ __all__ = ["ArenaSource", "LayoutMaker"]
 _OWN_ATTENTION = frozenset({"vkv_paged", "vkv_cascade"})  # vkv's kernels, which read its layouts themselves
 #: Off the host, attention implementations whose result does not depend on the strides of the K/V they read.
 _STRIDE_EXACT_ATTENTION = _OWN_ATTENTION | {"sdpa", "flash_attention_2", "flash_attention_3"}
+#: On the host, those whose result does not depend on the strides of aligned K/V views (SDPA's CPU
+#: kernels, one query a row: 0 of 960 random draws apart over head dims 16-256 in float32,
+#: bfloat16 and float16, token strides of one to five layers' tokens, padding masks or none, 1 and
+#: 2 threads; a misaligned head dim, 50 in float32, 22 of 50 apart: :func:`views_misaligned`).
+_HOST_STRIDE_EXACT_ATTENTION = _OWN_ATTENTION | {"sdpa"}
 
 
 def views_misaligned(config: PretrainedConfig, geometry: GroupGeometry) -> bool:
@@ -42,18 +47,18 @@ def views_misaligned(config: PretrainedConfig, geometry: GroupGeometry) -> bool:
 
 def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> bool:
     """Whether the model's attention must get contiguous K/V to compute exactly as on
-    DynamicCache's (see :meth:`TokenMajorLayout.attention_inputs`): on the host, every attention
-    but vkv's own kernels — SDPA's CPU kernels read token-strided keys and values exactly on some
-    CPUs and not on others (an AMD EPYC: a hidden-200 Llama's decode logits 3.7e-7 apart at 4
-    tokens, through SDPA's grouped-query path, which takes the cache's tensors as they are; its head
-    dim, 50 in float32, is a misaligned one, :func:`views_misaligned`, which may be the whole cause:
-    not established, so the host keeps copying); on
-    other devices, a matmul over the returned tensors themselves (eager and other non-fused
-    attention) with one key/value head per query head, and any attention but vkv's own where the
-    views are misaligned (:func:`views_misaligned`)."""
+    DynamicCache's (see :meth:`TokenMajorLayout.attention_inputs`): any attention but vkv's own
+    where the views are misaligned (:func:`views_misaligned`: SDPA's CPU kernels read a head dim
+    of 50 float32 values through token-strided views in another order, decode logits ~1e-7 apart);
+    on the host, every attention but SDPA and vkv's own (:data:`_HOST_STRIDE_EXACT_ATTENTION`:
+    eager's matmul, flex attention's generated loops, ... take other paths over token-strided
+    keys); on other devices, a matmul over the returned tensors themselves (eager and other
+    non-fused attention) with one key/value head per query head."""
     attention = getattr(config, "_attn_implementation", None) or "eager"
-    if geometry.device.type == "cpu" or views_misaligned(config, geometry):
+    if views_misaligned(config, geometry):
         return attention not in _OWN_ATTENTION
+    if geometry.device.type == "cpu":
+        return attention not in _HOST_STRIDE_EXACT_ATTENTION
     heads = set(layer_values(config, "num_attention_heads"))  # unknown where the layers differ: contiguous
     return attention not in _STRIDE_EXACT_ATTENTION and (len(heads) > 1 or heads == {geometry.kv_heads})
 

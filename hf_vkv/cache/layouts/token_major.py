@@ -98,9 +98,10 @@ class TokenMajorLayout(Layout):
         key/value head per query head; grouped heads are copied by ``repeat_kv`` first) takes
         another BLAS path over this layout's token-strided keys than over contiguous ones, and its
         logits come out ~1e-6 apart: for several queries at once always, for one query once the
-        context is longer than a few dozen tokens; on some CPUs SDPA too. The cache sets
-        ``copy_reads`` where that can happen (:func:`hf_vkv.cache.sources.reads_need_contiguous`:
-        on the host, every attention but vkv's own)."""
+        context is longer than a few dozen tokens; SDPA too where a head's token is not a multiple
+        of 64 bytes. The cache sets ``copy_reads`` where that can happen
+        (:func:`hf_vkv.cache.sources.reads_need_contiguous`: on the host, every attention but SDPA
+        over aligned views and vkv's own)."""
         keys, values = self._split(self._tokens(buffer, batch, start, end)[:, :, member])  # as cached (one call less)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if self.copy_reads or key.shape[2] > 1:
