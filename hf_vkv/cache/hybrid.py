@@ -40,8 +40,8 @@ from ..memory.errors import ArgumentTypeError, VKVError
 from .group import LayerGroup
 from .layer import LayerCallError, VKVLayer, VKVSlidingLayer
 
-__all__ = ["LinearState", "RecurrentRollbackError", "VKVHybridLayer", "VKVHybridSlidingLayer", "cuts_back_unrecorded", "make_vkv_layer",
-           "transformers_part"]
+__all__ = ["LinearState", "RecurrentRollbackError", "VKVHybridLayer", "VKVHybridSlidingLayer", "cuts_back_unrecorded",
+           "make_vkv_layer", "transformers_part"]
 
 #: Layer types whose attention K/V a group holds beside a linear state.
 HYBRID_KINDS = ("hybrid", "hybrid_sliding")

@@ -51,9 +51,9 @@ def reads_need_contiguous(config: PretrainedConfig, geometry: GroupGeometry) -> 
     where the views are misaligned (:func:`views_misaligned`: SDPA's CPU kernels read a head dim
     of 50 float32 values through token-strided views in another order, decode logits ~1e-7 apart);
     on the host, every attention but SDPA and vkv's own (:data:`_HOST_STRIDE_EXACT_ATTENTION`:
-    eager's matmul, flex attention's generated loops, ... take other paths over token-strided
-    keys); on other devices, a matmul over the returned tensors themselves (eager and other
-    non-fused attention) with one key/value head per query head."""
+    eager's matmul over token-strided keys drifts; the others are not measured); on other
+    devices, a matmul over the returned tensors themselves (eager and other non-fused attention)
+    with one key/value head per query head."""
     attention = getattr(config, "_attn_implementation", None) or "eager"
     if views_misaligned(config, geometry):
         return attention not in _OWN_ATTENTION
