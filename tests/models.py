@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,7 +44,7 @@ from transformers import (  # noqa: E402
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer  # noqa: E402
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer, LinearAttentionLayer  # noqa: E402
 
 import hf_vkv  # noqa: E402,F401  (registers "vkv")
 
@@ -272,3 +273,10 @@ def save_chat_model(path: Any) -> Any:
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
     return path
+
+
+#: Whether this transformers records a recurrent state's past while recording (5.25 and later:
+#: ``activate_past_recording(recurrent_states_to_keep=...)``), so that a crop can restore it and
+#: speculative decoding runs on recurrent and hybrid models.
+RECORDS_RECURRENT = "recurrent_states_to_keep" in inspect.signature(
+    LinearAttentionLayer.activate_past_recording).parameters

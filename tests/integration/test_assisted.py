@@ -9,14 +9,13 @@ shows every recorded token in ``.keys``, as ``DynamicSlidingWindowLayer`` does.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import pytest
 import torch
 from breadth_models import WINDOW, prompts, tiny
-from models import needs_sliding_rollback
-from transformers.cache_utils import DynamicCache, LinearAttentionLayer
+from models import RECORDS_RECURRENT, needs_sliding_rollback
+from transformers.cache_utils import DynamicCache
 
 import hf_vkv
 from hf_vkv.cache.hybrid import LinearState
@@ -128,11 +127,6 @@ def test_layers_record_their_past_as_dynamic_sliding_layers(arch: str) -> None:
             assert h.shape == w.shape, f"{stage}, layer {idx}: {tuple(h.shape)} vs {tuple(w.shape)}"
             assert torch.equal(h, w), f"{stage}, layer {idx}"
     cache.check_invariants()
-
-
-#: transformers >= 5.25 records a recurrent state's past while drafts are verified, so speculative
-#: decoding runs on recurrent and hybrid models
-RECORDS_RECURRENT = "recurrent_states_to_keep" in inspect.signature(LinearAttentionLayer.activate_past_recording).parameters
 
 
 @pytest.mark.skipif(not RECORDS_RECURRENT, reason="transformers < 5.25 refuses assisted decoding on recurrent models")

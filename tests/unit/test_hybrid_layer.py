@@ -9,23 +9,19 @@ lengths, mask sizes and layer kinds. A permutation of order 3 as ``beam_idx`` sh
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any
 
 import pytest
 import torch
+from models import RECORDS_RECURRENT
 from transformers import FalconH1Config, Qwen3NextConfig
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
+from transformers.cache_utils import Cache, DynamicCache
 
 import hf_vkv
 from hf_vkv.cache.hybrid import LinearState, RecurrentRollbackError, VKVHybridLayer, VKVHybridSlidingLayer
 
 ROWS, KV_HEADS, HEAD_DIM, CONV_DIM, KERNEL = 3, 1, 16, 8, 4
 CYCLE = [1, 2, 0]  # order 3: applied twice it differs from once
-#: transformers >= 5.25 records the recurrent states a recording layer folds tokens into
-RECORDS_RECURRENT = "recurrent_states_to_keep" in inspect.signature(LinearAttentionLayer.activate_past_recording).parameters
-
-
 _SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=64, max_position_embeddings=64)
 #: Falcon-H1 (every layer "hybrid"), and a config whose layer_types can say "hybrid_sliding"
