@@ -59,7 +59,7 @@ from torch.overrides import TorchFunctionMode
 
 from .proof_file import digest, proof_file
 
-__all__ = ["InexactRows", "PROOF_DRAWS", "RowExactness", "Verdict", "clear_verdicts", "expand_operand",
+__all__ = ["InexactRows", "PROOF_DRAWS", "PROOF_METHOD", "RowExactness", "Verdict", "clear_verdicts", "expand_operand",
            "lane_functions", "probed_functions", "proved_functions", "repeat_ladder", "same_lanes",
            "verdict_repeats"]
 
@@ -77,6 +77,10 @@ _PROVED_FUNCTIONS: frozenset | None = None
 
 #: Synthetic draws a signature's proof compares (see the module docstring).
 PROOF_DRAWS = 3
+#: The proof's method, in the proof file's keys: verdicts kept on disk by an earlier method are
+#: proved again (2: one row's stride-0 dim 0 expands to rows that follow one another, see
+#: :func:`expand_operand`).
+PROOF_METHOD = 2
 #: Elements per thread below which torch runs an elementwise loop on one thread
 #: (``at::internal::GRAIN_SIZE``).
 GRAIN_SIZE = 32768
@@ -213,19 +217,30 @@ def same_lanes(numel: int, itemsize: int, *, prompts: int, repeats: int, threads
 def expand_operand(t: torch.Tensor, prompts: int, k: int) -> torch.Tensor:
     """``t`` (dim 0 = ``prompts * r`` rows, ``r`` rows per prompt) as DynamicCache holds it: dim 0
     ``prompts * k * r``, each prompt's ``r`` rows repeated ``k`` times in a row, with ``t``'s
-    strides and storage offset (a stride-0 dim 0 stays a broadcast)."""
+    strides and storage offset (a stride-0 dim 0 of several rows stays a broadcast).
+
+    One row's dim 0 has no layout: a view may give it stride 0 (``repeat_kv``'s ``expand`` and
+    ``reshape`` of one row's keys, ``[1, 1, T, D] -> [1, H, T, D]``, make strides ``(0, 0, D, 1)``
+    where DynamicCache's rows get ``(T*D, 0, D, 1)``), and a matmul over a batch whose every
+    stride is 0 takes another kernel (one ``mm``) than over rows that follow one another
+    (``bmm``): there the rows follow one another, each one row's extent after the last."""
     n = t.shape[0]
     size = (n * k, *t.shape[1:])
-    if t.stride(0) == 0:
-        return t.as_strided(size, t.stride(), t.storage_offset())
+    strides = t.stride()
+    if strides[0] == 0 and n > 1:
+        return t.as_strided(size, strides, t.storage_offset())
+    if strides[0] == 0:
+        strides = (1 + sum((s - 1) * st for s, st in zip(t.shape[1:], strides[1:])), *strides[1:])
     values = t.reshape(prompts, n // prompts, *t.shape[1:]).repeat_interleave(k, dim=0).reshape(size)
-    span = 1 + sum((s - 1) * st for s, st in zip(size, t.stride()))  # elements the view reaches
+    span = 1 + sum((s - 1) * st for s, st in zip(size, strides))  # elements the view reaches
     storage = t.new_empty(t.storage_offset() + span)
-    out = storage.as_strided(size, t.stride(), t.storage_offset())
-    if out.shape and torch._debug_has_internal_overlap(out) == 1:  # t's strides alias rows at k x the rows
-        out = values.contiguous()
-    else:
-        out.copy_(values)
+    out = storage.as_strided(size, strides, t.storage_offset())
+    # a stride-0 dim (a broadcast inside each row) holds one value along it: written once
+    base = storage.as_strided(tuple(1 if st == 0 else s for s, st in zip(size, strides)), strides,
+                              t.storage_offset())
+    if base.shape and torch._debug_has_internal_overlap(base) == 1:  # t's strides alias rows at k x the rows
+        return values.contiguous()
+    base.copy_(values[tuple(slice(0, 1) if st == 0 else slice(None) for st in strides)])
     return out
 
 
@@ -516,7 +531,7 @@ def _portable(key: tuple) -> str | None:
     signature's text is not the same in every process (an argument shown by its address)."""
     func, *rest = key
     text = repr((f"{getattr(func, '__module__', '')}.{_name(func)}", *rest))
-    return None if " at 0x" in text else digest((text, PROOF_DRAWS))
+    return None if " at 0x" in text else digest((text, PROOF_DRAWS, PROOF_METHOD))
 
 
 def _synthetic(value: Any, generator: torch.Generator, draw: int, *, keep: frozenset[int]) -> Any:

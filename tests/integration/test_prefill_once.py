@@ -83,6 +83,24 @@ def test_hidden_states_and_attentions_are_expanded() -> None:
                 assert a.shape == b.shape and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("length", [5, 7, 11])
+@pytest.mark.parametrize("mode", ["beams", "sample"])
+def test_one_prompt_of_one_key_head_under_eager_attention(length: int, mode: str) -> None:
+    """Eager attention over one key/value head (``repeat_kv`` views one prompt's keys as
+    ``[1, H, T, D]`` strides ``(0, 0, D, 1)``; DynamicCache's rows get ``(T*D, 0, D, 1)``): the
+    prompt once on one row gives DynamicCache's logits (torch's matmul takes one ``mm`` for a
+    batch whose every stride is 0, ``bmm`` for rows that follow one another: 4.8e-7 apart at 7 and
+    11 tokens when the proofs expanded that one row as a broadcast)."""
+    model = tiny("llama", attn="eager", kv_heads=1)
+    options = dict(num_beams=2, do_sample=False) if mode == "beams" else dict(do_sample=True, num_return_sequences=2,
+                                                                               seed=3)
+    ref, got, counts = _both(LayoutRun("head_major"), model, prompts(1, length, seed=length), max_new_tokens=3,
+                             **options)
+    _same(ref, got)
+    if torch.get_num_threads() == 1:  # at two threads a short prompt's repeats may differ (then every row prefills)
+        assert counts[3] == length and got.past_key_values.stats().prefill_once.startswith("on")
+
+
 def test_chunked_prefill_runs_once_per_prompt() -> None:
     inputs = prompts(2, 12, seed=2, left_pad=[0, 1])
     ref, got, counts = _both(LayoutRun("head_major"), tiny("llama"), inputs, max_new_tokens=NEW, num_beams=3,

@@ -126,6 +126,14 @@ def test_expand_operand_keeps_the_layout() -> None:
     assert torch.equal(rx.expand_operand(flat, 2, 3), flat.reshape(2, 5, 4).repeat_interleave(3, 0).reshape(30, 4))
     broadcast = torch.randn(1, 4, 1).expand(2, 4, 1)
     assert rx.expand_operand(broadcast, 2, 3).stride(0) == 0
+    # one row's keys viewed for four query heads (repeat_kv): dim 0 of stride 0 is one row, not a broadcast;
+    # DynamicCache's rows of the same view follow one another
+    one = torch.randn(1, 1, 7, 16)[:, :, None].expand(1, 1, 4, 7, 16).reshape(1, 4, 7, 16).transpose(2, 3)
+    assert one.stride() == (0, 0, 1, 16)
+    tall = torch.randn(3, 1, 7, 16)[:, :, None].expand(3, 1, 4, 7, 16).reshape(3, 4, 7, 16).transpose(2, 3)
+    big = rx.expand_operand(one, 1, 3)
+    assert big.stride() == tall.stride() == (112, 0, 1, 16)
+    assert torch.equal(big, one.expand(3, -1, -1, -1))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8, 16])
