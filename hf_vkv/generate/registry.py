@@ -47,15 +47,25 @@ the others read from the cache transformers hands them (never from module state)
    first, so such a model raises instead.
 
 :func:`register_serving` (called by ``hf-vkv serve``, not by ``import hf_vkv``: it imports
-transformers' server, an extra) adds :func:`serving_patches`:
+transformers' server, an extra, 5.25 or later) adds :func:`serving_patches`:
 
-7. ``GenerateManager.generate_streaming`` and ``generate_non_streaming`` of
-   ``transformers.cli.serving.utils`` (the server's default path, one ``model.generate()`` per
-   request): the request's config generates with vkv and the model's prefix store
-   (:mod:`hf_vkv.generate.serving`);
+7. ``EngineClient.run_engine`` of ``transformers.cli.serving.model_manager`` (a static method: what
+   the process transformers spawns for each model runs) becomes
+   :func:`hf_vkv.generate.serving.run_engine` itself, not a wrapper: the spawned process unpickles
+   it by name, so it imports hf_vkv, installs :func:`engine_patches`, and runs transformers' engine,
+   whose model gets its prefix store as it loads (``Patch.spawned``);
 8. ``transformers.cli.serving.server.build_server`` (a function of that module): the app it builds
-   answers an hf_vkv error with an HTTP 400 naming the problem, and each model the server preloaded
-   for the default path gets its prefix store then (:func:`hf_vkv.generate.serving.prepare_preloaded`).
+   answers ``GET /v1/vkv/stores`` with each running model's store, and a refused request (an HTTP
+   400) in OpenAI's error shape too, which OpenAI clients show (:func:`hf_vkv.generate.serving.extend_app`).
+
+and in each model's process :func:`register_engine` adds :func:`engine_patches`:
+
+9. ``GenerateRunner.generate`` of ``transformers.cli.serving.utils`` (the server's default path, one
+   ``model.generate()`` per request): the request's keywords generate with vkv and the model's
+   prefix store, or the request is refused before it is queued (:mod:`hf_vkv.generate.serving`);
+10. ``GenerationMixin.generate``: an hf_vkv error raised while a request generates leaves as a
+    :class:`~hf_vkv.generate.serving.ServedRequestError` (a ``ValueError`` naming it), which the
+    server answers with an HTTP 400 rather than an error without its message.
 """
 
 from __future__ import annotations
@@ -82,8 +92,8 @@ from . import prefill_once, reuse, serving
 from .call import begin, end
 from .names import CACHE_IMPLEMENTATION, CACHE_NAMES, cache_kwarg
 
-__all__ = ["CACHE_IMPLEMENTATION", "CACHE_NAMES", "PATCH_MARK", "Patch", "cache_kwarg", "patches", "register",
-           "register_serving", "serving_patches"]
+__all__ = ["CACHE_IMPLEMENTATION", "CACHE_NAMES", "PATCH_MARK", "Patch", "cache_kwarg", "engine_patches", "patches",
+           "register", "register_engine", "register_serving", "serving_patches"]
 
 #: Attribute marking a method :func:`_install` wrapped (so a second ``register`` wraps nothing).
 PATCH_MARK = "_hf_vkv_patch"
@@ -98,6 +108,9 @@ class Patch:
     owner: Any  # a class (or a module: its function is patched the same way)
     name: str
     around: Callable[..., Any]
+    #: ``owner.name`` is a static method that a spawned process runs: it becomes ``around`` itself
+    #: (a module-level function, pickled by its name), which finds the original as ``around.original``
+    spawned: bool = False
 
 
 def patches() -> tuple[Patch, ...]:
@@ -127,23 +140,38 @@ def register() -> None:
 
 
 def serving_patches() -> tuple[Patch, ...]:
-    """The methods of transformers' server vkv wraps (items 7 and 8 of this module's docstring); imports
-    the server, which needs ``pip install "hf_vkv[serve]"``."""
+    """The parts of transformers' server vkv patches in the server's process (items 7 and 8 of this
+    module's docstring); imports the server, which needs ``pip install "hf_vkv[serve]"``."""
     try:
         from transformers.cli.serving import server
-        from transformers.cli.serving.utils import GenerateManager
+        from transformers.cli.serving.model_manager import EngineClient
+        from transformers.cli.serving.utils import GenerateRunner  # noqa: F401 - the engine's, patched there
     except ImportError as exc:
-        raise MissingDependencyError('hf-vkv serve needs transformers\' server (transformers >= 5.24 with its serving '
+        raise MissingDependencyError('hf-vkv serve needs transformers\' server (transformers >= 5.25 with its serving '
                                      'extra): pip install "hf_vkv[serve]"', name=exc.name) from exc
-    return (Patch(GenerateManager, "generate_streaming", _serve_request),
-            Patch(GenerateManager, "generate_non_streaming", _serve_request),
+    return (Patch(EngineClient, "run_engine", serving.run_engine, spawned=True),
             Patch(server, "build_server", _serve_app))
+
+
+def engine_patches() -> tuple[Patch, ...]:
+    """What a model's process of transformers' server patches (items 9 and 10)."""
+    from transformers.cli.serving.utils import GenerateRunner
+
+    return (Patch(GenerateRunner, "generate", _serve_request), Patch(GenerationMixin, "generate", _served_generate))
 
 
 def register_serving() -> None:
     """:func:`register`, and transformers' server generating with vkv (safe to call many times)."""
     register()
     for patch in serving_patches():
+        _install(patch)
+
+
+def register_engine() -> None:
+    """:func:`register`, and a model's process of transformers' server generating with vkv (safe to
+    call many times)."""
+    register()
+    for patch in engine_patches():
         _install(patch)
 
 
@@ -154,6 +182,11 @@ def _install(patch: Patch) -> None:
     if getattr(original, PATCH_MARK, False):
         return
     around = patch.around
+    if patch.spawned:
+        around.original = original  # type: ignore[attr-defined] - this process's; a spawned one has its own
+        setattr(around, PATCH_MARK, True)
+        setattr(patch.owner, patch.name, staticmethod(around))
+        return
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -347,18 +380,29 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
     return out
 
 
-def _serve_request(original: Any, manager: Any, model: Any, processor: Any, inputs: Any, gen_config: Any,
+def _serve_request(original: Any, runner: Any, request_id: Any, inputs: Any, generation_kwargs: dict[str, Any],
                    *args: Any, **kwargs: Any) -> Any:
-    """The server's ``generate`` of a request (streaming, or non-streaming as a coroutine): the
-    request's config with vkv and the model's store (a bad request raises before anything runs)."""
-    serving.prepare_request(model, inputs, gen_config)
-    return original(manager, model, processor, inputs, gen_config, *args, **kwargs)
+    """The server's ``generate`` of a request, in the model's process: the request's keywords with
+    vkv and the model's store; a bad request is refused before it is queued."""
+    try:
+        serving.prepare_request(runner.model, inputs, generation_kwargs)
+    except VKVError as exc:
+        raise serving.served_error(exc) from exc
+    return original(runner, request_id, inputs, generation_kwargs, *args, **kwargs)
+
+
+def _served_generate(original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+    """``generate`` in a model's process of the server: an hf_vkv error leaves as a ``ValueError`` naming it."""
+    try:
+        return original(model, *args, **kwargs)
+    except serving.ServedRequestError:
+        raise
+    except VKVError as exc:
+        raise serving.served_error(exc) from exc
 
 
 def _serve_app(original: Any, model_manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """The server's app, answering an hf_vkv error with an HTTP 400 naming it; the models the
-    server preloaded get their stores now (:func:`serving.prepare_preloaded`)."""
+    """The server's app, with ``GET /v1/vkv/stores`` and errors OpenAI clients show (:func:`serving.extend_app`)."""
     app = original(model_manager, *args, **kwargs)
-    app.add_exception_handler(VKVError, serving.error_response)
-    serving.prepare_preloaded(model_manager, kwargs.get("generation_state"))
+    serving.extend_app(app, model_manager)
     return app

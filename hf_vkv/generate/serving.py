@@ -2,44 +2,51 @@
 
 ``hf-vkv serve`` (:func:`hf_vkv.cli`) runs transformers' server as it is - its options, endpoints,
 handlers, chat templates and streaming - after :func:`hf_vkv.generate.registry.register_serving`
-wrapped the two methods through which its default path calls ``model.generate()``
-(``GenerateManager.generate_streaming`` and ``generate_non_streaming``). Before each request's
-generate, :func:`prepare_request`:
+patched it. Since transformers 5.25 the server runs each model in a process of its own (the
+*engine*, which transformers spawns: ``EngineClient.start_process``), and the API server sends it
+each request's tokenized inputs and generation keywords. So:
 
-* gives the model its prefix store at the server's start when the server preloads it
-  (:func:`prepare_preloaded`), else on its first request (:func:`store_of`): a
-  :class:`~hf_vkv.PrefixStore` put in ``model.generation_config.cache_config`` with
-  ``cache_implementation="vkv"``. The server deep-copies that config for every request
-  (``BaseHandler._build_generation_config``) and a store deep-copies as itself, so every request,
-  client and turn of that model shares one store: a conversation prefills only the tokens no
-  earlier request computed (:mod:`hf_vkv.generate.reuse`), within the store's budget (LRU). A
-  server started with ``--prefix-dir`` (:data:`PREFIX_DIR_ENV`) starts each store from that saved
-  folder, its pages mapped: a long system prompt saved once (``hf-vkv prefix save``) is not
-  prefilled even by a fresh server's first request, and server processes on one machine share its
-  pages (:func:`start_from_folder`). The objects alive then (the model, the server's) leave the
-  garbage collector's full collections (:func:`freeze_long_lived`);
-* makes the request's own config generate with vkv and that store when the request names no
-  other cache (a request's ``generation_config`` JSON replaces the model's config in the server:
-  its ``cache_config`` keys are vkv's options, checked here, and the store is added to them; a
-  request naming ``cache_implementation="dynamic"`` or another cache gets that cache);
-* refuses, with a typed hf_vkv error, a malformed ``cache_config`` and a prompt that does not fit
-  the model's context (``max_position_embeddings``), before anything runs. A request whose
-  ``page_bytes`` or ``budget_bytes`` differ from the store's gets a cache of its own (no reuse:
-  the store's pages have the store's size and budget).
+* the engine's entry (``EngineClient.run_engine``) is :func:`run_engine`, a function of this
+  module: the spawned process imports hf_vkv to run it, installs the engine's patches
+  (:func:`~hf_vkv.generate.registry.register_engine`), and once its model has loaded gives it its
+  prefix store (:func:`store_of`) unless the continuous-batching path serves it;
+* :func:`store_of` puts a :class:`~hf_vkv.PrefixStore` in ``model.generation_config.cache_config``
+  with ``cache_implementation="vkv"``, which every request's ``generate`` starts from (``generate``
+  deep-copies that config, and a store deep-copies as itself), so every request, client and turn of
+  that model shares one store: a conversation prefills only the tokens no earlier request computed
+  (:mod:`hf_vkv.generate.reuse`), within the store's budget (LRU). A server started with
+  ``--prefix-dir`` (:data:`PREFIX_DIR_ENV`) starts each store from that saved folder, its pages
+  mapped: a long system prompt saved once (``hf-vkv prefix save``) is not prefilled even by a fresh
+  server's first request, and processes on one machine share its pages (:func:`start_from_folder`).
+  The objects alive then (the model) leave the garbage collector's full collections
+  (:func:`freeze_long_lived`);
+* before each request's ``generate`` (``GenerateRunner.generate``, in the engine),
+  :func:`prepare_request` makes the request's keywords generate with vkv and that store when the
+  request names no other cache (a request's ``generation_config`` JSON becomes keywords of
+  ``generate``: its ``cache_config`` keys are vkv's options, checked here, and the store is added to
+  them; a request naming ``cache_implementation="dynamic"`` or another cache gets that cache), and
+  refuses a malformed ``cache_config`` and a prompt that does not fit the model's context
+  (``max_position_embeddings``), before anything runs. A request whose ``page_bytes`` or
+  ``budget_bytes`` differ from the store's gets a cache of its own (no reuse).
 
 Every hf_vkv error a request raises - those, and one raised while generating (out of KV memory) -
-is answered as an HTTP 400 in OpenAI's error shape (:func:`error_response`, which
-``register_serving`` adds to the server's app), so a client sees the message naming the problem;
-a streamed request that fails after its stream started gets the server's own error event.
+crosses to the API server as a :class:`ServedRequestError`, a ``ValueError`` whose message starts
+with the error's name, which the server answers with an HTTP 400 naming the problem, in the
+server's shape and OpenAI's (:func:`error_response`); a streamed request that fails after its
+stream started gets the server's own error event.
 
-Requests of one model run one ``generate`` at a time on the server's inference thread for that
-model, so the store sees one call at a time (and it locks its own state besides). The server's
-continuous-batching path (``--continuous-batching``) is transformers' own paged cache: vkv does not
-touch it (its manager is another class).
+``GET /v1/vkv/stores`` (:func:`extend_app`) answers each running model's store: its
+:class:`~hf_vkv.PrefixStats` (lookups, hits, tokens reused, bytes held and budget), read in the
+model's process between requests after :meth:`PrefixStore.check_invariants`.
+
+Requests of one model run one ``generate`` at a time on the engine's runner thread, so the store
+sees one call at a time (and it locks its own state besides). The server's continuous-batching path
+(``--continuous-batching``) is transformers' own paged cache: vkv does not touch it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import warnings
@@ -52,9 +59,9 @@ from ..prefix import PrefixFileError, PrefixMismatchError, PrefixStore
 from .names import CACHE_IMPLEMENTATION
 from .reuse import memory_conflict
 
-__all__ = ["DEFAULT_STORE_BYTES", "PREFIX_DIR_ENV", "STORE_BYTES_ENV", "ContextTooLongError", "error_response",
-           "freeze_long_lived", "prepare_preloaded", "prepare_request", "start_from_folder", "store_bytes",
-           "store_of"]
+__all__ = ["DEFAULT_STORE_BYTES", "PREFIX_DIR_ENV", "STORES_ROUTE", "STORE_BYTES_ENV", "ContextTooLongError",
+           "ServedRequestError", "error_response", "extend_app", "freeze_long_lived", "prepare_request", "run_engine", "served_error",
+           "start_from_folder", "store_bytes", "store_of", "store_report"]
 
 #: Environment variable holding each model's store budget in bytes (``hf-vkv serve --prefix-store-mib``).
 STORE_BYTES_ENV = "HF_VKV_SERVE_STORE_BYTES"
@@ -66,8 +73,22 @@ PREFIX_DIR_ENV = "HF_VKV_SERVE_PREFIX_DIR"
 DEFAULT_STORE_BYTES = 1 << 30
 
 
+#: The API server's route answering each running model's store (:func:`extend_app`).
+STORES_ROUTE = "/v1/vkv/stores"
+
+
 class ContextTooLongError(VKVError, ValueError):
     """A request's prompt does not fit the model's context (``max_position_embeddings``)."""
+
+
+class ServedRequestError(VKVError, ValueError):
+    """An hf_vkv error a request raised in the model's process, as the API server gets it: a
+    ``ValueError`` (its HTTP 400) whose message starts with the error's name."""
+
+
+def served_error(exc: VKVError) -> ServedRequestError:
+    """``exc`` as a :class:`ServedRequestError`: ``"<its class>: <its message on one line>"``."""
+    return ServedRequestError(f"{type(exc).__name__}: {' '.join(str(exc).split())}")
 
 
 def store_bytes() -> int:
@@ -131,21 +152,26 @@ def start_from_folder(store: PrefixStore, model: Any) -> int:
     return tokens
 
 
-def prepare_preloaded(model_manager: Any, generation_state: Any) -> None:
-    """At the server's start: each model it preloaded (``transformers serve MODEL``) gets its store
-    now (:func:`store_of`: a ``--prefix-dir`` folder mapped, the long-lived objects frozen), not on
-    its first request, which then pays neither. A model that the continuous-batching path will
-    serve (transformers' own) is left as it is; a model loaded later gets its store on its first
-    request."""
-    from transformers.cli.serving.model_manager import ModelManager
+def run_engine(load: Any, generation_state: Any, *rest: Any) -> None:
+    """``EngineClient.run_engine`` in the model's process that transformers' server spawns (a
+    function of this module, so the process imports hf_vkv to run it): the engine's patches
+    (:func:`~hf_vkv.generate.registry.register_engine`), then transformers' own engine, whose model,
+    once loaded, gets its prefix store (:func:`store_of`) unless the continuous-batching path serves
+    it. ``run_engine.original`` is transformers' function where this process patched it."""
+    from transformers.cli.serving.model_manager import EngineClient
 
-    for timed in list(getattr(model_manager, "loaded_models", {}).values()):
-        model = getattr(timed, "model", None)
-        if model is None:
-            continue
-        modality = ModelManager.get_model_modality(model, getattr(timed, "processor", None))
-        if generation_state is None or not generation_state.use_continuous_batching(model, modality):
+    from .registry import register_engine
+
+    register_engine()
+
+    def load_with_store(*args: Any, **kwargs: Any) -> Any:
+        model, processor = load(*args, **kwargs)
+        if not generation_state.use_continuous_batching(model.config, processor):
             store_of(model)
+        return model, processor
+
+    original = getattr(run_engine, "original", None) or EngineClient.run_engine
+    original(load_with_store, generation_state, *rest)
 
 
 def freeze_long_lived() -> None:
@@ -160,33 +186,71 @@ def freeze_long_lived() -> None:
     gc.freeze()
 
 
-def prepare_request(model: Any, inputs: Any, generation_config: Any) -> None:
-    """Make one request's ``generation_config`` (the server's copy for it) generate with vkv and
-    the model's store, or raise a typed error (the request is refused, nothing has run)."""
+def prepare_request(model: Any, inputs: Any, generation_kwargs: dict[str, Any]) -> None:
+    """Make one request's ``generation_kwargs`` (``generate``'s keywords besides its inputs, over
+    the model's config) generate with vkv and the model's store, or raise a typed error (the
+    request is refused, nothing has run)."""
     ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if ids is not None and isinstance(limit, int) and ids.shape[-1] >= limit:
         raise ContextTooLongError(
             f"the prompt has {ids.shape[-1]:,} tokens, but {model.config.model_type} takes at most {limit:,} "
             f"(max_position_embeddings) with room for one generated token: shorten the conversation")
-    options = {k: v for k, v in config_dict(generation_config.cache_config).items() if k != PREFIX_STORE_KEY}
-    store = None if generation_config.cache_implementation not in (None, CACHE_IMPLEMENTATION) else store_of(model)
+    named = generation_kwargs.get("cache_implementation")
+    store = None if named not in (None, CACHE_IMPLEMENTATION) else store_of(model)
+    asked = generation_kwargs.get("cache_config")
+    options = {k: v for k, v in config_dict(asked).items() if k != PREFIX_STORE_KEY}
     if store is None:
-        # another cache (or a model vkv does not store): its own options, and not the model's store,
-        # which generate would otherwise take from the model's config for an unset cache_config
-        generation_config.cache_config = options
+        # another cache (or a model vkv does not store): its own options, not the model's store,
+        # which generate would otherwise take from the model's config
+        generation_kwargs["cache_config"] = options
         return
     CacheOptions.from_dict(options)  # a malformed key or value: CacheOptionError naming it
-    generation_config.cache_implementation = CACHE_IMPLEMENTATION
+    if asked is None and named is None:
+        return  # the model's config: vkv with its store
+    generation_kwargs["cache_implementation"] = CACHE_IMPLEMENTATION
     own_memory = memory_conflict(store.memory(model.device), options) is not None
-    generation_config.cache_config = options if own_memory else {**options, PREFIX_STORE_KEY: store}
+    generation_kwargs["cache_config"] = options if own_memory else {**options, PREFIX_STORE_KEY: store}
 
 
-def error_response(request: Any, exc: VKVError) -> Any:
-    """The server's answer to an hf_vkv error: HTTP 400, the message in OpenAI's error shape
-    (``{"error": {"message", "type", "code"}}``, what OpenAI clients show)."""
+def store_report(model: Any, processor: Any = None) -> dict[str, Any] | None:
+    """The model's store, checked (:meth:`PrefixStore.check_invariants`) and counted
+    (:class:`~hf_vkv.PrefixStats` as a dict); ``None`` where the model has none. Run in the model's
+    process (``EngineClient.submit``), between its requests."""
+    config = model.generation_config
+    store = config.cache_config.get(PREFIX_STORE_KEY) if isinstance(config.cache_config, dict) else None
+    if not isinstance(store, PrefixStore):
+        return None
+    store.check_invariants()
+    return dataclasses.asdict(store.stats())
+
+
+def extend_app(app: Any, model_manager: Any) -> None:
+    """Two additions to the server's app: ``GET`` :data:`STORES_ROUTE`, ``{"object": "list", "data":
+    [{"model": id, "store": stats or null}, ...]}`` for each model whose process runs on the default
+    path; and a request's ``ValueError`` (the server's HTTP 400: a refused request, vkv's
+    :class:`ServedRequestError` among them) answered in OpenAI's error shape as well as the server's
+    own (:func:`error_response`), so that OpenAI clients show its message."""
     from fastapi.responses import JSONResponse
 
-    message = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                   "code": type(exc).__name__}}, status_code=400)
+    async def stores() -> Any:
+        data = []
+        for model_id, engine in list(model_manager.engines.items()):
+            if engine.process_running and not engine.use_cb:
+                data.append({"model": model_id, "store": await engine.submit(store_report)})
+        return JSONResponse({"object": "list", "data": data})
+
+    app.add_api_route(STORES_ROUTE, stores, methods=["GET"])
+    app.add_exception_handler(ValueError, error_response)
+
+
+def error_response(request: Any, exc: ValueError) -> Any:
+    """HTTP 400 for a request's ``ValueError``: the server's own body (``{"detail": message}``) and
+    OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``, which OpenAI clients show)."""
+    from fastapi.responses import JSONResponse
+
+    message = " ".join(str(exc).split())
+    name = message.split(": ", 1)[0]  # vkv's errors start with their class's name
+    code = name if ": " in message and name.isidentifier() else None
+    return JSONResponse({"detail": message, "error": {"message": message, "type": "invalid_request_error",
+                                                      "param": None, "code": code}}, status_code=400)
