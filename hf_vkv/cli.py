@@ -148,6 +148,11 @@ def _pad_id(tok: PreTrainedTokenizerBase) -> int | None:
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
+def _text_out(args: argparse.Namespace) -> Any:
+    """Where a command's text goes: stderr when ``--json -`` puts the JSON on stdout, else stdout."""
+    return sys.stderr if getattr(args, "json", None) is not None and str(args.json) == "-" else sys.stdout
+
+
 def _write_json(target: str | Path, data: dict[str, Any]) -> None:
     """``data`` as JSON to the file ``target`` (``"-"``: stdout)."""
     text = json.dumps(data, indent=2) + "\n"
@@ -377,19 +382,21 @@ def prefix_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"{folder} holds no prefix_store.json: not a folder PrefixStore.save wrote")
     info = summary(folder)
     weights = str(info["weights_fingerprint"])[:12] if info["weights_fingerprint"] else "not recorded"
+    out = _text_out(args)
     print(f"{folder}: index version {info['version']} ({info['writer']}), model {info['model_type']} "
-          f"(config {str(info['config_fingerprint'])[:12]}), {info['dtype']}, weights {weights}")
+          f"(config {str(info['config_fingerprint'])[:12]}), {info['dtype']}, weights {weights}", file=out)
     print(f"mapped: {len(info['mapped_entries'])} entries of {info['mapped_entries']} tokens, {info['pages']} pages of "
           f"{info['page_bytes']} bytes ({info['file_bytes'] / 2**20:.1f} MiB file), layout {sorted(set(info['layout']))}; "
-          f"prefix files: {len(info['prefix_files'])}")
+          f"prefix files: {len(info['prefix_files'])}", file=out)
     rc = 0
     if args.verify:
         try:
             info["verified_pages"], info["verify_s"] = verify_folder(folder)
-            print(f"verified: {info['verified_pages']} pages, every checksum equal ({info['verify_s'] * 1e3:.1f} ms)")
+            print(f"verified: {info['verified_pages']} pages, every checksum equal ({info['verify_s'] * 1e3:.1f} ms)",
+                  file=out)
         except PrefixFileCorruptError as e:
             info["verify_error"] = str(e)
-            print(f"NOT WHOLE: {e}")
+            print(f"NOT WHOLE: {e}", file=out)
             rc = 1
     if args.json is not None:
         _write_json(args.json, {"schema": "hf_vkv.prefix-inspect/1", **info})
@@ -434,13 +441,14 @@ def _ab_reuse(args: argparse.Namespace, parser: argparse.ArgumentParser, model: 
         reused = report.prefix_reuse or {}
         print(f"turn {turn + 1}: {report.prompt_tokens} prompt tokens, {reused.get('reused_tokens', 0)} reused, "
               f"{reused.get('computed_tokens', 0)} computed; tokens identical: {report.tokens_identical}; "
-              f"max |Δlogit| {report.max_abs_logit_diff:.3g} (against DynamicCache {_REFERENCE_WORDS[reference]})")
+              f"max |Δlogit| {report.max_abs_logit_diff:.3g} (against DynamicCache {_REFERENCE_WORDS[reference]})",
+              file=_text_out(args))
         answer = tok.decode(list(report.generated_vkv[0]), skip_special_tokens=True).strip()
         if args.raw or not getattr(tok, "chat_template", None):
             history = [{"role": "user", "content": f"{history[0]['content']} {answer} Please go on."}]
         else:
             history += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Please go on."}]
-    print(format_report(reports[-1]))
+    print(format_report(reports[-1]), file=_text_out(args))
     if args.json is not None:
         _write_json(args.json, {"schema": "hf_vkv.ab-reuse/1", "turns": [r.to_dict() for r in reports]})
     return exit_code(reports)
@@ -656,9 +664,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VKVError as exc:
         from transformers.utils import logging as hf_logging
 
+        from .devices import UnsupportedDeviceError
+        from .memory import BackendError, MappingLimitError, PageSizeError
+
+        machine = isinstance(exc, (BackendError, UnsupportedDeviceError, MappingLimitError, PageSizeError))
         hf_logging.get_logger("hf_vkv").error(
-            f"hf-vkv {args.command}: vkv refused to run: {type(exc).__name__}: {' '.join(str(exc).split())} "
-            "(see `hf-vkv doctor`)")
+            f"hf-vkv {args.command}: vkv refused to run: {type(exc).__name__}: {' '.join(str(exc).split())}"
+            + (" (see `hf-vkv doctor`)" if machine else ""))
         return EXIT_REFUSED
 
 

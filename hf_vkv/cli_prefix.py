@@ -47,14 +47,12 @@ def save_system_prompt(model: Any, tokenizer: Any, system: str, folder: str | Pa
 
 
 def _index(path: Path) -> dict[str, Any]:
-    """The index at ``path``, checked whole (its digest) when it is of version 2."""
-    from .prefix.mapped import check_index_text
+    """The index at ``path``, checked as :meth:`PrefixStore.load` checks it (a damaged or foreign
+    index: :class:`~hf_vkv.PrefixFileCorruptError` or :class:`~hf_vkv.PrefixFormatError` naming it)."""
+    from .prefix.store import saved_files
 
-    text = path.read_text()
-    index = json.loads(text)
-    if index.get("version", 0) >= 2:
-        check_index_text(path, text)
-    return index
+    saved_files(path.parent)
+    return json.loads(path.read_text())
 
 
 def summary(folder: Path) -> dict[str, Any]:

@@ -230,6 +230,12 @@ class LayerGroup:
                 f"batch {batch} is larger than the {buffer.rows} rows the cache was created for; "
                 f"create a new cache (or let generate() size it)"
             )
+        if start > 0 and batch < self.batch:
+            # continuing fewer rows than the cache holds would leave the others behind, unread (DynamicCache
+            # cannot concatenate them at all)
+            raise LayerMismatchError(
+                f"batch {batch} continues a cache of {self.batch} rows; keep the rows wanted first "
+                f"(cache.batch_select_indices(torch.tensor([...]))), or pass every row")
         rows = range(batch)
         self.prompts.settle()
         if self.sliding_window is not None and not self.record_past:

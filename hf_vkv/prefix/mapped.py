@@ -350,6 +350,8 @@ def verify_file(folder: Path, section: Any) -> int:
     runs (on an index checked whole); a store checks pages lazily instead (:class:`MappedPages`)."""
     path = folder / str(section["file"])
     page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
+    if not path.is_file():
+        raise PrefixFileCorruptError(f"{folder} is not whole: it lacks {path.name}, the page file its index names")
     with open(path, "rb") as f:
         _check_whole(path, f.fileno(), section, end=offset + count * page_bytes)
         f.seek(offset)

@@ -49,7 +49,7 @@ from .radix import RadixTree
 from .tokens import outside_vocabulary, token_list
 from ..version import __version__
 
-__all__ = ["PrefixStore", "PrefixStats", "token_list", "STORE_INDEX"]
+__all__ = ["PrefixStore", "PrefixStats", "token_list", "saved_files", "STORE_INDEX"]
 
 #: The index :meth:`PrefixStore.save` writes into its folder: the files it saved, least recently used first.
 STORE_INDEX = "prefix_store.json"
@@ -467,7 +467,7 @@ class PrefixStore:
             raise PrefixNotFoundError(f"PrefixStore.load: nothing at {path}: pass a folder PrefixStore.save wrote or a "
                                       f"file save_prefix wrote")
         self._check_model(model)
-        files, index = _saved_files(path) if path.is_dir() else ([path], None)
+        files, index = saved_files(path) if path.is_dir() else ([path], None)
         weights = self.fingerprint(model)
         memory = self.memory(model.device)
         loaded: list[tuple[VKVCache, list[int]]] = []
@@ -774,7 +774,7 @@ def _mappable_images(cache: VKVCache, *, fits: VKVCache) -> list | None:
     return images if ok and images else None
 
 
-def _saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:
+def saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:
     """The prefix files of a folder — those its :data:`STORE_INDEX` lists, in its order, or without
     an index every ``*.safetensors`` file in it, by name — and the index (version 2: with its
     mapped pages' section and the model checks; ``None`` without an index or for version 1)."""

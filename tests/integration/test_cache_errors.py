@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import SMALL_PAGE, assert_same_tokens, prompts, tiny
+from models import FIRST_WORD, SMALL_PAGE, assert_same_tokens, prompts, tiny
 from transformers.cache_utils import DynamicCache
 
 from hf_vkv import CacheClosedError, CapacityError, KVCacheOutOfMemory, LayerMismatchError, VKVCache
@@ -74,6 +74,32 @@ def test_batch_larger_than_the_rows_of_a_filled_cache() -> None:
     with pytest.raises(LayerMismatchError, match="batch 3 is larger than the 2 rows"):
         cache.update(*_states(batch=3, q=1), 0)
     cache.check_invariants()
+
+
+def test_fewer_rows_than_a_filled_cache_holds() -> None:
+    """Continuing one row of a two-row cache would leave the other behind unread (DynamicCache
+    fails to concatenate): refused, nothing changed; with the row selected first it continues as
+    DynamicCache does."""
+    model = tiny("llama")
+    inputs = prompts(2, 10, left_pad=[0, 3], seed=4)
+    for name in ("dynamic", "vkv"):
+        extra = {"cache_implementation": "vkv"} if name == "vkv" else {}
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, **extra)
+        cache = out.past_key_values
+        ids = torch.cat([out.sequences, torch.full((2, 2), FIRST_WORD)], 1)[:1]
+        mask = torch.ones(1, ids.shape[1], dtype=torch.long)
+        if name == "vkv":
+            length = cache.get_seq_length()
+            with pytest.raises(LayerMismatchError, match="batch 1 continues a cache of 2 rows"):
+                model.generate(input_ids=ids, attention_mask=mask, **{cache_kwarg(): cache}, max_new_tokens=3)
+            assert cache.get_seq_length() == length
+            cache.check_invariants()
+        cache.batch_select_indices(torch.tensor([0]))
+        got = model.generate(input_ids=ids, attention_mask=mask, **{cache_kwarg(): cache}, max_new_tokens=3,
+                             do_sample=False)
+        if name == "dynamic":
+            want = got
+    assert torch.equal(got, want)
 
 
 # ------------------------------------------------------------------------------------ capacity

@@ -24,7 +24,7 @@ import torch
 from models import PAD, save_chat_model, tiny
 
 import hf_vkv
-from hf_vkv import PrefixMismatchError, PrefixStore
+from hf_vkv import PrefixFileCorruptError, PrefixMismatchError, PrefixStore, cli_prefix
 from hf_vkv.prefix.mapped import PAGES_FILE
 from hf_vkv.prefix.store import STORE_INDEX
 
@@ -354,6 +354,18 @@ def test_cli_saves_a_system_prompt_inspects_it_and_chats_from_it(chat_model_dir:
     kv.write_bytes(bytes(data))
     code, out = _main(capsys, "prefix", "inspect", folder, "--verify")
     assert code == 1 and "NOT WHOLE" in out and "page 0 differs" in out, out
+    code, out = _main(capsys, "prefix", "inspect", folder, "--json", "-")  # stdout: the JSON alone
+    assert code == 0 and json.loads(out)["pages"] == info["pages"], out
+    # a missing page file (not whole: exit 1) and an index that is not JSON (refused: exit 3), no traceback
+    kv.unlink()
+    with pytest.raises(PrefixFileCorruptError, match="lacks prefix_store.kv"):
+        cli_prefix.verify_folder(folder)
+    code, out = _main(capsys, "prefix", "inspect", folder, "--verify")
+    assert code == 1 and "NOT WHOLE" in out and "lacks prefix_store.kv" in out, out
+    (folder / STORE_INDEX).write_text("not an index")
+    with pytest.raises(PrefixFileCorruptError, match="not JSON"):
+        cli_prefix.summary(folder)
+    assert _main(capsys, "prefix", "inspect", folder)[0] == 3
 
 
 def test_bit_flips_anywhere_are_refused_never_served(tmp_path: Path) -> None:

@@ -431,6 +431,10 @@ def test_cli_ab_reuse_reports_tokens_and_logit_differences(chat_model_dir: Path,
 
     for turn in turns:
         jsonschema.validate(turn, AB_REPORT_SCHEMA)
+    # --json -: the JSON alone on stdout (the turns' lines and the table on stderr)
+    code, out = _main(capsys, "ab", "--model", chat_model_dir, "--prompt", prompt, "--reuse", "2",
+                      "--max-new-tokens", "4", "--quiet", "--threads", "1", "--json", "-")
+    assert code == 0 and [t["tokens_identical"] for t in json.loads(out)["turns"]] == [True, True], out
 
 
 #: fp32 max |Δlogit| of a reused prefix against DynamicCache's full prefill that the A/B harness
