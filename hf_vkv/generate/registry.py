@@ -50,8 +50,7 @@ the others read from the cache transformers hands them (never from module state)
 transformers' server, an extra, 5.25 or later) adds :func:`serving_patches`:
 
 7. ``EngineClient.run_engine`` of ``transformers.cli.serving.model_manager`` (a static method: what
-   the process transformers spawns for each model runs) becomes
-   :func:`hf_vkv.generate.serving.run_engine` itself, not a wrapper: the spawned process unpickles
+   the process transformers spawns for each model runs) becomes :func:`run_engine` itself, not a wrapper: the spawned process unpickles
    it by name, so it imports hf_vkv, installs :func:`engine_patches`, and runs transformers' engine,
    whose model gets its prefix store as it loads (``Patch.spawned``);
 8. ``transformers.cli.serving.server.build_server`` (a function of that module): the app it builds
@@ -93,7 +92,7 @@ from .call import begin, end
 from .names import CACHE_IMPLEMENTATION, CACHE_NAMES, cache_kwarg
 
 __all__ = ["CACHE_IMPLEMENTATION", "CACHE_NAMES", "PATCH_MARK", "Patch", "cache_kwarg", "engine_patches", "patches",
-           "register", "register_engine", "register_serving", "serving_patches"]
+           "register", "register_engine", "register_serving", "run_engine", "serving_patches"]
 
 #: Attribute marking a method :func:`_install` wrapped (so a second ``register`` wraps nothing).
 PATCH_MARK = "_hf_vkv_patch"
@@ -147,9 +146,16 @@ def serving_patches() -> tuple[Patch, ...]:
         from transformers.cli.serving.model_manager import EngineClient
         from transformers.cli.serving.utils import GenerateRunner  # noqa: F401 - the engine's, patched there
     except ImportError as exc:
-        raise MissingDependencyError('hf-vkv serve needs transformers\' server (transformers >= 5.25 with its serving '
-                                     'extra): pip install "hf_vkv[serve]"', name=exc.name) from exc
-    return (Patch(EngineClient, "run_engine", serving.run_engine, spawned=True),
+        import transformers
+
+        if not (exc.name or "").startswith("transformers"):  # the extra's packages (fastapi, uvicorn, ...)
+            raise MissingDependencyError('hf-vkv serve needs transformers\' server (transformers >= 5.25 with its '
+                                         'serving extra): pip install "hf_vkv[serve]"', name=exc.name) from exc
+        raise MissingDependencyError(  # a server of another shape than 5.25's
+            f"hf-vkv serve runs transformers' server as 5.25 shapes it (EngineClient.run_engine, GenerateRunner."
+            f"generate), which transformers {transformers.__version__} does not have ({exc}): pip install "
+            f"\"hf_vkv[serve]\" (transformers[serving] >= 5.25)", name=exc.name) from exc
+    return (Patch(EngineClient, "run_engine", run_engine, spawned=True),
             Patch(server, "build_server", _serve_app))
 
 
@@ -173,6 +179,26 @@ def register_engine() -> None:
     register()
     for patch in engine_patches():
         _install(patch)
+
+
+def run_engine(load: Any, generation_state: Any, *rest: Any) -> None:
+    """``EngineClient.run_engine`` in the model's process that transformers' server spawns (a
+    function of hf_vkv's, so the process imports hf_vkv to run it): the engine's patches
+    (:func:`register_engine`), then transformers' own engine, whose model,
+    once loaded, gets its prefix store (:func:`serving.store_of`) unless the continuous-batching path serves
+    it. ``run_engine.original`` is transformers' function where this process patched it."""
+    from transformers.cli.serving.model_manager import EngineClient
+
+    register_engine()
+
+    def load_with_store(*args: Any, **kwargs: Any) -> Any:
+        model, processor = load(*args, **kwargs)
+        if not generation_state.use_continuous_batching(model.config, processor):
+            serving.store_of(model)
+        return model, processor
+
+    original = getattr(run_engine, "original", None) or EngineClient.run_engine
+    original(load_with_store, generation_state, *rest)
 
 
 def _install(patch: Patch) -> None:

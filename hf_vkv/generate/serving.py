@@ -6,10 +6,10 @@ patched it. Since transformers 5.25 the server runs each model in a process of i
 *engine*, which transformers spawns: ``EngineClient.start_process``), and the API server sends it
 each request's tokenized inputs and generation keywords. So:
 
-* the engine's entry (``EngineClient.run_engine``) is :func:`run_engine`, a function of this
-  module: the spawned process imports hf_vkv to run it, installs the engine's patches
-  (:func:`~hf_vkv.generate.registry.register_engine`), and once its model has loaded gives it its
-  prefix store (:func:`store_of`) unless the continuous-batching path serves it;
+* the engine's entry (``EngineClient.run_engine``) is :func:`hf_vkv.generate.registry.run_engine`:
+  the spawned process imports hf_vkv to run it, installs the engine's patches, and once its model
+  has loaded gives it its prefix store (:func:`store_of`) unless the continuous-batching path
+  serves it;
 * :func:`store_of` puts a :class:`~hf_vkv.PrefixStore` in ``model.generation_config.cache_config``
   with ``cache_implementation="vkv"``, which every request's ``generate`` starts from (``generate``
   deep-copies that config, and a store deep-copies as itself), so every request, client and turn of
@@ -60,7 +60,7 @@ from .names import CACHE_IMPLEMENTATION
 from .reuse import memory_conflict
 
 __all__ = ["DEFAULT_STORE_BYTES", "PREFIX_DIR_ENV", "STORES_ROUTE", "STORE_BYTES_ENV", "ContextTooLongError",
-           "ServedRequestError", "error_response", "extend_app", "freeze_long_lived", "prepare_request", "run_engine", "served_error",
+           "ServedRequestError", "error_response", "extend_app", "freeze_long_lived", "prepare_request", "served_error",
            "start_from_folder", "store_bytes", "store_of", "store_report"]
 
 #: Environment variable holding each model's store budget in bytes (``hf-vkv serve --prefix-store-mib``).
@@ -150,28 +150,6 @@ def start_from_folder(store: PrefixStore, model: Any) -> int:
                       f"{budget / 2**20:,.0f} MiB: {evicted} of its entries were evicted as it loaded (raise "
                       f"--prefix-store-mib)", UserWarning, stacklevel=2)
     return tokens
-
-
-def run_engine(load: Any, generation_state: Any, *rest: Any) -> None:
-    """``EngineClient.run_engine`` in the model's process that transformers' server spawns (a
-    function of this module, so the process imports hf_vkv to run it): the engine's patches
-    (:func:`~hf_vkv.generate.registry.register_engine`), then transformers' own engine, whose model,
-    once loaded, gets its prefix store (:func:`store_of`) unless the continuous-batching path serves
-    it. ``run_engine.original`` is transformers' function where this process patched it."""
-    from transformers.cli.serving.model_manager import EngineClient
-
-    from .registry import register_engine
-
-    register_engine()
-
-    def load_with_store(*args: Any, **kwargs: Any) -> Any:
-        model, processor = load(*args, **kwargs)
-        if not generation_state.use_continuous_batching(model.config, processor):
-            store_of(model)
-        return model, processor
-
-    original = getattr(run_engine, "original", None) or EngineClient.run_engine
-    original(load_with_store, generation_state, *rest)
 
 
 def freeze_long_lived() -> None:
