@@ -230,9 +230,9 @@ def expand_operand(t: torch.Tensor, prompts: int, k: int) -> torch.Tensor:
     if strides[0] == 0 and n > 1:
         return t.as_strided(size, strides, t.storage_offset())
     if strides[0] == 0:
-        strides = (1 + sum((s - 1) * st for s, st in zip(t.shape[1:], strides[1:])), *strides[1:])
+        strides = (_reach(t.shape[1:], strides[1:]), *strides[1:])
     values = t.reshape(prompts, n // prompts, *t.shape[1:]).repeat_interleave(k, dim=0).reshape(size)
-    span = 1 + sum((s - 1) * st for s, st in zip(size, strides))  # elements the view reaches
+    span = _reach(size, strides)
     storage = t.new_empty(t.storage_offset() + span)
     out = storage.as_strided(size, strides, t.storage_offset())
     # a stride-0 dim (a broadcast inside each row) holds one value along it: written once
@@ -242,6 +242,11 @@ def expand_operand(t: torch.Tensor, prompts: int, k: int) -> torch.Tensor:
         return values.contiguous()
     base.copy_(values[tuple(slice(0, 1) if st == 0 else slice(None) for st in strides)])
     return out
+
+
+def _reach(shape: Any, strides: Any) -> int:
+    """Elements a view of ``shape`` and ``strides`` reaches from its first (none empty)."""
+    return 1 + sum((n - 1) * st for n, st in zip(shape, strides))
 
 
 def _describe(value: Any) -> Any:
@@ -543,7 +548,7 @@ def _synthetic(value: Any, generator: torch.Generator, draw: int, *, keep: froze
         return type(value)(_synthetic(v, generator, draw, keep=keep) for v in value)
     if not isinstance(value, torch.Tensor) or id(value) in keep or not value.is_floating_point():
         return value
-    span = 1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride())) if value.numel() else 0
+    span = _reach(value.shape, value.stride()) if value.numel() else 0
     offset = value.storage_offset() % 64
     storage = _draw(offset + span, value.dtype, generator, draw).to(value.device)
     out = storage.as_strided(value.shape, value.stride(), offset)

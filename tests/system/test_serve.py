@@ -78,35 +78,39 @@ def model_dir() -> str:
     return str(default_model_dir())
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
-
-
 @contextlib.contextmanager
-def _serving(model_dir: str, *, store_mib: int = STORE_MIB, prefix_dir: Path | None = None,
-             log: Path | None = None) -> Iterator[dict]:
-    """``hf-vkv serve`` in a subprocess on a free port of 127.0.0.1 (one intra-op thread, as the
-    stock server below), stopped on leaving; its stderr goes to ``log`` when given."""
+def _server(code: str, args: list[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[str]:
+    """``python -c code *args --host 127.0.0.1 --port P`` on a free port (one intra-op thread, offline;
+    ``env`` over this process's, less vkv's serve variables), its base URL once it answers
+    ``/health``; stopped on leaving. Its stderr goes to ``log`` when given."""
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    args = ["serve", "--prefix-store-mib", str(store_mib)]
-    if prefix_dir is not None:
-        args += ["--prefix-dir", str(prefix_dir)]
-    code = "import sys; from hf_vkv.cli import main; sys.exit(main(sys.argv[1:]))"
+    inherited = {k: v for k, v in os.environ.items() if k not in (serving.STORE_BYTES_ENV, serving.PREFIX_DIR_ENV)}
     with open(log or os.devnull, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", code, *args, model_dir, "--host", "127.0.0.1", "--port",
-                                 str(port)], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen([sys.executable, "-c", code, *args, "--host", "127.0.0.1", "--port", str(port)],
+                                env={**inherited, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})},
+                                stdout=subprocess.DEVNULL, stderr=err)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(base, time.monotonic() + STARTUP_S, proc)
-        yield {"base": base, "model": model_dir}
+        yield base
     finally:
-        _stop(proc)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def _serving(model_dir: str, *, prefix_dir: Path | None = None, log: Path | None = None) -> Iterator[dict]:
+    """``hf-vkv serve`` in a subprocess (see :func:`_server`), its store of ``STORE_MIB``."""
+    args = ["serve", "--prefix-store-mib", str(STORE_MIB)]
+    if prefix_dir is not None:
+        args += ["--prefix-dir", str(prefix_dir)]
+    code = "import sys; from hf_vkv.cli import main; sys.exit(main(sys.argv[1:]))"
+    with _server(code, [*args, model_dir], log=log) as base:
+        yield {"base": base, "model": model_dir}
 
 
 @pytest.fixture(scope="module")
@@ -118,19 +122,10 @@ def vkv_server(model_dir: str) -> Iterator[dict]:
 @pytest.fixture(scope="module")
 def stock_server(model_dir: str) -> Iterator[str]:
     """Stock ``transformers serve`` in a subprocess (no hf_vkv imported), one intra-op thread as ``hf-vkv serve``."""
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop(serving.STORE_BYTES_ENV, None)
     code = ("import sys, torch; torch.set_num_threads(1); from transformers.cli.transformers import app; "
             "app(sys.argv[1:])")
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", model_dir, "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(base, time.monotonic() + STARTUP_S, proc)
+    with _server(code, ["serve", model_dir]) as base:
         yield base
-    finally:
-        _stop(proc)
 
 
 def _client(base: str) -> openai.OpenAI:
@@ -249,19 +244,11 @@ def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_re
     # a folder over the store's budget (hf-vkv serve's own check refuses it; transformers' server
     # started with the folder in its environment): its entry goes as it loads, and the server says so
     log = tmp_path / "budget.log"
-    code = ("import os, sys; from hf_vkv.generate.registry import register_serving; register_serving(); "
+    code = ("import sys; from hf_vkv.generate.registry import register_serving; register_serving(); "
             "from transformers.cli.transformers import app; app(sys.argv[1:])")
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", serving.PREFIX_DIR_ENV: str(tmp_path / "system"),
-           serving.STORE_BYTES_ENV: str(1 << 20)}
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", code, "serve", model_dir, "--host", "127.0.0.1", "--port",
-                                 str(port)], env=env, stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        _wait_healthy(f"http://127.0.0.1:{port}", time.monotonic() + STARTUP_S, proc)
-        assert ask(f"http://127.0.0.1:{port}") == stock
-    finally:
-        _stop(proc)
+    with _server(code, ["serve", model_dir], log=log,
+                 env={serving.PREFIX_DIR_ENV: str(tmp_path / "system"), serving.STORE_BYTES_ENV: str(1 << 20)}) as base:
+        assert ask(base) == stock
     assert re.search("holds more than .*store budget of 1 MiB: 1 of its entries were evicted", log.read_text())
     # hf-vkv serve refuses both before it starts a server
     from hf_vkv.cli import main
