@@ -633,14 +633,16 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="transformers' own OpenAI-compatible server (`transformers serve`), every model "
                        "generating with vkv and one prefix store: a chat turn prefills only its new tokens",
-                       epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       usage="hf-vkv serve [-h] [--prefix-store-mib MIB] [--prefix-dir DIR] [transformers serve's "
+                             "arguments ...]",
+                       epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)  # an abbreviation of vkv's options could be one of transformers' options
     p.add_argument("--prefix-store-mib", type=count, default=serving.DEFAULT_STORE_BYTES >> 20,
                    help="each model's prefix store budget, least recently used evicted first (default: %(default)s)")
     p.add_argument("--prefix-dir", default=None, metavar="DIR",
                    help="start each model's store from this saved folder (`hf-vkv prefix save`), its pages mapped: a "
                         "saved system prompt is not prefilled, and servers on one machine share its pages")
-    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="transformers serve's arguments")
-    p.set_defaults(func=serve, command_parser=p)
+    p.set_defaults(func=serve, command_parser=p, serve_args=[])  # the rest of the line: see main
 
     p = sub.add_parser("bench", help="decode-step benchmark grid: DynamicCache, an ideal cache and each vkv layout "
                        "(and optionally generate() A/B runs), as a table and JSON")
@@ -656,7 +658,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hf-vkv`` console script."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.serve_args = rest  # hf-vkv serve: every argument not vkv's goes to transformers serve, in its order
     try:
         return int(args.func(args, args.command_parser))
     except InvariantError:

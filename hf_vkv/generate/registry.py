@@ -55,14 +55,20 @@ transformers' server, an extra, 5.25 or later) adds :func:`serving_patches`:
    whose model gets its prefix store as it loads (``Patch.spawned``);
 8. ``transformers.cli.serving.server.build_server`` (a function of that module): the app it builds
    answers ``GET /v1/vkv/stores`` with each running model's store, and a refused request (an HTTP
-   400) in OpenAI's error shape too, which OpenAI clients show (:func:`hf_vkv.generate.serving.extend_app`).
+   400) in OpenAI's error shape too, which OpenAI clients show (:func:`hf_vkv.generate.serving.extend_app`);
+9. ``run_until_parent_exits`` of ``transformers.cli.serving.utils`` (what every process the server
+   spawns runs first: the API servers of ``--api-server-count`` N > 1, each building its own app,
+   and each model's) becomes :func:`run_spawned` itself (``Patch.spawned``), under both names
+   transformers calls it by (``utils``'s and ``model_manager``'s: a spawned target is pickled by its
+   module's name, which must be the function pickled): such a process imports hf_vkv and installs
+   these patches before it builds an app, so every API server has item 8's route and errors.
 
 and in each model's process :func:`register_engine` adds :func:`engine_patches`:
 
-9. ``GenerateRunner.generate`` of ``transformers.cli.serving.utils`` (the server's default path, one
+10. ``GenerateRunner.generate`` of ``transformers.cli.serving.utils`` (the server's default path, one
    ``model.generate()`` per request): the request's keywords generate with vkv and the model's
    prefix store, or the request is refused before it is queued (:mod:`hf_vkv.generate.serving`);
-10. ``GenerationMixin.generate``: an hf_vkv error raised while a request generates leaves as a
+11. ``GenerationMixin.generate``: an hf_vkv error raised while a request generates leaves as a
     :class:`~hf_vkv.generate.serving.ServedRequestError` (a ``ValueError`` naming it), which the
     server answers with an HTTP 400 rather than an error without its message.
 """
@@ -92,7 +98,7 @@ from .call import begin, end
 from .names import CACHE_IMPLEMENTATION, CACHE_NAMES, cache_kwarg
 
 __all__ = ["CACHE_IMPLEMENTATION", "CACHE_NAMES", "PATCH_MARK", "Patch", "cache_kwarg", "engine_patches", "patches",
-           "register", "register_engine", "register_serving", "run_engine", "serving_patches"]
+           "register", "register_engine", "register_serving", "run_engine", "run_spawned", "serving_patches"]
 
 #: Attribute marking a method :func:`_install` wrapped (so a second ``register`` wraps nothing).
 PATCH_MARK = "_hf_vkv_patch"
@@ -107,8 +113,9 @@ class Patch:
     owner: Any  # a class (or a module: its function is patched the same way)
     name: str
     around: Callable[..., Any]
-    #: ``owner.name`` is a static method that a spawned process runs: it becomes ``around`` itself
-    #: (a module-level function, pickled by its name), which finds the original as ``around.original``
+    #: ``owner.name`` is a static method (or a module's function) that a spawned process runs: it
+    #: becomes ``around`` itself (a module-level function, pickled by its name), which finds the
+    #: original as ``around.original``
     spawned: bool = False
 
 
@@ -139,12 +146,12 @@ def register() -> None:
 
 
 def serving_patches() -> tuple[Patch, ...]:
-    """The parts of transformers' server vkv patches in the server's process (items 7 and 8 of this
+    """The parts of transformers' server vkv patches in the server's processes (items 7 to 9 of this
     module's docstring); imports the server, which needs ``pip install "hf_vkv[serve]"``."""
     try:
-        from transformers.cli.serving import server
+        from transformers.cli.serving import model_manager, server, utils
         from transformers.cli.serving.model_manager import EngineClient
-        from transformers.cli.serving.utils import GenerateRunner  # noqa: F401 - the engine's, patched there
+        from transformers.cli.serving.utils import GenerateRunner, run_until_parent_exits  # noqa: F401 - checked
     except ImportError as exc:
         import transformers
 
@@ -156,11 +163,12 @@ def serving_patches() -> tuple[Patch, ...]:
             f"generate), which transformers {transformers.__version__} does not have ({exc}): pip install "
             f"\"hf_vkv[serve]\" (transformers[serving] >= 5.25)", name=exc.name) from exc
     return (Patch(EngineClient, "run_engine", run_engine, spawned=True),
-            Patch(server, "build_server", _serve_app))
+            Patch(server, "build_server", _serve_app),
+            *(Patch(module, "run_until_parent_exits", run_spawned, spawned=True) for module in (utils, model_manager)))
 
 
 def engine_patches() -> tuple[Patch, ...]:
-    """What a model's process of transformers' server patches (items 9 and 10)."""
+    """What a model's process of transformers' server patches (items 10 and 11)."""
     from transformers.cli.serving.utils import GenerateRunner
 
     return (Patch(GenerateRunner, "generate", _serve_request), Patch(GenerationMixin, "generate", _served_generate))
@@ -201,6 +209,18 @@ def run_engine(load: Any, generation_state: Any, *rest: Any) -> None:
     original(load_with_store, generation_state, *rest)
 
 
+def run_spawned(target: Any, *args: Any) -> None:
+    """``run_until_parent_exits`` in a process transformers' server spawns (an API server of
+    ``--api-server-count``, a model's process): :func:`register_serving` in that process, so an app
+    it builds has vkv's route and errors, then transformers' function. ``run_spawned.original`` is
+    transformers' function where this process patched it."""
+    from transformers.cli.serving import utils
+
+    register_serving()
+    original = getattr(run_spawned, "original", None) or utils.run_until_parent_exits
+    original(target, *args)
+
+
 def _install(patch: Patch) -> None:
     """Replace ``patch.owner.<name>`` by a method calling ``patch.around(original, self, ...)``
     (once: a wrapped method is marked)."""
@@ -211,7 +231,7 @@ def _install(patch: Patch) -> None:
     if patch.spawned:
         around.original = original  # type: ignore[attr-defined] - this process's; a spawned one has its own
         setattr(around, PATCH_MARK, True)
-        setattr(patch.owner, patch.name, staticmethod(around))
+        setattr(patch.owner, patch.name, staticmethod(around) if isinstance(patch.owner, type) else around)
         return
 
     @functools.wraps(original)

@@ -103,9 +103,11 @@ def _server(code: str, args: list[str], *, env: dict[str, str] | None = None, lo
 
 
 @contextlib.contextmanager
-def _serving(model_dir: str, *, prefix_dir: Path | None = None, log: Path | None = None) -> Iterator[dict]:
-    """``hf-vkv serve`` in a subprocess (see :func:`_server`), its store of ``STORE_MIB``."""
-    args = ["serve", "--prefix-store-mib", str(STORE_MIB)]
+def _serving(model_dir: str, *, prefix_dir: Path | None = None, log: Path | None = None,
+             serve_options: tuple[str, ...] = ()) -> Iterator[dict]:
+    """``hf-vkv serve`` in a subprocess (see :func:`_server`), its store of ``STORE_MIB``;
+    ``serve_options`` (transformers serve's) come first on its command line, before vkv's own."""
+    args = ["serve", *serve_options, "--prefix-store-mib", str(STORE_MIB)]
     if prefix_dir is not None:
         args += ["--prefix-dir", str(prefix_dir)]
     code = "import sys; from hf_vkv.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -370,6 +372,23 @@ def test_four_concurrent_conversations_each_as_if_alone(vkv_server, model_dir):
     assert together == alone
     stats = _store(vkv_server)
     assert stats.bytes_held <= stats.budget_bytes == STORE_MIB << 20
+
+
+def test_every_api_server_of_several_serves_the_store_route_and_openai_errors(stock_server, model_dir):
+    """``--api-server-count 2``: two API server processes share one socket and the model's process;
+    each request, on a new connection, is answered by either."""
+    with _serving(model_dir, serve_options=("--api-server-count", "2")) as server:
+        answers = _chat(server["base"], model_dir, QUESTIONS[:2], temperature=0, max_tokens=8)
+        assert answers == _chat(stock_server, model_dir, QUESTIONS[:2], temperature=0, max_tokens=8)
+        for stats in [_store(server) for _ in range(6)]:  # one store, whichever API server answers
+            assert stats.hits >= 1 and stats.bytes_held <= stats.budget_bytes == STORE_MIB << 20
+        client = _client(server["base"])
+        for _ in range(4):
+            with pytest.raises(openai.BadRequestError, match="PageSizeError: cache_config\\['page_bytes'\\]=3"):
+                client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": "Hi"}],
+                                               extra_body={"generation_config": json.dumps(
+                                                   {"cache_config": {"page_bytes": 3}})})
+        assert _chat(server["base"], model_dir, QUESTIONS[:2], temperature=0, max_tokens=8) == answers
 
 
 def test_the_store_survives_the_deep_copy_of_the_generation_config(model_dir):
