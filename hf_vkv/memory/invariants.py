@@ -35,7 +35,7 @@ class PageHolder(Protocol):
 
 def check_pages(pool: PagePool, tables: Iterable[PageHolder]) -> None:
     """Raise :class:`InvariantError` unless ``pool`` and ``tables`` (all the page tables drawing
-    pages from ``pool``) are consistent: the pool's and each table's own invariants hold, and
+    pages from ``pool``, and whoever else holds references on them) are consistent: the pool's and each table's own invariants hold, and
     every page's refcount equals the number of table entries, over all ``tables``, that hold it
     (plus the pool's pin of an external page),
     and no entry holds more bytes of a page than its append mark (:attr:`PagePool.marks`)."""

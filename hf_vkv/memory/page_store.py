@@ -9,7 +9,10 @@ pages usable, copy pages (copy-on-write), and give pages back on a rollback. Two
 
 A store also knows the page tables of the buffers open on it (:class:`OpenTables`): it closes with
 the last of them, and it is the one place that can check that each page's refcount equals the
-number of table entries holding it (:func:`~hf_vkv.memory.invariants.check_pages`).
+number of table entries holding it (:func:`~hf_vkv.memory.invariants.check_pages`). Whoever else
+holds references on its pages outside any table (a mapped prefix file's entry before a cache
+installs it) registers as a holder for that time (:meth:`OpenTables.hold`), so the check counts
+those references too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from .errors import CacheClosedError
+from .invariants import PageHolder
 from .page_table import PageTable
 from .pool import PageId, PagePool
 
@@ -62,6 +66,10 @@ class PageStore(Protocol):
     def tables(self) -> list[PageTable]:
         """The page tables of the buffers open on this store: every table drawing from ``pool``."""
 
+    def holders(self) -> list[PageHolder]:
+        """Every holder of references on ``pool``'s pages: the :meth:`tables`, and the holders
+        outside any table (:meth:`OpenTables.hold`)."""
+
 
 class OpenTables(ABC):
     """The open-buffer bookkeeping of a page store: the tables of its open buffers, and closing
@@ -78,6 +86,7 @@ class OpenTables(ABC):
 
     def __init__(self) -> None:
         self._tables: dict[int, PageTable] = {}  # id(table) -> table, in opening order
+        self._holders: dict[int, PageHolder] = {}  # id(holder) -> holder outside any table
         self.closed = False
         self.lock = threading.RLock()
 
@@ -94,6 +103,18 @@ class OpenTables(ABC):
 
     def tables(self) -> list[PageTable]:
         return list(self._tables.values())
+
+    def hold(self, holder: PageHolder) -> None:
+        """``holder`` holds references on this store's pages outside any page table (taken with
+        the pool's own calls), until :meth:`let_go`; :meth:`holders` lists it meanwhile."""
+        self._holders[id(holder)] = holder
+
+    def let_go(self, holder: PageHolder) -> None:
+        """``holder`` no longer holds references outside a table (whether it ever did or not)."""
+        self._holders.pop(id(holder), None)
+
+    def holders(self) -> list[PageHolder]:
+        return [*self._tables.values(), *self._holders.values()]
 
     @abstractmethod
     def _last_closed(self) -> None:

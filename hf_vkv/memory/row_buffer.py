@@ -190,7 +190,7 @@ class RowBuffer(ABC):
         through the memory)."""
         self._open()
         with self.store.lock:  # other threads' buffers of the store change under it
-            check_pages(self.store.pool, self.store.tables())
+            check_pages(self.store.pool, self.store.holders())
 
     # ----------------------------------------------------------------------------- operations
     def grow(self, rows: Iterable[int], length: int) -> None:

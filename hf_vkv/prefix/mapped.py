@@ -42,7 +42,7 @@ import json
 import mmap
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -224,9 +224,10 @@ class MappedEntry:
     as the index gives them (``tables``, per group; pages in ``arena`` from id ``base`` on: the
     page tables, :attr:`images`, are built when first needed, not at open), and ``held``: the
     distinct pages of those tables, on each of which the entry holds one reference of the pool's,
-    so no page it needs retires while no table holds it yet. :meth:`install` puts the row into an
-    empty cache and lets the references go; :meth:`release` lets them go without one (pages no
-    one else holds retire)."""
+    so no page it needs retires while no table holds it yet: the arena lists the entry as a holder
+    meanwhile (:meth:`Arena.hold`; the invariant check counts its references). :meth:`install`
+    puts the row into an empty cache and lets the references go; :meth:`release` lets them go
+    without one (pages no one else holds retire)."""
 
     tokens: tuple[int, ...]
     shapes: list[GroupImage]
@@ -242,6 +243,25 @@ class MappedEntry:
                                                         for length, start, runs in tables))
                 for shape, tables in zip(self.shapes, self.tables)]
 
+    def referenced_pages(self) -> Iterator[PageId]:
+        """The pages the entry holds a reference on, once each (the arena's invariant check)."""
+        return iter(self.held)
+
+    def held_bytes(self) -> Iterator[tuple[PageId, int]]:
+        """None to check against append marks: a mapped file's pages have none."""
+        return iter(())
+
+    def check_invariants(self) -> None:
+        """Until released, the entry holds exactly the pages of its tables, each also pinned (a
+        mapped file's page)."""
+        if not self.held:
+            return
+        refs = self.arena.pool.refs
+        if set(self.held) != {p for img in self.images for p in img.pages()} \
+                or any(refs.get(p, 0) < 2 for p in self.held):
+            raise InvariantError(f"a mapped entry of {len(self.tokens)} tokens does not hold its pages (pin and "
+                                 f"reference)")
+
     def install(self, cache: VKVCache) -> None:
         """Fill the empty batch-1 ``cache`` (of the store's memory) with this entry's row; the
         entry's own references go (the cache's tables hold the pages now)."""
@@ -253,6 +273,7 @@ class MappedEntry:
         held, self.held = self.held, []
         if held:
             with self.arena.lock:
+                self.arena.let_go(self)
                 self.arena.pool.decref(held)
 
 
@@ -325,8 +346,10 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
             return out, None
         page_ids = arena.map_file(fd, offset, count, holds=holds.tolist())  # each entry's references with the pins
         base = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
-        for tokens, sized, group_tables, held in parsed:
-            out.append(MappedEntry(tokens, sized, group_tables, base, arena, (held + base).tolist()))
+        with arena.lock:
+            for tokens, sized, group_tables, held in parsed:
+                out.append(MappedEntry(tokens, sized, group_tables, base, arena, (held + base).tolist()))
+                arena.hold(out[-1])
         return out, MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes, data_offset=offset)
     except BaseException as e:
         for entry in out:

@@ -656,10 +656,7 @@ class PrefixStore:
                 if entry.cache is not None or any(length != len(entry.tokens) for img in pending.shapes
                                                   for length in img.lengths):
                     raise InvariantError(f"mapped entry {entry.id} does not describe its {len(entry.tokens)} tokens")
-                refs = pending.arena.pool.refs
-                if set(pending.held) != {p for img in pending.images for p in img.pages()} \
-                        or any(refs.get(p, 0) < 2 for p in pending.held):
-                    raise InvariantError(f"mapped entry {entry.id} does not hold its pages (pin and reference)")
+                pending.check_invariants()
                 continue
             if entry.cache is None or entry.cache.rows != 1 or entry.cache.get_seq_length() != len(entry.tokens):
                 raise InvariantError(f"entry {entry.id} holds no batch-1 cache of {len(entry.tokens)} tokens")

@@ -189,6 +189,26 @@ def test_entries_are_installed_at_first_use_and_an_unused_one_lets_go_of_its_pag
     warm.check_invariants()
 
 
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_a_new_prompt_beside_an_entry_not_used_yet_keeps_the_invariants(tmp_path: Path, layout: str) -> None:
+    """A loaded store whose entries are not installed yet stores a prompt that shares nothing with
+    them: the new entry's cache shares the arena with the mapped entries, whose references on the
+    file's pages are held outside any table. The arena's check counts them (it used to find the
+    pages referenced by no table), and the store serves both afterwards as an in-memory one does."""
+    model = tiny("llama")
+    store, folder, prompts = _saved_store(tmp_path, model, cache_config={"layout": layout})
+    loaded = PrefixStore(model.config, cache_config={"layout": layout})
+    loaded.load(folder, model=model)
+    other = _rand(20, torch.Generator().manual_seed(11))
+    assert _same(_generate(model, other, store), _generate(model, other, loaded))
+    assert sum(e.pending is not None for e in loaded._entries.values()) == 2  # the saved ones, not used yet
+    loaded.check_invariants()
+    follow = prompts[0] + [7, 8]
+    assert _same(_generate(model, follow, store), _generate(model, follow, loaded))
+    loaded.check_invariants()
+    store.check_invariants()
+
+
 def _fresh_refusal(folder: Path, model: Any, error: type[Exception], match: str, **kwargs: Any) -> None:
     fresh = PrefixStore(model.config, **kwargs)
     with pytest.raises(error, match=match):
