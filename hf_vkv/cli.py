@@ -133,9 +133,11 @@ def _system_text(args: argparse.Namespace, parser: argparse.ArgumentParser) -> s
     if not args.system_file:
         return DOCUMENT
     try:
-        return Path(args.system_file).read_text()
+        return Path(args.system_file).read_text(encoding="utf-8")
     except OSError as e:
         parser.error(f"--system-file: cannot read {args.system_file}: {e.strerror or e}")
+    except UnicodeDecodeError as e:
+        parser.error(f"--system-file: {args.system_file} is not UTF-8 text (byte {e.start}: {e.reason})")
 
 
 def _check_folder(path: str | None, option: str, parser: argparse.ArgumentParser) -> None:

@@ -6,9 +6,9 @@ from ..kv_records import CASCADE_ATTENTION, KV_TAG, PAGED_ATTENTION, PagedKV, pa
 from .cascade import vkv_cascade_attention
 from .errors import UnsupportedModelError
 from .paged import register_attention, vkv_paged_attention
-from .support import paged_refusal
+from .support import attention_refusal
 
 __all__ = [
-    "CASCADE_ATTENTION", "vkv_cascade_attention", "PAGED_ATTENTION", "KV_TAG", "PagedKV", "UnsupportedModelError", "paged_kv_of", "paged_refusal",
+    "CASCADE_ATTENTION", "vkv_cascade_attention", "PAGED_ATTENTION", "KV_TAG", "PagedKV", "UnsupportedModelError", "paged_kv_of", "attention_refusal",
     "register_attention", "vkv_paged_attention",
 ]

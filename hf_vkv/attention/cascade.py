@@ -243,11 +243,11 @@ def vkv_cascade_attention(
     Raises:
         UnsupportedModelError: attention sinks or logit softcapping (not computed here).
     """
-    for name, feature in (("s_aux", "attention sinks (s_aux)"), ("softcap", "attention logit softcapping")):
+    for name, feature in (("s_aux", "attention sinks (s_aux) are"), ("softcap", "attention logit softcapping is")):
         if kwargs.get(name) is not None:
             raise UnsupportedModelError(
                 model_type=model_type_of(getattr(module, "config", None), type(module).__name__),
-                feature=f"{feature} are not part of the cascade attention", attention=CASCADE_ATTENTION)
+                feature=f"{feature} not part of the cascade attention", attention=CASCADE_ATTENTION)
     prefix = record_of(key, SharedPrefix)
     plain = (
         prefix is None or query.shape[2] != 1 or dropout > 0 or kwargs.get("output_attentions")

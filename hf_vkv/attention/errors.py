@@ -1,4 +1,4 @@
-"""Errors of the attention side: what the ``"vkv_paged"`` attention refuses to serve."""
+"""Errors of the attention side: what the ``"vkv_paged"`` and ``"vkv_cascade"`` attentions refuse to serve."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from ..memory.errors import VKVError
 
 __all__ = ["UnsupportedModelError", "CONTIGUOUS_INSTEAD"]
 
-#: What a user refused by the paged attention can do instead (the contiguous layout reads any attention).
+#: What a user refused by the paged or cascade attention can do instead (the contiguous layout reads any attention).
 CONTIGUOUS_INSTEAD = (
     "load the model with its own attention (attn_implementation='sdpa' or 'eager', or leave it unset) and "
     "generate with cache_implementation='vkv': the contiguous layout serves every attention implementation"
@@ -14,15 +14,15 @@ CONTIGUOUS_INSTEAD = (
 
 
 class UnsupportedModelError(VKVError, ValueError):
-    """The ``"vkv_paged"`` attention cannot compute this model's attention exactly.
+    """The ``"vkv_paged"`` (or ``"vkv_cascade"``) attention cannot compute this model's attention exactly.
 
     Raised as early as possible (``from_pretrained(attn_implementation="vkv_paged")``,
-    ``model.set_attn_implementation("vkv_paged")``, else the first forward), never replaced by a
+    ``model.set_attn_implementation("vkv_paged")``, the same for ``"vkv_cascade"``, else the first forward), never replaced by a
     silent fallback: a wrong token is not an acceptable result.
 
     Attributes:
         model_type: the config's ``model_type`` (``"t5"``, ``"gpt_oss"``, ...) or the module's class.
-        feature: what the paged attention cannot honour ("attention sinks (s_aux)", ...).
+        feature: what the attention cannot honour ("attention sinks (s_aux) are not part of ...", ...).
         instead: what to do instead.
         attention: the attention implementation that refuses (``"vkv_paged"``, ``"vkv_cascade"``).
     """

@@ -1,4 +1,5 @@
-"""Which models the ``"vkv_paged"`` attention can serve exactly, decided from the model class and config.
+"""Which models the ``"vkv_paged"`` and ``"vkv_cascade"`` attentions can serve exactly, decided from
+the model class and config.
 
 The paged attention computes what transformers' sdpa attention computes (scaled dot product, an
 optional bool/float mask, GQA) over the K/V a paged cache layer returns: by default the layer's
@@ -18,7 +19,9 @@ refused at its first forward (:mod:`hf_vkv.attention.guards`), and one whose att
 cached latents (which replaces both, leaving nothing to tell by) when the cache is made
 (:class:`~hf_vkv.CacheOptionError`).
 
-:func:`paged_refusal` names the first of these that applies; ``None`` means the model is served.
+The cascade (``"vkv_cascade"``) computes sdpa's attention too, reading a shared prefix once, so the
+same three refuse it. :func:`attention_refusal` names the first of these that applies; ``None``
+means the model is served.
 The checks read the model's class, its modeling module's source (as transformers' own
 ``_can_set_attn_implementation`` does) and its config, so they run in ``PreTrainedModel.__init__``,
 before any weight exists.
@@ -31,15 +34,19 @@ import inspect
 import sys
 from typing import Any
 
+from ..kv_records import CASCADE_ATTENTION, PAGED_ATTENTION
 from .errors import UnsupportedModelError
 
-__all__ = ["paged_refusal", "check_paged_support", "model_type_of", "OWN_ATTENTION_INSTEAD"]
+__all__ = ["attention_refusal", "check_attention_support", "model_type_of", "own_attention_instead"]
 
-#: What to do for a model whose attention code is its own (the contiguous layout needs no attention help).
-OWN_ATTENTION_INSTEAD = (
-    "keep the model's own attention (do not pass attn_implementation='vkv_paged') and generate with "
-    "cache_implementation='vkv': the contiguous layout hands its attention ordinary tensors"
-)
+#: What each of vkv's attentions is called in a refusal.
+_NAMES = {PAGED_ATTENTION: "the paged attention", CASCADE_ATTENTION: "the cascade attention"}
+
+
+def own_attention_instead(attention: str) -> str:
+    """What to do for a model whose attention code is its own (the contiguous layout needs no attention help)."""
+    return (f"keep the model's own attention (do not pass attn_implementation={attention!r}) and generate with "
+            "cache_implementation='vkv': the contiguous layout hands its attention ordinary tensors")
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,41 +76,42 @@ def _softcapping(config: Any) -> Any:
     return None
 
 
-def paged_refusal(model_class: type, config: Any) -> UnsupportedModelError | None:
-    """The error the paged attention raises for ``model_class`` built from ``config``, or ``None``
-    when it computes this model's attention exactly."""
+def attention_refusal(model_class: type, config: Any, attention: str = PAGED_ATTENTION) -> UnsupportedModelError | None:
+    """The error ``attention`` (``"vkv_paged"`` or ``"vkv_cascade"``) raises for ``model_class``
+    built from ``config``, or ``None`` when it computes this model's attention exactly."""
+    name = _NAMES[attention]
     model_type = model_type_of(config, model_class.__name__)
     can_set = getattr(model_class, "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
         return UnsupportedModelError(
             model_type=model_type,
             feature=f"{model_class.__name__}'s attention does not call transformers' AttentionInterface (its own "
-                    "attention code cannot read a paged cache)",
-            instead=OWN_ATTENTION_INSTEAD,
+                    f"attention code would never run {name})",
+            instead=own_attention_instead(attention), attention=attention,
         )
     source = _module_source(model_class.__module__)
     uses_interface = "ALL_ATTENTION_FUNCTIONS" in source
     if not uses_interface:
         return None  # no attention of its own (Mamba, ...) or a wrapper of sub-models checked on their own
     if "s_aux" in source:
-        return UnsupportedModelError(model_type=model_type,
-                                     feature="attention sinks (s_aux) are not part of the paged attention")
+        return UnsupportedModelError(model_type=model_type, attention=attention,
+                                     feature=f"attention sinks (s_aux) are not part of {name}")
     cap = _softcapping(config)
     if cap is not None:
         return UnsupportedModelError(
-            model_type=model_type,
-            feature=f"attention logit softcapping (attn_logit_softcapping={cap}) is not part of the paged attention")
+            model_type=model_type, attention=attention,
+            feature=f"attention logit softcapping (attn_logit_softcapping={cap}) is not part of {name}")
     if getattr(model_class, "_supports_sdpa", True) is False:
         return UnsupportedModelError(
-            model_type=model_type,
+            model_type=model_type, attention=attention,
             feature=f"{model_class.__name__} declares _supports_sdpa = False: its attention needs more than the "
-                    "scaled dot product the paged attention computes",
+                    f"scaled dot product {name} computes",
         )
     return None
 
 
-def check_paged_support(model_class: type, config: Any) -> None:
-    """Raise :class:`UnsupportedModelError` when :func:`paged_refusal` finds a reason."""
-    error = paged_refusal(model_class, config)
+def check_attention_support(model_class: type, config: Any, attention: str = PAGED_ATTENTION) -> None:
+    """Raise :class:`UnsupportedModelError` when :func:`attention_refusal` finds a reason."""
+    error = attention_refusal(model_class, config, attention)
     if error is not None:
         raise error

@@ -196,20 +196,20 @@ def _run_identical(arch: str, mode: str) -> None:
         assert kinds and all(kind in said[0] for kind in kinds), (kinds, said[0])
 
 
-def _run_refused(arch: str, mode: str, expect: Expect) -> None:
+def _run_refused(arch: str, expect: Expect, attention: str = PAGED) -> None:
     assert expect.error is not None
     # at construction (what from_pretrained(attn_implementation="vkv_paged") runs) ...
     try:
         with pytest.raises(expect.error, match=re.escape(expect.phrase)) as built:
-            build_with_attention(arch, PAGED)
+            build_with_attention(arch, attention)
     except ArchitectureMissing as missing:
         pytest.skip(str(missing))
     # ... and when an existing model is switched, which then keeps its attention
     model = _model(arch)
-    assert f"model type {model.config.model_type!r}" in str(built.value)
+    assert f"model type {model.config.model_type!r}" in str(built.value) and repr(attention) in str(built.value)
     before = model.config._attn_implementation
     with pytest.raises(expect.error, match=re.escape(expect.phrase)):
-        model.set_attn_implementation(PAGED)
+        model.set_attn_implementation(attention)
     assert model.config._attn_implementation == before
 
 
@@ -224,7 +224,19 @@ def test_breadth(arch: str, mode: str, expect: Expect) -> None:
     if expect.error is None:
         _run_identical(arch, mode)
     else:
-        _run_refused(arch, mode, expect)
+        _run_refused(arch, expect)
+
+
+@pytest.mark.parametrize("arch", sorted(_PAGED_REFUSALS))
+def test_the_cascade_refuses_what_the_paged_attention_refuses(arch: str) -> None:
+    """``"vkv_cascade"`` computes sdpa's attention too: a model with attention code of its own (its
+    attention would never call the cascade: GPT-Neo raised a raw KeyError, Bloom and XGLM loaded and
+    never ran it), sinks or softcapping is refused at construction and when switched, as by
+    ``"vkv_paged"``."""
+    expect = _PAGED_REFUSALS[arch]
+    if expect is _OWN_ATTENTION and _calls_attention_interface(arch):
+        pytest.skip(f"{arch} calls the attention interface on this transformers: served")
+    _run_refused(arch, expect, "vkv_cascade")
 
 
 def test_table_is_broad() -> None:

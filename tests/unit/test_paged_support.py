@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 import hf_vkv
-from hf_vkv.attention import UnsupportedModelError, paged_refusal, register_attention
+from hf_vkv.attention import UnsupportedModelError, attention_refusal, register_attention
 from hf_vkv.attention.guards import check_call
 from hf_vkv.generate.names import cache_kwarg
 
@@ -30,13 +30,13 @@ def test_error_is_typed_and_says_what_to_do() -> None:
 
 
 def test_llama_is_served() -> None:
-    assert paged_refusal(LlamaForCausalLM, LlamaConfig(**_TINY)) is None
+    assert attention_refusal(LlamaForCausalLM, LlamaConfig(**_TINY)) is None
 
 
 def test_softcapping_is_refused_and_without_it_sdpa_support_still_decides() -> None:
-    capped = paged_refusal(Gemma2ForCausalLM, Gemma2Config(**_TINY, head_dim=16))
+    capped = attention_refusal(Gemma2ForCausalLM, Gemma2Config(**_TINY, head_dim=16))
     assert capped is not None and "softcapping (attn_logit_softcapping=50.0)" in str(capped)
-    uncapped = paged_refusal(Gemma2ForCausalLM, Gemma2Config(**_TINY, head_dim=16, attn_logit_softcapping=None))
+    uncapped = attention_refusal(Gemma2ForCausalLM, Gemma2Config(**_TINY, head_dim=16, attn_logit_softcapping=None))
     if Gemma2ForCausalLM._supports_sdpa:  # transformers 5.17 declares it
         assert uncapped is None
     else:  # 5.23: "sdpa does not support softcapping", whatever the config says
@@ -141,7 +141,7 @@ def test_values_reworked_after_the_update_compute_as_on_dynamic_cache() -> None:
     gathered tokens (what DynamicCache returns), so its tokens and logits are DynamicCache's + sdpa's;
     construction refuses nothing."""
     model = _diffllama()
-    assert paged_refusal(type(model), model.config) is None
+    assert attention_refusal(type(model), model.config) is None
     _same(_paged(model), _sdpa(model))
 
 
