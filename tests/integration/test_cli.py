@@ -133,7 +133,10 @@ def test_missing_inputs_and_files_in_place_of_folders_are_usage_errors_before_an
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     missing = tmp_path / "missing.txt"
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad")  # once: a raw UnicodeDecodeError traceback
     for args, message in ((("chat", "--system-file", missing), "--system-file: cannot read"),
+                          (("prefix", "save", tmp_path / "out", "--system-file", binary), "is not UTF-8 text"),
                           (("prefix", "save", tmp_path / "out", "--system-file", missing), "--system-file: cannot read"),
                           (("chat", "--store", a_file), "--store"),
                           (("prefix", "save", a_file), "is a file, not a folder"),
