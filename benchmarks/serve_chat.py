@@ -330,7 +330,7 @@ def _summarize(run: dict[str, Any]) -> None:
             if row["turn"] in in_process and row["ttft_s"]:
                 row["serving_s"] = row["ttft_s"] - in_process[row["turn"]]  # the server's share of the turn's TTFT
         result["summary"] = {
-            "answers_equal_stock": all(row.get("answer_equals_stock", True) for row in rows) if rows else None,
+            "answers_equal_stock": all(row.get("answer_equals_stock", True) for row in rows) if rows and stock else None,
             "max_vs_dynamic_continued_from_turn_2": max(later) if later else None,
             "median_vs_dynamic_continued_from_turn_2": statistics.median(later) if later else None,
             "turn_10_vs_stock": next((row.get("vs_stock") for row in rows if row["turn"] == 10), None),

@@ -375,7 +375,8 @@ def prefix_save(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 def prefix_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``hf-vkv prefix inspect DIR [--verify]``: what a saved folder holds; exit 1 if a page is damaged."""
+    """``hf-vkv prefix inspect DIR [--verify]``: what a saved folder holds; exit 1 if its page file is not
+    whole (header and size; with ``--verify`` every page's checksum)."""
     from .cli_prefix import summary, verify_folder
     from .prefix.errors import PrefixFileCorruptError
 
@@ -391,15 +392,16 @@ def prefix_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
           f"{info['page_bytes']} bytes ({info['file_bytes'] / 2**20:.1f} MiB file), layout {sorted(set(info['layout']))}; "
           f"prefix files: {len(info['prefix_files'])}", file=out)
     rc = 0
-    if args.verify:
-        try:
-            info["verified_pages"], info["verify_s"] = verify_folder(folder)
+    try:  # the page file's header and size always (no page read); with --verify every page's checksum
+        checked = verify_folder(folder, pages=args.verify)
+        if args.verify:
+            info["verified_pages"], info["verify_s"] = checked
             print(f"verified: {info['verified_pages']} pages, every checksum equal ({info['verify_s'] * 1e3:.1f} ms)",
                   file=out)
-        except PrefixFileCorruptError as e:
-            info["verify_error"] = str(e)
-            print(f"NOT WHOLE: {e}", file=out)
-            rc = 1
+    except PrefixFileCorruptError as e:
+        info["verify_error"] = str(e)
+        print(f"NOT WHOLE: {e}", file=out)
+        rc = 1
     if args.json is not None:
         _write_json(args.json, {"schema": "hf_vkv.prefix-inspect/1", **info})
     return rc

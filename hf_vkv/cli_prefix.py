@@ -75,13 +75,14 @@ def summary(folder: Path) -> dict[str, Any]:
     }
 
 
-def verify_folder(folder: Path) -> tuple[int, float]:
+def verify_folder(folder: Path, *, pages: bool = True) -> tuple[int, float]:
     """Read ``folder``'s page file and check every page against its checksum: ``(pages, seconds)``;
-    raises :class:`~hf_vkv.PrefixFileCorruptError` naming the first page that differs."""
+    raises :class:`~hf_vkv.PrefixFileCorruptError` naming the first page that differs.
+    ``pages=False``: the page file's header and size only (no page read)."""
     from .prefix.mapped import verify_file
     from .prefix.store import STORE_INDEX
 
     index = _index(folder / STORE_INDEX)
     t = time.perf_counter()
-    pages = verify_file(folder, index["mapped"]) if index.get("mapped") else 0
-    return pages, time.perf_counter() - t
+    checked = verify_file(folder, index["mapped"], pages=pages) if index.get("mapped") else 0
+    return checked, time.perf_counter() - t

@@ -366,17 +366,21 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
         os.close(fd)
 
 
-def verify_file(folder: Path, section: Any) -> int:
+def verify_file(folder: Path, section: Any, *, pages: bool = True) -> int:
     """Read ``folder``'s page file whole and check every page against the index ``section``:
     return the pages checked, or raise :class:`PrefixFileCorruptError` naming the first that
     differs (or a file of the wrong size or another save). What ``hf-vkv prefix inspect --verify``
-    runs (on an index checked whole); a store checks pages lazily instead (:class:`MappedPages`)."""
+    runs (on an index checked whole); a store checks pages lazily instead (:class:`MappedPages`).
+    ``pages=False``: only the file's header and size, no page read (what ``inspect`` always runs);
+    returns 0."""
     path = folder / str(section["file"])
     page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
     if not path.is_file():
         raise PrefixFileCorruptError(f"{folder} is not whole: it lacks {path.name}, the page file its index names")
     with open(path, "rb") as f:
         _check_whole(path, f.fileno(), section, end=offset + count * page_bytes)
+        if not pages:
+            return 0
         f.seek(offset)
         sums = _file_checksums(section, count)
         for at in range(0, count, 256):

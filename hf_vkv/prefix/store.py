@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -437,7 +438,9 @@ class PrefixStore:
         """Warm start: insert the prefix saved in ``path`` (:func:`~hf_vkv.save_prefix`), or every
         prefix of a folder :meth:`save` wrote (in the order it lists them, least recently used
         first), with every check :func:`~hf_vkv.load_prefix` does (model, weights, dtype,
-        checksums). Returns the tokens loaded (summed over the folder's entries). The pages live
+        checksums). Returns the tokens the store holds of what it loaded (summed over the entries;
+        an entry that its budget cannot hold beside the newer ones is evicted at once, with a
+        warning naming ``budget_bytes``). The pages live
         in the store's memory, so requests share them: a folder's ``prefix_store.kv`` is mapped,
         not read (:mod:`hf_vkv.prefix.mapped`: each page is checked against its checksum before
         an entry holding it is first handed out, by a thread the open starts or by that first
@@ -491,10 +494,12 @@ class PrefixStore:
                 for entry in given:
                     self._check_mapped(entry)
                     self._check_weights(weights)
+                wanted = [tuple(tokens) for _, tokens in loaded] + [entry.tokens for entry in given]
                 for cache, tokens in loaded:
                     self.insert(tokens, cache, weights=weights)
                 while given:
                     self._add_mapped(given.pop(0), mapped, weights)
+                kept = {entry.tokens for entry in self._entries.values()}
             if mapped is not None:
                 mapped.check_in_background()  # its pages are checked by their first use, or then
         finally:
@@ -502,7 +507,12 @@ class PrefixStore:
                 cache.close()
             for entry in given:
                 entry.release()
-        return sum(len(tokens) for _, tokens in loaded) + sum(len(e["tokens"]) for e in (section or {}).get("entries", []))
+        held = [tokens for tokens in wanted if tokens in kept]
+        if len(held) < len(wanted):
+            warnings.warn(f"PrefixStore.load({str(path)!r}): {len(wanted) - len(held)} of its {len(wanted)} entries "
+                          f"did not fit within the store's budget_bytes ({self.budget_bytes or 0:,}) and were evicted at "
+                          f"once; raise budget_bytes to hold them", stacklevel=2)
+        return sum(map(len, held))
 
     def save(self, directory: str | os.PathLike[str], *, model: torch.nn.Module | None = None) -> list[Path]:
         """Save every entry to ``directory``: the pages of every entry that can be mapped once

@@ -209,6 +209,24 @@ def test_a_new_prompt_beside_an_entry_not_used_yet_keeps_the_invariants(tmp_path
     store.check_invariants()
 
 
+def test_a_folder_over_the_budget_loads_what_fits_and_says_what_did_not(tmp_path: Path) -> None:
+    """Loading is an insert of each entry, least recently used first: a budget that holds only the
+    newest entry evicts the older one at once. load returns the tokens it still holds (it returned
+    every entry's, with the store empty or short, and said nothing)."""
+    model = tiny("llama")
+    store, folder, prompts = _saved_store(tmp_path, model)
+    whole = PrefixStore(model.config)
+    everything = whole.load(folder, model=model)
+    assert len(whole) == 2 and everything == sum(len(e.tokens) for e in whole._entries.values())
+    tight = PrefixStore(model.config, budget_bytes=store.stats().bytes_held - 1)  # not both
+    with pytest.warns(UserWarning, match="1 of its 2 entries did not fit within the store's budget_bytes"):
+        held = tight.load(folder, model=model)
+    assert len(tight) == 1 and held == sum(len(e.tokens) for e in tight._entries.values()) < everything
+    tight.check_invariants()
+    newest = prompts[-1] + [5, 6]
+    assert _same(_generate(model, newest, store), _generate(model, newest, tight))
+
+
 def _fresh_refusal(folder: Path, model: Any, error: type[Exception], match: str, **kwargs: Any) -> None:
     fresh = PrefixStore(model.config, **kwargs)
     with pytest.raises(error, match=match):
@@ -376,6 +394,9 @@ def test_cli_saves_a_system_prompt_inspects_it_and_chats_from_it(chat_model_dir:
     assert code == 1 and "NOT WHOLE" in out and "page 0 differs" in out, out
     code, out = _main(capsys, "prefix", "inspect", folder, "--json", "-")  # stdout: the JSON alone
     assert code == 0 and json.loads(out)["pages"] == info["pages"], out
+    kv.write_bytes(bytes(data[:-1]))  # truncated: told by its size alone, without --verify (once: exit 0, silent)
+    code, out = _main(capsys, "prefix", "inspect", folder)
+    assert code == 1 and "NOT WHOLE" in out and "truncated" in out, out
     # a missing page file (not whole: exit 1) and an index that is not JSON (refused: exit 3), no traceback
     kv.unlink()
     with pytest.raises(PrefixFileCorruptError, match="lacks prefix_store.kv"):
