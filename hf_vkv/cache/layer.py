@@ -178,7 +178,8 @@ class VKVLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.group.length(self.layer_idx)
+        """Tokens cached; 0 for a cache of no rows, as ``DynamicLayer`` (its tensors are empty)."""
+        return self.group.length(self.layer_idx) if self.group.batch else 0
 
     def get_max_length(self) -> int:
         return -1

@@ -1,7 +1,7 @@
 """Row operations and reporting of a VKVCache compared with DynamicCache on the same forwards.
 
 * ``batch_select_indices`` takes whatever indexes a tensor's batch dimension, a tuple included
-  (``DynamicLayer`` does ``keys[indices]``);
+  (``DynamicLayer`` does ``keys[indices]``), an empty one too (no rows: length 0);
 * ``stats()`` and ``repr()`` say how many layers vkv stores and how many stay with transformers
   (Jamba: one attention layer in vkv, one Mamba layer in transformers' ``LinearAttentionLayer``).
 """
@@ -36,6 +36,20 @@ def test_batch_select_indices_takes_a_tuple() -> None:
     for mine, theirs in zip(got.layers, expected.layers, strict=True):
         assert torch.equal(mine.keys, theirs.keys)
         assert torch.equal(mine.values, theirs.values)
+
+
+def test_selecting_no_rows_leaves_no_tokens_as_in_dynamic_cache() -> None:
+    """``batch_select_indices`` of an empty index: every layer's tensors are empty, and the length
+    is 0 as ``DynamicLayer`` says (vkv said the old length)."""
+    model = tiny("llama")
+    expected = _filled(DynamicCache(config=model.config), "llama")
+    got = _filled(hf_vkv.VKVCache(model.config), "llama")
+    for cache in (expected, got):
+        cache.batch_select_indices(torch.tensor([], dtype=torch.long))
+    assert got.get_seq_length() == expected.get_seq_length() == 0
+    for mine, theirs in zip(got.layers, expected.layers, strict=True):
+        assert mine.keys.shape == theirs.keys.shape and mine.keys.shape[0] == 0
+    got.check_invariants()
 
 
 def test_stats_and_repr_count_layers() -> None:
