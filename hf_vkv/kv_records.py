@@ -126,6 +126,19 @@ class SharedPrefix:
     # forward passes one mask object to all its layers, so it is checked once per forward, not per
     # layer; the tensor's version counter moves on an in-place change, which is checked again
     _checked: list = field(default_factory=list, compare=False, repr=False)
+    # [True] once an attention read the prefix once for its cluster (a model that rebuilds its keys
+    # after the cache update, as multi-head latent attention does, hands its attention untagged keys)
+    _read: list = field(default_factory=list, compare=False, repr=False)
+
+    def mark_read(self) -> None:
+        """An attention read this step's prefixes once (what :attr:`was_read` then says)."""
+        if not self._read:
+            self._read.append(True)
+
+    @property
+    def was_read(self) -> bool:
+        """Whether any layer's attention read this step's prefixes once."""
+        return bool(self._read)
 
     def mask_agrees(self, mask: torch.Tensor) -> bool:
         """Whether ``mask`` (bool ``[B, 1, q, kv]``) is the same over each cluster's prefix in

@@ -258,6 +258,7 @@ def vkv_cascade_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    prefix.mark_read()
     out = cascade_decode(query, key, value, mask=attention_mask, scale=scale, prefix=prefix)  # [B, Hq, 1, Dv]
     out = out.transpose(1, 2)
     if prefix.alone:

@@ -41,15 +41,25 @@ class SharedPrefixGroup(LayerGroup):
     @property
     def cascade(self) -> str:
         """What :meth:`VKVCache.stats` reports: ``"on"``; why the cascade takes sdpa's path (half
-        precision, or the last step's clusters share too few tokens to pay: see
-        :func:`hf_vkv.devices.cascade_refusal`); or ``"not asked"`` before the first states."""
+        precision, the last step's clusters share too few tokens to pay: see
+        :func:`hf_vkv.devices.cascade_refusal`, or no attention read the last step's tags); or
+        ``"not asked"`` before the first states."""
         if self.geometry is None:
             return "not asked"
         if not self._tags_dtype():
             return (f"sdpa: the cascade can change tokens in {str(self.geometry.dtype).removeprefix('torch.')} "
                     f"(float32 sums rounded once still differ from sdpa's); "
                     f"cache_config={{'cascade_half_precision': True}} asks for it")
-        return self.prefix_refusal or "on"
+        if self.prefix_refusal or self._derived is None:  # why the last step's clusters were refused; no step yet
+            return self.prefix_refusal or "on"
+        tagged = self._derived[1]
+        if tagged is None:
+            return "sdpa: no rows of the last step hold their first tokens on the same pages"
+        if not tagged.was_read:
+            return ("sdpa: the last step's shared prefixes were tagged, but no layer's attention read them once: "
+                    "the model's attention gets other keys than the cache returned (it rebuilds them, as multi-head "
+                    "latent attention does) or took sdpa's path (a mask that differs over the prefix)")
+        return "on"
 
     def _tags_dtype(self) -> bool:
         """Whether the states' dtype may be tagged (float32, or half precision asked for by name)."""

@@ -69,7 +69,7 @@ class CacheStats:
     prompt_tokens_saved: int = 0  # prompt tokens not computed: rows that took a repeated prompt's pages instead
     prefill_once: str = "no expanded prefill yet"  # "on", or why the last expanded prefill ran on every row
     reuse: ReuseReport | None = None  # prefix reuse in the last generate call with a store (None: no store)
-    cascade: str = "not asked"  # under "vkv_cascade": "on", or why shared prefixes are not tagged (half precision, or the last step's rows share too few tokens)
+    cascade: str = "not asked"  # under "vkv_cascade": "on", or why the last step took sdpa's path (half precision; its rows share no page or too few tokens; no attention read the tags)
 
     @property
     def resident_bytes(self) -> int:

@@ -124,6 +124,27 @@ def test_the_crossover_is_per_rows() -> None:
     assert "pays for 4+ rows from 1000000000 shared tokens" in got.past_key_values.stats().cascade
 
 
+def test_a_model_that_rebuilds_its_keys_says_no_attention_read_the_prefix() -> None:
+    """Multi-head latent attention expands the cached latents into keys after the cache update: its
+    attention never gets a tagged key, so it runs sdpa's path (exactly), and ``stats()`` says so
+    (it said "on")."""
+    import breadth_models
+
+    spec = breadth_models.SPECS["deepseek_v3"]  # room for 150 tokens: full pages the rows share
+    model = breadth_models._seeded_build(dataclasses.replace(spec, kwargs={**spec.kwargs, "max_position_embeddings": 256}),
+                                         None).eval()
+    diff, calls, got = _run(model, breadth_models.prompts(1, 150, seed=2), "head_major", **MODES["sample"])
+    assert (calls, diff) == (0, 0.0)
+    assert "no layer's attention read them once" in got.past_key_values.stats().cascade
+
+
+def test_rows_that_share_no_page_say_so() -> None:
+    """Greedy rows of different prompts share nothing: ``stats()`` says so (it said "on")."""
+    diff, calls, got = _run(tiny("llama"), prompts(2, 150, seed=5), "head_major", do_sample=False)
+    assert (calls, diff) == (0, 0.0)
+    assert got.past_key_values.stats().cascade == "sdpa: no rows of the last step hold their first tokens on the same pages"
+
+
 def test_greedy_rows_share_nothing() -> None:
     diff, calls, _ = _run(tiny("llama"), prompts(2, 150, seed=5), "head_major", do_sample=False)
     assert (calls, diff) == (0, 0.0)
