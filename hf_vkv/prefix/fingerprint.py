@@ -4,7 +4,8 @@ K/V depend on the architecture *and* on the weights. The config fingerprint hash
 the (text) config that shape attention and the residual stream; the weights fingerprint hashes a
 fixed sample of every parameter (its name, shape and a few hundred of its values), which
 tells two checkpoints of one architecture apart without reading all the weights (a few ms
-for SmolLM2 on a CPU, taken at each use), and what changes what a layer computes without changing a
+for SmolLM2 on a CPU, taken at each use), the same sample of every buffer (a rotary embedding's
+``inv_freq`` rewritten in place changes every key), and what changes what a layer computes without changing a
 parameter (:func:`computation_state`): the state of the model's adapter layers (which adapters
 are active, disabled or merged, and their scaling), the forward hooks a user put on it, and an
 attention implementation other than sdpa's. Both are checks against mistakes, not proofs: two
@@ -28,7 +29,7 @@ from .errors import PrefixMismatchError
 __all__ = [
     "CONFIG_FIELDS", "LIBRARY_HOOKS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state",
     "computation_state", "config_fields", "config_fingerprint", "describe_difference", "is_adapter_layer",
-    "per_row_adapters", "unwrapped", "weights_fingerprint",
+    "per_row_adapters", "unwrapped", "weights_fingerprint", "weights_match",
 ]
 
 #: Config fields whose values change what a layer computes (those a config has are hashed).
@@ -116,16 +117,18 @@ def adapter_state(model: torch.nn.Module) -> list[list[Any]]:
 LIBRARY_HOOKS = ("transformers.", "torch.", "accelerate.", "peft.", "hf_vkv.")
 
 
-def _walk(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], list[list[Any]], list[list[int]]]:
+def _walk(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], list[list[Any]], list[list[int]],
+                                           list[tuple[str, torch.Tensor]]]:
     """One pass over ``model``'s modules in the order of ``model.modules()``: its parameters as
     ``model.named_parameters()`` names them (each once, under its first name), the adapter
     layers' states (:func:`adapter_state`), and the forward hooks and pre-hooks no library put
     on its modules (a steering vector, an activation patch: they may change what a layer
     computes, and nothing says how), each as ``[place in the order of model.modules(), handle
-    id]`` (``-1``: a global module hook). A hook is known by its handle: the same hook registered
-    again is another one. (An explicit stack: torch's nested generators took about a third of
-    the fingerprint's time.)"""
+    id]`` (``-1``: a global module hook), and its buffers as ``model.named_buffers()`` names them.
+    A hook is known by its handle: the same hook registered again is another one. (An explicit
+    stack: torch's nested generators took about a third of the fingerprint's time.)"""
     params: list[tuple[str, torch.nn.Parameter]] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
     adapters: list[list[Any]] = []
     hooks = [[-1, key] for table in (_global_forward_hooks, _global_forward_pre_hooks)
              for key, hook in table.items() if not _from_library(hook)]
@@ -142,6 +145,10 @@ def _walk(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]],
             if param is not None and id(param) not in seen_params:
                 seen_params.add(id(param))
                 params.append((prefix + key, param))
+        for key, buffer in module._buffers.items():
+            if buffer is not None and id(buffer) not in seen_params:
+                seen_params.add(id(buffer))
+                buffers.append((prefix + key, buffer))
         for table in (module._forward_hooks, module._forward_pre_hooks):
             if table:
                 hooks.extend([place, key] for key, hook in table.items() if not _from_library(hook))
@@ -150,7 +157,7 @@ def _walk(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]],
         children = [(f"{prefix}{key}.", child) for key, child in module._modules.items() if child is not None]
         stack.extend(reversed(children))
         place += 1
-    return params, adapters, hooks
+    return params, adapters, hooks, buffers
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,8 +182,8 @@ def _from_library(hook: Any) -> bool:
 
 
 #: What a refusal of other weights says they cover (the store's, a file's and generate's refusals).
-WEIGHTS_DIFFER = ("weights fingerprints differ: they cover the parameters, which adapters are active, disabled or "
-                  "merged, the attention implementation and the forward hooks a user put on the model")
+WEIGHTS_DIFFER = ("weights fingerprints differ: they cover the parameters and buffers, which adapters are active, "
+                  "disabled or merged, the attention implementation and the forward hooks a user put on the model")
 
 #: Attention implementations whose K/V are sdpa's bit for bit (``vkv_paged`` copies the blocks and
 #: runs sdpa; ``None``: not set, transformers' default): a store filled under one serves the others.
@@ -190,7 +197,7 @@ def computation_state(model: torch.nn.Module) -> dict[str, Any]:
     last bits (``"attention"``: eager's, the cascade's, ...; each layer's K/V after the first are
     computed from the attention before them). Empty for a model without adapter layers or user
     hooks whose attention is sdpa's (:data:`SDPA_EXACT_ATTENTION`)."""
-    return _state_of(model, *_walk(model)[1:])
+    return _state_of(model, *_walk(model)[1:3])
 
 
 def _state_of(model: torch.nn.Module, adapters: list[list[Any]], hooks: list[list[int]]) -> dict[str, Any]:
@@ -206,12 +213,13 @@ def _state_of(model: torch.nn.Module, adapters: list[list[Any]], hooks: list[lis
 
 
 @torch.no_grad()
-def weights_fingerprint(model: torch.nn.Module) -> str:
+def weights_fingerprint(model: torch.nn.Module, *, buffers: bool = True) -> str:
     """What the model's weights compute: the sha256 (hex) over every parameter's name, shape and
     ``_SAMPLE`` evenly spaced values (as float32), and where :func:`computation_state` is not
-    empty (adapter layers, user hooks, an attention other than sdpa's) the sha256 of that and the state (a
-    model without either fingerprints as its parameters alone, as fingerprints written before the
-    state was seen do). ``model``: :func:`unwrapped` first.
+    empty (adapter layers, user hooks, an attention other than sdpa's) or the model has buffers
+    the sha256 of that, the state and the buffers' digest (their names, shapes and samples, as the
+    parameters'). ``buffers=False``: without the buffers, as fingerprints written before buffers
+    were seen (:func:`weights_match` accepts those). ``model``: :func:`unwrapped` first.
     A model cast to another dtype fingerprints differently: check the dtype first. A parameter on
     the ``meta`` device (offloaded by accelerate) is :class:`~hf_vkv.PrefixMismatchError`
     (``field="weights"``): there are no values to read.
@@ -222,12 +230,30 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     that a parameter did not change (a write through ``param.data``, which an adapter's merge
     does, bumps no version counter)."""
     model = unwrapped(model)
-    params, adapters, hooks = _walk(model)
+    params, adapters, hooks, held = _walk(model)
+    digest = hashlib.sha256(b"".join(_samples(params))).hexdigest()
+    state = _state_of(model, adapters, hooks)
+    if buffers and held:
+        state["buffers"] = hashlib.sha256(b"".join(_samples(held))).hexdigest()
+    if not state:
+        return digest
+    return hashlib.sha256((digest + json.dumps(state, sort_keys=True)).encode()).hexdigest()
+
+
+def weights_match(saved: str, model: torch.nn.Module, current: str | None = None) -> bool:
+    """Whether a file's weights fingerprint ``saved`` is ``model``'s (``current``: its
+    :func:`weights_fingerprint`, if known), or the one an hf_vkv that did not fingerprint buffers
+    wrote for it (a file of that version still loads; a file of this one carries its buffers)."""
+    return saved == (current or weights_fingerprint(model)) or saved == weights_fingerprint(model, buffers=False)
+
+
+def _samples(tensors: list[tuple[str, torch.Tensor]]) -> list[bytes]:
+    """Per tensor, by name: its header (name, shape) and ``_SAMPLE`` evenly spaced values as float32."""
     parts: list[bytes] = []  # hashed at once: the same digest as an update per part, fewer calls
-    for name, param in sorted(params, key=lambda kv: kv[0]):
-        values = param.detach()
+    for name, tensor in sorted(tensors, key=lambda kv: kv[0]):
+        values = tensor.detach()
         if values.device.type == "meta":
-            raise PrefixMismatchError("weights", f"the weights cannot be fingerprinted: parameter {name!r} is on the "
+            raise PrefixMismatchError("weights", f"the weights cannot be fingerprinted: {name!r} is on the "
                                                  f"meta device (offloaded by accelerate: {OFFLOADED}); load the model "
                                                  f"onto its device to use a prefix store with it")
         index = _sample_index(values.numel())
@@ -236,13 +262,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
             sample = values.numpy().reshape(-1)[index].astype(np.float32)
         else:
             sample = values.reshape(-1)[torch.from_numpy(index).to(values.device)].float().cpu().numpy()
-        parts.append(_header(name, param.shape))
+        parts.append(_header(name, tensor.shape))
         parts.append(sample.tobytes())
-    digest = hashlib.sha256(b"".join(parts)).hexdigest()
-    state = _state_of(model, adapters, hooks)
-    if not state:
-        return digest
-    return hashlib.sha256((digest + json.dumps(state, sort_keys=True)).encode()).hexdigest()
+    return parts
 
 
 @functools.lru_cache(maxsize=4096)

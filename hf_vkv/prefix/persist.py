@@ -50,7 +50,8 @@ from .errors import (
     PrefixNotFoundError,
 )
 from .checksums import checksums_of, verify_checksums, validate_meta
-from .fingerprint import WEIGHTS_DIFFER, config_fields, config_fingerprint, describe_difference, weights_fingerprint
+from .fingerprint import (WEIGHTS_DIFFER, config_fields, config_fingerprint, describe_difference, weights_fingerprint,
+                          weights_match)
 from .tokens import outside_vocabulary, token_list
 
 __all__ = ["save_prefix", "load_prefix", "FORMAT", "VERSION", "LAYOUT"]
@@ -303,6 +304,6 @@ def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.
         raise PrefixMismatchError("weights", f"{path} was saved without a weights fingerprint, so it cannot be checked "
                                   f"against this model's weights: save it again with save_prefix(..., model=model), "
                                   f"or pass check_weights=False to load it unchecked")
-    if model is not None and saved_weights is not None and saved_weights != (weights or weights_fingerprint(model)):
+    if model is not None and saved_weights is not None and not weights_match(saved_weights, model, weights):
         raise PrefixMismatchError("weights", f"{path} was saved for a model of the same architecture with other "
                                   f"weights ({WEIGHTS_DIFFER})")

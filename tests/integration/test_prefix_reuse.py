@@ -361,6 +361,33 @@ def test_a_saved_store_carries_its_weights_fingerprint(tmp_path: Path) -> None:
     assert PrefixStore(model.config).load(tmp_path / "mine", model=model) == len(store.prefixes()[0])
 
 
+def test_a_folder_fingerprinted_before_buffers_were_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder an hf_vkv wrote before the weights fingerprint sampled buffers carries the
+    parameters' fingerprint alone: it still loads for its model (checked on its parameters) and
+    serves as before, and is still refused for other weights."""
+    import hf_vkv.prefix.store as store_module
+    from hf_vkv.prefix.fingerprint import weights_fingerprint
+
+    model, other = tiny("llama"), tiny("llama", seed=1)
+    g = torch.Generator().manual_seed(23)
+    history = _rand(30, g)
+    with monkeypatch.context() as old_version:
+        old_version.setattr(store_module, "weights_fingerprint", lambda m: weights_fingerprint(m, buffers=False))
+        store = PrefixStore(model.config)
+        _generate(model, *_batch([history]), store)
+        store.save(tmp_path / "old")
+    saved = json.loads((tmp_path / "old" / STORE_INDEX).read_text())["weights_fingerprint"]
+    assert saved == weights_fingerprint(model, buffers=False) != weights_fingerprint(model)
+    fresh = PrefixStore(model.config)
+    assert fresh.load(tmp_path / "old", model=model) > len(history)
+    ids, mask = _batch([history + _rand(4, g)])
+    sequences, report = _reuse(model, ids, mask, fresh)
+    assert report.reused_tokens >= len(history) and report.refusal is None
+    assert_same_tokens(_generate(model, ids, mask, None), sequences)
+    with pytest.raises(hf_vkv.PrefixMismatchError, match="other weights"):
+        PrefixStore(other.config).load(tmp_path / "old", model=other)
+
+
 def test_pipeline_with_chat_messages() -> None:
     from transformers import pipeline
 

@@ -73,6 +73,26 @@ def test_a_model_with_other_weights_steps_aside() -> None:
     store.check_invariants()
 
 
+def test_a_buffer_rewritten_in_place_steps_aside() -> None:
+    """The rotary embedding's ``inv_freq`` (a buffer, not a parameter) rewritten in place changes
+    every key: the store steps aside and the tokens are a DynamicCache's of the changed model (it
+    reused K/V of the old frequencies: logits 0.045 apart)."""
+    model = tiny("llama", seed=0)
+    store = PrefixStore(model.config)
+    history = _ids(40)
+    _call(model, history, store)
+    ids = torch.cat([history, _ids(5, 1)], dim=1)
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(0.5)
+    got = _call(model, ids, store, output_logits=True)
+    ref = _call(model, ids, None, output_logits=True)
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.logits, got.logits, strict=True))
+    report = reuse_report(got)
+    assert report.reused_tokens == 0 and "other weights" in report.refusal and "buffers" in report.refusal
+    store.check_invariants()
+
+
 def test_a_model_cast_to_another_dtype_steps_aside_naming_the_dtype() -> None:
     """The same model cast to bfloat16 (its weights fingerprint differs too) gets its own
     DynamicCache's tokens, and the report names the dtypes, not other weights."""
