@@ -98,14 +98,16 @@ class LayerGroup:
             self.capacity = self._within_budget(arena.budget_bytes, key_states.shape[2])
             self.buffer = self.layout.make_buffer(arena, rows=rows, capacity=self.capacity)
 
-    def _within_budget(self, budget_bytes: int | None, tokens: int) -> int:
+    def _within_budget(self, budget_bytes: int | None, tokens: int, geometry: GroupGeometry | None = None) -> int:
         """Tokens to reserve per row: :attr:`capacity`, but never more than one row could hold within
         the arena's budget (its pages are all distinct), nor fewer than the first ``tokens``. A
         ``generate(max_new_tokens=10**12, max_time=...)`` asks for an address range no system can
-        reserve; the budget runs out first (:class:`KVCacheOutOfMemory`), as a DynamicCache's memory would."""
-        if budget_bytes is None or self.geometry is None:
+        reserve; the budget runs out first (:class:`KVCacheOutOfMemory`), as a DynamicCache's memory would.
+        ``geometry``: the states' (default: this group's)."""
+        geometry = geometry or self.geometry
+        if budget_bytes is None or geometry is None:
             return self.capacity
-        per_token = len(self.members) * self.geometry.token_elements * self.geometry.dtype.itemsize
+        per_token = len(self.members) * geometry.token_elements * geometry.dtype.itemsize
         # one token more than the budget holds: the pool refuses it first, with the typed error
         return min(self.capacity, max(budget_bytes // per_token + 1, tokens))
 
@@ -369,8 +371,9 @@ class LayerGroup:
             self.geometry = geometry
             self.layout = self._make_layout(geometry, len(self.members))
             rows = max(self._rows_hint or 0, len(sources))
-            self.buffer = self.layout.make_buffer(self._arena_for(geometry.device, self.layout), rows=rows,
-                                                  capacity=self.capacity)
+            arena = self._arena_for(geometry.device, self.layout)
+            self.capacity = self._within_budget(arena.budget_bytes, length)  # as a first update's (_prepare)
+            self.buffer = self.layout.make_buffer(arena, rows=rows, capacity=self.capacity)
         buffer, layout = self._buf(), self._lay()
         if len(sources) > buffer.rows:
             buffer = self._more_rows(len(sources))
@@ -411,7 +414,9 @@ class LayerGroup:
                 and type(src) is LayerGroup and self.members == src.members and buffer is not None
                 and src.geometry is not None and src.layout is not None and src.batch == 1
                 and len(set(src.lengths)) == 1 and src.lengths[0] > 0 and buffer.rows == 1
-                and buffer.capacity >= self.capacity and self.geometry in (None, src.geometry)
+                and buffer.capacity >= self._within_budget(getattr(buffer.store, "budget_bytes", None), src.lengths[0],
+                                                           src.geometry)
+                and self.geometry in (None, src.geometry)
                 and not any(self.lengths) and (self.buffer is None or not self.batch))
         layout = self.layout or (self._make_layout(src.geometry, len(self.members)) if fits else None)
         if not fits or type(layout) is not type(src.layout) \

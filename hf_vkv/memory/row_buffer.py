@@ -375,7 +375,7 @@ class RowBuffer(ABC):
         if length > self.capacity:
             raise CapacityError(
                 f"{length} items do not fit: rows were reserved for {self.capacity}; create the cache "
-                f"with a larger max length (max_cache_len / max_new_tokens)"
+                f"with a larger capacity (cache_config['max_tokens'], or max_cache_len / max_new_tokens)"
             )
 
     def _create(self, pages: list[PageId]) -> None:

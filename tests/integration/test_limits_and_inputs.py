@@ -130,3 +130,31 @@ def test_an_unbounded_max_new_tokens_reserves_what_the_budget_can_hold():
     with torch.no_grad():
         model(**inputs, **{cache_kwarg(): small})
     assert small.groups[0].capacity == budget // per_token + 1
+
+
+def test_an_unbounded_max_new_tokens_continuing_a_stored_prefix_reserves_within_the_budget():
+    """A call that continues a prefix store's entry with ``max_new_tokens=10**9`` builds its rows
+    from the entry (``take_rows``), where the reservation was 10**9 tokens a row, not bounded by the
+    budget as a first update's is: ~90 TB of address space for SmolLM2, kept by the store's entry
+    for that row, after which the store's page counts (dense over the page ids) took tens of GB
+    and further calls could not reserve at all. Each reservation is now within the arena's budget,
+    and many such calls run one after another with the store consistent."""
+    from hf_vkv import PrefixStore
+
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    ids = prompts(1, 20)["input_ids"]
+    first = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    eos = int(first[0, 22])  # ends the huge calls at their third token, as a chat's answer ends
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x K/V x kv heads x head dim x fp32
+    for turn in range(3):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10**9, do_sample=False,
+                             eos_token_id=eos, return_dict_in_generate=True, cache_implementation="vkv",
+                             cache_config={"prefix_store": store})
+        assert torch.equal(out.sequences, first[:, :ids.shape[1] + 3])
+        group = out.past_key_values.groups[0]
+        assert group.capacity <= group.buffer.store.budget_bytes // per_token + 1
+        store.check_invariants()
+        ids = torch.cat([out.sequences, prompts(1, 3, seed=turn)["input_ids"]], dim=1)
+        first = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        eos = int(first[0, ids.shape[1] + 2])

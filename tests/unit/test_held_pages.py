@@ -78,3 +78,24 @@ def test_same_as_compares_the_counts_of_every_page() -> None:
     one.add(HeldPages.of([(A, 4096, [1])]))
     other.add(HeldPages.of([(A, 4096, [1, 2])]))
     assert not one.same_as(other)  # page 1 held twice, against page 1 once and page 2 twice
+
+
+def test_ids_far_apart_cost_what_is_held_not_the_id_space() -> None:
+    """A store's ids grow with the rows' capacity (a 10**9-token capacity gives ~10**10 ids): the
+    counts hold the ids held, never one count per id up to the largest (a dense count was 45 GB).
+    Adding, comparing and removing such holders takes no memory to speak of."""
+    import resource
+
+    far = [10**8, 10**8 + 1, 3 * 10**8]  # dense: 1.2 GB of counts, copied to compare
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    counts, again = PageCounts(), PageCounts()
+    first, second = HeldPages.of([(A, 4096, far)]), HeldPages.of([(A, 4096, [5, 10**8 + 1])])
+    for c in (counts, again):
+        c.add(first)
+        c.add(second)
+    assert counts.bytes == 4 * 4096 and counts.same_as(again)
+    counts.remove(first)
+    assert counts.bytes == 2 * 4096 and not counts.same_as(again)
+    again.remove(first)
+    assert counts.same_as(again)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB: under 64 MiB more
