@@ -92,11 +92,20 @@ class LayerGroup:
                 f"{self.geometry.describe()}; give each layer its own group with cache_config={{'groups': 'layer'}}"
             )
         if self.buffer is None:
-            self.layout = self._make_layout(self.geometry, len(self.members))
-            rows = max(self._rows_hint or 0, key_states.shape[0])
-            arena = self._arena_for(self.geometry.device, self.layout)
-            self.capacity = self._within_budget(arena.budget_bytes, key_states.shape[2])
-            self.buffer = self.layout.make_buffer(arena, rows=rows, capacity=self.capacity)
+            self._first_buffer(self.geometry, rows=key_states.shape[0], tokens=key_states.shape[2])
+
+    def _first_buffer(self, geometry: GroupGeometry, *, rows: int, tokens: int, fit: bool = False) -> None:
+        """The group's layout and buffer for its first states (an update, rows taken from other
+        groups, a row image): at least ``rows`` rows (the hint's, if more), each reserving
+        :attr:`capacity` within the arena's budget (:meth:`_within_budget`; ``fit``: never fewer
+        than ``tokens``, which an image already holds)."""
+        self.geometry = geometry
+        self.layout = self._make_layout(geometry, len(self.members))
+        arena = self._arena_for(geometry.device, self.layout)
+        self.capacity = self._within_budget(arena.budget_bytes, tokens)
+        if fit:
+            self.capacity = max(self.capacity, tokens)
+        self.buffer = self.layout.make_buffer(arena, rows=max(self._rows_hint or 0, rows), capacity=self.capacity)
 
     def _within_budget(self, budget_bytes: int | None, tokens: int, geometry: GroupGeometry | None = None) -> int:
         """Tokens to reserve per row: :attr:`capacity`, but never more than one row could hold within
@@ -368,12 +377,7 @@ class LayerGroup:
         if any(src.geometry != geometry for src in donors) or (self.geometry not in (None, geometry)):
             raise LayerMismatchError(f"the sources of group {self.name!r} hold states of another geometry")
         if self.buffer is None:
-            self.geometry = geometry
-            self.layout = self._make_layout(geometry, len(self.members))
-            rows = max(self._rows_hint or 0, len(sources))
-            arena = self._arena_for(geometry.device, self.layout)
-            self.capacity = self._within_budget(arena.budget_bytes, length)  # as a first update's (_prepare)
-            self.buffer = self.layout.make_buffer(arena, rows=rows, capacity=self.capacity)
+            self._first_buffer(geometry, rows=len(sources), tokens=length)
         buffer, layout = self._buf(), self._lay()
         if len(sources) > buffer.rows:
             buffer = self._more_rows(len(sources))
@@ -483,11 +487,7 @@ class LayerGroup:
             raise ArgumentError(f"group {self.name!r}: the image is of layers {image.members[:4]}... with "
                                 f"{image.geometry.describe()}, not this group's")
         if self.buffer is None:
-            self.geometry = image.geometry
-            self.layout = self._make_layout(image.geometry, len(self.members))
-            arena = self._arena_for(image.geometry.device, self.layout)
-            self.capacity = max(self._within_budget(arena.budget_bytes, max(image.lengths)), max(image.lengths))
-            self.buffer = self.layout.make_buffer(arena, rows=max(self._rows_hint or 0, 1), capacity=self.capacity)
+            self._first_buffer(image.geometry, rows=1, tokens=max(image.lengths), fit=True)
         buffer, layout = self._buf(), self._lay()
         shape = (type(layout).__name__, buffer.item_bytes, buffer.parts, buffer.store.page_bytes)
         if shape != (image.layout, image.item_bytes, image.parts, image.page_bytes):
