@@ -509,11 +509,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not (folder / "prefix_store.json").is_file():
             parser.error(f"--prefix-dir {args.prefix_dir}: no prefix_store.json there (a folder `hf-vkv prefix save` "
                          "or PrefixStore.save wrote)")
-        from .cli_prefix import summary
+        from .cli_prefix import summary, verify_folder
 
         try:
             held = int(summary(folder)["file_bytes"])
-        except (OSError, ValueError) as exc:  # a damaged index (not JSON, its digest differs)
+            verify_folder(folder, pages=False)  # the page file there, of its size: no page read
+        except (OSError, ValueError) as exc:  # a damaged index (not JSON, its digest differs), a truncated page file
             parser.error(f"--prefix-dir {args.prefix_dir}: {type(exc).__name__}: {exc}")
         if held > args.prefix_store_mib << 20:
             parser.error(f"--prefix-dir {args.prefix_dir} holds {held / 2**20:,.0f} MiB of pages, more than "

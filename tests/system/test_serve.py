@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -205,7 +206,7 @@ def test_beam_search_through_a_generation_config_matches_stock(vkv_server, stock
 
 
 def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_request(
-        stock_server, model_dir, tmp_path: Path, monkeypatch):
+        stock_server, model_dir, tmp_path: Path, monkeypatch, capsys):
     """``hf-vkv serve --prefix-dir``: the system prompt saved once (``hf-vkv prefix save``) is
     mapped into a fresh server's store, so its very first request prefills only the user's turn;
     a folder saved for another model is not loaded (one warning), and that server answers alike."""
@@ -257,11 +258,18 @@ def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_re
 
     (tmp_path / "damaged").mkdir()
     (tmp_path / "damaged" / "prefix_store.json").write_text("not an index")
+    shutil.copytree(tmp_path / "system", tmp_path / "truncated")
+    page_file = tmp_path / "truncated" / "prefix_store.kv"
+    page_file.write_bytes(page_file.read_bytes()[:-4096])
     for args in (["--prefix-dir", str(tmp_path)], ["--prefix-dir", str(tmp_path / "damaged")],
+                 ["--prefix-dir", str(tmp_path / "truncated")],
                  ["--prefix-store-mib", "1", "--prefix-dir", str(tmp_path / "system")]):
         with pytest.raises(SystemExit) as refused:
             main(["serve", *args, model_dir])
         assert refused.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--prefix-dir {args[-1]}" in err
+        assert "truncated" not in args[-1] or "PrefixFileCorruptError" in err and "not whole" in err
 
 
 def test_the_responses_and_completions_endpoints_match_stock_and_reuse_the_store(vkv_server, stock_server, model_dir):
