@@ -47,6 +47,7 @@ Thread count: verdicts are keyed by ``torch.get_num_threads()`` at the call, so 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -308,12 +309,17 @@ def _rows_checked(model: Any, prompts: int, k: int, *, keep: Any = None) -> Iter
     base = base_of(model)
     mode = RowExactness(prompts=prompts, repeats=k)
     reads = HeadReads()
+    caller = threading.get_ident()  # the hooks are the module's, seen by every thread's forward: this call's only
 
     def start(module: Any, args: Any) -> None:
+        if threading.get_ident() != caller:
+            return
         mode.watching = True
         mode.base_calls += 1
 
     def stop(module: Any, args: Any, output: Any) -> Any:
+        if threading.get_ident() != caller:
+            return None
         mode.watching = False
         output, rows = _expand_hidden(output, prompts, k, keep)
         if rows is not None:

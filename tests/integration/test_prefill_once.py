@@ -4,6 +4,7 @@ tokens, scores and logits stay DynamicCache's (``torch.equal``)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -99,6 +100,44 @@ def test_one_prompt_of_one_key_head_under_eager_attention(length: int, mode: str
     _same(ref, got)
     if torch.get_num_threads() == 1:  # at two threads a short prompt's repeats may differ (then every row prefills)
         assert counts[3] == length and got.past_key_values.stats().prefill_once.startswith("on")
+
+
+def test_threads_sharing_one_model_prefill_their_own_calls() -> None:
+    """Threads calling ``generate`` on one model at once (a web app's workers): prefill once's hooks
+    sit on the shared base model, so another thread's forward ran them (its rows repeated by this
+    call's count, this call's mode left from that thread): raw ``RuntimeError``s from transformers'
+    loop. Each call's hooks now act on its own thread's forwards: greedy and beam calls give what
+    they give alone, sampling calls run, every call's cache checks."""
+    model = tiny("llama")
+    inputs = prompts(1, 24, seed=11)
+    kinds = [dict(do_sample=False), dict(do_sample=True, num_return_sequences=2), dict(num_beams=2, do_sample=False),
+             dict(do_sample=True, num_return_sequences=3)]
+    alone = {i: model.generate(**inputs, max_new_tokens=4, **kw) for i, kw in enumerate(kinds) if not kw["do_sample"]}
+    failures: list[str] = []
+
+    def worker(i: int) -> None:
+        for _ in range(8):
+            try:
+                out = model.generate(**inputs, max_new_tokens=4, cache_implementation="vkv", return_dict_in_generate=True,
+                                     **kinds[i])
+                cache = out[cache_kwarg()]
+                cache.check_invariants()
+            except Exception as exc:  # noqa: BLE001 - reported below with the thread's options
+                failures.append(f"{kinds[i]}: {type(exc).__name__}: {exc}")
+                return
+            if i in alone and not torch.equal(out.sequences, alone[i]):
+                failures.append(f"{kinds[i]}: {out.sequences.tolist()} != {alone[i].tolist()} alone")
+                return
+            if out.sequences.shape[0] != max(kinds[i].get("num_return_sequences", 1), 1):
+                failures.append(f"{kinds[i]}: {out.sequences.shape[0]} rows")
+                return
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(kinds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads) and not failures, failures
 
 
 def test_chunked_prefill_runs_once_per_prompt() -> None:
