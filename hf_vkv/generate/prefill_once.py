@@ -35,7 +35,9 @@ DynamicCache's (``torch.equal``); it is on by default (``cache_config={"prefill_
 turns it off). Where it cannot apply — rows that differ, a model in training mode (dropout differs
 per row), mixture-of-experts models (an expert's matmul size depends on the batch), an input whose
 row dimension this module cannot place (pixel values, image grids), a cache holding transformers' own
-layers (hybrid models: their state cannot be rolled back after an inexact call) — the prefill runs on every row
+layers (hybrid models: their state cannot be rolled back after an inexact call), layers whose
+activations are sequence first (FSMT), a head that reads more than the base model's last hidden
+state (ProphetNet: :func:`_check_head_rows`) — the prefill runs on every row
 as before and :meth:`VKVCache.stats` says why (``prefill_once``); calls that had to run on the
 expanded rows are counted there too. The counts live on the cache as plain data
 (:class:`~hf_vkv.cache.stats.PrefillCounts`, ``cache.prefill_counts``): this module writes them.
@@ -77,6 +79,11 @@ _ROWS_BEFORE_TOKENS = frozenset({"position_ids", "decoder_position_ids"})
 #: so its matmul has fewer rows when the forward has fewer, and with an expert capacity rows
 #: compete for it.
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "expert_capacity", "moe_num_experts")
+
+#: Model types whose layers compute on ``[T, B, C]`` activations (fairseq's layout): the rows of a
+#: call are not its dim 0, so :class:`RowExactness` cannot place them (a call whose tokens are not a
+#: multiple of the prompts would not even be watched).
+_SEQUENCE_FIRST = frozenset({"fsmt"})
 
 
 class _Unplaced(Exception):
@@ -276,6 +283,9 @@ def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, model_kwargs:
     if cache.transformers_layers():
         return ("the cache keeps transformers' own layers (linear or recurrent state), which cannot be rolled back "
                 "if a call of the forward proves inexact midway")
+    if model.config.model_type in _SEQUENCE_FIRST:
+        return (f"{type(model).__name__}'s layers lay their activations out sequence first ([T, B, C]): the rows of "
+                f"their calls cannot be placed")
     config = model.config.get_text_config(decoder=True)
     experts = [name for name in _EXPERTS if getattr(config, name, None)]
     if experts:
@@ -341,6 +351,17 @@ def _rows_checked(model: Any, prompts: int, k: int, *, keep: Any = None) -> Iter
             handle.remove()
 
 
+def _check_head_rows(model: Any, outputs: Any, prompts: int) -> None:
+    """Raise :class:`InexactRows` where the head computed its logits for one row per prompt: it
+    read something other than the base model's last hidden state, which alone comes back repeated
+    (ProphetNet's head reads the decoder's n-gram streams, sized by the decoder's input rows), so
+    it did not compute on DynamicCache's rows."""
+    logits = outputs.get("logits") if isinstance(outputs, dict) else None
+    if isinstance(logits, torch.Tensor) and logits.dim() and logits.shape[0] == prompts:
+        raise InexactRows(f"{type(model).__name__}'s head computes its logits from more than the last hidden state "
+                          f"of {type(base_of(model)).__name__}, on one row per prompt")
+
+
 def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_config: Any, model_kwargs: dict,
             *args: Any, **kwargs: Any) -> Any:
     """``GenerationMixin._prefill`` (``original``) run once per prompt where exact (see the module
@@ -364,6 +385,7 @@ def prefill(original: Any, model: Any, input_ids: torch.Tensor, generation_confi
             with unique_prompts(cache, prompts=prompts, tokens=tokens, repeat_rows=repeat), \
                     _rows_checked(model, prompts, k, keep=model_kwargs.get("logits_to_keep")) as mode:
                 outputs = original(model, input_ids[::k], generation_config, unique_kwargs, *args, **kwargs)
+                _check_head_rows(model, outputs, prompts)
         except InexactRows as exc:
             # start again on every row: the rows, one per prompt, go back to the stored prefixes they
             # started from, k per prompt on the same pages (a reused prefix is kept), or to nothing

@@ -236,12 +236,27 @@ def expand_operand(t: torch.Tensor, prompts: int, k: int) -> torch.Tensor:
     storage = t.new_empty(t.storage_offset() + span)
     out = storage.as_strided(size, strides, t.storage_offset())
     # a stride-0 dim (a broadcast inside each row) holds one value along it: written once
-    base = storage.as_strided(tuple(1 if st == 0 else s for s, st in zip(size, strides)), strides,
-                              t.storage_offset())
-    if base.shape and torch._debug_has_internal_overlap(base) == 1:  # t's strides alias rows at k x the rows
-        return values.contiguous()
+    once = tuple(1 if st == 0 else s for s, st in zip(size, strides))
+    if _overlaps(once, strides):
+        # dim 0 is not the outermost in memory (a transposed [B, T, C] view of [T, B, C] states: the rows
+        # of a sequence-first layer): at k x the rows its strides alias, and DynamicCache's own tensor
+        # has other strides, which nothing here can know; no call here can be DynamicCache's
+        raise InexactRows(f"an operand's rows are not its outermost dim (shape {list(t.shape)}, strides "
+                          f"{list(t.stride())}): a layer that does not lay its activations out rows first")
+    base = storage.as_strided(once, strides, t.storage_offset())
     base.copy_(values[tuple(slice(0, 1) if st == 0 else slice(None) for st in strides)])
     return out
+
+
+def _overlaps(shape: Any, strides: Any) -> bool:
+    """Whether a view of ``shape`` and ``strides`` may reach one element twice: ordered by stride,
+    each dim (of more than one element) must step past everything the smaller ones reach."""
+    reach = 0
+    for stride, n in sorted((st, n) for n, st in zip(shape, strides) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (n - 1) * stride
+    return False
 
 
 def _reach(shape: Any, strides: Any) -> int:

@@ -221,6 +221,17 @@ SPECS: dict[str, Spec] = {
     # ---- encoder-decoder
     "bart": Spec("BartForConditionalGeneration", "BartConfig", _BART, encoder_decoder=True, depth_key="decoder_layers"),
     "t5": Spec("T5ForConditionalGeneration", "T5Config", _T5, encoder_decoder=True),
+    # sequence-first activations inside ([T, B, C]: FSMT's layers, fairseq's layout)
+    "fsmt": Spec("FSMTForConditionalGeneration", "FSMTConfig",
+                 {**{k: v for k, v in _BART.items() if k not in ("vocab_size", "forced_eos_token_id")},
+                  "src_vocab_size": VOCAB, "tgt_vocab_size": VOCAB, "langs": ["en", "de"]},
+                 encoder_decoder=True, depth_key="decoder_layers"),
+    # a head that reads the decoder's n-gram streams (last_hidden_state_ngram), not its last hidden state
+    "prophetnet": Spec("ProphetNetForConditionalGeneration", "ProphetNetConfig",
+                       dict(hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
+                            num_decoder_layers=2, num_encoder_attention_heads=2, num_decoder_attention_heads=2,
+                            vocab_size=VOCAB, max_position_embeddings=64, decoder_start_token_id=BOS, ngram=2),
+                       encoder_decoder=True, depth_key="num_decoder_layers"),
 }
 
 

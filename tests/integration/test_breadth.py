@@ -77,7 +77,8 @@ _PAGED_REFUSALS = {
     "gpt_oss": refused(UnsupportedModelError, "attention sinks (s_aux)"),
     "deepseek_v4": refused(UnsupportedModelError, "attention sinks (s_aux)"),
     "vaultgemma": refused(UnsupportedModelError, "softcapping"),
-    **{arch: _OWN_ATTENTION for arch in ("mpt", "bloom", "codegen", "gptj", "falcon", "gpt_neo", "xglm")},
+    **{arch: _OWN_ATTENTION for arch in ("mpt", "bloom", "codegen", "gptj", "falcon", "gpt_neo", "xglm", "fsmt",
+                                         "prophetnet")},
 }
 
 

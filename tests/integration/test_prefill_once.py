@@ -140,6 +140,33 @@ def test_threads_sharing_one_model_prefill_their_own_calls() -> None:
     assert not any(t.is_alive() for t in threads) and not failures, failures
 
 
+@pytest.mark.parametrize("arch", ["fsmt", "prophetnet"])
+@pytest.mark.parametrize(("batch", "options"), [
+    (2, dict(num_beams=2, num_return_sequences=2)), (2, dict(do_sample=True, num_return_sequences=2)),
+    (2, dict(do_sample=True, num_beams=2)), (1, dict(num_beams=2)), (1, dict(do_sample=True, num_return_sequences=4)),
+])
+def test_sequence_first_layers_and_heads_of_other_outputs(arch: str, batch: int, options: dict) -> None:
+    """Two premises of prefill once, broken by real models: FSMT's layers run ``[T, B, C]``
+    (sequence first: the encoder's states transposed, dim 0 their tokens), which the expansion
+    repeated as if dim 0 held rows, in place over its own memory (logits 0.1 off, tokens too with
+    beam sampling); ProphetNet's head reads the decoder's n-gram streams, not its last hidden state,
+    so the head ran on one row per prompt (logits 6e-8 off). Unpadded prompts, as a user sends one."""
+    import breadth_models
+
+    model = breadth_models.tiny(arch)
+    ids = torch.randint(3, breadth_models.VOCAB, (batch, 8), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def run(**extra):
+        torch.manual_seed(0)
+        return model.generate(**inputs, max_new_tokens=6, return_dict_in_generate=True, output_logits=True, **options,
+                              **extra)
+
+    ref, got = run(), run(cache_implementation="vkv")
+    _same(ref, got)
+    assert isinstance(got.past_key_values.self_attention_cache, hf_vkv.VKVCache)
+
+
 def test_chunked_prefill_runs_once_per_prompt() -> None:
     inputs = prompts(2, 12, seed=2, left_pad=[0, 1])
     ref, got, counts = _both(LayoutRun("head_major"), tiny("llama"), inputs, max_new_tokens=NEW, num_beams=3,

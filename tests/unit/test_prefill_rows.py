@@ -134,6 +134,12 @@ def test_expand_operand_keeps_the_layout() -> None:
     big = rx.expand_operand(one, 1, 3)
     assert big.stride() == tall.stride() == (112, 0, 1, 16)
     assert torch.equal(big, one.expand(3, -1, -1, -1))
+    # sequence-first states ([T, B, C], FSMT's cross-attention keys: a transposed view of [B, T, C]) taken for rows:
+    # at k x dim 0 their strides alias, which the expansion once wrote over itself; no call can be DynamicCache's
+    states = torch.randn(2, 8, 32).transpose(0, 1)
+    with pytest.raises(rx.InexactRows, match="not its outermost dim"):
+        rx.expand_operand(states, 2, 2)
+    assert not rx._overlaps((6, 5, 8), fused.stride()) and rx._overlaps((16, 2, 32), states.stride())
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8, 16])
