@@ -150,6 +150,14 @@ def _pad_id(tok: PreTrainedTokenizerBase) -> int | None:
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
+def _check_chat_template(tokenizer: Any, model: str, parser: argparse.ArgumentParser) -> None:
+    """A usage error where the model's tokenizer has no chat template (``chat`` and ``prefix save``
+    render conversations with it; ``ab`` takes raw prompts)."""
+    if not getattr(tokenizer, "chat_template", None):
+        parser.error(f"--model {model}: its tokenizer has no chat template (tokenizer.chat_template), which chat and "
+                     f"prefix save render conversations with: use a chat model, or `hf-vkv ab` for raw prompts")
+
+
 def _text_out(args: argparse.Namespace) -> Any:
     """Where a command's text goes: stderr when ``--json -`` puts the JSON on stdout, else stdout."""
     return sys.stderr if getattr(args, "json", None) is not None and str(args.json) == "-" else sys.stdout
@@ -331,12 +339,17 @@ def chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     system = _system_text(args, parser)
     _check_folder(args.store, "--store", parser)
     _threads(args.threads)
+    if args.interactive and args.message:
+        parser.error("--message and --interactive: give the messages one way (--interactive reads them from stdin)")
     model, tok = _load(args.model, quiet=True)
+    _check_chat_template(tok, args.model, parser)
+    out = _text_out(args)
     store = PrefixStore(model.config, budget_bytes=args.budget_mib << 20)
     if args.store is not None and (Path(args.store) / "prefix_store.json").is_file():
         t = time.perf_counter()
         tokens = store.load(args.store, model=model)
-        print(f"store {args.store}: {tokens:,} tokens mapped in {(time.perf_counter() - t) * 1e3:.1f} ms", flush=True)
+        print(f"store {args.store}: {tokens:,} tokens mapped in {(time.perf_counter() - t) * 1e3:.1f} ms", file=out,
+              flush=True)
     if args.interactive:
         messages = (line.strip() for line in sys.stdin if line.strip())
     else:
@@ -344,15 +357,15 @@ def chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     turns = []
     for turn in chat_turns(model, tok, messages, store=store, system=system, max_new_tokens=args.max_new_tokens,
                            compare=not args.no_compare):
-        print(format_turn(turn), flush=True)
+        print(format_turn(turn), file=out, flush=True)
         turns.append(dataclasses.asdict(turn))
     stats = store.stats()
     print(f"store: {stats.entries} entries, {stats.bytes_held / 2**20:.1f} MiB held, {stats.hits} hits, "
           f"{stats.tokens_reused:,} tokens reused; prompt tokens computed {stats.prompt_tokens_computed:,} of "
-          f"{stats.prompt_tokens:,}")
+          f"{stats.prompt_tokens:,}", file=out)
     if args.store is not None:
         store.save(args.store, model=model)
-        print(f"store saved to {args.store}")
+        print(f"store saved to {args.store}", file=out)
     if args.json is not None:
         _write_json(args.json, {"schema": "hf_vkv.chat/1", "turns": turns, "store": dataclasses.asdict(stats)})
     return 0 if all(t["same_tokens"] is not False for t in turns) else 1
@@ -367,6 +380,7 @@ def prefix_save(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     _check_folder(args.folder, "prefix save", parser)
     _threads(args.threads)
     model, tok = _load(args.model, quiet=True)
+    _check_chat_template(tok, args.model, parser)
     done = save_system_prompt(model, tok, system, args.folder)
     print(f"{args.folder}: {done['tokens']:,} system-prompt tokens computed in {done['compute_s']:.2f} s, saved in "
           f"{done['save_s']:.2f} s ({done['bytes_held'] / 2**20:.1f} MiB of pages); `hf-vkv chat --store "

@@ -276,6 +276,12 @@ class VKVCache(Cache):
         """Rows (batch) the cache holds now (0 before the first update)."""
         return max((g.batch for g in self._groups), default=0) or max(0, self.batch_size)
 
+    def reserved_tokens(self) -> int | None:
+        """Tokens a row has room for in every group that keeps all its tokens (the smallest
+        reservation; ``None`` where every group keeps a sliding window, bounded whatever the length)."""
+        rooms = [group.capacity for group in self._groups if group.sliding_window is None]
+        return min(rooms) if rooms else None
+
     def transformers_layers(self) -> list[Any]:
         """Layers kept in transformers' own classes, and the linear state of hybrid layers (their
         K/V are a group's): what row operations reach besides the groups."""
@@ -666,6 +672,19 @@ class VKVCache(Cache):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> VKVCache:
         return self._fork()
+
+    def __copy__(self) -> VKVCache:
+        """A second handle on the same groups and pages (what :meth:`_fork` starts from)."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        return other
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ArgumentTypeError(
+            "a VKVCache holds memory mapped in this process and is not pickled (pickle, torch.save): "
+            "copy.deepcopy(cache) forks it here (its pages shared), hf_vkv.save_prefix(path, cache, token_ids) "
+            "writes its K/V to a file that hf_vkv.load_prefix reads in any process, and a PrefixStore saves its "
+            "entries with store.save(folder)")
 
     def close(self) -> None:
         """Return every page now (also happens when the cache is garbage-collected)."""

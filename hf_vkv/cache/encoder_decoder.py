@@ -6,6 +6,7 @@ from __future__ import annotations
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from .cache import VKVCache
+from .stats import CacheStats
 
 __all__ = ["VKVEncoderDecoderCache"]
 
@@ -18,6 +19,15 @@ class VKVEncoderDecoderCache(EncoderDecoderCache):
     def check_dynamic_cache(self, method: str) -> None:
         if not (isinstance(self.self_attention_cache, VKVCache) and isinstance(self.cross_attention_cache, DynamicCache)):
             super().check_dynamic_cache(method)
+
+    def stats(self) -> CacheStats:
+        """The decoder's self-attention cache's :meth:`VKVCache.stats` (the cross-attention's
+        keys, computed once from the encoder output, stay in transformers' ``DynamicCache``)."""
+        return self.self_attention_cache.stats()
+
+    def check_invariants(self) -> None:
+        """:meth:`VKVCache.check_invariants` of the decoder's self-attention cache."""
+        self.self_attention_cache.check_invariants()
 
     def reset(self) -> None:
         """Both parts empty, the cross-attention's layers uninitialized, so that the next forward

@@ -306,6 +306,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
             raise CacheOptionError(
                 f"cache_config={{{PREFIX_STORE_KEY!r}: ...}} needs cache_implementation='vkv' (got "
                 f"{generation_config.cache_implementation!r}): add cache_implementation='vkv'")
+        _check_room(model_kwargs, generation_config, max_cache_length)
         return transformers_own()
     given = [name for name in CACHE_NAMES if model_kwargs.get(name) is not None]
     if given:
@@ -337,13 +338,14 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     cache_config = from_transformers_keys(config_dict(generation_config.cache_config))  # max_cache_len: max_tokens
     asked = cache_config.get("max_tokens")
-    if isinstance(asked, int) and not isinstance(asked, bool) and 0 < asked < max_cache_length:
+    drafted = _drafted_past(generation_config)
+    if isinstance(asked, int) and not isinstance(asked, bool) and 0 < asked < max_cache_length + drafted:
         # refused before anything is built or computed, not at the step that would pass it
         key = "max_cache_len" if "max_cache_len" in generation_config.cache_config else "max_tokens"
         raise CapacityError(
             f"cache_config[{key!r}]={asked} holds fewer tokens than this call may cache: "
-            f"{max_cache_length} (its prompt and max_new_tokens, less the last token, which is not cached): raise it to "
-            f"at least {max_cache_length}, or leave it unset (vkv reserves address space for the model's context)")
+            f"{max_cache_length + drafted} ({_may_cache(drafted)}): raise it to at least {max_cache_length + drafted}, "
+            f"or leave it unset (vkv reserves address space for the model's context)")
     store, cache_config = reuse.split_prefix_store(cache_config)
     if generation_config.is_assistant:
         # an assistant's cache is its own (5.17 copies "vkv" and the main call's cache_config to the
@@ -355,7 +357,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
     memory = None if store is None or refusal is not None else reuse.memory_for(model, store, cache_config)
     new = generation_config.max_new_tokens  # generate sizes the cache max_length - 1 = prompt + new - 1
     build = functools.partial(
-        VKVCache.for_generate, model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1,
+        VKVCache.for_generate, model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1 + drafted,
         cache_config=cache_config, num_beams=generation_config.num_beams or 1,
         compiling=_compiles(model, generation_config),
         prompt_tokens=None if new is None else max(max_cache_length + 1 - new, 0))
@@ -382,6 +384,35 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
     if generation_config.is_assistant:
         cache.activate_past_recording()
     return None
+
+
+def _drafted_past(generation_config: Any) -> int:
+    """Tokens a call may cache past ``max_length - 1``: prompt lookup's candidates are cut at the
+    prompt's length, not at ``max_length``, so a verifying forward writes up to
+    ``prompt_lookup_num_tokens`` past it before generate crops them (an assistant's drafts are cut
+    at ``max_length``)."""
+    return 0 if generation_config.is_assistant else int(generation_config.prompt_lookup_num_tokens or 0)
+
+
+def _may_cache(drafted: int) -> str:
+    return ("its prompt and max_new_tokens, less the last token, which is not cached"
+            + (f", and the {drafted} tokens prompt lookup may draft past them" if drafted else ""))
+
+
+def _check_room(model_kwargs: dict, generation_config: Any, max_cache_length: int) -> None:
+    """A vkv cache passed to ``generate`` (a conversation continued, a cache made by hand) whose
+    rows have no room for what the call may cache raises :class:`CapacityError` before anything is
+    computed, not at the step that would pass it (the cache is left as it was)."""
+    found = prefill_once.vkv_cache_of(model_kwargs)
+    if found is None or generation_config.is_assistant:
+        return
+    room, drafted = found[1].reserved_tokens(), _drafted_past(generation_config)
+    if room is not None and room < max_cache_length + drafted:
+        raise CapacityError(
+            f"the cache passed to generate has room for {room} tokens a row and this call may cache "
+            f"{max_cache_length + drafted} ({_may_cache(drafted)}); nothing was computed and the cache is as it was: "
+            f"generate fewer tokens, or start the conversation with a cache that has room for it "
+            f"(cache_config={{'max_tokens': N}} on its first call, or VKVCache(config, max_tokens=N))")
 
 
 def _prefill(original: Any, model: Any, input_ids: Any, generation_config: Any, model_kwargs: dict,

@@ -166,6 +166,11 @@ class PrefixStore:
     def __copy__(self) -> PrefixStore:
         return self
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ArgumentTypeError(
+            "a PrefixStore holds memory mapped in this process and is not pickled (pickle, torch.save): "
+            "store.save(folder) writes its entries, and PrefixStore.load(folder) maps them in any process")
+
     def memory(self, device: torch.device | str = "cpu") -> VKVCache:
         """An empty cache whose memory (arenas) every cache of this store on ``device`` draws
         from: ``VKVCache(..., memory_of=store.memory(device))`` makes a cache whose rows can share

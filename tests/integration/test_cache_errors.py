@@ -107,8 +107,12 @@ def test_prompt_longer_than_the_reservation() -> None:
     model = tiny("llama")
     inputs = prompts(2, 10, seed=71)
     cache = VKVCache(config=model.config, max_tokens=8)
-    with pytest.raises(CapacityError, match="10 items do not fit: rows were reserved for 8"):
-        model.generate(**inputs, **{cache_kwarg(): cache}, max_new_tokens=3)
+    with pytest.raises(CapacityError, match="room for 8 tokens a row and this call may cache 12"):
+        model.generate(**inputs, **{cache_kwarg(): cache}, max_new_tokens=3)  # refused before the prefill
+    assert cache.get_seq_length() == 0
+    cache.check_invariants()
+    with pytest.raises(CapacityError, match="10 items do not fit: rows were reserved for 8"), torch.no_grad():
+        model(**inputs, **{cache_kwarg(): cache})  # a forward by hand meets the reservation itself
     assert cache.get_seq_length() == 0
     cache.check_invariants()
     with pytest.raises(CapacityError):
@@ -118,8 +122,15 @@ def test_prompt_longer_than_the_reservation() -> None:
 def test_generation_running_past_the_reservation() -> None:
     model = tiny("llama")
     cache = VKVCache(config=model.config, max_tokens=14, page_bytes=SMALL_PAGE)
-    with pytest.raises(CapacityError, match="15 items do not fit"):
-        model.generate(**prompts(2, 10, seed=72), **{cache_kwarg(): cache}, max_new_tokens=10, do_sample=False)
+    inputs = prompts(2, 10, seed=72)
+    with pytest.raises(CapacityError, match="room for 14 tokens a row and this call may cache 19"):
+        model.generate(**inputs, **{cache_kwarg(): cache}, max_new_tokens=10, do_sample=False)
+    assert cache.get_seq_length() == 0  # generate refuses before its prefill; decode steps by hand run into it
+    with torch.no_grad():
+        model(**inputs, **{cache_kwarg(): cache})
+        with pytest.raises(CapacityError, match="15 items do not fit"):
+            for _ in range(10):
+                model(input_ids=inputs["input_ids"][:, -1:], **{cache_kwarg(): cache})
     assert all(layer.get_seq_length() == 14 for layer in cache.layers)  # every step before it is whole
     cache.check_invariants()
 

@@ -178,6 +178,17 @@ def test_a_model_folder_passes_the_check(model_dir: Path) -> None:
     assert cli._model_folder_lacks(model_dir) == []
 
 
+def test_chat_and_prefix_save_need_a_chat_template(model_dir: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A model folder whose tokenizer has no chat template: ``chat`` and ``prefix save`` printed
+    transformers' ``ValueError`` traceback with status 1 ("diverged"); a usage error now, nothing written."""
+    for args in (("chat", "--model", model_dir, "--message", "w5 w6", "--no-compare"),
+                 ("prefix", "save", tmp_path / "out", "--model", model_dir)):
+        code, out, err = run_main(capsys, *args)
+        assert code == 2 and "has no chat template" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
     from hf_vkv.version import __version__
 

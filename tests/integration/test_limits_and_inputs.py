@@ -158,3 +158,91 @@ def test_an_unbounded_max_new_tokens_continuing_a_stored_prefix_reserves_within_
         ids = torch.cat([out.sequences, prompts(1, 3, seed=turn)["input_ids"]], dim=1)
         first = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
         eos = int(first[0, ids.shape[1] + 2])
+
+
+def test_a_cache_passed_to_generate_without_room_is_refused_before_any_step():
+    """A conversation continued with the cache of its last turn, or a cache made by hand, whose
+    rows have no room for what the call may cache raised ``CapacityError`` at the step that passed
+    its reservation, dozens of decode steps in, the cache left holding half a turn: refused before
+    anything is computed now, the cache as it was (and it still continues a call that fits)."""
+    from transformers import DynamicCache
+
+    from hf_vkv import CapacityError
+
+    model = tiny("llama")  # 256 positions: vkv reserves room for the model's context
+    first = model.generate(**prompts(1, 100), max_new_tokens=100, cache_implementation="vkv",
+                           return_dict_in_generate=True)
+    cache = first[cache_kwarg()]
+    held = cache.get_seq_length()
+    ids = torch.cat([first.sequences, torch.tensor([[5, 6, 7]])], 1)
+    with pytest.raises(CapacityError, match="has room for 256 tokens a row and this call may cache 302.*nothing was "
+                                            "computed"):
+        model.generate(input_ids=ids, max_new_tokens=100, **{cache_kwarg(): cache})
+    assert cache.get_seq_length() == held
+    cache.check_invariants()
+    ref_cache = DynamicCache(config=model.config)
+    model.generate(**prompts(1, 100), max_new_tokens=100, **{cache_kwarg(): ref_cache})
+    ref = model.generate(input_ids=ids, max_new_tokens=20, **{cache_kwarg(): ref_cache})
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=20, **{cache_kwarg(): cache}), ref)
+    with pytest.raises(CapacityError, match="room for 20 tokens a row and this call may cache 39"):
+        model.generate(**prompts(1, 10), max_new_tokens=30, **{cache_kwarg(): VKVCache(model.config, max_tokens=20)})
+
+
+def test_prompt_lookup_has_room_for_what_it_drafts_past_max_length():
+    """Prompt lookup cuts its candidates at the prompt's length, not at ``max_length``: a verifying
+    forward caches up to ``prompt_lookup_num_tokens`` past ``max_length - 1`` before generate crops
+    them. vkv's rows were sized to ``max_length - 1`` (past the model's context, or at the
+    ``max_tokens`` its own check asked for) and the call died midway with ``CapacityError``."""
+    from hf_vkv import CapacityError
+
+    model = tiny("llama")
+    ids = torch.cat([prompts(1, 5)["input_ids"]] * 50, 1)  # 250 tokens of a repeating pattern: drafts match
+    ref = model.generate(input_ids=ids, max_new_tokens=25, prompt_lookup_num_tokens=10)
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=25, prompt_lookup_num_tokens=10,
+                                      cache_implementation="vkv"), ref)
+    short = torch.cat([prompts(1, 5)["input_ids"]] * 2, 1)
+    with pytest.raises(CapacityError, match="at least 47"):
+        model.generate(input_ids=short, max_new_tokens=30, prompt_lookup_num_tokens=8, cache_implementation="vkv",
+                       cache_config={"max_tokens": 46})
+    ref = model.generate(input_ids=short, max_new_tokens=30, prompt_lookup_num_tokens=8)
+    assert torch.equal(model.generate(input_ids=short, max_new_tokens=30, prompt_lookup_num_tokens=8,
+                                      cache_implementation="vkv", cache_config={"max_tokens": 47}), ref)
+
+
+def test_pickling_a_cache_or_a_store_is_a_typed_refusal_and_copies_still_work():
+    """``pickle`` / ``torch.save`` of a cache or store raised a raw ``TypeError`` from deep inside
+    (``cannot pickle 'mappingproxy' object``, ``'_thread.RLock'``): a typed refusal naming what
+    does carry them (a fork, a prefix file, ``store.save``); copies made in the process still work."""
+    import copy
+    import io
+    import pickle
+
+    from hf_vkv import ArgumentTypeError, PrefixStore
+
+    model = tiny("llama")
+    out = model.generate(**prompts(1, 12), max_new_tokens=3, cache_implementation="vkv", return_dict_in_generate=True)
+    cache = out[cache_kwarg()]
+    with pytest.raises(ArgumentTypeError, match=r"not pickled.*copy\.deepcopy.*save_prefix"):
+        pickle.dumps(cache)
+    with pytest.raises(ArgumentTypeError, match="not pickled"):
+        torch.save(out, io.BytesIO())
+    with pytest.raises(ArgumentTypeError, match=r"not pickled.*store\.save\(folder\)"):
+        pickle.dumps(PrefixStore(model.config))
+    fork = copy.deepcopy(cache)
+    assert copy.copy(cache).get_seq_length() == fork.get_seq_length() == cache.get_seq_length()
+    fork.check_invariants()
+    cache.check_invariants()
+
+
+def test_an_encoder_decoder_cache_has_stats_and_invariants():
+    """``out.cache.stats()`` (the README's first look at a cache) raised ``AttributeError`` for an
+    encoder-decoder model: its cache answers for its decoder's self-attention part."""
+    from breadth_models import prompts as breadth_prompts
+    from breadth_models import tiny as breadth_tiny
+
+    out = breadth_tiny("t5").generate(**breadth_prompts(), max_new_tokens=3, num_beams=2,
+                                      cache_implementation="vkv", return_dict_in_generate=True)
+    cache = out[cache_kwarg()]
+    stats = cache.stats()
+    assert stats == cache.self_attention_cache.stats() and stats.resident_bytes > 0
+    cache.check_invariants()

@@ -441,6 +441,24 @@ def test_cli_chat_prints_each_turns_reuse_beside_dynamic(chat_model_dir: Path, t
     assert turns[1]["computed_tokens"] < 12 and all(t["same_tokens"] for t in turns)
 
 
+def test_cli_chat_json_to_stdout_is_json_alone_and_its_message_options_conflict(
+        chat_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``chat --json -`` printed its turn lines on stdout before the JSON (stdout did not parse):
+    they go to stderr, as ``ab``'s, ``demo``'s and ``prefix inspect``'s; ``--message`` beside
+    ``--interactive`` was dropped without a word: a usage error."""
+    import json
+
+    from hf_vkv import cli
+
+    code = cli.main(["chat", "--model", str(chat_model_dir), "--message", "w5 w6", "--max-new-tokens", "2",
+                     "--threads", "1", "--no-compare", "--json", "-"])
+    captured = capsys.readouterr()
+    assert code == 0 and "turn 1:" in captured.err
+    assert json.loads(captured.out)["schema"] == "hf_vkv.chat/1"
+    code, out = _main(capsys, "chat", "--model", chat_model_dir, "--message", "w5", "--interactive")
+    assert code == 2
+
+
 def test_cli_ab_reuse_reports_tokens_and_logit_differences(chat_model_dir: Path, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     import json

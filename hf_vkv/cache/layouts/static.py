@@ -65,8 +65,9 @@ class StaticLayout(Layout):
                 raise CacheOptionError(
                     f"the static layout starts each (row, head) of keys and values on a page, and StaticCache's "
                     f"start {capacity} tokens apart, which for {g.describe()} is not a multiple of {align} bytes: "
-                    f"attention could round differently from StaticCache's; use a max_cache_len that is a "
-                    f"multiple of {step}, or leave cache_config['layout'] unset")
+                    f"attention could round differently from StaticCache's; use cache_config={{'max_cache_len': N}} "
+                    f"with N a multiple of {step} (this layout is a compiled step's, compile_config, or "
+                    f"cache_config['layout']='static')")
         return self.base.make_buffer(arena, rows=rows, capacity=capacity, readable=True)
 
     def write(self, buffer: RowBuffer, *, batch: int, member: int, start: int, key: torch.Tensor,
