@@ -155,6 +155,7 @@ class PrefixStore:
         self._uncounted: set[int] = set()  # ids of entries whose pages are not counted yet
         self._leaving: list[HeldPages] = []  # counted pages of entries taken, not discounted yet
         self._lookups = self._hits = self._reused = self._inserts = self._evictions = 0
+        self._said_over_budget = False  # whether insert warned of an entry over the budget
         self._prompt_tokens = self._computed = 0
 
     def __len__(self) -> int:
@@ -376,6 +377,13 @@ class PrefixStore:
             inserted = self._insert(tokens, cache, give)
             if weights is not None and self._entries:
                 self._weights = weights
+            if not inserted and not self._said_over_budget:
+                self._said_over_budget = True
+                warnings.warn(
+                    f"PrefixStore: an entry of {len(tokens):,} tokens needs more than the store's budget of "
+                    f"{self._budget:,} bytes, so it was dropped as it was inserted and no later call reuses it "
+                    f"(stats().evictions counts such entries; said once per store): raise budget_bytes",
+                    UserWarning, stacklevel=2)
             return inserted
 
     def fingerprint(self, model: torch.nn.Module) -> str:

@@ -228,9 +228,17 @@ def test_eviction_keeps_the_newest_and_frees_the_rest() -> None:
     # an entry over the whole budget is not kept
     tiny_store = PrefixStore(model.config, budget_bytes=SMALL_PAGE, cache_config=SMALL)
     tokens, cache = _cached(_generate(model, system, tiny_store.lookup(system), new=4))
-    assert not tiny_store.insert(tokens, cache)
+    with pytest.warns(UserWarning, match="needs more than the store's budget of 4,096 bytes.*raise budget_bytes"):
+        assert not tiny_store.insert(tokens, cache)  # said: a store that reuses nothing, silently, looks broken
     assert tiny_store.stats().entries == 0 and tiny_store.stats().bytes_held == 0
     assert cache.get_seq_length() == len(tokens)  # the caller's cache is untouched
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per store
+        out = model.generate(system, attention_mask=torch.ones_like(system), max_new_tokens=2,
+                             cache_implementation="vkv", cache_config={"prefix_store": tiny_store})
+    assert out.shape[1] == system.shape[1] + 2 and tiny_store.stats().evictions == 2
 
 
 def test_bad_input_is_rejected_and_the_store_stays_usable() -> None:
