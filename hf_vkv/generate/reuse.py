@@ -242,6 +242,10 @@ def _input_refusal(cache: VKVCache, model_kwargs: dict) -> str | None:
     for key, value in model_kwargs.items():
         if key in _TEXT_INPUTS or key in CACHE_NAMES or value is None or isinstance(value, (bool, int, float, str)):
             continue
+        if isinstance(value, (dict, list, tuple)) and not value:
+            # generate passes mm_encoder_outputs={} to every call of a model that takes images
+            return (f"a model that takes images or other media (generate passes it {key!r}, empty in a text-only "
+                    f"call): its prompts' K/V may depend on more than their token ids, so reuse serves text models")
         return f"the model input {key!r} is not identified by token ids"
     return None
 
