@@ -22,7 +22,7 @@ from ..config_values import each_layer
 from ..kv_records import CASCADE_ATTENTION
 from .. import devices
 from ..devices import layer_devices_of
-from ..memory import Arena
+from ..memory import Arena, PagePool
 from ..memory.errors import ArgumentError, ArgumentTypeError, CacheIndexError
 from ..memory.held_pages import HeldPages
 from .grad import refuse_trainable_states
@@ -275,6 +275,14 @@ class VKVCache(Cache):
     def rows(self) -> int:
         """Rows (batch) the cache holds now (0 before the first update)."""
         return max((g.batch for g in self._groups), default=0) or max(0, self.batch_size)
+
+    def on_memory_full(self, reclaim: Callable[[int, PagePool], bool] | None) -> None:
+        """Who lets pages go when a step of this cache, or of any cache drawing from its memory
+        (``memory_of=``), finds the budget full: ``reclaim(pages, pool)`` is called with the pages
+        the step needs after the step rolled back, and returns whether it let any go (the step is
+        then tried again; else it raises :class:`KVCacheOutOfMemory`). A prefix store sets it on its
+        memory: its least recently used entries go before a call fails."""
+        self._arena_for.reclaim = reclaim
 
     def reserved_tokens(self) -> int | None:
         """Tokens a row has room for in every group that keeps all its tokens (the smallest

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from ..kv_records import paged_kv_of
-from ..memory import Arena, BufferStats, PageId, RowBuffer
+from ..memory import Arena, BufferStats, PageId, RowBuffer, VirtualBuffer
 from ..memory.errors import ArgumentError, CacheIndexError, InvariantError, VKVError
 from .geometry import GroupGeometry, LayerMismatchError
 from .layouts import Layout
+from .oom import pages_for_step
 from .prompt_sharing import PromptSharing
 from .row_image import GroupImage
 
@@ -257,6 +258,17 @@ class LayerGroup:
         self._lay().invalidate()
         self._prepared = (batch, start, end)
         self.version += 1
+
+    def reclaim(self, batch: int, start: int, end: int) -> bool:
+        """Ask the arenas' reclaimer (a prefix store this cache draws from) to let pages go so that
+        the step of rows ``0..batch-1``, tokens ``[start, end)``, fits the budget; whether it let
+        any go (then the step is tried again). Contiguous layouts only (the paged layout's blocks
+        live in a store of their own)."""
+        reclaim = getattr(self._arena_for, "reclaim", None)
+        buffer = self.buffer
+        if reclaim is None or not isinstance(buffer, VirtualBuffer) or buffer.closed:
+            return False
+        return bool(reclaim(pages_for_step(self, batch, start, end), buffer.store.pool))
 
     # ----------------------------------------------------------------------------- row operations
     def before_row_operation(self) -> None:

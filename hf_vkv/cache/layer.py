@@ -158,13 +158,18 @@ class VKVLayer(CacheLayerMixin):
         tracked = tracks_grad(key_states, value_states)
         if tracked:
             refuse_trainable_states(key_states, value_states, layer_idx=self.layer_idx)
-        try:
-            keys, values = self.group.update(self.layer_idx, key_states.detach() if tracked else key_states,
-                                             value_states.detach() if tracked else value_states, plain=tracked)
-        except KVCacheOutOfMemory as error:  # restated for the whole step: its total, what is free, a budget that fits
-            start = self.group.length(self.layer_idx)  # unchanged: the step failed before writing
-            raise step_out_of_memory(self.group, key_states.shape[0], start, start + key_states.shape[-2],
-                                     error) from None
+        while True:
+            try:
+                keys, values = self.group.update(self.layer_idx, key_states.detach() if tracked else key_states,
+                                                 value_states.detach() if tracked else value_states, plain=tracked)
+                break
+            except KVCacheOutOfMemory as error:
+                start = self.group.length(self.layer_idx)  # unchanged: the step failed before writing
+                batch, end = key_states.shape[0], start + key_states.shape[-2]
+                # a prefix store drawing from the same budget lets entries go, oldest first: try again
+                if not self.group.reclaim(batch, start, end):
+                    # restated for the whole step: its total, what is free, a budget that fits
+                    raise step_out_of_memory(self.group, batch, start, end, error) from None
         return self._returned(keys, values, key_states, value_states, tracked=tracked)
 
     def _returned(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,

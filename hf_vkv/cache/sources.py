@@ -8,6 +8,7 @@ cycle collector ran. Now the last reference to a cache releases everything at on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +16,7 @@ from transformers import PretrainedConfig
 
 from ..config_values import layer_values
 from ..devices import arena_for_device, policy_for
-from ..memory import Arena
+from ..memory import Arena, PagePool
 from ..memory.errors import CacheOptionError
 from .geometry import GroupGeometry
 from .. import devices
@@ -105,6 +106,10 @@ class ArenaSource:
     page_bytes: int | None
     budget_bytes: int | None
     arenas: dict[tuple[torch.device, int | None], Arena] = field(default_factory=dict)
+    #: Asked for pages when a step of a cache drawing from these arenas finds their budget full
+    #: (a prefix store lets its least recently used entries go): called with the pages the step
+    #: needs and the arena's pool, after the step rolled back; returns whether it let any go.
+    reclaim: Callable[[int, PagePool], bool] | None = None
 
     def __call__(self, device: torch.device, layout: Layout) -> Arena:
         device = torch.device(device)

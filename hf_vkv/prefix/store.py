@@ -32,7 +32,7 @@ import torch
 
 from .. import devices
 from ..cache import VKVCache
-from ..memory import PageId
+from ..memory import PageId, PagePool
 from ..memory.errors import ArgumentError, ArgumentTypeError, InvariantError
 from ..memory.held_pages import HeldPages, PageCounts
 from .errors import (
@@ -141,6 +141,7 @@ class PrefixStore:
         # device type -> an empty cache whose arenas the store draws from (no pages until a first
         # update); the CPU's is made now, which checks the options in cache_config's words
         self._memories: dict[str, VKVCache] = {"cpu": VKVCache.from_cache_config(config, self._options("cpu"))}
+        self._memories["cpu"].on_memory_full(self._reclaim)
         self._device_type = "cpu"  # of the last memory asked for: where new_cache() draws from
         self._fingerprint = config_fingerprint(config)
         self._tree: RadixTree[int] = RadixTree()
@@ -186,7 +187,20 @@ class PrefixStore:
         root = self._memories.get(kind)
         if root is None:
             root = self._memories[kind] = VKVCache(self.config, **self._options(kind))
+            root.on_memory_full(self._reclaim)
         return root
+
+    def _reclaim(self, pages: int, pool: PagePool) -> bool:
+        """A call drawing from the store's memory found its budget full: let the least recently
+        used entries go until ``pages`` are free (or none is left); whether any went. Their pages
+        shared with live rows stay with those rows."""
+        with self._lock:
+            let_go = False
+            while self._entries and pool.stats().budget_pages - pool.stats().in_use < pages:
+                self._drop(next(iter(self._entries.values())))
+                self._evictions += 1
+                let_go = True
+            return let_go
 
     def _options(self, kind: str) -> dict[str, Any]:
         options = dict(self.cache_config)

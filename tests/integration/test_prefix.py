@@ -497,3 +497,24 @@ def test_error_types_match_the_api_table(tmp_path: Path) -> None:
         load_prefix(tmp_path, model=model)
     assert store.load(path, model=model) == len(tokens)
     store.check_invariants()
+
+
+def test_entries_that_fill_the_memory_budget_make_room_for_a_call() -> None:
+    """A store without an entry budget (the default) whose entries filled its memory's budget
+    made every later call fail with ``KVCacheOutOfMemory`` (whose advice, a larger budget in the
+    call's cache_config, is refused beside a store): the least recently used entries go, as the
+    call's step needs their pages, and the call gives DynamicCache's tokens."""
+    model = tiny("llama")
+    store = PrefixStore(model.config, cache_config={"budget_bytes": 3 * 131072})  # 3 entries of 8 x 16 KiB pages
+    for i in range(1, 6):
+        ids = prompts(1, 40, seed=i)["input_ids"]
+        mask = torch.ones_like(ids)
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8)
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, cache_implementation="vkv",
+                             cache_config={"prefix_store": store})
+        assert_same_tokens(ref, got)
+        stats = store.stats()
+        assert stats.entries == min(i, 3) and stats.evictions == max(0, i - 3), stats
+        assert stats.bytes_held == stats.entries * 131072
+        store.check_invariants()
+    assert store.prefixes()[0][:40] == tuple(prompts(1, 40, seed=3)["input_ids"][0].tolist())  # the oldest kept
