@@ -133,6 +133,8 @@ class VKVCache(Cache):
     ) -> None:
         if config is None or not hasattr(config, "get_text_config"):
             raise ArgumentTypeError("VKVCache needs the model's config: VKVCache(config=model.config)")
+        prompt_repeats = int_argument(prompt_repeats, "VKVCache(prompt_repeats)")
+        batch_size = None if batch_size is None else int_argument(batch_size, "VKVCache(batch_size)")
         if prompt_repeats < 1:
             raise ArgumentError(f"prompt_repeats must be >= 1, got {prompt_repeats} (1: every row its own prompt)")
         if batch_size is not None and batch_size < 1:

@@ -41,6 +41,7 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -105,7 +106,7 @@ def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[Grou
                          "data_offset": data_offset}).encode()
     sums: list[int] = []
     path = folder / PAGES_FILE
-    tmp = folder / f".{PAGES_FILE}.tmp-{os.getpid()}"
+    tmp = folder / f".{PAGES_FILE}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + len(header).to_bytes(4, "little") + header)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,7 @@ def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, mode
         "weights_fingerprint": weights, "layers": layers,
     }
     meta["checksums"] = checksums_of(meta, tensors)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta)})
         os.replace(tmp, path)

@@ -32,6 +32,7 @@ import torch
 
 from .. import devices
 from ..cache import VKVCache
+from ..cache.options import config_dict
 from ..memory import PageId, PagePool
 from ..memory.errors import ArgumentError, ArgumentTypeError, InvariantError
 from ..memory.held_pages import HeldPages, PageCounts
@@ -137,7 +138,7 @@ class PrefixStore:
         self._lock = threading.RLock()
         self._budget: int | None = None
         self.budget_bytes = budget_bytes
-        self.cache_config = dict(cache_config or {})
+        self.cache_config = config_dict(cache_config)
         # device type -> an empty cache whose arenas the store draws from (no pages until a first
         # update); the CPU's is made now, which checks the options in cache_config's words
         self._memories: dict[str, VKVCache] = {"cpu": VKVCache.from_cache_config(config, self._options("cpu"))}
@@ -157,6 +158,7 @@ class PrefixStore:
         self._leaving: list[HeldPages] = []  # counted pages of entries taken, not discounted yet
         self._lookups = self._hits = self._reused = self._inserts = self._evictions = 0
         self._said_over_budget = False  # whether insert warned of an entry over the budget
+        self._saving = threading.Lock()  # held by save
         self._prompt_tokens = self._computed = 0
 
     def __len__(self) -> int:
@@ -282,6 +284,8 @@ class PrefixStore:
         ``tail_tokens`` tokens past the prefix (it serves other prompts: :meth:`borrow`,
         :meth:`lookup`) or ``into`` cannot hold the entry's row. Counted as a :meth:`lookup`
         when it moves."""
+        if not isinstance(into, VKVCache):
+            raise ArgumentTypeError(f"take(into=...) fills a VKVCache (store.new_cache()), got {type(into).__name__}")
         tokens = token_list(input_ids, name="input_ids")
         with self._lock:
             found = self._longest(tokens)
@@ -380,6 +384,9 @@ class PrefixStore:
                 the entries', ``weights`` from theirs, or a token id is outside the model's
                 vocabulary (``field`` says which).
         """
+        if weights is not None and not isinstance(weights, str):
+            raise ArgumentTypeError(f"weights must be a weights fingerprint (a str: store.fingerprint(model)), got "
+                                    f"{type(weights).__name__} {weights!r:.40}")
         tokens = tuple(token_list(token_ids))
         bad = outside_vocabulary(tokens, self.config)
         if bad is not None:  # refused now, not when a saved folder holding it is loaded
@@ -559,6 +566,10 @@ class PrefixStore:
             PrefixMismatchError: ``model`` is not the store's model (another config, or other
                 weights than those that computed the entries).
         """
+        with self._saving:  # one save at a time: two into one folder could pair one's index with the other's pages
+            return self._save_folder(directory, model)
+
+    def _save_folder(self, directory: str | os.PathLike[str], model: torch.nn.Module | None) -> list[Path]:
         out = Path(directory)
         if out.exists() and not out.is_dir():
             raise PrefixNotAFolderError(f"PrefixStore.save writes a folder, and {out} is a file: name a folder (new, "
@@ -607,7 +618,7 @@ class PrefixStore:
                  "config_fingerprint": self._fingerprint, "config_fields": config_fields(self.config),
                  "weights_fingerprint": weights, "dtype": None if self._dtype is None else str(self._dtype).removeprefix("torch."),
                  "mapped": section}
-        tmp = out / f".{STORE_INDEX}.tmp-{os.getpid()}"
+        tmp = out / f".{STORE_INDEX}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
             tmp.write_text(index_text(index))
             os.replace(tmp, out / STORE_INDEX)
@@ -616,7 +627,11 @@ class PrefixStore:
         return paths
 
     def _check_model(self, model: torch.nn.Module) -> None:
-        """Refuse a model of another config than the store's (``PrefixMismatchError``)."""
+        """Refuse a model of another config than the store's (``PrefixMismatchError``), and what is
+        not a model (``ArgumentTypeError``)."""
+        if not isinstance(model, torch.nn.Module):
+            raise ArgumentTypeError(f"model= takes the model (a torch.nn.Module, e.g. the one from_pretrained returned), "
+                                    f"got {type(model).__name__}")
         self._check_config(model.config, "model", "the model is not this store's ({}): use a store per model")
 
     def _check_config(self, config: Any, name: str, message: str) -> None:

@@ -518,3 +518,45 @@ def test_entries_that_fill_the_memory_budget_make_room_for_a_call() -> None:
         assert stats.bytes_held == stats.entries * 131072
         store.check_invariants()
     assert store.prefixes()[0][:40] == tuple(prompts(1, 40, seed=3)["input_ids"][0].tolist())  # the oldest kept
+
+
+def test_arguments_of_the_wrong_type_are_typed_refusals_and_saves_do_not_cross(tmp_path: Path) -> None:
+    """Wrong types reached raw ``TypeError``/``ValueError``/``AttributeError`` from inside (a
+    weights fingerprint that was an int was kept, and the folder saved with it could not be
+    loaded); two threads saving one store into one folder wrote one temporary file name and one
+    failed with ``FileNotFoundError``."""
+    import threading
+
+    from hf_vkv import ArgumentTypeError, CacheOptionTypeError
+
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    ids = _ids(20, seed=90)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, cache_implementation="vkv",
+                   cache_config={"prefix_store": store})
+    tokens, cache = _cached(_generate(model, _ids(12, seed=91), store.lookup(_ids(12, seed=91)), new=2))
+    for call in (lambda: store.insert(tokens, cache, weights=12345), lambda: VKVCache(model.config, batch_size="2"),
+                 lambda: VKVCache(model.config, prompt_repeats=1.5), lambda: store.load(tmp_path, model=None),
+                 lambda: store.save(tmp_path / "x", model=model.config),
+                 lambda: store.take(ids, into=DynamicCache())):
+        with pytest.raises(ArgumentTypeError):
+            call()
+    with pytest.raises(CacheOptionTypeError):
+        PrefixStore(model.config, cache_config=["token_major"])
+    store.check_invariants()
+    failures: list[BaseException] = []
+
+    def saver() -> None:
+        try:
+            for _ in range(10):
+                store.save(tmp_path / "both")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=saver) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert PrefixStore(model.config).load(tmp_path / "both", model=model) > 0
