@@ -259,6 +259,11 @@ class LayerGroup:
         self._prepared = (batch, start, end)
         self.version += 1
 
+    @property
+    def draws_from_a_reclaimer(self) -> bool:
+        """Whether this group's memory has a reclaimer (:meth:`reclaim`): a prefix store's memory."""
+        return getattr(self._arena_for, "reclaim", None) is not None
+
     def reclaim(self, batch: int, start: int, end: int) -> bool:
         """Ask the arenas' reclaimer (a prefix store this cache draws from) to let pages go so that
         the step of rows ``0..batch-1``, tokens ``[start, end)``, fits the budget; whether it let

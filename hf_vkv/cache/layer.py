@@ -28,7 +28,7 @@ from ..memory import KVCacheOutOfMemory, VKVError
 from ..memory.errors import ArgumentError, ArgumentTypeError, CacheIndexError
 from .group import LayerGroup
 from .static_group import StaticGroup
-from .oom import step_out_of_memory
+from .oom import STORE_BUDGET, step_out_of_memory
 
 __all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer", "int_argument", "selected_rows"]
 
@@ -169,7 +169,8 @@ class VKVLayer(CacheLayerMixin):
                 # a prefix store drawing from the same budget lets entries go, oldest first: try again
                 if not self.group.reclaim(batch, start, end):
                     # restated for the whole step: its total, what is free, a budget that fits
-                    raise step_out_of_memory(self.group, batch, start, end, error) from None
+                    raise step_out_of_memory(self.group, batch, start, end, error,
+                                             budget=STORE_BUDGET if self.group.draws_from_a_reclaimer else None) from None
         return self._returned(keys, values, key_states, value_states, tracked=tracked)
 
     def _returned(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..memory import KVCacheOutOfMemory, VirtualBuffer
 
-__all__ = ["pages_for_step", "step_out_of_memory"]
+__all__ = ["STORE_BUDGET", "pages_for_step", "step_out_of_memory"]
 
 
 def pages_for_step(group: object, batch: int, start: int, end: int) -> int:
@@ -39,10 +39,16 @@ def pages_for_step(group: object, batch: int, start: int, end: int) -> int:
     return need
 
 
-def step_out_of_memory(group: object, batch: int, start: int, end: int, error: KVCacheOutOfMemory
-                       ) -> KVCacheOutOfMemory:
+#: Where the budget of a cache drawing from a prefix store's memory is set (a call's own
+#: ``cache_config['budget_bytes']`` beside a store is refused: its pages are the store's).
+STORE_BUDGET = "the prefix store's memory budget, PrefixStore(model.config, cache_config={'budget_bytes': N}),"
+
+
+def step_out_of_memory(group: object, batch: int, start: int, end: int, error: KVCacheOutOfMemory, *,
+                       budget: str | None = None) -> KVCacheOutOfMemory:
     """``error`` restated for the whole step of ``group`` (rows ``0..batch-1``, tokens
-    ``[start, end)``): its total need, the bytes free, and a budget that fits it."""
+    ``[start, end)``): its total need, the bytes free, and a budget that fits it (``budget``:
+    where that budget is set, when not the call's ``cache_config``)."""
     buffer = getattr(group, "buffer", None)
     if not isinstance(buffer, VirtualBuffer) or buffer.closed:
         # the paged layout's blocks live in a block store that grows by pages of its own: its
@@ -55,4 +61,4 @@ def step_out_of_memory(group: object, batch: int, start: int, end: int, error: K
     return error.for_whole_step(
         requested_bytes=need * page, free_bytes=free * page, budget_bytes=stats.budget_pages * page,
         what=f"this step of layer group {getattr(group, 'name', '?')!r} ({batch} row(s), tokens [{start}, {end}): "
-             f"{need:,} pages of {page:,} bytes)", fits_bytes=(stats.in_use + need) * page)
+             f"{need:,} pages of {page:,} bytes)", fits_bytes=(stats.in_use + need) * page, budget=budget)

@@ -69,14 +69,15 @@ class KVCacheOutOfMemory(VKVError, MemoryError):
     """
 
     def __init__(self, *, requested_bytes: int, free_bytes: int, budget_bytes: int, what: str = "pages",
-                 fits_bytes: int | None = None, message: str | None = None) -> None:
+                 fits_bytes: int | None = None, message: str | None = None,
+                 budget: str | None = None) -> None:
         self.requested_bytes = requested_bytes
         self.free_bytes = free_bytes
         self.budget_bytes = budget_bytes
         #: A ``budget_bytes`` that would hold what was asked for on top of what is held (when known).
         self.fits_bytes = fits_bytes
-        raise_to = (f"raise cache_config['budget_bytes'] to at least {fits_bytes:,}" if fits_bytes is not None
-                    else "raise cache_config['budget_bytes']")
+        budget = budget or "cache_config['budget_bytes']"  # where the budget is set (a prefix store's memory: its own)
+        raise_to = f"raise {budget} to at least {fits_bytes:,}" if fits_bytes is not None else f"raise {budget}"
         super().__init__(message or
             f"KV cache out of memory: {what} need {requested_bytes:,} bytes but only {free_bytes:,} of the "
             f"{budget_bytes:,}-byte budget are free. Free finished rows, lower the batch or max_new_tokens, "
@@ -84,12 +85,12 @@ class KVCacheOutOfMemory(VKVError, MemoryError):
         )
 
     def for_whole_step(self, *, requested_bytes: int, free_bytes: int, budget_bytes: int, what: str,
-                       fits_bytes: int) -> KVCacheOutOfMemory:
+                       fits_bytes: int, budget: str | None = None) -> KVCacheOutOfMemory:
         """This error restated for the whole step it interrupted (the allocation that failed is one
         sub-row's page after the step's earlier ones took the free pages): the step's total need,
         what is free, and a budget that fits it."""
         return KVCacheOutOfMemory(requested_bytes=requested_bytes, free_bytes=free_bytes, budget_bytes=budget_bytes,
-                                  what=what, fits_bytes=fits_bytes)
+                                  what=what, fits_bytes=fits_bytes, budget=budget)
 
 
 class CapacityError(VKVError, ValueError):

@@ -518,6 +518,17 @@ def test_entries_that_fill_the_memory_budget_make_room_for_a_call() -> None:
         assert stats.bytes_held == stats.entries * 131072
         store.check_invariants()
     assert store.prefixes()[0][:40] == tuple(prompts(1, 40, seed=3)["input_ids"][0].tolist())  # the oldest kept
+    # a memory too small for one call, entries or none: the advice names the store's budget, and following it works
+    from hf_vkv import KVCacheOutOfMemory
+
+    small = PrefixStore(model.config, cache_config={"budget_bytes": 65536})
+    ids = prompts(1, 40, seed=1)["input_ids"]
+    call = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, cache_implementation="vkv")
+    with pytest.raises(KVCacheOutOfMemory, match=r"raise the prefix store's memory budget, PrefixStore") as full:
+        model.generate(input_ids=ids, cache_config={"prefix_store": small}, **call)
+    small.check_invariants()
+    fits = PrefixStore(model.config, cache_config={"budget_bytes": full.value.fits_bytes})
+    model.generate(input_ids=ids, cache_config={"prefix_store": fits}, **call)
 
 
 def test_arguments_of_the_wrong_type_are_typed_refusals_and_saves_do_not_cross(tmp_path: Path) -> None:
