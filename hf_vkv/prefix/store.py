@@ -194,15 +194,26 @@ class PrefixStore:
 
     def _reclaim(self, pages: int, pool: PagePool) -> bool:
         """A call drawing from the store's memory found its budget full: let the least recently
-        used entries go until ``pages`` are free (or none is left); whether any went. Their pages
-        shared with live rows stay with those rows."""
+        used entries go whose pages no one else holds, as many as free ``pages``; whether any went.
+        None goes where all of them could not free enough (the step would fail all the same), nor
+        an entry whose pages live rows share (the call's own history: letting it go frees nothing)."""
         with self._lock:
-            let_go = False
-            while self._entries and pool.stats().budget_pages - pool.stats().in_use < pages:
-                self._drop(next(iter(self._entries.values())))
+            stats = pool.stats()
+            free, going = stats.budget_pages - stats.in_use, []
+            for entry in self._entries.values():  # least recently used first
+                if free >= pages:
+                    break
+                alone = sum(int(pool.refcount(int(p)) == 1) for store, (_, ids) in _pages_of(entry).pages.items()
+                            if getattr(store, "pool", None) is pool for p in ids)
+                if alone:
+                    going.append(entry)
+                    free += alone
+            if free < pages:
+                return False
+            for entry in going:
+                self._drop(entry)
                 self._evictions += 1
-                let_go = True
-            return let_go
+            return bool(going)
 
     def _options(self, kind: str) -> dict[str, Any]:
         options = dict(self.cache_config)
