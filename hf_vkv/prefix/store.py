@@ -141,8 +141,8 @@ class PrefixStore:
         self.cache_config = config_dict(cache_config)
         # device type -> an empty cache whose arenas the store draws from (no pages until a first
         # update); the CPU's is made now, which checks the options in cache_config's words
-        self._memories: dict[str, VKVCache] = {"cpu": VKVCache.from_cache_config(config, self._options("cpu"))}
-        self._memories["cpu"].on_memory_full(self._reclaim)
+        self._memories: dict[str, VKVCache] = {}
+        self._memory_of("cpu")
         self._device_type = "cpu"  # of the last memory asked for: where new_cache() draws from
         self._fingerprint = config_fingerprint(config)
         self._tree: RadixTree[int] = RadixTree()
@@ -188,8 +188,8 @@ class PrefixStore:
         """The memory of device type ``kind``, made on first use (under the lock)."""
         root = self._memories.get(kind)
         if root is None:
-            root = self._memories[kind] = VKVCache(self.config, **self._options(kind))
-            root.on_memory_full(self._reclaim)
+            root = self._memories[kind] = VKVCache.from_cache_config(self.config, self._options(kind))
+            root.on_memory_full(self._reclaim)  # entries go before a call drawing from it fails
         return root
 
     def _reclaim(self, pages: int, pool: PagePool) -> bool:
