@@ -355,9 +355,14 @@ def _simulated() -> set[str]:
 
 def run_checks(checks: Sequence[tuple[str, Callable[[], Check]]] = CHECKS) -> list[Check]:
     """Run ``checks`` in order; a check that raises is reported as failed with the exception, and
-    the checks named in ``$HF_VKV_DOCTOR_FAIL`` fail without running."""
+    the checks named in ``$HF_VKV_DOCTOR_FAIL`` fail without running (a name no check has is a
+    failed line of its own, first)."""
     simulated = _simulated()
     out = []
+    unknown = sorted(simulated - {name for name, _ in checks})
+    if unknown:  # a misspelt name would otherwise simulate nothing and the verdict would say all is well
+        out.append(Check(SIMULATE_ENV, "fail", f"names no check: {', '.join(map(repr, unknown))}",
+                         fix=f"name checks as this list does: {', '.join(repr(name) for name, _ in checks)}"))
     for name, fn in checks:
         if name in simulated:
             out.append(Check(name, "fail", f"simulated failure (${SIMULATE_ENV} names this check)",

@@ -92,6 +92,21 @@ class _Entry:
     pending: MappedEntry | None = None  # a mapped file's entry, until first used: then it fills ``cache``
 
 
+def _device_type(device: Any) -> str:
+    """The type of ``device`` (a ``torch.device``, a name such as ``"cpu"`` or ``"cuda:0"``) as a
+    store keeps its memories by, or a typed error: :class:`ArgumentTypeError` for what names no
+    device, :class:`~hf_vkv.devices.UnsupportedDeviceError` for a device vkv does not serve."""
+    if not isinstance(device, (str, torch.device)):
+        raise ArgumentTypeError(f"PrefixStore.memory(device) takes a torch.device or a device name such as 'cpu' or "
+                                f"'cuda:0', got {type(device).__name__} {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:
+        raise ArgumentTypeError(f"PrefixStore.memory(device): {device!r} names no device ({exc})") from None
+    devices.policy_for(device)  # a device no backend serves: refused here, not at a call's first step
+    return device.type
+
+
 class PrefixStore:
     """KV caches of finished prompts, keyed by their exact token ids in a radix tree.
 
@@ -179,7 +194,7 @@ class PrefixStore:
         """An empty cache whose memory (arenas) every cache of this store on ``device`` draws
         from: ``VKVCache(..., memory_of=store.memory(device))`` makes a cache whose rows can share
         the entries' pages. It holds no pages itself."""
-        kind = torch.device(device).type
+        kind = _device_type(device)
         with self._lock:
             self._device_type = kind
             return self._memory_of(kind)
@@ -509,8 +524,8 @@ class PrefixStore:
                 other weights or another dtype (``field`` says which).
         """
         path = Path(path)
-        if path.name == PAGES_FILE and path.is_file():
-            path = path.parent  # the pages of a saved store: its folder says what they hold
+        if path.name in (PAGES_FILE, STORE_INDEX) and path.is_file():
+            path = path.parent  # a file of a saved store: its folder says what it holds
         if not path.exists():
             raise PrefixNotFoundError(f"PrefixStore.load: nothing at {path}: pass a folder PrefixStore.save wrote or a "
                                       f"file save_prefix wrote")

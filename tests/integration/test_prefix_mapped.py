@@ -25,6 +25,8 @@ from models import PAD, save_chat_model, tiny
 
 import hf_vkv
 from hf_vkv import PrefixFileCorruptError, PrefixMismatchError, PrefixStore, cli_prefix
+from hf_vkv.devices import UnsupportedDeviceError
+from hf_vkv.memory.errors import ArgumentTypeError
 from hf_vkv.prefix.mapped import PAGES_FILE
 from hf_vkv.prefix.store import STORE_INDEX
 
@@ -95,6 +97,30 @@ def test_opening_maps_the_pages_without_reading_them(tmp_path: Path) -> None:
     warm.check_invariants()
     # the rows that wrote after a mapped partial page got copies in the store's own memory
     assert arena.pool.stats().in_use > 0 and arena.backend.resident_bytes() > 0
+
+
+def test_either_file_of_a_saved_folder_loads_the_folder(tmp_path: Path) -> None:
+    """``load(folder / 'prefix_store.json')`` was refused as "not a safetensors file"; a user who
+    points at the index (or the pages) means the folder."""
+    model = tiny("llama")
+    store, folder, _ = _saved_store(tmp_path, model)
+    held = sum(map(len, store.prefixes()))
+    for name in (STORE_INDEX, PAGES_FILE):
+        warm = PrefixStore(model.config)
+        assert warm.load(folder / name, model=model) == held
+        warm.check_invariants()
+
+
+@pytest.mark.parametrize("device, error", [(5, ArgumentTypeError), ("gpu", ArgumentTypeError),
+                                           ("meta", UnsupportedDeviceError)])
+def test_a_memory_of_no_device_vkv_serves_is_refused(device: Any, error: type[Exception]) -> None:
+    """``store.memory(5)`` raised torch's RuntimeError ("Cannot access accelerator device") and
+    ``memory('meta')`` made a memory no cache could use."""
+    store = PrefixStore(tiny("llama").config)
+    with pytest.raises(error, match="device|meta"):
+        store.memory(device)
+    assert store.memory("cpu") is store.memory(torch.device("cpu"))
+    store.check_invariants()
 
 
 def test_an_index_of_version_2_still_loads_and_a_run_outside_the_file_is_refused(tmp_path: Path) -> None:

@@ -39,6 +39,16 @@ def test_a_simulated_failure_fails_that_check_only(monkeypatch: pytest.MonkeyPat
     assert text.splitlines()[-1] == "verdict: NOT READY: host backend, torch failed (exit status 1)"
 
 
+def test_a_simulated_name_no_check_has_fails_the_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A misspelt name simulated nothing and the verdict said vkv runs: now it is a failed line
+    naming the checks."""
+    monkeypatch.setenv(SIMULATE_ENV, "hots backend")
+    checks = run_checks((("platform", doctor.check_platform),))
+    assert [c.name for c in checks] == [SIMULATE_ENV, "platform"]
+    assert checks[0].status == "fail" and "'hots backend'" in checks[0].detail and "'platform'" in checks[0].fix
+    assert checks[1].status == "ok" and doctor_exit_code(checks) == 1
+
+
 def test_a_crashing_check_is_a_failure_and_the_others_still_run() -> None:
     def broken() -> Check:
         raise OSError("no such file")
