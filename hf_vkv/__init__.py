@@ -17,6 +17,7 @@ from .cache.export import VKVExportError
 from .cache.group import WindowRollbackError
 from .cache.hybrid import RecurrentRollbackError
 from .devices import UnsupportedDeviceError
+from .memory.process import ForkedMemoryError
 from .memory import (
     BackendError,
     CacheClosedError,
@@ -62,7 +63,7 @@ __all__ = [
     # errors
     "VKVError", "ArgumentError", "ArgumentTypeError", "CacheIndexError", "CacheOptionError", "CacheOptionTypeError",
     "MissingDependencyError", "KVCacheOutOfMemory", "MappingLimitError", "CapacityError",
-    "PageSizeError", "CacheClosedError", "BackendError", "InvariantError", "LayerMismatchError", "LayerCallError",
+    "PageSizeError", "CacheClosedError", "ForkedMemoryError", "BackendError", "InvariantError", "LayerMismatchError", "LayerCallError",
     "VKVGradientError", "VKVExportError", "RecurrentRollbackError", "WindowRollbackError", "UnsupportedModelError", "UnsupportedDeviceError",
     "PrefixFileError", "PrefixFileCorruptError", "PrefixFormatError", "PrefixMismatchError", "PrefixPathError",
     # registration (done on import; idempotent)

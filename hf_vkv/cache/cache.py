@@ -546,7 +546,7 @@ class VKVCache(Cache):
         for group in self._groups:
             group.before_row_operation()
         for group in self._groups:
-            group.check_crop()  # every group first: a refused crop changes nothing
+            group.check_crop(tokens_to_remove)  # every group first: a refused crop changes nothing
         layers = self.transformers_layers()
         for layer in layers:
             if isinstance(layer, LinearState):
@@ -695,6 +695,14 @@ class VKVCache(Cache):
             "copy.deepcopy(cache) forks it here (its pages shared), hf_vkv.save_prefix(path, cache, token_ids) "
             "writes its K/V to a file that hf_vkv.load_prefix reads in any process, and a PrefixStore saves its "
             "entries with store.save(folder)")
+
+    def check_process(self, what: str = "this cache") -> None:
+        """Raise :class:`~hf_vkv.memory.process.ForkedMemoryError` (naming ``what``) where this
+        cache's memory was made in another process: a child forked after it was made, whose
+        writes would land in that process's pages (:mod:`hf_vkv.memory.process`)."""
+        for arena in self._arenas.values():
+            if not arena.closed:
+                arena.made_in.check(what)
 
     def close(self) -> None:
         """Return every page now (also happens when the cache is garbage-collected)."""

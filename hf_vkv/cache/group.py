@@ -321,13 +321,25 @@ class LayerGroup:
         self.batch = len(index)
         self._changed()
 
-    def check_crop(self) -> None:
-        """Raise (changing nothing) if :meth:`crop` may not cut this group back now."""
-        if self.sliding_window is not None and not self.record_past and max(self.lengths) >= self.sliding_window:
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise (changing nothing) if :meth:`crop` may not cut this group back now: a sliding
+        group past its window that records no past, or one whose crop would bring back tokens it
+        dropped before its recording started (``activate_past_recording`` called late)."""
+        if self.sliding_window is None:
+            return
+        if not self.record_past and max(self.lengths) >= self.sliding_window:
             raise WindowRollbackError(
                 "`crop` was called, but the current layer does not track past states, and the sliding window size "
                 "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
             )
+        held = self.first_written()
+        wanted = self.window_start(max(max(self.lengths) + tokens_to_remove, 0))
+        if tokens_to_remove < 0 and wanted < held:
+            raise WindowRollbackError(
+                f"crop({tokens_to_remove}) would bring back tokens {wanted}..{held - 1} into group {self.name!r}'s "
+                f"sliding window of {self.sliding_window}, but they were dropped before `activate_past_recording` was "
+                f"called (it keeps tokens from then on): call it before the window passes the tokens a crop may take "
+                f"back (crop(-{max(max(self.lengths) - self.sliding_window + 1 - held, 0)}) at most now)")
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens of every member (``tokens_to_remove <= 0``);

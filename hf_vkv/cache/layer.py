@@ -217,7 +217,7 @@ class VKVLayer(CacheLayerMixin):
         group = self._alone(f"crop({tokens_to_remove})")
         if (tokens_to_remove == 0 and not self.is_sliding) or not self.is_initialized:
             return
-        group.check_crop()
+        group.check_crop(tokens_to_remove)
         group.crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

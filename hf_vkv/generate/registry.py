@@ -306,6 +306,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
             raise CacheOptionError(
                 f"cache_config={{{PREFIX_STORE_KEY!r}: ...}} needs cache_implementation='vkv' (got "
                 f"{generation_config.cache_implementation!r}): add cache_implementation='vkv'")
+        _check_layers(model, model_kwargs)
         _check_room(model_kwargs, generation_config, max_cache_length)
         return transformers_own()
     given = [name for name in CACHE_NAMES if model_kwargs.get(name) is not None]
@@ -397,6 +398,25 @@ def _drafted_past(generation_config: Any) -> int:
 def _may_cache(drafted: int) -> str:
     return ("its prompt and max_new_tokens, less the last token, which is not cached"
             + (f", and the {drafted} tokens prompt lookup may draft past them" if drafted else ""))
+
+
+def _check_layers(model: Any, model_kwargs: dict) -> None:
+    """A vkv cache passed to ``generate`` that was made for a model of another depth raises
+    :class:`ArgumentError` before anything is computed: a deeper model's forward would fill the
+    cache's layers and then fail at the first layer it lacks, a shallower one would leave its last
+    layers behind (DynamicCache accepts both)."""
+    found = prefill_once.vkv_cache_of(model_kwargs)
+    config = getattr(model, "config", None)
+    if found is None or not hasattr(config, "get_text_config"):
+        return
+    made_for = getattr(found[1].config, "num_hidden_layers", None)
+    has = getattr(config.get_text_config(decoder=True), "num_hidden_layers", None)
+    if isinstance(made_for, int) and isinstance(has, int) and made_for != has:
+        raise ArgumentError(
+            f"the cache passed to generate was made for a model of {made_for} layers (its config's "
+            f"num_hidden_layers) and this model has {has}: a cache serves the model whose config made it; nothing "
+            f"was computed and the cache is as it was (make this model's with hf_vkv.VKVCache(model.config), or "
+            f"let generate make it with cache_implementation='vkv')")
 
 
 def _check_room(model_kwargs: dict, generation_config: Any, max_cache_length: int) -> None:

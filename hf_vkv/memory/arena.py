@@ -57,14 +57,17 @@ class Arena(OpenTables):
         return self.backend.gathered_copies
 
     def create(self, pages: Sequence[PageId]) -> None:
+        self.made_in.check("this cache's memory")
         self.backend.ensure_id_space(self.pool.id_space)
         self.backend.create(pages)
 
     def copy(self, pairs: Sequence[tuple[PageId, PageId]], nbytes: Sequence[int] | None = None) -> None:
+        self.made_in.check("this cache's memory")
         self.backend.copy(pairs, nbytes)
 
     def release(self, pages: Sequence[PageId]) -> None:
-        self.backend.release(pages)
+        if self.made_in.here:  # a forked child's finalizers leave the pages to the process that made them
+            self.backend.release(pages)
 
     def map_file(self, fd: int, offset: int, num_pages: int, *, holds: Sequence[int] | None = None) -> list[PageId]:
         """``num_pages`` external pages backed by the file open as ``fd`` from byte ``offset`` on
@@ -76,6 +79,7 @@ class Arena(OpenTables):
         if map_file is None:
             raise BackendError("map_file", f"the {type(self.backend).__name__} cannot map files: read the file "
                                            f"instead (a saved prefix is loaded by copy on this device)")
+        self.made_in.check("this cache's memory")
         with self.lock:
             pages = self.pool.add_external(num_pages, holds=holds)
             try:
@@ -97,7 +101,10 @@ class Arena(OpenTables):
             return read(pages)
 
     def trim(self, *, keep_bytes: int = 0) -> int:
-        """Release resident free pages beyond ``keep_bytes``; return the bytes released."""
+        """Release resident free pages beyond ``keep_bytes``; return the bytes released (none in a
+        process forked after the arena was made: its pages are the other process's)."""
+        if not self.made_in.here:
+            return 0
         pages = self.pool.take_releasable(keep_bytes // self.page_bytes)
         self.backend.release(pages)
         return len(pages) * self.page_bytes

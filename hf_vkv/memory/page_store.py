@@ -24,6 +24,7 @@ from typing import Protocol
 
 from .errors import CacheClosedError
 from .invariants import PageHolder
+from .process import MadeIn, made_here
 from .page_table import PageTable
 from .pool import PageId, PagePool
 
@@ -37,6 +38,7 @@ class PageStore(Protocol):
     closed: bool
     gathered_copies: bool  # copy() reads every source before it writes any destination
     lock: threading.RLock  # held by every transaction on the store's tables and pool (threads sharing pages)
+    made_in: MadeIn  # the process that made it: no other changes its pages
 
     @property
     def page_bytes(self) -> int:
@@ -77,6 +79,10 @@ class OpenTables(ABC):
 
     Invariant: ``closed`` is False while any buffer is open, and never goes back to False.
 
+    ``made_in``: the process that made the store; in a process forked from it, no buffer opens,
+    changes or writes pages (:class:`~hf_vkv.memory.process.ForkedMemoryError`), and nothing is
+    given back to the backend (the pages are the other process's: :mod:`hf_vkv.memory.process`).
+
     ``lock`` serializes the changes of the store's pool and tables: caches of two threads that
     share pages (a prefix store's entries and the requests forked from them) draw from one store,
     and a pool transaction is not reentrant across threads.
@@ -89,8 +95,10 @@ class OpenTables(ABC):
         self._holders: dict[int, PageHolder] = {}  # id(holder) -> holder outside any table
         self.closed = False
         self.lock = threading.RLock()
+        self.made_in = made_here()  # a forked child never changes it (:mod:`hf_vkv.memory.process`)
 
     def buffer_opened(self, table: PageTable) -> None:
+        self.made_in.check(f"this {self._name}")
         if self.closed:
             raise CacheClosedError(f"this {self._name} was closed with its last buffer; create a new cache")
         self._tables[id(table)] = table

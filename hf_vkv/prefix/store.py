@@ -195,9 +195,17 @@ class PrefixStore:
         from: ``VKVCache(..., memory_of=store.memory(device))`` makes a cache whose rows can share
         the entries' pages. It holds no pages itself."""
         kind = _device_type(device)
+        self._check_process()
         with self._lock:
             self._device_type = kind
             return self._memory_of(kind)
+
+    def _check_process(self) -> None:
+        """:class:`~hf_vkv.memory.process.ForkedMemoryError` in a child forked after the store's
+        memory was made (its pages are the parent's); checked before the lock, which the fork may
+        have copied held."""
+        for root in list(self._memories.values()):
+            root.check_process("this PrefixStore")
 
     def _memory_of(self, kind: str) -> VKVCache:
         """The memory of device type ``kind``, made on first use (under the lock)."""
@@ -273,6 +281,7 @@ class PrefixStore:
         pages; pass it as ``past_key_values`` with the whole ``input_ids``. On a miss the cache
         is new and empty.
         """
+        self._check_process()
         with self.borrow(input_ids) as (entry, m):
             if entry is not None:
                 return entry.fork(m)
@@ -284,6 +293,7 @@ class PrefixStore:
         ``(None, 0)`` on a miss — for reading the entry's first ``m`` tokens (e.g. with
         :meth:`VKVCache.take_rows`) while the store is locked: no fork is made, and no thread can
         evict the entry meanwhile. Counted as a :meth:`lookup`. Never write into the entry."""
+        self._check_process()
         tokens = token_list(input_ids, name="input_ids")
         with self._lock:
             self._lookups += 1
@@ -310,6 +320,7 @@ class PrefixStore:
         ``tail_tokens`` tokens past the prefix (it serves other prompts: :meth:`borrow`,
         :meth:`lookup`) or ``into`` cannot hold the entry's row. Counted as a :meth:`lookup`
         when it moves."""
+        self._check_process()
         if not isinstance(into, VKVCache):
             raise ArgumentTypeError(f"take(into=...) fills a VKVCache (store.new_cache()), got {type(into).__name__}")
         tokens = token_list(input_ids, name="input_ids")
@@ -410,6 +421,7 @@ class PrefixStore:
                 the entries', ``weights`` from theirs, or a token id is outside the model's
                 vocabulary (``field`` says which).
         """
+        self._check_process()
         if weights is not None and not isinstance(weights, str):
             raise ArgumentTypeError(f"weights must be a weights fingerprint (a str: store.fingerprint(model)), got "
                                     f"{type(weights).__name__} {weights!r:.40}")
@@ -523,6 +535,7 @@ class PrefixStore:
             PrefixMismatchError: a file (or the store's entries) belongs to another model,
                 other weights or another dtype (``field`` says which).
         """
+        self._check_process()
         path = Path(path)
         if path.name in (PAGES_FILE, STORE_INDEX) and path.is_file():
             path = path.parent  # a file of a saved store: its folder says what it holds
@@ -592,6 +605,7 @@ class PrefixStore:
             PrefixMismatchError: ``model`` is not the store's model (another config, or other
                 weights than those that computed the entries).
         """
+        self._check_process()
         with self._saving:  # one save at a time: two into one folder could pair one's index with the other's pages
             return self._save_folder(directory, model)
 

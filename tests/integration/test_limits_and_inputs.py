@@ -188,6 +188,28 @@ def test_a_cache_passed_to_generate_without_room_is_refused_before_any_step():
         model.generate(**prompts(1, 10), max_new_tokens=30, **{cache_kwarg(): VKVCache(model.config, max_tokens=20)})
 
 
+@pytest.mark.parametrize("layers", [1, 4])
+def test_a_cache_of_a_model_of_another_depth_is_refused_before_any_step(layers: int):
+    """A 2-layer model's cache passed to a deeper model's generate filled layers 0-1 and then
+    raised at layer 2 with those layers a token longer; passed to a shallower one, it ran and left
+    layer 1 behind (ragged lengths). Refused before anything is computed now, the cache as it was."""
+    model = tiny("llama")
+    first = model.generate(**prompts(1, 7), max_new_tokens=3, cache_implementation="vkv", return_dict_in_generate=True)
+    cache = first[cache_kwarg()]
+    lengths = [cache.get_seq_length(i) for i in range(2)]
+    other = tiny("llama", layers=layers)
+    ids = torch.cat([first.sequences, torch.tensor([[5, 6]])], 1)
+    with pytest.raises(hf_vkv.ArgumentError, match=f"made for a model of 2 layers .* this model has {layers}.*nothing"):
+        other.generate(input_ids=ids, max_new_tokens=3, **{cache_kwarg(): cache})
+    assert [cache.get_seq_length(i) for i in range(2)] == lengths
+    cache.check_invariants()
+    from transformers import DynamicCache
+    ref_cache = DynamicCache(config=model.config)
+    model.generate(**prompts(1, 7), max_new_tokens=3, **{cache_kwarg(): ref_cache})
+    ref = model.generate(input_ids=ids, max_new_tokens=4, **{cache_kwarg(): ref_cache})
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=4, **{cache_kwarg(): cache}), ref)
+
+
 def test_prompt_lookup_has_room_for_what_it_drafts_past_max_length():
     """Prompt lookup cuts its candidates at the prompt's length, not at ``max_length``: a verifying
     forward caches up to ``prompt_lookup_num_tokens`` past ``max_length - 1`` before generate crops

@@ -196,6 +196,38 @@ def test_a_crop_behind_a_dropped_window_is_typed_and_changes_nothing() -> None:
     _continues_exactly(model, cache, reference, length=7, batch=2)
 
 
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_a_crop_into_tokens_dropped_before_recording_started_is_refused(layout: str) -> None:
+    """``activate_past_recording()`` called only after the window passed, then a crop reaching
+    back past what was kept: the crop went through, and the next step raised an untyped-sounding
+    ``ArgumentError`` ("items ... are not mapped") with the cache broken (token-major, whose pages
+    hold few tokens). Now the crop is refused, the cache as it was; a crop within what was kept
+    still runs."""
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**_SMALL, sliding_window=8)).eval()
+    cache = hf_vkv.VKVCache(model.config, layout=layout)
+    ids = torch.randint(3, 100, (1, 300), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache).logits
+        for _ in range(20):
+            logits = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache).logits
+    cache.activate_past_recording()
+    held = next(g for g in cache.groups if g.sliding_window).first_written()
+    limit = 320 - 8 + 1 - held  # the deepest crop whose window the kept tokens still cover
+    if limit < 6:
+        with pytest.raises(WindowRollbackError, match=r"crop\(-6\) would bring back tokens"):
+            cache.crop(-6)
+        assert cache.get_seq_length() == 320
+        cache.check_invariants()
+    else:  # head-major keeps whole 16-token pages: the crop is within them
+        assert layout == "head_major"
+    cache.crop(-min(limit, 6))
+    cache.check_invariants()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5]]), past_key_values=cache)
+    cache.check_invariants()
+
+
 @pytest.mark.parametrize("grow", ["reorder_cache", "batch_select_indices", "select a list", "select a mask then more"])
 def test_more_rows_than_made_grow_the_batch_as_dynamic_cache_does(model: Any, ids: torch.Tensor, grow: str) -> None:
     """Reordering or selecting more rows than the cache was made for grows its batch, as
