@@ -58,6 +58,7 @@ def _index(path: Path) -> dict[str, Any]:
 def summary(folder: Path) -> dict[str, Any]:
     """What ``folder``'s index (``prefix_store.json``) says: model, dtype, weights fingerprint,
     the mapped entries' token counts, pages, bytes, layout and the prefix files beside them."""
+    from .cache.layouts import layout_option
     from .prefix.store import STORE_INDEX
 
     index = _index(folder / STORE_INDEX)
@@ -70,7 +71,8 @@ def summary(folder: Path) -> dict[str, Any]:
         "model_type": (index.get("config_fields") or {}).get("model_type"),
         "mapped_entries": [len(e.get("tokens", [])) for e in entries],
         "pages": mapped.get("pages", 0), "page_bytes": mapped.get("page_bytes"),
-        "layout": [g.get("layout") for g in mapped.get("groups", [])], "file_bytes": mapped.get("file_bytes", 0),
+        "layout": [layout_option(str(g.get("layout"))) for g in mapped.get("groups", [])],
+        "file_bytes": mapped.get("file_bytes", 0),
         "prefix_files": index.get("files", []),
     }
 
@@ -80,6 +82,7 @@ def verify_folder(folder: Path, *, pages: bool = True) -> tuple[int, float]:
     raises :class:`~hf_vkv.PrefixFileCorruptError` naming the first page that differs.
     ``pages=False``: the page file's header and size only (no page read)."""
     from .prefix.mapped import verify_file
+    from .cache.layouts import layout_option
     from .prefix.store import STORE_INDEX
 
     index = _index(folder / STORE_INDEX)

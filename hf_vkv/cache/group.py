@@ -24,7 +24,7 @@ from ..kv_records import paged_kv_of
 from ..memory import Arena, BufferStats, PageId, RowBuffer, VirtualBuffer
 from ..memory.errors import ArgumentError, CacheIndexError, InvariantError, VKVError
 from .geometry import GroupGeometry, LayerMismatchError
-from .layouts import Layout
+from .layouts import Layout, layout_option
 from .oom import pages_for_step
 from .prompt_sharing import PromptSharing
 from .row_image import GroupImage
@@ -520,8 +520,12 @@ class LayerGroup:
         buffer, layout = self._buf(), self._lay()
         shape = (type(layout).__name__, buffer.item_bytes, buffer.parts, buffer.store.page_bytes)
         if shape != (image.layout, image.item_bytes, image.parts, image.page_bytes):
-            raise ArgumentError(f"group {self.name!r} holds rows as (layout, item bytes, parts, page bytes) {shape}, "
-                                f"the image as {(image.layout, image.item_bytes, image.parts, image.page_bytes)}")
+            raise ArgumentError(
+                f"group {self.name!r} holds rows {layout_option(shape[0])} in {shape[3]:,}-byte pages ({shape[1]:,} "
+                f"bytes a token, {shape[2]} part(s) a row), the saved row {layout_option(image.layout)} in "
+                f"{image.page_bytes:,}-byte pages ({image.item_bytes:,} bytes a token, {image.parts} part(s)): load it "
+                f"where the memory has its layout and page size (PrefixStore(config, cache_config={{'layout': "
+                f"{layout_option(image.layout)!r}, 'page_bytes': {image.page_bytes}}}))")
         if not isinstance(buffer.store, Arena):
             raise ArgumentError(f"group {self.name!r} draws from a {type(buffer.store).__name__}, not an arena")
         return buffer.store

@@ -52,7 +52,7 @@ class ReuseReport:
     common_prefix_tokens: int = 0  # tokens of a prefix shared by the batch, prefilled once first
     start_column: int = 0  # the column every row started from (C)
     copied_rows: int = 0  # rows whose prefix was copied (left padding), not shared
-    inserted: int = 0  # rows inserted into the store afterwards
+    inserted: int = 0  # rows that became store entries afterwards (one an entry already served: none)
     seconds_to_start: float = 0.0  # lookups, common prefix and take_rows, before the model's prefill
 
 

@@ -373,7 +373,8 @@ def give_back(call: GenerateCall, cache: VKVCache) -> bool:
 
 
 def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *, give: bool) -> int:
-    """Insert the finished rows of ``cache`` (their ids in ``sequences``); return how many."""
+    """Insert the finished rows of ``cache`` (their ids in ``sequences``); return how many became
+    entries (a row an entry already serves is kept by the store as that entry: not counted)."""
     store, ids = call.store, call.input_ids
     assert store is not None and ids is not None
     held = cache.get_seq_length()
@@ -402,7 +403,8 @@ def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *
         if pad == 0 and cache.rows == 1:  # give: the call's own cache, which nobody else holds; else a fork of it
             if give and end < held:
                 cache.crop(end - held)
-            inserted += bool(store.insert(row[:end], cache, give=give, weights=call.weights))
+            new = not store.serves(row[:end])  # an entry already serving the row is kept, not counted
+            inserted += bool(store.insert(row[:end], cache, give=give, weights=call.weights)) and new
             continue
         one = store.new_cache(batch_size=1)
         try:
@@ -410,5 +412,6 @@ def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *
         except BaseException:
             one.close()
             raise
-        inserted += bool(store.insert(row[pad:end], one, give=True, weights=call.weights))  # the store keeps it
+        new = not store.serves(row[pad:end])
+        inserted += bool(store.insert(row[pad:end], one, give=True, weights=call.weights)) and new  # the store keeps it
     return inserted

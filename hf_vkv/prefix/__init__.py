@@ -27,7 +27,7 @@ Decisions, in one place:
   layout ``"contiguous"``, dtype, token ids, config fingerprint and fields, optional weights
   fingerprint: the store's when it saves its entries). ``PrefixStore.save(folder)`` writes one file
   per entry and an index (``prefix_store.json``, least recently used first) that
-  ``PrefixStore.load(folder)`` reads back, all or nothing. A file loads onto any device the
+  ``PrefixStore(config).load(folder, model=model)`` reads back, all or nothing. A file loads onto any device the
   cache has a backend for: the host (CPU) backend, or the CUDA backend on a CUDA device
   (``hf_vkv[cuda]``; not yet run on a GPU).
 """

@@ -302,9 +302,10 @@ def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.
                                 f"vocabulary of {bad[2]} ids")
     saved_weights = meta.get("weights_fingerprint")
     if model is not None and saved_weights is None and check_weights:
+        again = "store.save(folder, model=model)" if path.is_dir() else "save_prefix(..., model=model)"
         raise PrefixMismatchError("weights", f"{path} was saved without a weights fingerprint, so it cannot be checked "
-                                  f"against this model's weights: save it again with save_prefix(..., model=model), "
-                                  f"or pass check_weights=False to load it unchecked")
+                                  f"against this model's weights: save it again with {again}, or pass "
+                                  f"check_weights=False to load it unchecked")
     if model is not None and saved_weights is not None and not weights_match(saved_weights, model, weights):
         raise PrefixMismatchError("weights", f"{path} was saved for a model of the same architecture with other "
                                   f"weights ({WEIGHTS_DIFFER})")

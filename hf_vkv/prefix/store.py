@@ -188,7 +188,8 @@ class PrefixStore:
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise ArgumentTypeError(
             "a PrefixStore holds memory mapped in this process and is not pickled (pickle, torch.save): "
-            "store.save(folder) writes its entries, and PrefixStore.load(folder) maps them in any process")
+            "store.save(folder, model=model) writes its entries, and PrefixStore(model.config).load(folder, "
+            "model=model) maps them in any process")
 
     def memory(self, device: torch.device | str = "cpu") -> VKVCache:
         """An empty cache whose memory (arenas) every cache of this store on ``device`` draws
@@ -478,13 +479,21 @@ class PrefixStore:
                        pages=fork.held_pages())
         return self._add(entry, _dtype_of(fork))
 
-    def _served(self, tokens: tuple[int, ...]) -> bool:
-        """Whether a stored entry already serves all of ``tokens`` (it then counts as used)."""
+    def serves(self, token_ids: Any) -> bool:
+        """Whether a stored entry already serves all of ``token_ids``: an :meth:`insert` of them
+        would keep that entry instead of adding one (counting nothing, using nothing)."""
+        tokens = tuple(token_list(token_ids))
+        with self._lock:
+            return self._served(tokens, use=False)
+
+    def _served(self, tokens: tuple[int, ...], *, use: bool = True) -> bool:
+        """Whether a stored entry already serves all of ``tokens`` (``use``: it then counts as used)."""
         for shared, key in self._tree.common_prefixes(tokens):
             if shared < len(tokens):
                 break  # longest matches come first: no further entry holds all of tokens
             if self._entries[key].min_reuse <= len(tokens):
-                self._entries.move_to_end(key)
+                if use:
+                    self._entries.move_to_end(key)
                 return True
         return False
 
@@ -621,6 +630,11 @@ class PrefixStore:
             if weights is not None:
                 self._check_weights(weights, doing="saved with")
             weights = weights or (self._weights if self._entries else None)
+            if weights is None and self._entries:
+                warnings.warn(
+                    f"PrefixStore.save({str(out)!r}): the entries were inserted by hand and no model= was given, so the "
+                    f"folder carries no weights fingerprint and PrefixStore.load refuses it unless check_weights=False: "
+                    f"save with store.save(folder, model=model) (the model that computed them)", UserWarning, stacklevel=3)
             for entry in list(self._entries.values()):
                 self._verify(entry)  # a damaged mapped page is never saved again under a new checksum
             entries = [(e.tokens, self._cache_of(e).fork()) for e in self._entries.values()]

@@ -111,6 +111,28 @@ def test_either_file_of_a_saved_folder_loads_the_folder(tmp_path: Path) -> None:
         warm.check_invariants()
 
 
+def test_a_store_filled_by_hand_saves_a_folder_its_load_can_check(tmp_path: Path) -> None:
+    """The docs' by-hand recipe (lookup, generate with the cache, insert) then ``store.save(folder)``
+    wrote a folder without a weights fingerprint silently, and its load's refusal said to save
+    again with ``save_prefix``, which writes a file: save warns now, the refusal names
+    ``store.save(folder, model=model)``, and that folder loads."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    ids = torch.tensor([_rand(12, torch.Generator().manual_seed(1))])
+    cache = store.lookup(ids[0].tolist())
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, pad_token_id=PAD,
+                         return_dict_in_generate=True, **{hf_vkv.generate.cache_kwarg(): cache})
+    store.insert(out.sequences[0, :-1].tolist(), cache)
+    with pytest.warns(UserWarning, match=r"no weights fingerprint.*store.save\(folder, model=model\)"):
+        store.save(tmp_path / "bare")
+    with pytest.raises(PrefixMismatchError, match=r"save it again with store.save\(folder, model=model\)"):
+        PrefixStore(model.config).load(tmp_path / "bare", model=model)
+    store.save(tmp_path / "checked", model=model)
+    warm = PrefixStore(model.config)
+    assert warm.load(tmp_path / "checked", model=model) == out.sequences.shape[1] - 1
+    warm.check_invariants()
+
+
 @pytest.mark.parametrize("device, error", [(5, ArgumentTypeError), ("gpu", ArgumentTypeError),
                                            ("meta", UnsupportedDeviceError)])
 def test_a_memory_of_no_device_vkv_serves_is_refused(device: Any, error: type[Exception]) -> None:
@@ -293,7 +315,8 @@ def test_damaged_and_foreign_files_are_refused_and_the_store_stays_usable(tmp_pa
                    r"another model \(num_hidden_layers: file 2, model 3\)")
     _fresh_refusal(folder, tiny("llama", seed=1), PrefixMismatchError, "other weights")
     _fresh_refusal(folder, copy.deepcopy(model).to(torch.bfloat16), PrefixMismatchError, "bfloat16")
-    _fresh_refusal(folder, model, hf_vkv.PrefixFormatError, "same cache_config",
+    _fresh_refusal(folder, model, hf_vkv.PrefixFormatError,  # in the words of cache_config, not class names
+                   r"saved row head_major in .*cache_config=\{'layout': 'head_major'.*same cache_config",
                    cache_config={"layout": "token_major"})
     # and the untouched folder still loads
     assert PrefixStore(model.config).load(folder, model=model) > 0
@@ -407,6 +430,7 @@ def test_cli_saves_a_system_prompt_inspects_it_and_chats_from_it(chat_model_dir:
     assert code == 0 and "every checksum equal" in out, out
     info = json.loads((tmp_path / "i.json").read_text())
     assert info["mapped_entries"][0] >= 80 and info["verified_pages"] == info["pages"] > 0
+    assert info["layout"] and set(info["layout"]) <= {"head_major", "token_major"}, info["layout"]  # cache_config's words
     code, out = _main(capsys, "chat", "--model", chat_model_dir, "--system-file", system, "--store", folder,
                       "--message", "w5 w6", "--max-new-tokens", "4", "--threads", "1", "--json", tmp_path / "c.json")
     assert code == 0 and "mapped in" in out and "store saved" in out, out

@@ -459,3 +459,17 @@ def test_a_call_naming_another_cache_than_the_models_config_gets_it_without_the_
         store.check_invariants()
     finally:
         model.generation_config.cache_implementation, model.generation_config.cache_config = saved
+
+
+def test_a_report_counts_the_entries_a_call_added_as_the_store_does() -> None:
+    """The same prompt answered three times: its row is the entry already stored from the second
+    call on, so the store keeps that entry and adds none; the calls' reports said 1 each (3 inserts
+    against the store's 1)."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    ids = _ids(9)
+    reports = [reuse_report(_call(model, ids, store)) for _ in range(3)]
+    assert [r.inserted for r in reports] == [1, 0, 0]
+    assert sum(r.inserted for r in reports) == store.stats().inserts == 1
+    assert store.serves(ids[0].tolist()) and not store.serves(ids[0].tolist() + [7] * 40)
+    store.check_invariants()

@@ -23,7 +23,7 @@ from .static import StaticLayout
 from .token_major import TokenMajorLayout
 
 __all__ = [
-    "LAYOUTS", "HeadMajorLayout", "Layout", "PagedLayout",
+    "LAYOUTS", "HeadMajorLayout", "Layout", "PagedLayout", "layout_option",
     "StaticLayout", "TokenMajorLayout", "layout_class",
 ]
 
@@ -38,3 +38,9 @@ def layout_class(name: str) -> type[Layout]:
     except KeyError:
         raise CacheOptionError(f"unknown layout {name!r}; known layouts: {sorted(LAYOUTS)} "
                                f"(cache_config['layout'])") from None
+
+
+def layout_option(class_name: str) -> str:
+    """The ``cache_config['layout']`` name of the layout class called ``class_name`` (a saved
+    row image records the class), or ``class_name`` itself where no layout has it."""
+    return next((name for name, cls in LAYOUTS.items() if cls.__name__ == class_name), class_name)
