@@ -36,11 +36,13 @@ crafted to pass it, and a file changed while it is mapped is not re-checked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import mmap
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -56,7 +58,7 @@ from ..memory.errors import InvariantError
 from .errors import PrefixFileCorruptError, PrefixFormatError
 from .page_check import MappedPages, page_checksums
 
-__all__ = ["MAGIC", "PAGES_FILE", "MappedEntry", "TableRuns", "check_index_text", "index_text", "map_entries", "verify_file",
+__all__ = ["MAGIC", "PAGES_FILE", "MappedEntry", "clean_saves", "pages_path", "TableRuns", "check_index_text", "index_text", "map_entries", "verify_file",
            "write_pages"]
 
 PAGES_FILE = "prefix_store.kv"
@@ -84,10 +86,49 @@ def check_index_text(path: Path, text: str) -> None:
         raise PrefixFileCorruptError(f"{path} is not whole: its digest differs (the index was edited or damaged)")
 
 
+def saving_name(file_id: str) -> str:
+    """The page file's name while its save is being committed (:func:`write_pages`): beside the
+    last save's ``prefix_store.kv``, which stays whole until the new index names the new file."""
+    return f"prefix_store.{os.getpid()}-{file_id[:16]}.kv"
+
+
+def pages_path(folder: Path, section: dict[str, Any]) -> Path:
+    """The page file of the save ``section`` describes: the file its index names, or
+    ``prefix_store.kv`` where a save was stopped after it renamed the new file to that name and
+    before it named it so in the index (its header's file id tells which save's it is)."""
+    named = folder / str(section["file"])
+    if not named.exists() and (folder / PAGES_FILE).exists():
+        return folder / PAGES_FILE
+    return named
+
+
+def clean_saves(folder: Path, keep: str) -> None:
+    """Remove what saves into ``folder`` left behind when they were stopped (killed, or interrupted
+    in this process): temporary files and page files of other saves than the one that just ended,
+    never the file ``keep`` (the page file the index names) nor another running process's."""
+    for path in folder.glob("*prefix_store*"):
+        found = re.fullmatch(r"(?:\.prefix_store\.(?:kv|json)\.tmp-|prefix_store\.)(\d+)-[0-9a-f]+(?:\.kv)?", path.name)
+        if found is None or path.name == keep or (int(found.group(1)) != os.getpid() and _running(int(found.group(1)))):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: running
+        return True
+    return True
+
+
 def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[GroupImage]]]) -> dict[str, Any]:
     """Write the pages of ``entries`` (token ids, and their cache's :meth:`~VKVCache.row_images`)
-    to ``folder/prefix_store.kv`` (a temporary name, then renamed) and return the index section
-    that describes them. Every image must draw from one arena (the store's memory)."""
+    to a new page file in ``folder`` (:func:`saving_name`: a temporary name, then renamed; the
+    save commits it by writing the index that names it) and return the index section that
+    describes them. Every image must draw from one arena (the store's memory)."""
     stores = {id(img.store): img.store for _, images in entries for img in images}
     if len(stores) != 1 or not isinstance(next(iter(stores.values())), Arena):
         raise InvariantError("the entries' pages must live in one arena to be written as one file (PrefixStore.save "
@@ -105,7 +146,7 @@ def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[Grou
     header = json.dumps({"file_id": file_id, "page_bytes": page_bytes, "pages": len(pages),
                          "data_offset": data_offset}).encode()
     sums: list[int] = []
-    path = folder / PAGES_FILE
+    path = folder / saving_name(file_id)
     tmp = folder / f".{PAGES_FILE}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         with open(tmp, "wb") as f:
@@ -121,7 +162,7 @@ def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[Grou
         tmp.unlink(missing_ok=True)
     first = entries[0][1] if entries else []
     section: dict[str, Any] = {
-        "file": PAGES_FILE, "file_id": file_id, "page_bytes": page_bytes, "pages": len(pages),
+        "file": path.name, "file_id": file_id, "page_bytes": page_bytes, "pages": len(pages),
         "data_offset": data_offset, "file_bytes": data_offset + len(pages) * page_bytes,
         "checksums": np.array(sums, dtype="<i8").tobytes().hex(),
         "groups": [{"name": g.name, "members": list(g.members), "kv_heads": g.geometry.kv_heads,
@@ -199,7 +240,9 @@ def _check_whole(path: Path, fd: int, section: dict[str, Any], *, end: int) -> N
     except (UnicodeDecodeError, json.JSONDecodeError):
         header = None
     if not isinstance(header, dict) or header.get("file_id") != section.get("file_id"):
-        raise PrefixFileCorruptError(f"{path} is not whole: its header is damaged or it is another save's file")
+        raise PrefixFileCorruptError(f"{path} is not whole: its header is damaged or it is another save's file (a "
+                                     f"save into the folder from another process, running or stopped: load it again "
+                                     f"once that save is done, or save it again)")
     size = os.fstat(fd).st_size
     if size != section.get("file_bytes") or size != end:
         how = "truncated" if size < end else "bytes appended"
@@ -295,7 +338,7 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
             the store's caches (``save`` and ``load`` with other ``cache_config`` options).
     """
     try:
-        path = folder / str(section["file"])
+        path = pages_path(folder, section)
         page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
         groups, entries, sums = section["groups"], section["entries"], _file_checksums(section, count)
         if Path(section["file"]).name != section["file"]:
@@ -374,7 +417,7 @@ def verify_file(folder: Path, section: Any, *, pages: bool = True) -> int:
     runs (on an index checked whole); a store checks pages lazily instead (:class:`MappedPages`).
     ``pages=False``: only the file's header and size, no page read (what ``inspect`` always runs);
     returns 0."""
-    path = folder / str(section["file"])
+    path = pages_path(folder, section)
     page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
     if not path.is_file():
         raise PrefixFileCorruptError(f"{folder} is not whole: it lacks {path.name}, the page file its index names")

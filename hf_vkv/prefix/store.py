@@ -44,7 +44,7 @@ from .errors import (
     PrefixNotFoundError,
 )
 from .fingerprint import WEIGHTS_DIFFER, config_fields, config_fingerprint, describe_difference, weights_fingerprint
-from .mapped import PAGES_FILE, MappedEntry, check_index_text, index_text, map_entries, write_pages
+from .mapped import PAGES_FILE, MappedEntry, check_index_text, clean_saves, index_text, map_entries, write_pages
 from .page_check import MappedPages
 from .persist import _check_model, _load, _save
 from .radix import RadixTree
@@ -552,9 +552,30 @@ class PrefixStore:
             raise PrefixNotFoundError(f"PrefixStore.load: nothing at {path}: pass a folder PrefixStore.save wrote or a "
                                       f"file save_prefix wrote")
         self._check_model(model)
-        files, index = saved_files(path) if path.is_dir() else ([path], None)
         weights = self.fingerprint(model)
         memory = self.memory(model.device)
+        for attempt in itertools.count():
+            files, index = saved_files(path) if path.is_dir() else ([path], None)
+            try:
+                wanted, kept = self._load_saved(path, files, index, model=model, check_weights=check_weights,
+                                                weights=weights, memory=memory)
+                break
+            except PrefixFileCorruptError:
+                # a save from another process replaced the folder's files while they were read: its new index
+                # names them (a folder that stays as it was is damaged)
+                if index is None or attempt >= 2 or saved_files(path)[1] == index:
+                    raise
+        held = [tokens for tokens in wanted if tokens in kept]
+        if len(held) < len(wanted):
+            warnings.warn(f"PrefixStore.load({str(path)!r}): {len(wanted) - len(held)} of its {len(wanted)} entries "
+                          f"did not fit within the store's budget_bytes ({self.budget_bytes or 0:,}) and were evicted at "
+                          f"once; raise budget_bytes to hold them", stacklevel=2)
+        return sum(map(len, held))
+
+    def _load_saved(self, path: Path, files: list[Path], index: dict[str, Any] | None, *, model: torch.nn.Module,
+                    check_weights: bool, weights: str, memory: VKVCache) -> tuple[list[tuple[int, ...]], set[tuple[int, ...]]]:
+        """One try of :meth:`load`: read and check ``files`` and the mapped section of ``index``, then
+        insert them all or none; returns the entries wanted and those held afterwards."""
         loaded: list[tuple[VKVCache, list[int]]] = []
         given: list[MappedEntry] = []  # mapped entries, until the store takes them
         mapped = None
@@ -589,12 +610,7 @@ class PrefixStore:
                 cache.close()
             for entry in given:
                 entry.release()
-        held = [tokens for tokens in wanted if tokens in kept]
-        if len(held) < len(wanted):
-            warnings.warn(f"PrefixStore.load({str(path)!r}): {len(wanted) - len(held)} of its {len(wanted)} entries "
-                          f"did not fit within the store's budget_bytes ({self.budget_bytes or 0:,}) and were evicted at "
-                          f"once; raise budget_bytes to hold them", stacklevel=2)
-        return sum(map(len, held))
+        return wanted, kept
 
     def save(self, directory: str | os.PathLike[str], *, model: torch.nn.Module | None = None) -> list[Path]:
         """Save every entry to ``directory``: the pages of every entry that can be mapped once
@@ -663,22 +679,29 @@ class PrefixStore:
                                    weights=weights))
             if mapped:
                 section = write_pages(out, mapped)
-                paths.append(out / PAGES_FILE)
         finally:
             for _, cache in entries:
                 cache.close()
         index = {"format": STORE_FORMAT, "version": STORE_VERSION, "writer": f"hf_vkv {__version__}",
-                 "files": [p.name for p in paths if p.name != PAGES_FILE],
+                 "files": [p.name for p in paths],
                  "config_fingerprint": self._fingerprint, "config_fields": config_fields(self.config),
                  "weights_fingerprint": weights, "dtype": None if self._dtype is None else str(self._dtype).removeprefix("torch."),
                  "mapped": section}
-        tmp = out / f".{STORE_INDEX}.tmp-{os.getpid()}-{threading.get_ident()}"
+        # The index is the commit: written after the files it names, each under a name of its own, so
+        # a save stopped at any point leaves the last save's folder or this one, both whole. Then the
+        # page file takes its usual name (an index that names the other finds it there: pages_path).
         try:
-            tmp.write_text(index_text(index))
-            os.replace(tmp, out / STORE_INDEX)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return paths
+            _write_index(out, index)
+        except BaseException:
+            if section is not None:  # never committed: its page file goes (the last save's stays whole)
+                (out / section["file"]).unlink(missing_ok=True)
+            raise
+        if section is not None:
+            os.replace(out / section["file"], out / PAGES_FILE)
+            _write_index(out, {**index, "mapped": {**section, "file": PAGES_FILE}})
+            paths.append(out / PAGES_FILE)
+        clean_saves(out, keep=PAGES_FILE)
+        return [*paths, out / STORE_INDEX]
 
     def _check_model(self, model: torch.nn.Module) -> None:
         """Refuse a model of another config than the store's (``PrefixMismatchError``), and what is
@@ -875,6 +898,16 @@ def _mappable_images(cache: VKVCache, *, fits: VKVCache) -> list | None:
         return None
     ok = all(getattr(img.store, "backend", None) is not None and hasattr(img.store.backend, "map_file") for img in images)
     return images if ok and images else None
+
+
+def _write_index(folder: Path, index: dict[str, Any]) -> None:
+    """Replace ``folder``'s index by ``index`` at once (a temporary file, then renamed)."""
+    tmp = folder / f".{STORE_INDEX}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        tmp.write_text(index_text(index))
+        os.replace(tmp, folder / STORE_INDEX)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:

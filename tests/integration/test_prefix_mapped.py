@@ -527,3 +527,63 @@ def test_a_process_that_exits_while_its_pages_are_checked_exits_cleanly(tmp_path
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                           cwd=str(Path(__file__).parents[2]))
     assert proc.returncode == 0 and "opened" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("stop_at", [1, 2, 3, 4])
+def test_a_save_stopped_at_any_point_leaves_a_folder_that_loads(tmp_path: Path, stop_at: int,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save killed between renaming its page file over ``prefix_store.kv`` and renaming its index
+    left the new pages beside the old index: every later load was refused ("another save's file")
+    and the last good save was lost. The index is the commit now: stopped before it, the folder
+    loads the last save; after it, the new one."""
+    import hf_vkv.prefix.store as store_module
+
+    model = tiny("llama")
+    old, folder, old_prompts = _saved_store(tmp_path, model, seed=3)
+    new, _, new_prompts = _saved_store(tmp_path / "b", model, seed=5)
+    real, calls = os.replace, []
+
+    def replace(src: Any, dst: Any) -> None:  # the save's renames: pages, index, pages' name, index
+        calls.append(Path(dst).name)
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt("stopped")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        new.save(folder)
+    monkeypatch.setattr(os, "replace", real)
+    warm = PrefixStore(model.config)
+    assert warm.load(folder, model=model) > 0
+    source, want = (old, old_prompts) if stop_at <= 2 else (new, new_prompts)  # the 2nd rename, the index, commits
+    assert {tuple(p[:70]) for p in want} <= {tuple(p[:70]) for p in warm.prefixes()}
+    warm.check_invariants()
+    assert _same(_generate(model, want[0] + [7, 8], warm), _generate(model, want[0] + [7, 8], source))
+    for left in (f".{PAGES_FILE}.tmp-{2**22 + 7}-140123", f"prefix_store.{2**22 + 7}-0123abcd.kv"):  # a killed save's
+        (folder / left).write_bytes(b"x")  # (a pid past Linux's highest: no such process)
+    new.save(folder)  # the next save finishes, and what stopped saves left behind is gone
+    assert sorted(p.name for p in folder.iterdir()) == sorted([PAGES_FILE, STORE_INDEX])
+    assert store_module.STORE_INDEX in {p.name for p in new.save(folder)}
+
+
+def test_a_load_that_a_save_overtakes_reads_the_new_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process saving into the folder while this one loads it: half the loads were refused
+    as a damaged file. A load that finds its pages replaced under it reads the new index again."""
+    import hf_vkv.prefix.store as store_module
+
+    model = tiny("llama")
+    _, folder, _ = _saved_store(tmp_path, model, seed=3)
+    new, _, new_prompts = _saved_store(tmp_path / "b", model, seed=5)
+    real, raced = store_module.map_entries, []
+
+    def overtaken(*args: Any, **kwargs: Any) -> Any:
+        if not raced:
+            raced.append(True)
+            new.save(folder)  # the index this load read is the old save's; the pages are the new one's now
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, "map_entries", overtaken)
+    warm = PrefixStore(model.config)
+    assert warm.load(folder, model=model) > 0 and raced
+    assert {tuple(p[:70]) for p in new_prompts} <= {tuple(p[:70]) for p in warm.prefixes()}
+    warm.check_invariants()
