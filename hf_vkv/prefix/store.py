@@ -771,6 +771,7 @@ class PrefixStore:
     def check_invariants(self) -> None:
         """Check the radix tree, that it holds exactly the entries, each entry's shape and cache
         invariants, and the budget (raises :class:`~hf_vkv.InvariantError`)."""
+        self._check_process()
         with self._lock:
             self._check_invariants()
 
