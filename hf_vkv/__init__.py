@@ -32,6 +32,7 @@ from .memory.errors import (
     ArgumentError,
     ArgumentTypeError,
     CacheIndexError,
+    CompiledModuleError,
     CacheOptionError,
     CacheOptionTypeError,
     MissingDependencyError,
@@ -61,7 +62,7 @@ __all__ = [
     # checking it against DynamicCache
     "run_ab",
     # errors
-    "VKVError", "ArgumentError", "ArgumentTypeError", "CacheIndexError", "CacheOptionError", "CacheOptionTypeError",
+    "VKVError", "ArgumentError", "ArgumentTypeError", "CacheIndexError", "CompiledModuleError", "CacheOptionError", "CacheOptionTypeError",
     "MissingDependencyError", "KVCacheOutOfMemory", "MappingLimitError", "CapacityError",
     "PageSizeError", "CacheClosedError", "ForkedMemoryError", "BackendError", "InvariantError", "LayerMismatchError", "LayerCallError",
     "VKVGradientError", "VKVExportError", "RecurrentRollbackError", "WindowRollbackError", "UnsupportedModelError", "UnsupportedDeviceError",

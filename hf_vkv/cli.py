@@ -127,13 +127,15 @@ def _check_model(name: str, parser: argparse.ArgumentParser) -> None:
 
 
 def _system_text(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    """``--system-file``'s text (default: the demo's handbook), read before any model loads."""
+    """``--system-file``'s text without its final newline (the one an editor or ``echo`` ends a file
+    with, which a client sending the same text does not; default: the demo's handbook), read before
+    any model loads."""
     from .ab.demo_text import DOCUMENT
 
     if not args.system_file:
         return DOCUMENT
     try:
-        return Path(args.system_file).read_text(encoding="utf-8")
+        return Path(args.system_file).read_text(encoding="utf-8").removesuffix("\n")
     except OSError as e:
         parser.error(f"--system-file: cannot read {args.system_file}: {e.strerror or e}")
     except UnicodeDecodeError as e:
@@ -520,6 +522,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     os.environ[serving.STORE_BYTES_ENV] = str(args.prefix_store_mib << 20)
     if args.prefix_dir is not None:
         folder = Path(args.prefix_dir).resolve()
+        if not folder.is_dir():
+            parser.error(f"--prefix-dir {args.prefix_dir}: no such folder (save one first: hf-vkv prefix save "
+                         f"{args.prefix_dir} --system-file FILE)")
         if not (folder / "prefix_store.json").is_file():
             parser.error(f"--prefix-dir {args.prefix_dir}: no prefix_store.json there (a folder `hf-vkv prefix save` "
                          "or PrefixStore.save wrote)")

@@ -36,8 +36,13 @@ class GroupGeometry:
                 f"heads and tokens, got {tuple(k.shape)} and {tuple(v.shape)}"
             )
         if k.dtype != v.dtype or k.device != v.device:
+            autocast = k.dtype != v.dtype and torch.is_autocast_enabled(k.device.type)
             raise LayerMismatchError(
                 f"layer {layer}: keys ({k.dtype} on {k.device}) and values ({v.dtype} on {v.device}) differ"
+                + (": under torch.autocast a layer's keys and values can come out in different dtypes, and vkv "
+                   f"keeps one dtype a layer; convert the model instead (model.to({v.dtype})) and generate outside "
+                   "autocast, or use transformers' default cache"
+                   if autocast else ": vkv keeps a layer's keys and values in one dtype on one device")
             )
         return cls(k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
 

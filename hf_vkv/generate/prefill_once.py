@@ -32,8 +32,9 @@ tied head) runs on all expanded rows: the base model's output rows are repeated 
 reads them, so the head computes exactly what DynamicCache's does (only at the positions generate
 keeps for the head, any other read filling the rest first: :mod:`hf_vkv.generate.head_rows`). Tokens and logits are
 DynamicCache's (``torch.equal``); it is on by default (``cache_config={"prefill_once": False}``
-turns it off). Where it cannot apply — rows that differ, a model in training mode (dropout differs
-per row), mixture-of-experts models (an expert's matmul size depends on the batch), an input whose
+turns it off). Where it cannot apply — rows that differ, a model or any module of it in training mode
+(dropout differs per row), forward hooks a user put on it (they would see one row per prompt:
+:func:`~hf_vkv.prefix.fingerprint.user_hooks`), mixture-of-experts models (an expert's matmul size depends on the batch), an input whose
 row dimension this module cannot place (pixel values, image grids), a cache holding transformers' own
 layers (hybrid models: their state cannot be rolled back after an inexact call), layers whose
 activations are sequence first (FSMT), a head that reads more than the base model's last hidden
@@ -58,6 +59,7 @@ import torch
 from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..devices import policy_for
+from ..prefix.fingerprint import user_hooks
 from .names import CACHE_NAMES
 from .head_rows import HeadReads, RepeatedRows, repeat_for_head
 from .row_exactness import InexactRows, RowExactness
@@ -276,8 +278,14 @@ def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, model_kwargs:
     reason = _cache_refusal(cache, input_ids.device)
     if reason is not None:
         return reason
-    if model.training:
-        return "the model is in training mode (dropout differs per row)"
+    training = next((name or type(model).__name__ for name, m in model.named_modules() if m.training), None)
+    if training is not None:
+        return (f"{'the model' if training == type(model).__name__ else training} is in training mode (dropout "
+                f"differs per row)")
+    hooks = user_hooks(model)
+    if hooks:
+        return (f"forward hooks a user put on the model ({', '.join(hooks[:3])}{', ...' if len(hooks) > 3 else ''}) "
+                f"would see one row per prompt: they may draw random numbers or act per row")
     if base_of(model) is None:
         return f"{type(model).__name__} has no base model whose output rows the head reads"
     if cache.transformers_layers():

@@ -91,7 +91,8 @@ from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..cache.export import register_pytree
 from ..cache.options import PAGED_KEYS, PREFIX_STORE_KEY, config_dict, from_transformers_keys
-from ..memory.errors import ArgumentError, CacheOptionError, CapacityError, MissingDependencyError, VKVError
+from ..memory.errors import (ArgumentError, CacheOptionError, CapacityError, CompiledModuleError, MissingDependencyError,
+                             VKVError)
 from ..memory.map_budget import MappingLimitError
 from . import prefill_once, reuse, serving
 from .call import begin, end
@@ -306,6 +307,8 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
             raise CacheOptionError(
                 f"cache_config={{{PREFIX_STORE_KEY!r}: ...}} needs cache_implementation='vkv' (got "
                 f"{generation_config.cache_implementation!r}): add cache_implementation='vkv'")
+        if prefill_once.vkv_cache_of(model_kwargs) is not None:
+            _check_compiled(model)
         _check_layers(model, model_kwargs)
         _check_room(model_kwargs, generation_config, max_cache_length)
         return transformers_own()
@@ -323,6 +326,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         )
     if generation_config.use_cache is False:
         return transformers_own()
+    _check_compiled(model)
     if not model._supports_default_dynamic_cache():  # transformers logs that it ignores the string
         warnings.warn(
             f"cache_implementation='vkv': a {model.config.model_type} model's generate takes no Cache object (it "
@@ -398,6 +402,23 @@ def _drafted_past(generation_config: Any) -> int:
 def _may_cache(drafted: int) -> str:
     return ("its prompt and max_new_tokens, less the last token, which is not cached"
             + (f", and the {drafted} tokens prompt lookup may draft past them" if drafted else ""))
+
+
+def _check_compiled(model: Any) -> None:
+    """A model whose modules were compiled in place (``model.compile()``: torch keeps the compiled
+    call in ``_compiled_call_impl``) raises :class:`CompiledModuleError` before anything is computed:
+    its compiled attention read vkv's views with other kernels than DynamicCache's tensors, logits
+    1.2e-7 apart (greedy, a tiny Llama). ``compile_config`` compiles the forward transformers' way,
+    which vkv's static layout serves exactly."""
+    compiled = [name or type(model).__name__ for name, module in model.named_modules()
+                if getattr(module, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise CompiledModuleError(
+            f"cache_implementation='vkv' on a model whose modules were compiled in place ({', '.join(compiled[:3])}"
+            f"{', ...' if len(compiled) > 3 else ''}: model.compile()): compiled code reads vkv's key/value views with "
+            f"other kernels than DynamicCache's tensors, a rounding apart. Generate with the model uncompiled, or compile "
+            f"its decoding the transformers way: generate(..., cache_implementation='vkv', "
+            f"compile_config=CompileConfig()) (vkv's static layout, StaticCache's logits bit for bit)")
 
 
 def _check_layers(model: Any, model_kwargs: dict) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "ArgumentError",
     "ArgumentTypeError",
     "CacheIndexError",
+    "CompiledModuleError",
     "MissingDependencyError",
     "KVCacheOutOfMemory",
     "CapacityError",
@@ -49,6 +50,13 @@ class ArgumentError(VKVError, ValueError):
 
 class ArgumentTypeError(VKVError, TypeError):
     """An argument of an hf_vkv call of the wrong type (the message names it and the type it takes)."""
+
+
+class CompiledModuleError(VKVError, ValueError):
+    """``generate`` with a vkv cache on a model whose modules were compiled in place
+    (``model.compile()``, ``module.compile()``): the compiled code reads vkv's K/V views with other
+    kernels than DynamicCache's tensors (recompiling as their strides change), and its logits came
+    out a rounding apart. The message names the modules and what to do instead."""
 
 
 class CacheIndexError(VKVError, IndexError):

@@ -130,8 +130,7 @@ def _walk(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]],
     params: list[tuple[str, torch.nn.Parameter]] = []
     buffers: list[tuple[str, torch.Tensor]] = []
     adapters: list[list[Any]] = []
-    hooks = [[-1, key] for table in (_global_forward_hooks, _global_forward_pre_hooks)
-             for key, hook in table.items() if not _from_library(hook)]
+    hooks = [[-1, key] for key in _user_hook_keys(_global_forward_hooks, _global_forward_pre_hooks)]
     seen_modules: set[int] = set()
     seen_params: set[int] = set()
     stack: list[tuple[str, torch.nn.Module]] = [("", model)]
@@ -149,9 +148,8 @@ def _walk(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]],
             if buffer is not None and id(buffer) not in seen_params:
                 seen_params.add(id(buffer))
                 buffers.append((prefix + key, buffer))
-        for table in (module._forward_hooks, module._forward_pre_hooks):
-            if table:
-                hooks.extend([place, key] for key, hook in table.items() if not _from_library(hook))
+        if module._forward_hooks or module._forward_pre_hooks:
+            hooks.extend([place, key] for key in _user_hook_keys(module._forward_hooks, module._forward_pre_hooks))
         if _adapter_class(type(module)):
             adapters.append(_layer_state(module))
         children = [(f"{prefix}{key}.", child) for key, child in module._modules.items() if child is not None]
@@ -173,6 +171,22 @@ def _layer_state(module: torch.nn.Module) -> list[Any]:
     scales = [float(scaling[a]) for a in active if a in scaling] if isinstance(scaling, dict) else []
     merged = [str(a) for a in getattr(module, "merged_adapters", [])]
     return [active, bool(module.disable_adapters), merged, scales]
+
+
+def user_hooks(model: torch.nn.Module) -> list[str]:
+    """Where forward hooks or pre-hooks that no library put (:data:`LIBRARY_HOOKS`) sit on
+    ``model``: the names of its modules that hold one (``"(global)"`` for a module hook registered
+    for every module). Such a hook may change what a layer computes, draw random numbers, or act
+    on the batch's rows: nothing says which."""
+    out = ["(global)"] if _user_hook_keys(_global_forward_hooks, _global_forward_pre_hooks) else []
+    return out + [name or type(model).__name__ for name, module in model.named_modules()
+                  if (module._forward_hooks or module._forward_pre_hooks)
+                  and _user_hook_keys(module._forward_hooks, module._forward_pre_hooks)]
+
+
+def _user_hook_keys(*tables: dict[int, Any]) -> list[int]:
+    """The handle ids of the hooks in ``tables`` that no library put."""
+    return [key for table in tables for key, hook in table.items() if not _from_library(hook)]
 
 
 def _from_library(hook: Any) -> bool:

@@ -622,7 +622,8 @@ class PrefixStore:
         left alone and not read). The index carries the weights fingerprint of the model that
         computed the entries: the store's (:attr:`weights_fingerprint`, recorded by ``generate``
         and :meth:`load`), or ``model``'s when given. Mapped pages are checked against their
-        checksums before they are written again. Returns the files written.
+        checksums before they are written again. Returns the data files written (the page file and
+        the prefix files; the index that names them is ``prefix_store.json`` beside them).
 
         Raises:
             PrefixNotAFolderError: ``directory`` (or a folder above it) is a file (a
@@ -701,7 +702,7 @@ class PrefixStore:
             _write_index(out, {**index, "mapped": {**section, "file": PAGES_FILE}})
             paths.append(out / PAGES_FILE)
         clean_saves(out, keep=PAGES_FILE)
-        return [*paths, out / STORE_INDEX]
+        return paths
 
     def _check_model(self, model: torch.nn.Module) -> None:
         """Refuse a model of another config than the store's (``PrefixMismatchError``), and what is

@@ -145,6 +145,17 @@ def test_missing_inputs_and_files_in_place_of_folders_are_usage_errors_before_an
         assert code == 2 and message in err and str(a_file if a_file in args else "") in err, (args, err)
 
 
+def test_a_system_file_is_read_without_its_final_newline(tmp_path: Path) -> None:
+    """A system prompt saved from a file that ``echo`` or an editor ended with a newline kept it,
+    so a client sending the same text without one reused all but its last tokens."""
+    import argparse
+
+    system = tmp_path / "system.txt"
+    system.write_text("You are a helpful assistant.\n\n")
+    assert cli._system_text(argparse.Namespace(system_file=system), argparse.ArgumentParser()) == \
+        "You are a helpful assistant.\n"  # one newline, the file's last: a blank line the author wrote stays
+
+
 def test_ab_unknown_model_folder_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_main(capsys, "ab", "--model", tmp_path / "nowhere")
     assert code == 2 and "never downloads" in err

@@ -248,7 +248,7 @@ def test_pickling_a_cache_or_a_store_is_a_typed_refusal_and_copies_still_work():
         pickle.dumps(cache)
     with pytest.raises(ArgumentTypeError, match="not pickled"):
         torch.save(out, io.BytesIO())
-    with pytest.raises(ArgumentTypeError, match=r"not pickled.*store\.save\(folder\)"):
+    with pytest.raises(ArgumentTypeError, match=r"not pickled.*store\.save\(folder, model=model\)"):
         pickle.dumps(PrefixStore(model.config))
     fork = copy.deepcopy(cache)
     assert copy.copy(cache).get_seq_length() == fork.get_seq_length() == cache.get_seq_length()
@@ -268,3 +268,29 @@ def test_an_encoder_decoder_cache_has_stats_and_invariants():
     stats = cache.stats()
     assert stats == cache.self_attention_cache.stats() and stats.resident_bytes > 0
     cache.check_invariants()
+
+
+def test_a_model_compiled_in_place_is_refused_before_any_step():
+    """``model.compile()`` then generate with vkv: the compiled attention read vkv's views with
+    other kernels than DynamicCache's tensors, greedy logits 1.2e-7 apart, silently. Refused
+    before anything is computed now, naming compile_config; the uncompiled model still runs."""
+    model = tiny("llama")
+    ids = prompts(1, 9)
+    ref = model.generate(**ids, max_new_tokens=3)
+    model.model.layers[0].compile()  # in place: nothing is compiled until the module is called
+    with pytest.raises(hf_vkv.CompiledModuleError, match=r"model.layers.0.*compile_config=CompileConfig\(\)"):
+        model.generate(**ids, max_new_tokens=3, cache_implementation="vkv")
+    cache = VKVCache(model.config)
+    with pytest.raises(hf_vkv.CompiledModuleError):
+        model.generate(**ids, max_new_tokens=3, **{cache_kwarg(): cache})
+    assert cache.get_seq_length() == 0
+    model.model.layers[0]._compiled_call_impl = None  # what the module had before compile()
+    assert torch.equal(model.generate(**ids, max_new_tokens=3, cache_implementation="vkv"), ref)
+
+
+def test_keys_and_values_of_two_dtypes_under_autocast_say_what_to_do():
+    """Under ``torch.autocast`` a Llama's keys come out float32 and its values bfloat16; vkv keeps
+    one dtype a layer, and its refusal said only that they differ."""
+    model = tiny("llama")
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(LayerMismatchError, match=r"torch.autocast.*model.to"):
+        model.generate(**prompts(1, 9), max_new_tokens=3, cache_implementation="vkv")

@@ -24,13 +24,22 @@ NEW = 6
 
 @contextlib.contextmanager
 def prompt_tokens_computed(model: torch.nn.Module) -> Iterator[list[int]]:
-    """Counts the token rows the model embeds in each forward (the first entry is the prefill)."""
+    """Counts the token rows the model embeds in each forward (the first entry is the prefill), by
+    wrapping the embedding's ``forward``: a user's forward hook would turn prefill once off (it
+    might act per row)."""
     counts: list[int] = []
-    handle = model.get_input_embeddings().register_forward_pre_hook(lambda m, args: counts.append(args[0].numel()))
+    embed = model.get_input_embeddings()
+    forward = embed.forward
+
+    def counting(input_ids: torch.Tensor, *args, **kwargs):
+        counts.append(input_ids.numel())
+        return forward(input_ids, *args, **kwargs)
+
+    embed.forward = counting
     try:
         yield counts
     finally:
-        handle.remove()
+        del embed.forward
 
 
 def _both(layout: LayoutRun, model, inputs, **kwargs):
@@ -270,3 +279,52 @@ def test_the_head_gets_only_the_positions_it_keeps(whole: bool, monkeypatch: pyt
     _same(ref, got)
     assert counts[NEW] == 16 and got.past_key_values.stats().prefill_once.startswith("on")
     assert fills == ([7] if whole else [])  # 7 of 8 positions written only where the model read them
+
+
+def _noise(module, args, out):  # a user's hook that draws random numbers (the test module is no library's)
+    return out + 0.1 * torch.randn_like(out)
+
+
+def _per_row(module, args, out):  # a user's hook that acts on each row of the batch
+    hidden = out[0] if isinstance(out, tuple) else out
+    scaled = hidden * (1 + 0.1 * torch.arange(1, hidden.shape[0] + 1, dtype=hidden.dtype).view(-1, 1, 1))
+    return (scaled, *out[1:]) if isinstance(out, tuple) else scaled
+
+
+@pytest.mark.parametrize("case", ["a layer in training mode", "the base model in training mode", "a noise hook",
+                                  "a per-row hook", "a pre-hook on the model"])
+@pytest.mark.parametrize("mode", [dict(num_beams=3, do_sample=False),
+                                  dict(do_sample=True, num_return_sequences=4, top_k=0)])
+def test_a_model_whose_rows_a_module_tells_apart_prefills_every_row(case: str, mode: dict) -> None:
+    """Prefill once checked ``model.training`` only, and knew nothing of hooks: with dropout active
+    in a submodule (the model itself in eval mode), or a user's forward hook that draws random
+    numbers or acts per row, the prompt's forward on one row per prompt gave other tokens and
+    logits than DynamicCache's (max |dlogit| 0.03-0.9), silently. Such a model prefills every row now,
+    and stats() says why."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny("llama").config.__class__(**{**tiny("llama").config.to_dict(),
+                                                                "attention_dropout": 0.1})).eval()
+    handles = []
+    if case == "a layer in training mode":
+        model.model.layers[0].self_attn.train()
+    elif case == "the base model in training mode":
+        model.model.train()
+    elif case == "a noise hook":
+        handles.append(model.model.embed_tokens.register_forward_hook(_noise))
+    elif case == "a per-row hook":
+        handles.append(model.model.layers[0].register_forward_hook(_per_row))
+    else:
+        handles.append(model.register_forward_pre_hook(
+            lambda m, args, kwargs: (args, {**kwargs, "input_ids": kwargs["input_ids"] % 7 + torch.randint_like(
+                kwargs["input_ids"], 0, 3)}) if kwargs.get("input_ids") is not None else None, with_kwargs=True))
+    ids = prompts(1, 9, seed=3)
+    kwargs = dict(max_new_tokens=4, return_dict_in_generate=True, output_logits=True, pad_token_id=0, **mode)
+    torch.manual_seed(5)
+    ref = model.generate(**ids, **kwargs)
+    torch.manual_seed(5)
+    got = model.generate(**ids, cache_implementation="vkv", **kwargs)
+    _same(ref, got)
+    said = got[cache_kwarg()].stats().prefill_once
+    assert ("training mode" in said) if "training" in case else said.startswith("forward hooks a user put"), said
+    for handle in handles:
+        handle.remove()

@@ -391,8 +391,10 @@ def test_a_folder_fingerprinted_before_buffers_were_still_loads(tmp_path: Path, 
 def test_pipeline_with_chat_messages() -> None:
     from transformers import pipeline
 
+    import copy
+
     model = tiny("llama")
-    tok = tokenizer()
+    tok = copy.deepcopy(tokenizer())  # the shared tokenizer keeps no template (test_cli's model has none)
     tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                          "{% if add_generation_prompt %}w7 {% endif %}")
     store = PrefixStore(model.config)

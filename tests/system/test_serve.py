@@ -262,6 +262,7 @@ def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_re
     page_file = tmp_path / "truncated" / "prefix_store.kv"
     page_file.write_bytes(page_file.read_bytes()[:-4096])
     for args in (["--prefix-dir", str(tmp_path)], ["--prefix-dir", str(tmp_path / "damaged")],
+                 ["--prefix-dir", str(tmp_path / "nowhere")],
                  ["--prefix-dir", str(tmp_path / "truncated")],
                  ["--prefix-store-mib", "1", "--prefix-dir", str(tmp_path / "system")]):
         with pytest.raises(SystemExit) as refused:
@@ -270,6 +271,7 @@ def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_re
         err = capsys.readouterr().err
         assert f"--prefix-dir {args[-1]}" in err
         assert "truncated" not in args[-1] or "PrefixFileCorruptError" in err and "not whole" in err
+        assert "nowhere" not in args[-1] or "no such folder" in err and "hf-vkv prefix save" in err
 
 
 def test_the_responses_and_completions_endpoints_match_stock_and_reuse_the_store(vkv_server, stock_server, model_dir):
