@@ -282,8 +282,7 @@ class PrefixStore:
         pages; pass it as ``past_key_values`` with the whole ``input_ids``. On a miss the cache
         is new and empty.
         """
-        self._check_process()
-        with self.borrow(input_ids) as (entry, m):
+        with self.borrow(input_ids) as (entry, m):  # which checks the process
             if entry is not None:
                 return entry.fork(m)
         return self.new_cache()

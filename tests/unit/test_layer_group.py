@@ -75,16 +75,16 @@ def test_a_sliding_group_shows_its_window_and_crops_only_when_recording() -> Non
     step(g, 1, 1, 5)
     assert tokens_of(g, 3) == [[4, 5]]  # 6 tokens, window 3: tokens 4 and 5 (the mask adds the next)
     with pytest.raises(RuntimeError, match="does not track past states"):
-        g.check_crop()
+        g.check_crop(-1)
     g.close()
 
     r = make(window=3)
     step(r, 1, 2, 0)
-    r.check_crop()  # under the window: a crop is fine even without recording
+    r.check_crop(-1)  # under the window: a crop is fine even without recording
     r.start_recording()
     step(r, 1, 4, 2)
     assert r.kept_from(3) == 0 and tokens_of(r, 3) == [[0, 1, 2, 3, 4, 5]]  # recording keeps every token
-    r.check_crop()
+    r.check_crop(-2)
     r.crop(-2)
     assert r.lengths == [4, 4] and r.kept_from(3) == 2 and tokens_of(r, 3) == [[2, 3]]
     step(r, 1, 1, 40)
