@@ -82,7 +82,6 @@ def verify_folder(folder: Path, *, pages: bool = True) -> tuple[int, float]:
     raises :class:`~hf_vkv.PrefixFileCorruptError` naming the first page that differs.
     ``pages=False``: the page file's header and size only (no page read)."""
     from .prefix.mapped import verify_file
-    from .cache.layouts import layout_option
     from .prefix.store import STORE_INDEX
 
     index = _index(folder / STORE_INDEX)

@@ -307,10 +307,11 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
             raise CacheOptionError(
                 f"cache_config={{{PREFIX_STORE_KEY!r}: ...}} needs cache_implementation='vkv' (got "
                 f"{generation_config.cache_implementation!r}): add cache_implementation='vkv'")
-        if prefill_once.vkv_cache_of(model_kwargs) is not None:
+        passed = prefill_once.vkv_cache_of(model_kwargs)
+        if passed is not None:  # a vkv cache given to generate: what it cannot serve, before anything runs
             _check_compiled(model)
-        _check_layers(model, model_kwargs)
-        _check_room(model_kwargs, generation_config, max_cache_length)
+            _check_layers(model, passed[1])
+            _check_room(passed[1], generation_config, max_cache_length)
         return transformers_own()
     given = [name for name in CACHE_NAMES if model_kwargs.get(name) is not None]
     if given:
@@ -421,16 +422,15 @@ def _check_compiled(model: Any) -> None:
             f"compile_config=CompileConfig()) (vkv's static layout, StaticCache's logits bit for bit)")
 
 
-def _check_layers(model: Any, model_kwargs: dict) -> None:
+def _check_layers(model: Any, cache: Any) -> None:
     """A vkv cache passed to ``generate`` that was made for a model of another depth raises
     :class:`ArgumentError` before anything is computed: a deeper model's forward would fill the
     cache's layers and then fail at the first layer it lacks, a shallower one would leave its last
     layers behind (DynamicCache accepts both)."""
-    found = prefill_once.vkv_cache_of(model_kwargs)
     config = getattr(model, "config", None)
-    if found is None or not hasattr(config, "get_text_config"):
+    if not hasattr(config, "get_text_config"):
         return
-    made_for = getattr(found[1].config, "num_hidden_layers", None)
+    made_for = getattr(cache.config, "num_hidden_layers", None)
     has = getattr(config.get_text_config(decoder=True), "num_hidden_layers", None)
     if isinstance(made_for, int) and isinstance(has, int) and made_for != has:
         raise ArgumentError(
@@ -440,14 +440,13 @@ def _check_layers(model: Any, model_kwargs: dict) -> None:
             f"let generate make it with cache_implementation='vkv')")
 
 
-def _check_room(model_kwargs: dict, generation_config: Any, max_cache_length: int) -> None:
+def _check_room(cache: Any, generation_config: Any, max_cache_length: int) -> None:
     """A vkv cache passed to ``generate`` (a conversation continued, a cache made by hand) whose
     rows have no room for what the call may cache raises :class:`CapacityError` before anything is
     computed, not at the step that would pass it (the cache is left as it was)."""
-    found = prefill_once.vkv_cache_of(model_kwargs)
-    if found is None or generation_config.is_assistant:
+    if generation_config.is_assistant:
         return
-    room, drafted = found[1].reserved_tokens(), _drafted_past(generation_config)
+    room, drafted = cache.reserved_tokens(), _drafted_past(generation_config)
     if room is not None and room < max_cache_length + drafted:
         raise CapacityError(
             f"the cache passed to generate has room for {room} tokens a row and this call may cache "

@@ -369,8 +369,7 @@ class RowBuffer(ABC):
     def _open(self) -> PageTable:
         if self._closed:
             raise CacheClosedError(_CLOSED)
-        if not self.store.made_in.here:  # a child forked after the cache was made (the parent's pages)
-            self.store.made_in.check("this cache")
+        self.store.made_in.check("this cache")  # not in a child forked after it was made (the parent's pages)
         return self._table
 
     def _check_capacity(self, length: int) -> None:
