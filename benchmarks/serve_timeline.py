@@ -5,14 +5,16 @@ template and tokenizer, ``generate``, and the first token's way back, per turn.
         --json benchmarks/results/serve_timeline_1t.json
 
 ``hf-vkv serve`` runs in a subprocess (the embedded SmolLM2, ``--threads`` intra-op threads) with
-five places wrapped to write wall-clock times to a log: an ASGI middleware around the server's app
-(the request has arrived), ``apply_chat_template`` (in and out), vkv's ``prepare_request``,
-``GenerationMixin.generate`` (in) and the streamer's ``put`` (the second put is the first new
-token). The client in this process sends one chat (streaming, greedy, ``--system-tokens`` of system
+places wrapped to write wall-clock times to a log, by a ``sitecustomize`` module on the server's
+``PYTHONPATH`` (so that the process transformers >= 5.25 spawns for the model is timed too): an
+ASGI middleware around the server's app (the request has arrived), ``apply_chat_template`` (in and
+out), vkv's ``prepare_request``, ``GenerationMixin.generate`` (in), the generate streamer's ``put``
+(the second put is the first new token) and, since 5.25, the API server's ``Detokenizer.put_token``
+(the token has crossed from the model's process). The client in this process sends one chat (streaming, greedy, ``--system-tokens`` of system
 prompt, a pause of ``--pause-s`` before each request) and takes the time of each request and of its
 first chunk with text; both processes read the same clock (``time.time``). Per turn: send to
 arrival, arrival to the template, the template, the template to ``generate``, ``generate`` to the
-first token, and the first token to the client. ``client_only_ms``: the same streaming ``create()``
+first token, the token's way to the API server (5.25 on), and on to the client. ``client_only_ms``: the same streaming ``create()``
 of the last turn's conversation handed to an in-memory ``httpx`` transport (no server): what the
 ``openai`` client itself takes before a request leaves it.
 """
@@ -33,19 +35,17 @@ from common import write_report  # noqa: E402
 from prefix_reuse import USER_TURNS, long_text  # noqa: E402
 from serve_chat import free_port, start_server  # noqa: E402
 
-_SERVER = r"""
-import functools, sys, time
-log = open(sys.argv[3], "a", buffering=1)
-import torch
-torch.set_num_threads(int(sys.argv[4]))
-from transformers import PreTrainedTokenizerBase
-from transformers.generation.utils import GenerationMixin
-import transformers.cli.serving.server as server
-import transformers.cli.serving.utils as serving_utils
-import hf_vkv.generate.serving as vkv_serving
+_SITE = r"""
+# sitecustomize of the benchmark's server: runs in the server and in every process it spawns
+# (transformers >= 5.25 runs the model in a process of its own), and wraps the places timed
+import functools, os, time
+log = open(os.environ["HF_VKV_TIMELINE_LOG"], "a", buffering=1)
+
 
 def wrap(owner, name, tag, out=True):
-    function = getattr(owner, name)
+    function = getattr(owner, name, None)
+    if function is None:
+        return
     @functools.wraps(function)
     def timed(*args, **kwargs):
         log.write(f"{tag}_in {time.time()}\n")
@@ -56,29 +56,42 @@ def wrap(owner, name, tag, out=True):
                 log.write(f"{tag}_out {time.time()}\n")
     setattr(owner, name, timed)
 
+
+from transformers import PreTrainedTokenizerBase
+from transformers.generation.utils import GenerationMixin
+import transformers.cli.serving.server as server
+import transformers.cli.serving.utils as serving_utils
+import hf_vkv.generate.serving as vkv_serving
+
 wrap(PreTrainedTokenizerBase, "apply_chat_template", "template")
 wrap(vkv_serving, "prepare_request", "prepare")
 wrap(GenerationMixin, "generate", "generate", out=False)
-wrap(serving_utils.DirectStreamer, "put", "put", out=False)
+# the token's way: made in the model's process (the generate streamer's put; before 5.25 the only
+# one) and, since 5.25, read in the API server's (the Detokenizer)
+wrap(getattr(serving_utils, "DirectStreamer", getattr(serving_utils, "_TokenStreamer", None)), "put", "put", out=False)
+wrap(getattr(serving_utils, "Detokenizer", None), "put_token", "received", out=False)
 build = server.build_server
+
 
 class Arrival:
     def __init__(self, app):
         self.app = app
+
     async def __call__(self, scope, receive, send):
         if scope.get("type") == "http":
             log.write(f"arrive {time.time()}\n")
         await self.app(scope, receive, send)
+
 
 def build_server(*args, **kwargs):
     app = build(*args, **kwargs)
     app.add_middleware(Arrival)
     return app
 
+
 server.build_server = build_server
-from hf_vkv.cli import main
-sys.exit(main(["serve", sys.argv[2], "--host", "127.0.0.1", "--port", sys.argv[1]]))
 """
+_SERVER = "import sys; from hf_vkv.cli import main; sys.exit(main(['serve', sys.argv[2], '--host', '127.0.0.1', '--port', sys.argv[1]]))"
 
 
 def _phases(sent: float, first: float, events: list[tuple[str, float]]) -> dict[str, float | None]:
@@ -99,7 +112,9 @@ def _phases(sent: float, first: float, events: list[tuple[str, float]]) -> dict[
             "template_to_generate_ms": ms(at["template_out"][-1] if "template_out" in at else None,
                                           first_of("generate_in")),
             "generate_to_first_token_ms": ms(first_of("generate_in"), token),
-            "first_token_to_client_ms": ms(token, first)}
+            # since 5.25 the token crosses from the model's process to the API server's (absent before)
+            "token_to_api_server_ms": ms(token, first_of("received_in")),
+            "first_token_to_client_ms": ms(first_of("received_in") or token, first)}
 
 
 def _client_only_ms(messages: list[dict[str, str]], repeats: int = 20) -> list[float]:
@@ -149,8 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(default_model_dir())
     log = tempfile.NamedTemporaryFile(prefix="hf_vkv_serve_timeline_", suffix=".log", delete=False).name
     port = free_port()
-    proc = start_server("hf-vkv serve", _SERVER, [str(port), model_dir, log, str(args.threads)], threads=args.threads,
-                        port=port)
+    site = tempfile.mkdtemp(prefix="hf_vkv_serve_timeline_")
+    Path(site, "sitecustomize.py").write_text(_SITE)
+    outer = {name: os.environ.get(name) for name in ("PYTHONPATH", "HF_VKV_TIMELINE_LOG")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, outer["PYTHONPATH"]) if p)
+    os.environ["HF_VKV_TIMELINE_LOG"] = log
+    try:
+        proc = start_server("hf-vkv serve", _SERVER, [str(port), model_dir], threads=args.threads, port=port)
+    finally:
+        for name, value in outer.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600, max_retries=0)
     messages = [{"role": "system", "content": long_text(tok, args.system_tokens)}]
     turns: list[tuple[float, float]] = []

@@ -55,6 +55,7 @@ class GenerateCall:
     pads: list[int] = field(default_factory=list)  # left padding of each row
     prefilled: bool = False  # the prefill hook ran (assisted decoding has none)
     taken: int = 0  # tokens of a store entry the cache took over (PrefixStore.take): given back if the call fails
+    computed_before: int = 0  # the cache's prefill_counts.computed when the call began (a cache passed back has some)
 
 
 def begin(cache: VKVCache, *, owned: bool, rows: int, num_beams: int = 1, store: PrefixStore | None = None,
@@ -65,7 +66,8 @@ def begin(cache: VKVCache, *, owned: bool, rows: int, num_beams: int = 1, store:
     ids = frozenset([eos] if isinstance(eos, int) else [int(e) for e in (eos if eos is not None else [])])
     report = None if store is None else ReuseReport(refusal=refusal)
     call = GenerateCall(owned=owned, rows=rows, prompt_repeats=cache.prompt_repeats, layout=cache.layout,
-                        num_beams=num_beams or 1, store=store, report=report, eos=ids, weights=weights)
+                        num_beams=num_beams or 1, store=store, report=report, eos=ids, weights=weights,
+                        computed_before=cache.prefill_counts.computed)
     cache.reuse = report if report is not None else cache.reuse
     cache.call = call
     return call

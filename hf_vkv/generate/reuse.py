@@ -53,7 +53,7 @@ from ..cache.options import PREFIX_STORE_KEY
 from ..memory.errors import CacheOptionError, CacheOptionTypeError, VKVError
 from ..prefix import PrefixStore
 from ..prefix.errors import PrefixMismatchError
-from ..prefix.fingerprint import OFFLOADED, WEIGHTS_DIFFER, config_fingerprint, per_row_adapters
+from ..prefix.fingerprint import OFFLOADED, WEIGHTS_DIFFER, config_fingerprint, per_row_adapters, weights_identity
 from . import prefill_once
 from .call import GenerateCall, begin
 from .names import CACHE_NAMES, cache_kwarg
@@ -155,10 +155,10 @@ def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows
     loop (:func:`finish`). ``refusal``: why the call's cache could not draw from the store
     (:func:`model_refusal`'s answer, which the caller asked before building the cache, or another
     reason; its report says so, and nothing is taken from or put into the store)."""
-    weights = None
+    weights = versions = None
     if refusal is None:
         try:
-            weights = store.fingerprint(model)
+            weights, versions = weights_identity(model)
         except PrefixMismatchError as e:  # a parameter on the meta device: nothing to read
             refusal = str(e)
     if weights is not None and store.weights_fingerprint not in (None, weights):
@@ -168,6 +168,12 @@ def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows
         else:
             refusal = (f"the store's entries were computed with other weights (same config; {WEIGHTS_DIFFER}): a "
                        f"store serves one model's weights; use a store per model, adapter or attention")
+    elif versions is not None and not store.unwritten_since(versions):
+        refusal = ("the model's parameters were written in place since the store's entries were computed (a "
+                   "parameter's version counter moved: an optimizer step, load_state_dict, an edit under "
+                   "torch.no_grad()), or this is another copy of that model: its K/V may differ where the weights "
+                   "fingerprint does not sample; store.clear() fills the store again with these weights, or use a "
+                   "store per model")
     return begin(cache, owned=owned, rows=rows, num_beams=num_beams, store=store, eos_token_id=eos_token_id,
                  refusal=refusal, weights=weights)
 
@@ -190,11 +196,15 @@ def count_prefill(call: GenerateCall, cache: VKVCache) -> None:
     report = call.report
     if report is None or call.input_ids is None or report.refusal is not None:
         return
-    if cache.prompt_repeats > 1:  # prefill once counted what it computed
-        computed = cache.prefill_counts.computed
+    start, pads = report.start_column, call.pads
+    if cache.prompt_repeats > 1:  # prefill once counted the columns it computed: one row per prompt where it ran
+        rows = range(0, len(pads), cache.prompt_repeats) if cache.prefill_counts.verdict.startswith("on") \
+            else range(len(pads))
+        computed = cache.prefill_counts.computed - call.computed_before
     else:
-        computed = call.input_ids.shape[0] * (call.input_ids.shape[1] - report.start_column)
-    report.computed_tokens += computed
+        rows = range(len(pads))
+        computed = len(pads) * (call.input_ids.shape[1] - start)
+    report.computed_tokens += computed - sum(max(pads[r] - start, 0) for r in rows)  # not the padding
     assert call.store is not None
     call.store.count_prefill(prompt_tokens=report.prompt_tokens, computed=report.computed_tokens)
 
@@ -374,7 +384,9 @@ def give_back(call: GenerateCall, cache: VKVCache) -> bool:
 
 def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *, give: bool) -> int:
     """Insert the finished rows of ``cache`` (their ids in ``sequences``); return how many became
-    entries (a row an entry already serves is kept by the store as that entry: not counted)."""
+    entries (a row an entry already serves is kept by the store as that entry: not counted). All
+    or none: every row that needs a cache of its own gets it before the first goes in, so a row
+    that cannot (no memory left) fails the call with nothing inserted."""
     store, ids = call.store, call.input_ids
     assert store is not None and ids is not None
     held = cache.get_seq_length()
@@ -395,23 +407,35 @@ def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *
             rows.append((r, row, end))
     else:
         return 0
-    inserted = 0
-    for r, row, end in rows:
-        pad = call.pads[r]
-        if end - pad < 1:
-            continue
-        if pad == 0 and cache.rows == 1:  # give: the call's own cache, which nobody else holds; else a fork of it
-            if give and end < held:
-                cache.crop(end - held)
-            new = not store.serves(row[:end])  # an entry already serving the row is kept, not counted
-            inserted += bool(store.insert(row[:end], cache, give=give, weights=call.weights)) and new
-            continue
-        one = store.new_cache(batch_size=1)
-        try:
+    rows = [(r, row, end) for r, row, end in rows if end - call.pads[r] >= 1]
+    if len(rows) == 1 and call.pads[rows[0][0]] == 0 and cache.rows == 1:
+        # give: the call's own cache, which nobody else holds; else a fork of it
+        _, row, end = rows[0]
+        if give and end < held:
+            cache.crop(end - held)
+        new = not store.serves(row[:end])  # an entry already serving the row is kept, not counted
+        return int(bool(store.insert(row[:end], cache, give=give, weights=call.weights)) and new)
+    # a cache per row, each with the call's room (a row may have outgrown the model's context)
+    reserved = cache.reserved_tokens()
+    room = {} if reserved is None else {"max_tokens": reserved}
+    made: list[tuple[list[int], VKVCache]] = []
+    try:
+        for r, row, end in rows:
+            pad = call.pads[r]
+            one = store.new_cache(batch_size=1, **room)
+            made.append((row[pad:end], one))
             one.take_rows([RowSource(cache, row=r, start=pad)], length=end - pad)
-        except BaseException:
+    except BaseException:
+        for _, one in made:
             one.close()
+        raise
+    inserted = 0
+    for i, (tokens, one) in enumerate(made):
+        try:
+            new = not store.serves(tokens)
+            inserted += bool(store.insert(tokens, one, give=True, weights=call.weights)) and new  # the store keeps it
+        except BaseException:
+            for _, left in made[i + 1:]:
+                left.close()
             raise
-        new = not store.serves(row[pad:end])
-        inserted += bool(store.insert(row[pad:end], one, give=True, weights=call.weights)) and new  # the store keeps it
     return inserted

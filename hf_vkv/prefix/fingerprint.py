@@ -8,9 +8,13 @@ for SmolLM2 on a CPU, taken at each use), the same sample of every buffer (a rot
 ``inv_freq`` rewritten in place changes every key), and what changes what a layer computes without changing a
 parameter (:func:`computation_state`): the state of the model's adapter layers (which adapters
 are active, disabled or merged, and their scaling), the forward hooks a user put on it, and an
-attention implementation other than sdpa's. Both are checks against mistakes, not proofs: two
-configs differing only in a field missing from :data:`CONFIG_FIELDS` hash alike, a parameter
-changed only between the sampled values is not seen, nor is a change in what a hook does.
+attention implementation other than sdpa's. In a process, :func:`weights_identity` adds the
+parameters' version counters, which torch bumps at every in-place write through a tensor (an
+optimizer step, ``load_state_dict``, ``param[i] += x`` under ``torch.no_grad()``): a store that
+saw other counters steps aside, whatever the sampled values. Both are checks against mistakes,
+not proofs: two configs differing only in a field missing from :data:`CONFIG_FIELDS` hash alike,
+a parameter written through ``param.data`` (or numpy) only between the sampled values is not
+seen, nor is a change in what a hook does.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from .errors import PrefixMismatchError
 __all__ = [
     "CONFIG_FIELDS", "LIBRARY_HOOKS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state",
     "computation_state", "config_fields", "config_fingerprint", "describe_difference", "is_adapter_layer",
-    "per_row_adapters", "unwrapped", "weights_fingerprint", "weights_match",
+    "per_row_adapters", "unwrapped", "weights_fingerprint", "weights_identity", "weights_match",
 ]
 
 #: Config fields whose values change what a layer computes (those a config has are hashed).
@@ -243,15 +247,28 @@ def weights_fingerprint(model: torch.nn.Module, *, buffers: bool = True) -> str:
     its usual ~4 ms), taken anew at each use: nothing cheaper tells
     that a parameter did not change (a write through ``param.data``, which an adapter's merge
     does, bumps no version counter)."""
+    return weights_identity(model, buffers=buffers)[0]
+
+
+@torch.no_grad()
+def weights_identity(model: torch.nn.Module, *, buffers: bool = True) -> tuple[str, int]:
+    """``(weights_fingerprint(model), versions)`` in one walk: ``versions`` is a digest of the
+    version counters of its parameters, in this process (another process, or a copy of the
+    model, counts its own). Torch bumps a tensor's counter at every in-place write through it
+    (an optimizer step, ``load_state_dict``, ``param[i] += x`` under ``torch.no_grad()``), so
+    the same ``versions`` later says no parameter was written that way since, where the sampled
+    fingerprint sees only the values it samples (a write through ``param.data`` bumps nothing:
+    the samples are what see a merge)."""
     model = unwrapped(model)
     params, adapters, hooks, held = _walk(model)
+    versions = hash(tuple(param._version for _, param in params))
     digest = hashlib.sha256(b"".join(_samples(params))).hexdigest()
     state = _state_of(model, adapters, hooks)
     if buffers and held:
         state["buffers"] = hashlib.sha256(b"".join(_samples(held))).hexdigest()
     if not state:
-        return digest
-    return hashlib.sha256((digest + json.dumps(state, sort_keys=True)).encode()).hexdigest()
+        return digest, versions
+    return hashlib.sha256((digest + json.dumps(state, sort_keys=True)).encode()).hexdigest(), versions
 
 
 def weights_match(saved: str, model: torch.nn.Module, current: str | None = None) -> bool:

@@ -165,6 +165,7 @@ class PrefixStore:
         self._ids = itertools.count()
         self._dtype: torch.dtype | None = None
         self._weights: str | None = None  # weights fingerprint of the model the entries were computed with
+        self._versions: int | None = None  # its parameters' version counters (weights_identity), in this process
         # the entries' pages, each counted once however many entries hold it (bytes_held): kept as
         # entries come and go; an entry is counted when first needed (a mapped entry's at open costs
         # a pass over its pages that opening does not need)
@@ -449,6 +450,20 @@ class PrefixStore:
         """:func:`~hf_vkv.prefix.fingerprint.weights_fingerprint` of ``model`` (taken anew at each
         call: nothing cheaper tells that a parameter did not change)."""
         return weights_fingerprint(model)
+
+    def unwritten_since(self, versions: int) -> bool:
+        """Whether a model with the store's weights fingerprint and the parameter version
+        counters ``versions`` (:func:`~hf_vkv.prefix.fingerprint.weights_identity`) wrote
+        none of its parameters in place since the store's entries were computed, in this process
+        (``False``: an optimizer step, ``load_state_dict`` or an edit under ``torch.no_grad()``
+        may have changed values the fingerprint does not sample; ``generate`` then steps aside).
+        Where the store knows no counters for its entries (it is empty, or they were loaded or
+        inserted by hand) it takes these: later writes are seen from here on."""
+        with self._lock:
+            if not self._entries or self._versions is None:
+                self._versions = versions
+                return True
+            return self._versions == versions
 
     @property
     def weights_fingerprint(self) -> str | None:

@@ -365,14 +365,16 @@ def test_a_folder_fingerprinted_before_buffers_were_still_loads(tmp_path: Path, 
     """A folder an hf_vkv wrote before the weights fingerprint sampled buffers carries the
     parameters' fingerprint alone: it still loads for its model (checked on its parameters) and
     serves as before, and is still refused for other weights."""
+    import hf_vkv.generate.reuse as reuse_module
     import hf_vkv.prefix.store as store_module
-    from hf_vkv.prefix.fingerprint import weights_fingerprint
+    from hf_vkv.prefix.fingerprint import weights_fingerprint, weights_identity
 
     model, other = tiny("llama"), tiny("llama", seed=1)
     g = torch.Generator().manual_seed(23)
     history = _rand(30, g)
     with monkeypatch.context() as old_version:
         old_version.setattr(store_module, "weights_fingerprint", lambda m: weights_fingerprint(m, buffers=False))
+        old_version.setattr(reuse_module, "weights_identity", lambda m: weights_identity(m, buffers=False))
         store = PrefixStore(model.config)
         _generate(model, *_batch([history]), store)
         store.save(tmp_path / "old")

@@ -22,6 +22,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import hf_vkv
 from hf_vkv import CacheOptionError, KVCacheOutOfMemory, PrefixStore, VKVCache, reuse_report
 from hf_vkv.generate import cache_kwarg
+from hf_vkv.prefix.fingerprint import _sample_index
 
 pytestmark = pytest.mark.integration
 
@@ -70,6 +71,51 @@ def test_a_model_with_other_weights_steps_aside() -> None:
     again = _call(base, ids, store)
     assert_same_tokens(_call(base, ids, None).sequences, again.sequences)
     assert reuse_report(again).reused_tokens > 0
+    store.check_invariants()
+
+
+@pytest.mark.threads(1, 2)
+@pytest.mark.parametrize("edit", ["unsampled value", "embedding row", "load_state_dict"])
+def test_a_parameter_written_in_place_where_the_fingerprint_does_not_sample_steps_aside(edit: str) -> None:
+    """A parameter written in place between the values the weights fingerprint samples (one
+    weight of an MLP, one token's embedding row, a ``load_state_dict`` of other weights with
+    the sampled values kept): the store steps aside, where it served K/V of the old weights
+    (SmolLM2: logits 0.11 and 0.87 off a full prefill). Logits are the changed model's own;
+    after ``store.clear()`` the store serves these weights again."""
+    model = tiny("llama", seed=0)
+    store = PrefixStore(model.config)
+    history = _ids(40)
+    _call(model, history, store)
+    ids = torch.cat([history, _ids(5, 1)], dim=1)
+    def unsampled(weight: torch.Tensor, row: int = 0) -> tuple[int, int]:
+        """A place in ``weight``'s row ``row`` that the fingerprint does not sample."""
+        sampled = set(_sample_index(weight.numel()).tolist())
+        column = next(c for c in range(weight.shape[1]) if row * weight.shape[1] + c not in sampled)
+        return row, column
+
+    weight = model.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        if edit == "unsampled value":
+            weight[unsampled(weight)] += 5
+        elif edit == "embedding row":
+            table = model.model.embed_tokens.weight
+            table[unsampled(table, int(history[0, 3]))] += 0.5
+        else:
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            state["model.layers.0.mlp.up_proj.weight"][unsampled(weight)] += 5
+            model.load_state_dict(state)
+    assert store.fingerprint(model) == store.weights_fingerprint  # the samples do not see it
+    got = _call(model, ids, store, output_logits=True)
+    ref = _call(model, ids, None, output_logits=True)
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.logits, got.logits, strict=True))
+    report = reuse_report(got)
+    assert report.reused_tokens == 0 and "written in place" in report.refusal and "store.clear()" in report.refusal
+    store.clear()
+    _call(model, history, store)
+    again = _call(model, ids, store, output_logits=True)
+    assert reuse_report(again).reused_tokens == 40
+    assert_same_tokens(ref.sequences, again.sequences)
     store.check_invariants()
 
 
@@ -308,6 +354,102 @@ def test_out_of_memory_during_beams_leaves_the_store_usable() -> None:
     got = _call(model, ids, store)
     assert_same_tokens(_call(model, ids, None).sequences, got.sequences)
     assert reuse_report(got).reused_tokens > 0
+    store.check_invariants()
+
+
+def _padded(*rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` (each ``[1, n]``) left-padded to one batch, and its attention mask."""
+    width = max(r.shape[1] for r in rows)
+    ids = torch.full((len(rows), width), PAD)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - r.shape[1]:], mask[i, width - r.shape[1]:] = r[0], 1
+    return ids, mask
+
+
+@pytest.mark.threads(1, 2)
+@pytest.mark.parametrize("mode", ["samples", "padded"])
+def test_rows_that_outgrow_the_models_context_are_stored(mode: str) -> None:
+    """Prompt and answer past ``max_position_embeddings`` (transformers generates on, and so
+    does vkv): each row of a many-row call becomes an entry, where its insertion raised
+    ``CapacityError`` after the whole generation (each row's own cache had the model's context
+    of room, not the call's). Tokens and logits as DynamicCache's; a later call reuses a row."""
+    model = tiny("llama")  # max_position_embeddings=256
+    store = PrefixStore(model.config)
+    if mode == "samples":
+        ids, mask = _ids(250), None
+        kwargs: dict[str, Any] = {"do_sample": True, "num_return_sequences": 2}
+    else:
+        ids, mask = _padded(_ids(250), _ids(246, 1))
+        kwargs = {}
+
+    def run(cache: dict[str, Any]) -> Any:
+        torch.manual_seed(7)
+        return model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, pad_token_id=PAD,
+                              max_new_tokens=10, min_new_tokens=10, return_dict_in_generate=True,
+                              output_logits=True, **kwargs, **cache)
+
+    want = run({})
+    got = run({"cache_implementation": "vkv", "cache_config": {"prefix_store": store}})
+    assert_same_tokens(want.sequences, got.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(want.logits, got.logits))
+    assert reuse_report(got).inserted == 2 and store.stats().entries == 2
+    store.check_invariants()
+    follow = torch.cat([got.sequences[0:1, :259], _ids(3, 9)], dim=1)  # row 0 (no padding): the 259 tokens held
+    again = _call(model, follow, store, max_new_tokens=3)
+    assert reuse_report(again).reused_tokens == 259
+    assert_same_tokens(_call(model, follow, None, max_new_tokens=3).sequences, again.sequences)
+    store.check_invariants()
+
+
+def test_a_call_whose_rows_cannot_all_be_stored_stores_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished call's rows go in all or none: where the second row's cache cannot be filled
+    (a failure made here: what running out of memory does), the first row is not left in the
+    store, no cache is left behind, and the next call is served."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    ids, mask = _padded(_ids(30), _ids(24, 1))
+    caches = _live_caches()
+    taken = VKVCache.take_rows
+    calls = []
+
+    def fail_second(self: VKVCache, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("made to fail")
+        return taken(self, *args, **kwargs)
+
+    monkeypatch.setattr(VKVCache, "take_rows", fail_second)
+    with pytest.raises(RuntimeError, match="made to fail"):
+        model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, do_sample=False,
+                       cache_implementation="vkv", cache_config={"prefix_store": store})
+    monkeypatch.setattr(VKVCache, "take_rows", taken)
+    assert len(calls) == 2
+    assert store.stats().entries == 0 and store.stats().inserts == 0
+    assert _live_caches() == caches
+    store.check_invariants()
+    got = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, do_sample=False,
+                         cache_implementation="vkv", cache_config={"prefix_store": store}, return_dict_in_generate=True)
+    assert reuse_report(got).inserted == 2
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_a_padded_batch_counts_no_padding_as_computed(repeats: int) -> None:
+    """``computed_tokens`` counts prompt tokens, as ``prompt_tokens`` does: never the padding a
+    batch's shorter prompts carry (it counted 40 computed of 35), with prefill once (one row per
+    prompt) or without; the store's ``prompt_tokens_computed`` sums the reports'."""
+    model = tiny("llama")
+    store = PrefixStore(model.config)
+    ids, mask = _padded(_ids(20), _ids(15, 1))
+    kwargs: dict[str, Any] = {"do_sample": True, "num_return_sequences": 2} if repeats == 2 else {}
+    got = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=3, return_dict_in_generate=True,
+                         cache_implementation="vkv", cache_config={"prefix_store": store}, **kwargs)
+    report = reuse_report(got)
+    assert report.refusal is None and report.reused_tokens == 0
+    assert report.prompt_tokens == 35 * repeats
+    assert report.computed_tokens == 35
+    assert store.stats().prompt_tokens_computed == 35
     store.check_invariants()
 
 
