@@ -177,6 +177,10 @@ def prepare_request(model: Any, inputs: Any, generation_kwargs: dict[str, Any]) 
     named = generation_kwargs.get("cache_implementation")
     store = None if named not in (None, CACHE_IMPLEMENTATION) else store_of(model)
     asked = generation_kwargs.get("cache_config")
+    given = config_dict(asked).get(PREFIX_STORE_KEY)
+    if given is not None and given is not store:  # the server's own store comes back in a copied config
+        raise CacheOptionError(f"a request's cache_config cannot name a {PREFIX_STORE_KEY} (got {given!r:.40}): the "
+                               f"server keeps one store per model, which every request with vkv uses; leave the key out")
     options = {k: v for k, v in config_dict(asked).items() if k != PREFIX_STORE_KEY}
     if store is None:
         # another cache (or a model vkv does not store): its own options, not the model's store,

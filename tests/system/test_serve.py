@@ -461,6 +461,9 @@ def test_prepare_request_refuses_before_anything_runs(model_dir):
     own = {"max_new_tokens": 2, "cache_config": {"prefill_once": False}}
     serving.prepare_request(model, inputs, own)
     assert own["cache_implementation"] == "vkv" and own["cache_config"] == {"prefill_once": False, "prefix_store": store}
+    for named in ({}, {"cache_implementation": "dynamic"}):  # a client cannot send a store (it was dropped)
+        with pytest.raises(CacheOptionError, match="cannot name a prefix_store"):
+            serving.prepare_request(model, inputs, {"max_new_tokens": 2, "cache_config": {"prefix_store": "x"}, **named})
     dynamic = {"max_new_tokens": 2, "cache_implementation": "dynamic"}
     serving.prepare_request(model, inputs, dynamic)
     assert dynamic["cache_implementation"] == "dynamic" and dynamic["cache_config"] == {}
