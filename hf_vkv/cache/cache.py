@@ -31,6 +31,7 @@ from .shared_prefix_group import SharedPrefixGroup
 from .static_group import StaticGroup
 from .hybrid import LinearState, cuts_back_unrecorded, make_vkv_layer, transformers_part
 from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer, int_argument, selected_rows
+from . import oom
 from .options import CacheOptions, config_dict
 from .row_image import GroupImage
 from .sources import ArenaSource, LayoutMaker
@@ -291,6 +292,13 @@ class VKVCache(Cache):
         reservation; ``None`` where every group keeps a sliding window, bounded whatever the length)."""
         rooms = [group.capacity for group in self._groups if group.sliding_window is None]
         return min(rooms) if rooms else None
+
+    def bytes_at_most(self, *, rows: int, tokens: int) -> int:
+        """Bytes ``rows`` rows of this cache hold at most at ``tokens`` tokens each, no page shared
+        (sliding windows at their reservation): what a memory budget must hold for them beside
+        what else draws from it. Groups not written yet (no states, so no size) and the paged
+        layout's blocks are not counted."""
+        return sum(oom.bytes_at_most(group, rows, tokens) or 0 for group in self._groups)
 
     def transformers_layers(self) -> list[Any]:
         """Layers kept in transformers' own classes, and the linear state of hybrid layers (their

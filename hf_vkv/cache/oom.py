@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..memory import KVCacheOutOfMemory, VirtualBuffer
 
-__all__ = ["STORE_BUDGET", "pages_for_step", "step_out_of_memory"]
+__all__ = ["STORE_BUDGET", "bytes_at_most", "pages_for_step", "step_out_of_memory"]
 
 
 def pages_for_step(group: object, batch: int, start: int, end: int) -> int:
@@ -37,6 +37,19 @@ def pages_for_step(group: object, batch: int, start: int, end: int) -> int:
             first, last = start * item // page, (min(end * item, row.length) - 1) // page
             need += sum(1 for i in range(max(first, row.start), min(last + 1, row.end)) if pool.is_shared(row.page_at(i)))
     return need
+
+
+def bytes_at_most(group: object, rows: int, tokens: int) -> int | None:
+    """Bytes ``rows`` rows of ``group`` hold at most at ``tokens`` tokens each (a sliding window's
+    at its reservation), no page shared: every sub-row's pages. ``None``: the group has no buffer
+    yet, or not a contiguous layout's (the paged layout's blocks)."""
+    buffer = getattr(group, "buffer", None)
+    if not isinstance(buffer, VirtualBuffer) or buffer.closed:
+        return None
+    if getattr(group, "sliding_window", None) is not None:
+        tokens = min(tokens, buffer.capacity)
+    page = buffer.store.page_bytes
+    return rows * len(buffer.table_rows(0)) * -(-tokens * buffer.item_bytes // page) * page
 
 
 #: Where the budget of a cache drawing from a prefix store's memory is set (a call's own

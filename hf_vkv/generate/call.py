@@ -56,6 +56,7 @@ class GenerateCall:
     prefilled: bool = False  # the prefill hook ran (assisted decoding has none)
     taken: int = 0  # tokens of a store entry the cache took over (PrefixStore.take): given back if the call fails
     computed_before: int = 0  # the cache's prefill_counts.computed when the call began (a cache passed back has some)
+    tokens: int | None = None  # tokens a row may cache in the call (max_length - 1, and prompt lookup's drafts)
 
 
 def begin(cache: VKVCache, *, owned: bool, rows: int, num_beams: int = 1, store: PrefixStore | None = None,

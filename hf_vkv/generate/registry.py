@@ -91,8 +91,8 @@ from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..cache.export import register_pytree
 from ..cache.options import PAGED_KEYS, PREFIX_STORE_KEY, config_dict, from_transformers_keys
-from ..memory.errors import (ArgumentError, CacheOptionError, CapacityError, CompiledModuleError, MissingDependencyError,
-                             VKVError)
+from ..memory.errors import (ArgumentError, CacheOptionError, CapacityError, CompiledModuleError, KVCacheOutOfMemory,
+                             MissingDependencyError, VKVError)
 from ..memory.map_budget import MappingLimitError
 from . import prefill_once, reuse, serving
 from .call import begin, end
@@ -384,6 +384,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
                      eos_token_id=generation_config.eos_token_id, refusal=refusal)
     else:
         begin(cache, owned=True, rows=batch_size * expand, num_beams=generation_config.num_beams)
+    cache.call.tokens = max_cache_length + drafted
     if model.config.is_encoder_decoder:
         cache = VKVEncoderDecoderCache(cache, DynamicCache(config=model.config.get_text_config(decoder=True)))
     model_kwargs[cache_kwarg()] = cache
@@ -488,13 +489,26 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
         cache.check_reads()  # the last layers' attention got what their update returned
         returned = not hasattr(out, "shape")  # a dict output carries the cache back to the caller
         reuse.finish(call, cache, getattr(out, "sequences", None) if returned else out, returned=returned)
-    except BaseException:
+    except BaseException as exc:
+        whole = _whole_call(exc, cache, call)
         if call.owned and not reuse.give_back(call, cache):  # a store entry it took over goes back to the store
             cache.close()  # nobody can reach it after the error: its pages go back now
+        if whole is not None:
+            raise whole from None
         raise
     finally:
         end(cache)
     return out
+
+
+def _whole_call(exc: BaseException, cache: Any, call: Any) -> KVCacheOutOfMemory | None:
+    """An out-of-memory error of a call that ``generate`` sized, restated with a budget that
+    holds the whole call (``None``: another error, or a cache passed in, whose size is its own)."""
+    if not isinstance(exc, KVCacheOutOfMemory) or call.tokens is None:
+        return None
+    return exc.for_whole_call(rows=call.rows, tokens=call.tokens,
+                              call_bytes=cache.bytes_at_most(rows=call.rows, tokens=call.tokens),
+                              held_bytes=cache.stats().resident_bytes)
 
 
 def _serve_request(original: Any, runner: Any, request_id: Any, inputs: Any, generation_kwargs: dict[str, Any],

@@ -84,6 +84,7 @@ class KVCacheOutOfMemory(VKVError, MemoryError):
         self.budget_bytes = budget_bytes
         #: A ``budget_bytes`` that would hold what was asked for on top of what is held (when known).
         self.fits_bytes = fits_bytes
+        self.what, self.budget = what, budget
         budget = budget or "cache_config['budget_bytes']"  # where the budget is set (a prefix store's memory: its own)
         raise_to = f"raise {budget} to at least {fits_bytes:,}" if fits_bytes is not None else f"raise {budget}"
         super().__init__(message or
@@ -99,6 +100,25 @@ class KVCacheOutOfMemory(VKVError, MemoryError):
         what is free, and a budget that fits it."""
         return KVCacheOutOfMemory(requested_bytes=requested_bytes, free_bytes=free_bytes, budget_bytes=budget_bytes,
                                   what=what, fits_bytes=fits_bytes, budget=budget)
+
+    def for_whole_call(self, *, rows: int, tokens: int, call_bytes: int, held_bytes: int) -> KVCacheOutOfMemory:
+        """This error restated for the ``generate`` call it interrupted: its ``fits_bytes`` holds the
+        whole call, not only the step that failed (a budget that fitted the step failed again one
+        token later). ``call_bytes``: what the call's ``rows`` rows hold at most at ``tokens``
+        tokens each (no page shared); ``held_bytes``: what the call's cache holds now (the rest of
+        the memory in use is held by others: a prefix store's entries, other caches)."""
+        others = max(self.budget_bytes - self.free_bytes - held_bytes, 0)
+        fits = max(others + call_bytes, self.fits_bytes or 0)
+        budget = self.budget or "cache_config['budget_bytes']"
+        step = f"{self.fits_bytes:,} fits this step, and " if self.fits_bytes is not None else ""
+        return KVCacheOutOfMemory(
+            requested_bytes=self.requested_bytes, free_bytes=self.free_bytes, budget_bytes=self.budget_bytes,
+            what=self.what, fits_bytes=fits, budget=self.budget,
+            message=f"KV cache out of memory: {self.what} need {self.requested_bytes:,} bytes but only "
+                    f"{self.free_bytes:,} of the {self.budget_bytes:,}-byte budget are free. Free finished rows, lower "
+                    f"the batch or max_new_tokens, or raise {budget} to at least {fits:,}, which holds the whole call "
+                    f"({step}its {rows} row(s) reaching {tokens:,} tokens hold at most {call_bytes:,} bytes with no "
+                    f"page shared, beside {others:,} held by others).")
 
 
 class CapacityError(VKVError, ValueError):

@@ -88,6 +88,8 @@ class MappingLimitError(KVCacheOutOfMemory):
         """Itself: it counts the whole change's mappings already, and the page budget is not its limit."""
         return self
 
+    for_whole_call = for_whole_step
+
 
 class MapBudget:
     """Mappings vkv may hold in this process (see the module docstring).

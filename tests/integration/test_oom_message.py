@@ -68,3 +68,28 @@ def test_decode_step_counts_what_is_held() -> None:
     _prefill(again, inputs)
     _prefill(again, step)
     assert again.get_seq_length() == 65
+
+
+@pytest.mark.threads(1, 2)
+@pytest.mark.parametrize("mode", [{}, {"num_beams": 3}, {"do_sample": True, "num_return_sequences": 3}])
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_a_generate_call_out_of_memory_names_a_budget_that_holds_the_whole_call(mode: dict[str, Any],
+                                                                                 layout: str) -> None:
+    """Inside ``generate`` the error's budget holds the whole call, not only the step that
+    failed: retried with ``fits_bytes`` once, the call runs (a budget that fitted the prefill
+    failed one token later, 25 tries for SmolLM2 greedy); tokens as DynamicCache's."""
+    model, inputs = tiny("llama"), prompts(2, 30)
+
+    def run(cache_config: dict[str, Any] | None) -> Any:
+        torch.manual_seed(4)
+        extra = {} if cache_config is None else {"cache_implementation": "vkv", "cache_config": cache_config}
+        return model.generate(**inputs, max_new_tokens=20, min_new_tokens=20, **mode, **extra)
+
+    options = {"layout": layout, "page_bytes": PAGE}
+    with pytest.raises(hf_vkv.KVCacheOutOfMemory, match="holds the whole call") as caught:
+        run({**options, "budget_bytes": 2 * PAGE})
+    fits = caught.value.fits_bytes
+    assert fits is not None and f"at least {fits:,}" in str(caught.value)
+    assert torch.equal(run(None), run({**options, "budget_bytes": fits}))
+    with pytest.raises(hf_vkv.KVCacheOutOfMemory):  # and it is not far above what the call needs
+        run({**options, "budget_bytes": fits // 4})
