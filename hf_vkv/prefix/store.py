@@ -107,6 +107,9 @@ def _device_type(device: Any) -> str:
     return device.type
 
 
+_SAVING = threading.Lock()  # held by every PrefixStore.save of the process (not call state: a file lock's stand-in)
+
+
 class PrefixStore:
     """KV caches of finished prompts, keyed by their exact token ids in a radix tree.
 
@@ -174,7 +177,6 @@ class PrefixStore:
         self._leaving: list[HeldPages] = []  # counted pages of entries taken, not discounted yet
         self._lookups = self._hits = self._reused = self._inserts = self._evictions = 0
         self._said_over_budget = False  # whether insert warned of an entry over the budget
-        self._saving = threading.Lock()  # held by save
         self._prompt_tokens = self._computed = 0
 
     def __len__(self) -> int:
@@ -646,7 +648,9 @@ class PrefixStore:
                 weights than those that computed the entries).
         """
         self._check_process()
-        with self._saving:  # one save at a time: two into one folder could pair one's index with the other's pages
+        # one save at a time in the process, whatever the store: two into one folder could pair one's index with
+        # the other's pages, and a save's clean-up takes this process's page files it does not name for left-overs
+        with _SAVING:
             return self._save_folder(directory, model)
 
     def _save_folder(self, directory: str | os.PathLike[str], model: torch.nn.Module | None) -> list[Path]:

@@ -586,3 +586,36 @@ def test_a_load_that_a_save_overtakes_reads_the_new_save(tmp_path: Path, monkeyp
     assert warm.load(folder, model=model) > 0 and raced
     assert {tuple(p[:70]) for p in new_prompts} <= {tuple(p[:70]) for p in warm.prefixes()}
     warm.check_invariants()
+
+
+def test_two_stores_of_one_process_saving_into_one_folder_at_once_leave_a_folder_that_loads(tmp_path: Path) -> None:
+    """Two stores in two threads of one process saving into one folder, over and over: a save's
+    clean-up took the other's page file (same process, not yet named by an index) as one a
+    stopped save left. Saves in a process take turns now; every save ends, the folder loads one
+    of the two stores whole."""
+    import threading
+
+    model = tiny("llama")
+    first, folder, first_prompts = _saved_store(tmp_path, model, seed=3)
+    second, _, second_prompts = _saved_store(tmp_path / "b", model, seed=5)
+    failed: list[BaseException] = []
+
+    def save_often(store: PrefixStore) -> None:
+        try:
+            for _ in range(12):
+                store.save(folder)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            failed.append(exc)
+
+    threads = [threading.Thread(target=save_often, args=(s,)) for s in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failed, failed
+    warm = PrefixStore(model.config)
+    assert warm.load(folder, model=model) > 0
+    held = {tuple(p[:70]) for p in warm.prefixes()}
+    assert {tuple(p[:70]) for p in first_prompts} <= held or {tuple(p[:70]) for p in second_prompts} <= held
+    warm.check_invariants()
+    assert sorted(p.name for p in folder.iterdir()) == sorted([PAGES_FILE, STORE_INDEX])
