@@ -293,12 +293,13 @@ class VKVCache(Cache):
         rooms = [group.capacity for group in self._groups if group.sliding_window is None]
         return min(rooms) if rooms else None
 
-    def bytes_at_most(self, *, rows: int, tokens: int) -> int:
+    def bytes_at_most(self, *, rows: int, tokens: int) -> int | None:
         """Bytes ``rows`` rows of this cache hold at most at ``tokens`` tokens each, no page shared
         (sliding windows at their reservation): what a memory budget must hold for them beside
-        what else draws from it. Groups not written yet (no states, so no size) and the paged
-        layout's blocks are not counted."""
-        return sum(oom.bytes_at_most(group, rows, tokens) or 0 for group in self._groups)
+        what else draws from it. Groups not written yet (no states, so no size) are not counted;
+        ``None`` where a group's layout does not say (the paged layout's blocks)."""
+        each = [oom.bytes_at_most(group, rows, tokens) for group in self._groups]
+        return None if None in each else sum(each)
 
     def transformers_layers(self) -> list[Any]:
         """Layers kept in transformers' own classes, and the linear state of hybrid layers (their

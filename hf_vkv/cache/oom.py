@@ -41,9 +41,12 @@ def pages_for_step(group: object, batch: int, start: int, end: int) -> int:
 
 def bytes_at_most(group: object, rows: int, tokens: int) -> int | None:
     """Bytes ``rows`` rows of ``group`` hold at most at ``tokens`` tokens each (a sliding window's
-    at its reservation), no page shared: every sub-row's pages. ``None``: the group has no buffer
-    yet, or not a contiguous layout's (the paged layout's blocks)."""
+    at its reservation), no page shared: every sub-row's pages. 0 for a group with no buffer yet
+    (no states: no size known); ``None`` for a closed one or another layout's than a contiguous
+    one (the paged layout's blocks)."""
     buffer = getattr(group, "buffer", None)
+    if buffer is None:
+        return 0
     if not isinstance(buffer, VirtualBuffer) or buffer.closed:
         return None
     if getattr(group, "sliding_window", None) is not None:

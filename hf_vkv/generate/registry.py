@@ -506,8 +506,10 @@ def _whole_call(exc: BaseException, cache: Any, call: Any) -> KVCacheOutOfMemory
     holds the whole call (``None``: another error, or a cache passed in, whose size is its own)."""
     if not isinstance(exc, KVCacheOutOfMemory) or call.tokens is None:
         return None
-    return exc.for_whole_call(rows=call.rows, tokens=call.tokens,
-                              call_bytes=cache.bytes_at_most(rows=call.rows, tokens=call.tokens),
+    need = cache.bytes_at_most(rows=call.rows, tokens=call.tokens)
+    if need is None:  # the paged layout: its error names its need and what is free
+        return None
+    return exc.for_whole_call(rows=call.rows, tokens=call.tokens, call_bytes=need,
                               held_bytes=cache.stats().resident_bytes)
 
 

@@ -93,3 +93,13 @@ def test_a_generate_call_out_of_memory_names_a_budget_that_holds_the_whole_call(
     assert torch.equal(run(None), run({**options, "budget_bytes": fits}))
     with pytest.raises(hf_vkv.KVCacheOutOfMemory):  # and it is not far above what the call needs
         run({**options, "budget_bytes": fits // 4})
+
+
+def test_the_paged_layouts_generate_error_is_its_own() -> None:
+    """The paged layout's blocks are not counted by the whole-call figure: its error stays the one
+    its block store raised (its need and what is free), never a budget counted without it."""
+    model = tiny("llama", attn="vkv_paged")
+    with pytest.raises(hf_vkv.KVCacheOutOfMemory) as caught:
+        model.generate(**prompts(8, 200), max_new_tokens=4, cache_implementation="vkv",
+                       cache_config={"budget_bytes": 1 << 18})  # one page of the paged layout's 256 KiB
+    assert "holds the whole call" not in str(caught.value)
