@@ -59,7 +59,7 @@ import torch
 from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..devices import policy_for
-from ..prefix.fingerprint import user_hooks
+from ..prefix.fingerprint import in_training, user_hooks
 from .names import CACHE_NAMES
 from .head_rows import HeadReads, RepeatedRows, repeat_for_head
 from .row_exactness import InexactRows, RowExactness
@@ -278,10 +278,9 @@ def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, model_kwargs:
     reason = _cache_refusal(cache, input_ids.device)
     if reason is not None:
         return reason
-    training = next((name or type(model).__name__ for name, m in model.named_modules() if m.training), None)
+    training = in_training(model)
     if training is not None:
-        return (f"{'the model' if training == type(model).__name__ else training} is in training mode (dropout "
-                f"differs per row)")
+        return f"{training} is in training mode (dropout differs per row)"
     hooks = user_hooks(model)
     if hooks:
         return (f"forward hooks a user put on the model ({', '.join(hooks[:3])}{', ...' if len(hooks) > 3 else ''}) "

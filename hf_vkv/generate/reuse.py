@@ -53,7 +53,8 @@ from ..cache.options import PREFIX_STORE_KEY
 from ..memory.errors import CacheOptionError, CacheOptionTypeError, VKVError
 from ..prefix import PrefixStore
 from ..prefix.errors import PrefixMismatchError
-from ..prefix.fingerprint import OFFLOADED, WEIGHTS_DIFFER, config_fingerprint, per_row_adapters, weights_identity
+from ..prefix.fingerprint import (OFFLOADED, WEIGHTS_DIFFER, config_fingerprint, in_training, per_row_adapters,
+                                  weights_identity)
 from . import prefill_once
 from .call import GenerateCall, begin
 from .names import CACHE_NAMES, cache_kwarg
@@ -109,6 +110,10 @@ def model_refusal(model: Any, store: PrefixStore) -> str | None:
     if per_row_adapters(model):
         return ("adapters chosen per row (peft's adapter_names): the store's keys, token ids, do not say which "
                 "adapter computed an entry")
+    training = in_training(model)
+    if training is not None:
+        return (f"{training} is in training mode: dropout makes K/V differ from one forward to the next, so they "
+                f"are neither stored nor taken (model.eval() for reuse)")
     return None
 
 
@@ -167,7 +172,8 @@ def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows
                        f"model's weights differ too): a store serves one dtype; use a store per dtype")
         else:
             refusal = (f"the store's entries were computed with other weights (same config; {WEIGHTS_DIFFER}): a "
-                       f"store serves one model's weights; use a store per model, adapter or attention")
+                       f"store serves one model's weights; use a store per model, adapter or attention, or "
+                       f"store.clear() to fill it again with these weights")
     elif versions is not None and not store.unwritten_since(versions):
         refusal = ("the model's parameters were written in place since the store's entries were computed (a "
                    "parameter's version counter moved: an optimizer step, load_state_dict, an edit under "

@@ -14,7 +14,8 @@ optimizer step, ``load_state_dict``, ``param[i] += x`` under ``torch.no_grad()``
 saw other counters steps aside, whatever the sampled values. Both are checks against mistakes,
 not proofs: two configs differing only in a field missing from :data:`CONFIG_FIELDS` hash alike,
 a parameter written through ``param.data`` (or numpy) only between the sampled values is not
-seen, nor is a change in what a hook does.
+seen, nor is a change in what a hook does or in what a module computes from plain Python
+attributes (an adapter's on/off flag, a parametrization's attribute).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .errors import PrefixMismatchError
 
 __all__ = [
     "CONFIG_FIELDS", "LIBRARY_HOOKS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state",
-    "computation_state", "config_fields", "config_fingerprint", "describe_difference", "is_adapter_layer",
+    "computation_state", "config_fields", "config_fingerprint", "describe_difference", "in_training", "is_adapter_layer",
     "per_row_adapters", "unwrapped", "weights_fingerprint", "weights_identity", "weights_match",
 ]
 
@@ -175,6 +176,14 @@ def _layer_state(module: torch.nn.Module) -> list[Any]:
     scales = [float(scaling[a]) for a in active if a in scaling] if isinstance(scaling, dict) else []
     merged = [str(a) for a in getattr(module, "merged_adapters", [])]
     return [active, bool(module.disable_adapters), merged, scales]
+
+
+def in_training(model: torch.nn.Module) -> str | None:
+    """What of ``model`` is in training mode (``"the model"``, or the name of its first module
+    that is), where dropout and the like make K/V differ from one forward to the next; ``None``
+    where every module is in eval mode."""
+    name = next((name for name, module in model.named_modules() if module.training), None)
+    return None if name is None else name or "the model"
 
 
 def user_hooks(model: torch.nn.Module) -> list[str]:

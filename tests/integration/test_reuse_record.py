@@ -119,6 +119,35 @@ def test_a_parameter_written_in_place_where_the_fingerprint_does_not_sample_step
     store.check_invariants()
 
 
+@pytest.mark.parametrize("where", ["the model", "one layer"])
+def test_a_model_in_training_mode_neither_fills_nor_reads_the_store(where: str) -> None:
+    """A call in training mode (an RL rollout that forgot ``model.eval()``) stored K/V computed
+    with dropout, and the next call in eval mode reused them (logits 14.6 off its DynamicCache);
+    a shared document was prefilled once for rows whose dropout differs. Now the store steps
+    aside in training mode, saying so, and takes nothing in; back in eval mode it serves again."""
+    model = tiny("llama")
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    store = PrefixStore(model.config)
+    history = _ids(40)
+    (model if where == "the model" else model.model.layers[1]).train()
+    torch.manual_seed(0)
+    got = _call(model, history, store)
+    report = reuse_report(got)
+    assert report.refusal is not None and "training mode" in report.refusal and report.inserted == 0
+    assert store.stats().entries == 0
+    model.eval()
+    ids = torch.cat([history, _ids(5, 1)], dim=1)
+    first = _call(model, ids, store, output_logits=True)
+    ref = _call(model, ids, None, output_logits=True)
+    assert reuse_report(first).refusal is None and reuse_report(first).reused_tokens == 0
+    assert all(torch.equal(a, b) for a, b in zip(ref.logits, first.logits, strict=True))
+    again = _call(model, torch.cat([ids, _ids(3, 2)], dim=1), store)
+    assert reuse_report(again).reused_tokens > 0
+    store.check_invariants()
+
+
 def test_a_buffer_rewritten_in_place_steps_aside() -> None:
     """The rotary embedding's ``inv_freq`` (a buffer, not a parameter) rewritten in place changes
     every key: the store steps aside and the tokens are a DynamicCache's of the changed model (it
