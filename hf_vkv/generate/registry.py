@@ -411,16 +411,27 @@ def _check_compiled(model: Any) -> None:
     call in ``_compiled_call_impl``) raises :class:`CompiledModuleError` before anything is computed:
     its compiled attention read vkv's views with other kernels than DynamicCache's tensors, logits
     1.2e-7 apart (greedy, a tiny Llama). ``compile_config`` compiles the forward transformers' way,
-    which vkv's static layout serves exactly."""
-    compiled = [name or type(model).__name__ for name, module in model.named_modules()
-                if getattr(module, "_compiled_call_impl", None) is not None]
+    which vkv's static layout serves exactly. The same for modules compiled by hand: a forward
+    replaced by its ``torch.compile`` (``model.forward = torch.compile(model.forward)``: decode
+    logits 2.1e-6 apart) and a module replaced by its compiled wrapper (``layers[i] =
+    torch.compile(layers[i])``: a raw inductor error midway)."""
+    compiled = [name or type(model).__name__ for name, module in model.named_modules() if _compiled(module)]
     if compiled:
         raise CompiledModuleError(
-            f"cache_implementation='vkv' on a model whose modules were compiled in place ({', '.join(compiled[:3])}"
-            f"{', ...' if len(compiled) > 3 else ''}: model.compile()): compiled code reads vkv's key/value views with "
+            f"cache_implementation='vkv' on a model whose modules were compiled ({', '.join(compiled[:3])}"
+            f"{', ...' if len(compiled) > 3 else ''}: model.compile(), or torch.compile of a module or its forward): "
+            f"compiled code reads vkv's key/value views with "
             f"other kernels than DynamicCache's tensors, a rounding apart. Generate with the model uncompiled, or compile "
             f"its decoding the transformers way: generate(..., cache_implementation='vkv', "
             f"compile_config=CompileConfig()) (vkv's static layout, StaticCache's logits bit for bit)")
+
+
+def _compiled(module: Any) -> bool:
+    """Whether ``module`` runs compiled code: compiled in place (``module.compile()``), a
+    ``torch.compile`` wrapper of a module, or a forward replaced by its ``torch.compile``."""
+    return (getattr(module, "_compiled_call_impl", None) is not None
+            or (type(module).__name__ == "OptimizedModule" and type(module).__module__.startswith("torch._dynamo"))
+            or hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable"))
 
 
 def _check_layers(model: Any, cache: Any) -> None:

@@ -288,6 +288,34 @@ def test_a_model_compiled_in_place_is_refused_before_any_step():
     assert torch.equal(model.generate(**ids, max_new_tokens=3, cache_implementation="vkv"), ref)
 
 
+@pytest.mark.parametrize("how", ["the model's forward", "an attention's forward", "a layer wrapped"])
+def test_a_model_compiled_by_hand_is_refused_before_any_step(how: str):
+    """``torch.compile`` by hand: ``model.forward = torch.compile(model.forward)`` gave decode
+    logits 2.1e-6 off DynamicCache's under the same compiled forward, silently; a compiled
+    attention forward or a layer replaced by its compiled wrapper failed midway with a raw
+    inductor error. Each is refused before anything is computed, as ``model.compile()`` is
+    (nothing is compiled until called: the refusal costs no compilation)."""
+    model = tiny("llama")
+    ids = prompts(1, 9)
+    ref = model.generate(**ids, max_new_tokens=3)
+    layers = model.model.layers
+    if how == "the model's forward":
+        model.forward = torch.compile(model.forward)
+    elif how == "an attention's forward":
+        layers[1].self_attn.forward = torch.compile(layers[1].self_attn.forward)
+    else:
+        layers[0] = torch.compile(layers[0])
+    with pytest.raises(hf_vkv.CompiledModuleError, match="torch.compile"):
+        model.generate(**ids, max_new_tokens=3, cache_implementation="vkv")
+    if how == "the model's forward":
+        del model.forward
+    elif how == "an attention's forward":
+        del layers[1].self_attn.forward
+    else:
+        layers[0] = layers[0]._orig_mod
+    assert torch.equal(model.generate(**ids, max_new_tokens=3, cache_implementation="vkv"), ref)
+
+
 def test_keys_and_values_of_two_dtypes_under_autocast_say_what_to_do():
     """Under ``torch.autocast`` a Llama's keys come out float32 and its values bfloat16; vkv keeps
     one dtype a layer, and its refusal said only that they differ."""
