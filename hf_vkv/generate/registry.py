@@ -44,37 +44,42 @@ the others read from the cache transformers hands them (never from module state)
    model is built rather than at its first forward (:mod:`hf_vkv.attention.hooks`);
 6. ``PreTrainedModel.set_attn_implementation``: transformers only warns for a model whose
    attention bypasses the attention interface; for ``"vkv_paged"`` every sub-model is checked
-   first, so such a model raises instead.
+   first, so such a model raises instead;
+7. ``GenerationConfig.to_json_string``: a generation config whose ``cache_config`` holds a
+   :class:`~hf_vkv.PrefixStore` (memory of this process, which JSON cannot hold) is written
+   without it, with a warning naming ``store.save``; it raised ``TypeError`` inside
+   ``save_pretrained``, leaving a folder without weights.
 
 :func:`register_serving` (called by ``hf-vkv serve``, not by ``import hf_vkv``: it imports
 transformers' server, an extra, 5.25 or later) adds :func:`serving_patches`:
 
-7. ``EngineClient.run_engine`` of ``transformers.cli.serving.model_manager`` (a static method: what
+8. ``EngineClient.run_engine`` of ``transformers.cli.serving.model_manager`` (a static method: what
    the process transformers spawns for each model runs) becomes :func:`run_engine` itself, not a wrapper: the spawned process unpickles
    it by name, so it imports hf_vkv, installs :func:`engine_patches`, and runs transformers' engine,
    whose model gets its prefix store as it loads (``Patch.spawned``);
-8. ``transformers.cli.serving.server.build_server`` (a function of that module): the app it builds
+9. ``transformers.cli.serving.server.build_server`` (a function of that module): the app it builds
    answers ``GET /v1/vkv/stores`` with each running model's store, and a refused request (an HTTP
    400) in OpenAI's error shape too, which OpenAI clients show (:func:`hf_vkv.generate.serving.extend_app`);
-9. ``run_until_parent_exits`` of ``transformers.cli.serving.utils`` (what every process the server
+10. ``run_until_parent_exits`` of ``transformers.cli.serving.utils`` (what every process the server
    spawns runs first: the API servers of ``--api-server-count`` N > 1, each building its own app,
    and each model's) becomes :func:`run_spawned` itself (``Patch.spawned``), under both names
    transformers calls it by (``utils``'s and ``model_manager``'s: a spawned target is pickled by its
    module's name, which must be the function pickled): such a process imports hf_vkv and installs
-   these patches before it builds an app, so every API server has item 8's route and errors.
+   these patches before it builds an app, so every API server has item 9's route and errors.
 
 and in each model's process :func:`register_engine` adds :func:`engine_patches`:
 
-10. ``GenerateRunner.generate`` of ``transformers.cli.serving.utils`` (the server's default path, one
+11. ``GenerateRunner.generate`` of ``transformers.cli.serving.utils`` (the server's default path, one
    ``model.generate()`` per request): the request's keywords generate with vkv and the model's
    prefix store, or the request is refused before it is queued (:mod:`hf_vkv.generate.serving`);
-11. ``GenerationMixin.generate``: an hf_vkv error raised while a request generates leaves as a
+12. ``GenerationMixin.generate``: an hf_vkv error raised while a request generates leaves as a
     :class:`~hf_vkv.generate.serving.ServedRequestError` (a ``ValueError`` naming it), which the
     server answers with an HTTP 400 rather than an error without its message.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Callable
@@ -130,6 +135,7 @@ def patches() -> tuple[Patch, ...]:
         *(Patch(GenerationMixin, name, _decoding_loop) for name in DECODING_LOOPS if hasattr(GenerationMixin, name)),
         Patch(PreTrainedModel, "get_correct_attn_implementation", hooks.check_requested_attention),
         Patch(PreTrainedModel, "set_attn_implementation", hooks.check_switched_attention),
+        Patch(configuration_utils.GenerationConfig, "to_json_string", _json_without_store),
     )
 
 
@@ -147,7 +153,7 @@ def register() -> None:
 
 
 def serving_patches() -> tuple[Patch, ...]:
-    """The parts of transformers' server vkv patches in the server's processes (items 7 to 9 of this
+    """The parts of transformers' server vkv patches in the server's processes (items 8 to 10 of this
     module's docstring); imports the server, which needs ``pip install "hf_vkv[serve]"``."""
     try:
         from transformers.cli.serving import model_manager, server, utils
@@ -241,6 +247,20 @@ def _install(patch: Patch) -> None:
 
     setattr(method, PATCH_MARK, True)
     setattr(patch.owner, patch.name, method)
+
+
+def _json_without_store(original: Any, config: Any, *args: Any, **kwargs: Any) -> str:
+    """``GenerationConfig.to_json_string`` of ``config`` without a prefix store in its
+    ``cache_config`` (a copy of the config is written; ``config`` keeps its store)."""
+    options = config.cache_config
+    if not isinstance(options, dict) or options.get(PREFIX_STORE_KEY) is None:
+        return original(config, *args, **kwargs)
+    warnings.warn(f"the generation config's cache_config holds a PrefixStore (memory of this process): it is written "
+                  f"without it; store.save(folder, model=model) saves its entries, PrefixStore.load(folder, "
+                  f"model=model) reads them back", UserWarning, stacklevel=3)
+    written = copy.copy(config)
+    written.cache_config = {k: v for k, v in options.items() if k != PREFIX_STORE_KEY}
+    return original(written, *args, **kwargs)
 
 
 def _prepare_inputs(original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:

@@ -571,3 +571,27 @@ def test_arguments_of_the_wrong_type_are_typed_refusals_and_saves_do_not_cross(t
         t.join()
     assert not failures, failures
     assert PrefixStore(model.config).load(tmp_path / "both", model=model) > 0
+
+
+def test_a_model_whose_generation_config_holds_a_store_saves_without_it(tmp_path: Path) -> None:
+    """``save_pretrained`` of a model whose generation config keeps a store (set once, as the
+    server keeps it) raised ``TypeError`` from transformers' JSON writer and left a folder without
+    weights. It is written without the store, saying so; the model keeps its store, and the
+    folder loads and generates with vkv."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny("llama")
+    store = hf_vkv.PrefixStore(model.config)
+    model.generation_config.cache_implementation = "vkv"
+    model.generation_config.cache_config = {"prefix_store": store, "prefill_once": False}
+    inputs = prompts(1, 12)
+    first = model.generate(**inputs, max_new_tokens=4)
+    with pytest.warns(UserWarning, match=r"PrefixStore.*store.save"):
+        model.save_pretrained(tmp_path / "saved")
+    assert model.generation_config.cache_config["prefix_store"] is store
+    written = json.loads((tmp_path / "saved" / "generation_config.json").read_text())
+    assert written["cache_implementation"] == "vkv" and written["cache_config"] == {"prefill_once": False}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    out = loaded.generate(**inputs, max_new_tokens=4, return_dict_in_generate=True)
+    assert isinstance(out[cache_kwarg()], hf_vkv.VKVCache)
+    assert torch.equal(out.sequences, first)
