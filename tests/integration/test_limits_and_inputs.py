@@ -5,6 +5,8 @@ another model. Copy-on-write of a partly written page copies the written part on
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from models import prompts, tiny
@@ -295,7 +297,7 @@ def test_a_model_compiled_by_hand_is_refused_before_any_step(how: str):
     attention forward or a layer replaced by its compiled wrapper failed midway with a raw
     inductor error. Each is refused before anything is computed, as ``model.compile()`` is
     (nothing is compiled until called: the refusal costs no compilation)."""
-    model = tiny("llama")
+    model = copy.deepcopy(tiny("llama"))  # tiny's models are shared: this one is changed
     ids = prompts(1, 9)
     ref = model.generate(**ids, max_new_tokens=3)
     layers = model.model.layers

@@ -578,9 +578,11 @@ def test_a_model_whose_generation_config_holds_a_store_saves_without_it(tmp_path
     server keeps it) raised ``TypeError`` from transformers' JSON writer and left a folder without
     weights. It is written without the store, saying so; the model keeps its store, and the
     folder loads and generates with vkv."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
-    model = tiny("llama")
+    model = copy.deepcopy(tiny("llama"))  # tiny's models are shared: this one's generation config is changed
     store = hf_vkv.PrefixStore(model.config)
     model.generation_config.cache_implementation = "vkv"
     model.generation_config.cache_config = {"prefix_store": store, "prefill_once": False}

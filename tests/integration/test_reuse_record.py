@@ -9,6 +9,7 @@ reading their own call's report. The oracle is DynamicCache on the same model an
 from __future__ import annotations
 
 import ast
+import copy
 import gc
 import threading
 from pathlib import Path
@@ -82,7 +83,7 @@ def test_a_parameter_written_in_place_where_the_fingerprint_does_not_sample_step
     the sampled values kept): the store steps aside, where it served K/V of the old weights
     (SmolLM2: logits 0.11 and 0.87 off a full prefill). Logits are the changed model's own;
     after ``store.clear()`` the store serves these weights again."""
-    model = tiny("llama", seed=0)
+    model = copy.deepcopy(tiny("llama", seed=0))  # tiny's models are shared: this one is changed
     store = PrefixStore(model.config)
     history = _ids(40)
     _call(model, history, store)
@@ -125,7 +126,7 @@ def test_a_model_in_training_mode_neither_fills_nor_reads_the_store(where: str) 
     with dropout, and the next call in eval mode reused them (logits 14.6 off its DynamicCache);
     a shared document was prefilled once for rows whose dropout differs. Now the store steps
     aside in training mode, saying so, and takes nothing in; back in eval mode it serves again."""
-    model = tiny("llama")
+    model = copy.deepcopy(tiny("llama"))  # tiny's models are shared: this one is changed
     model.config.attention_dropout = 0.5
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.5
