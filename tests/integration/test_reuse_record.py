@@ -153,7 +153,7 @@ def test_a_buffer_rewritten_in_place_steps_aside() -> None:
     """The rotary embedding's ``inv_freq`` (a buffer, not a parameter) rewritten in place changes
     every key: the store steps aside and the tokens are a DynamicCache's of the changed model (it
     reused K/V of the old frequencies: logits 0.045 apart)."""
-    model = tiny("llama", seed=0)
+    model = copy.deepcopy(tiny("llama", seed=0))  # tiny's models are shared: this one is changed
     store = PrefixStore(model.config)
     history = _ids(40)
     _call(model, history, store)
@@ -172,7 +172,7 @@ def test_a_buffer_rewritten_in_place_steps_aside() -> None:
 def test_a_model_cast_to_another_dtype_steps_aside_naming_the_dtype() -> None:
     """The same model cast to bfloat16 (its weights fingerprint differs too) gets its own
     DynamicCache's tokens, and the report names the dtypes, not other weights."""
-    model = tiny("llama", seed=0)
+    model = copy.deepcopy(tiny("llama", seed=0))  # tiny's models are shared: this one is cast
     store = PrefixStore(model.config)
     history = _ids(40)
     _call(model, history, store)
