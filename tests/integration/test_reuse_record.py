@@ -42,6 +42,15 @@ def _call(model: Any, ids: torch.Tensor, store: PrefixStore | None, **kwargs: An
                           **kwargs, **extra)
 
 
+def _stepped_aside(model: Any, ids: torch.Tensor, store: PrefixStore) -> Any:
+    """A call with ``store`` whose tokens and logits are DynamicCache's without it; its report."""
+    got = _call(model, ids, store, output_logits=True)
+    ref = _call(model, ids, None, output_logits=True)
+    assert_same_tokens(ref.sequences, got.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.logits, got.logits, strict=True))
+    return reuse_report(got)
+
+
 def _in_use(store: PrefixStore) -> int:
     """Pages referenced in the store's memory (its entries' and live calls')."""
     memory = store.memory("cpu")
@@ -106,17 +115,13 @@ def test_a_parameter_written_in_place_where_the_fingerprint_does_not_sample_step
             state["model.layers.0.mlp.up_proj.weight"][unsampled(weight)] += 5
             model.load_state_dict(state)
     assert store.fingerprint(model) == store.weights_fingerprint  # the samples do not see it
-    got = _call(model, ids, store, output_logits=True)
-    ref = _call(model, ids, None, output_logits=True)
-    assert_same_tokens(ref.sequences, got.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(ref.logits, got.logits, strict=True))
-    report = reuse_report(got)
+    report = _stepped_aside(model, ids, store)
     assert report.reused_tokens == 0 and "written in place" in report.refusal and "store.clear()" in report.refusal
     store.clear()
     _call(model, history, store)
     again = _call(model, ids, store, output_logits=True)
     assert reuse_report(again).reused_tokens == 40
-    assert_same_tokens(ref.sequences, again.sequences)
+    assert_same_tokens(_call(model, ids, None).sequences, again.sequences)
     store.check_invariants()
 
 
@@ -160,11 +165,7 @@ def test_a_buffer_rewritten_in_place_steps_aside() -> None:
     ids = torch.cat([history, _ids(5, 1)], dim=1)
     with torch.no_grad():
         model.model.rotary_emb.inv_freq.mul_(0.5)
-    got = _call(model, ids, store, output_logits=True)
-    ref = _call(model, ids, None, output_logits=True)
-    assert_same_tokens(ref.sequences, got.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(ref.logits, got.logits, strict=True))
-    report = reuse_report(got)
+    report = _stepped_aside(model, ids, store)
     assert report.reused_tokens == 0 and "other weights" in report.refusal and "buffers" in report.refusal
     store.check_invariants()
 
