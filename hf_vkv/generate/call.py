@@ -84,7 +84,9 @@ def end(cache: VKVCache) -> None:
 def reuse_report(result: Any) -> ReuseReport | None:
     """What prefix reuse did in the ``generate`` call that returned ``result`` (an output of
     ``return_dict_in_generate=True``, or the cache itself); ``None`` when that call had no prefix
-    store (or returned no cache: pass ``return_dict_in_generate=True``)."""
+    store, returned no cache (pass ``return_dict_in_generate=True``), or ran on a cache of
+    transformers' own (a model whose layers keep no K/V vkv stores, or whose ``generate`` builds
+    its own cache: the call's warning says so, and that the store went unused)."""
     cache = result
     if not isinstance(result, VKVCache):
         cache = next((getattr(result, name) for name in ("cache", "past_key_values")

@@ -359,7 +359,8 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         warnings.warn(
             f"cache_implementation='vkv': a {model.config.model_type} model keeps no key/value states that vkv "
             f"stores (its layers are {', '.join(VKVCache.layer_kinds(model.config))}; vkv stores full, sliding and "
-            f"chunked attention); generating with transformers' default cache instead", UserWarning, stacklevel=4)
+            f"chunked attention); generating with transformers' default cache instead"
+            + (", without the prefix store given in cache_config" if store_given else ""), UserWarning, stacklevel=4)
         return transformers_own()
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     cache_config = from_transformers_keys(config_dict(generation_config.cache_config))  # max_cache_len: max_tokens

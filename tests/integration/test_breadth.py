@@ -273,3 +273,23 @@ def test_a_model_whose_generate_takes_no_cache_gets_one_warning_and_its_own_cach
         assert ("prefix store" in said[0]) == store_named, said[0]
         assert not isinstance(got.past_key_values, hf_vkv.VKVCache)
         assert_identical(ref, got, "greedy")
+
+
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba"])
+def test_a_model_without_kv_layers_names_the_unused_store(arch: str) -> None:
+    """A model whose layers keep no K/V vkv stores (Mamba) generates with transformers' own cache,
+    exactly as without "vkv"; its one warning says why, and names a prefix store given as unused
+    (``reuse_report`` has nothing to say for a cache vkv did not make)."""
+    model = _model(arch)
+    ref = _generate(model, "greedy")
+    store = hf_vkv.PrefixStore(model.config)
+    for extra, store_named in (({}, False), ({"cache_config": {"prefix_store": store}}, True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _generate(model, "greedy", cache_implementation="vkv", **extra)
+        said = [str(w.message) for w in caught if "vkv" in str(w.message)]
+        assert len(said) == 1 and "keeps no key/value states" in said[0], said
+        assert ("without the prefix store" in said[0]) == store_named, said[0]
+        assert hf_vkv.reuse_report(got) is None
+        assert_identical(ref, got, "greedy")
+    assert store.stats().lookups == 0 and store.stats().entries == 0
