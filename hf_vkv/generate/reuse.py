@@ -53,8 +53,8 @@ from ..cache.options import PREFIX_STORE_KEY
 from ..memory.errors import CacheOptionError, CacheOptionTypeError, VKVError
 from ..prefix import PrefixStore
 from ..prefix.errors import PrefixMismatchError
-from ..prefix.fingerprint import (OFFLOADED, WEIGHTS_DIFFER, config_fingerprint, in_training, per_row_adapters,
-                                  weights_identity)
+from ..prefix.fingerprint import (OFFLOADED, WEIGHTS_DIFFER, config_fingerprint, describe_config_difference, in_training,
+                                  per_row_adapters, weights_identity)
 from . import prefill_once
 from .call import GenerateCall, begin
 from .names import CACHE_NAMES, cache_kwarg
@@ -99,7 +99,8 @@ def model_refusal(model: Any, store: PrefixStore) -> str | None:
         return ("an encoder-decoder model: the decoder's K/V depend on the encoder's input, which the store's "
                 "keys (decoder token ids) do not hold")
     if config_fingerprint(model.config) != store.config_fingerprint:
-        return "the store was made for another model (config fingerprints differ)"
+        detail = describe_config_difference(model.config, store.config, a_name="model", b_name="store")
+        return f"the store was made for another model (config fingerprints differ: {detail})"
     if devices.model_device(model) is None:
         return (f"the model's parameters are on the meta device (accelerate's cpu_offload / disk_offload: {OFFLOADED}, "
                 f"and the store's memory is per device); load the model onto its device to reuse prefixes")

@@ -94,6 +94,8 @@ def validate_meta(path: Path, meta: dict[str, Any]) -> None:
         raise bad("config_fingerprint", "a string")
     if not isinstance(meta.get("config_fields", {}), dict):
         raise bad("config_fields", "a dict")
+    if not isinstance(meta.get("config_rest", {}), dict):
+        raise bad("config_rest", "a dict")
     if not isinstance(meta.get("weights_fingerprint"), (str, type(None))):
         raise bad("weights_fingerprint", "a string or null")
     layers = meta["layers"]

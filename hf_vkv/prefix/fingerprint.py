@@ -1,7 +1,12 @@
 """Fingerprints that tell whether cached K/V can belong to a model: its config and its weights.
 
 K/V depend on the architecture *and* on the weights. The config fingerprint hashes the fields of
-the (text) config that shape attention and the residual stream; the weights fingerprint hashes a
+the (text) config that shape attention and the residual stream (:data:`CONFIG_FIELDS`) and every
+other field but those that change nothing a layer computes in eval mode (:data:`INERT_FIELDS`:
+ids, names, outputs asked for, dropout, initialisation; :func:`config_rest`), so that a model
+built with another value of any field (``num_experts_per_tok=1`` from ``from_pretrained``, a
+``residual_multiplier``) is another model; a file compares its recorded fields with the model's
+(:func:`config_difference`), the other fields where both have them. The weights fingerprint hashes a
 fixed sample of every parameter (its name, shape and a few hundred of its values), which
 tells two checkpoints of one architecture apart without reading all the weights (a few ms
 for SmolLM2 on a CPU, taken at each use), the same sample of every buffer (a rotary embedding's
@@ -12,8 +17,7 @@ attention implementation other than sdpa's. In a process, :func:`weights_identit
 parameters' version counters, which torch bumps at every in-place write through a tensor (an
 optimizer step, ``load_state_dict``, ``param[i] += x`` under ``torch.no_grad()``): a store that
 saw other counters steps aside, whatever the sampled values. Both are checks against mistakes,
-not proofs: two configs differing only in a field missing from :data:`CONFIG_FIELDS` hash alike,
-a parameter written through ``param.data`` (or numpy) only between the sampled values is not
+not proofs: a parameter written through ``param.data`` (or numpy) only between the sampled values is not
 seen, nor is a change in what a hook does or in what a module computes from plain Python
 attributes (an adapter's on/off flag, a parametrization's attribute).
 """
@@ -32,8 +36,9 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 from .errors import PrefixMismatchError
 
 __all__ = [
-    "CONFIG_FIELDS", "LIBRARY_HOOKS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state",
-    "computation_state", "config_fields", "config_fingerprint", "describe_difference", "in_training", "is_adapter_layer",
+    "CONFIG_FIELDS", "INERT_FIELDS", "LIBRARY_HOOKS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state",
+    "computation_state", "config_difference", "config_fields", "config_fingerprint", "config_rest",
+    "describe_config_difference", "describe_difference", "in_training", "is_adapter_layer",
     "per_row_adapters", "unwrapped", "weights_fingerprint", "weights_identity", "weights_match",
 ]
 
@@ -62,10 +67,73 @@ def config_fields(config: Any) -> dict[str, Any]:
     return {k: json.loads(json.dumps(data[k], sort_keys=True, default=str)) for k in CONFIG_FIELDS if k in data}
 
 
+#: Config fields that change nothing a layer computes in eval mode, left out of :func:`config_rest`
+#: (with every private field, ``_``-first, and those ending in :data:`_INERT_ENDINGS`): names and
+#: ids, outputs and options of a call, the dtype (checked apart), dropout and training-only terms,
+#: initialisation, generation defaults, parallelism plans.
+INERT_FIELDS = frozenset({
+    "architectures", "transformers_version", "name_or_path", "model_name_or_path", "auto_map", "id2label", "label2id",
+    "finetuning_task", "task_specific_params", "problem_type", "tokenizer_class", "prefix", "torchscript",
+    "return_dict", "output_attentions", "output_hidden_states", "output_router_logits", "output_scores",
+    "return_dict_in_generate", "use_cache", "dtype", "torch_dtype", "use_bfloat16", "tf_legacy_loss",
+    "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
+    "tie_encoder_decoder", "initializer_range", "initializer_factor", "init_std", "router_aux_loss_coef",
+    "router_z_loss_coef", "router_jitter_noise", "max_length", "min_length", "do_sample", "early_stopping",
+    "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "num_return_sequences", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "base_model_tp_plan", "base_model_pp_plan", "base_model_ep_plan",
+    "tp_plan", "pp_plan", "keys_to_ignore_at_inference",
+})
+_INERT_ENDINGS = ("_token_id", "_token_ids", "dropout", "_pdrop", "layerdrop", "dropout_rate", "dropout_prob")
+
+
+def config_rest(config: Any) -> dict[str, Any]:
+    """The (text) config's other fields, as JSON-ready values: every one that is not in
+    :data:`CONFIG_FIELDS`, not private and not inert (:data:`INERT_FIELDS`)."""
+    data = _text_config(config).to_dict()
+    return {k: json.loads(json.dumps(v, sort_keys=True, default=str)) for k, v in data.items()
+            if k not in CONFIG_FIELDS and not k.startswith("_") and k not in INERT_FIELDS
+            and not k.endswith(_INERT_ENDINGS)}
+
+
+def _digest(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def config_fingerprint(config: Any) -> str:
-    """sha256 (hex) of :func:`config_fields`."""
-    blob = json.dumps(config_fields(config), sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()
+    """sha256 (hex) of :func:`config_fields` and :func:`config_rest`: configs that fingerprint
+    alike compute alike (two objects of one config always do)."""
+    return _digest({**config_fields(config), " rest": config_rest(config)})
+
+
+def config_difference(saved: dict[str, Any], fields: dict[str, Any], rest: dict[str, Any]) -> str | None:
+    """What differs between a file's recorded config (``saved``: its ``config_fingerprint``,
+    ``config_fields`` and, written since the other fields were fingerprinted, ``config_rest``) and
+    a config's :func:`config_fields` and :func:`config_rest` (``None``: the file can be that
+    config's). The fields of :data:`CONFIG_FIELDS` must all agree; of the others, those both
+    record (a field that one transformers release has and another lacks says nothing). A file
+    that recorded no fields is compared by its fingerprint of :data:`CONFIG_FIELDS` alone."""
+    saved_fields, saved_rest = saved.get("config_fields"), saved.get("config_rest")
+    if not isinstance(saved_fields, dict) or not saved_fields:
+        return None if saved.get("config_fingerprint") == _digest(fields) else "fields outside the fingerprint's list"
+    if saved_fields != fields:
+        return describe_difference(saved_fields, fields, a_name="file", b_name="model")
+    if not isinstance(saved_rest, dict):  # written before the other fields were fingerprinted
+        return None if saved.get("config_fingerprint") == _digest(fields) else "a fingerprint that is not its fields'"
+    if saved.get("config_fingerprint") != _digest({**saved_fields, " rest": saved_rest}):
+        return "a fingerprint that is not its fields'"
+    differ = sorted(k for k in saved_rest.keys() & rest.keys() if saved_rest[k] != rest[k])
+    if not differ:
+        return None
+    return describe_difference({k: saved_rest[k] for k in differ}, {k: rest[k] for k in differ}, a_name="file",
+                               b_name="model")
+
+
+def describe_config_difference(a: Any, b: Any, *, a_name: str, b_name: str) -> str:
+    """:func:`describe_difference` of two configs over :func:`config_fields` and :func:`config_rest`."""
+    return describe_difference({**config_fields(a), **config_rest(a)}, {**config_fields(b), **config_rest(b)},
+                               a_name=a_name, b_name=b_name)
 
 
 def describe_difference(a: dict[str, Any], b: dict[str, Any], *, a_name: str, b_name: str, most: int = 6) -> str:

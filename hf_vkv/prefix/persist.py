@@ -51,7 +51,7 @@ from .errors import (
     PrefixNotFoundError,
 )
 from .checksums import checksums_of, verify_checksums, validate_meta
-from .fingerprint import (WEIGHTS_DIFFER, config_fields, config_fingerprint, describe_difference, weights_fingerprint,
+from .fingerprint import (WEIGHTS_DIFFER, config_difference, config_fields, config_fingerprint, config_rest, weights_fingerprint,
                           weights_match)
 from .tokens import outside_vocabulary, token_list
 
@@ -120,7 +120,7 @@ def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, mode
         "format": FORMAT, "version": VERSION, "layout": LAYOUT, "writer": f"hf_vkv {__version__}",
         "dtype": str(dtype).removeprefix("torch."), "length": n, "token_ids": tokens,
         "config_fingerprint": config_fingerprint(cache.config), "config_fields": config_fields(cache.config),
-        "weights_fingerprint": weights, "layers": layers,
+        "config_rest": config_rest(cache.config), "weights_fingerprint": weights, "layers": layers,
     }
     meta["checksums"] = checksums_of(meta, tensors)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
@@ -282,13 +282,13 @@ def _check_tensors(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Te
 
 def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.Module | None,
                  dtype: torch.dtype | None, *, check_weights: bool = True, weights: str | None = None,
-                 config_digest: str | None = None) -> None:
-    """Refuse ``meta`` (a file's) unless it is ``config``'s (``config_digest``: its known
-    :func:`config_fingerprint`), ``model``'s dtype and weights, and its token ids are in the
-    vocabulary."""
-    if meta["config_fingerprint"] != (config_digest or config_fingerprint(config)):
-        detail = describe_difference(meta.get("config_fields") or {}, config_fields(config), a_name="file",
-                                     b_name="model")
+                 config_known: tuple[dict[str, Any], dict[str, Any]] | None = None) -> None:
+    """Refuse ``meta`` (a file's) unless it is ``config``'s (:func:`config_difference`;
+    ``config_known``: its :func:`config_fields` and :func:`config_rest`, if known), ``model``'s
+    dtype and weights, and its token ids are in the vocabulary."""
+    fields, rest = config_known or (config_fields(config), config_rest(config))
+    detail = config_difference(meta, fields, rest)
+    if detail is not None:
         raise PrefixMismatchError("config", f"{path} was saved for another model ({detail})")
     if dtype is None and model is not None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)

@@ -43,7 +43,8 @@ from .errors import (
     PrefixNotAFolderError,
     PrefixNotFoundError,
 )
-from .fingerprint import WEIGHTS_DIFFER, config_fields, config_fingerprint, describe_difference, weights_fingerprint
+from .fingerprint import (WEIGHTS_DIFFER, config_fields, config_fingerprint, config_rest, describe_config_difference,
+                          weights_fingerprint)
 from .mapped import PAGES_FILE, MappedEntry, check_index_text, clean_saves, index_text, map_entries, write_pages
 from .page_check import MappedPages
 from .persist import _check_model, _load, _save
@@ -163,6 +164,7 @@ class PrefixStore:
         self._memory_of("cpu")
         self._device_type = "cpu"  # of the last memory asked for: where new_cache() draws from
         self._fingerprint = config_fingerprint(config)
+        self._config_known = (config_fields(config), config_rest(config))  # what files are compared with
         self._tree: RadixTree[int] = RadixTree()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._ids = itertools.count()
@@ -256,8 +258,8 @@ class PrefixStore:
 
     @property
     def config_fingerprint(self) -> str:
-        """sha256 (hex) of the model config fields the store's entries depend on: a model whose
-        config fingerprints the same can reuse them."""
+        """sha256 (hex) of the store's model config (:func:`~hf_vkv.prefix.fingerprint.config_fingerprint`:
+        every field but the inert ones): a model whose config fingerprints the same can reuse its entries."""
         return self._fingerprint
 
     @property
@@ -604,7 +606,7 @@ class PrefixStore:
                 tokens_of = [t for e in section.get("entries", []) if isinstance(e, dict)
                              for t in (e.get("tokens") or [])] if isinstance(section, dict) else []
                 _check_model(path, {**index, "token_ids": tokens_of}, self.config, model, None,
-                             check_weights=check_weights, weights=weights, config_digest=self._fingerprint)
+                             check_weights=check_weights, weights=weights, config_known=self._config_known)
                 given, mapped = map_entries(path, section, memory=memory, device=model.device)
             with self._lock:
                 for cache, tokens in loaded:  # what insert would refuse, first
@@ -703,7 +705,8 @@ class PrefixStore:
                 cache.close()
         index = {"format": STORE_FORMAT, "version": STORE_VERSION, "writer": f"hf_vkv {__version__}",
                  "files": [p.name for p in paths],
-                 "config_fingerprint": self._fingerprint, "config_fields": config_fields(self.config),
+                 "config_fingerprint": self._fingerprint, "config_fields": self._config_known[0],
+                 "config_rest": self._config_known[1],
                  "weights_fingerprint": weights, "dtype": None if self._dtype is None else str(self._dtype).removeprefix("torch."),
                  "mapped": section}
         # The index is the commit: written after the files it names, each under a name of its own, so
@@ -734,7 +737,7 @@ class PrefixStore:
         """Refuse another config than the store's: ``PrefixMismatchError("config", message)`` with
         ``{}`` in ``message`` filled by what differs (``name``: what the config belongs to)."""
         if config_fingerprint(config) != self._fingerprint:
-            detail = describe_difference(config_fields(config), config_fields(self.config), a_name=name, b_name="store")
+            detail = describe_config_difference(config, self.config, a_name=name, b_name="store")
             raise PrefixMismatchError("config", message.format(detail))
 
     def _check_weights(self, weights: str, *, doing: str = "inserted with") -> None:

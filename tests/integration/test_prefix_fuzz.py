@@ -138,7 +138,7 @@ def test_truncations_are_refused(saved, tmp_path):
 
 
 KEYS = ["format", "version", "layout", "dtype", "length", "token_ids", "config_fingerprint", "config_fields",
-        "weights_fingerprint", "layers", "checksums"]
+        "config_rest", "weights_fingerprint", "layers", "checksums"]
 WRONG = [None, 7, True, "x", [], {}, [None], {"a": 1}, -1, 1.5]
 
 

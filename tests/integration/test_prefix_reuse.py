@@ -390,6 +390,87 @@ def test_a_folder_fingerprinted_before_buffers_were_still_loads(tmp_path: Path, 
         PrefixStore(other.config).load(tmp_path / "old", model=other)
 
 
+def _moe_pair() -> tuple[Any, Any]:
+    """A tiny Mixtral and the same weights built with ``num_experts_per_tok=1`` (what
+    ``from_pretrained(path, num_experts_per_tok=1)`` makes): a field outside the config's list
+    of attention and residual fields, which changes every hidden state."""
+    import copy
+
+    import breadth_models
+
+    model = copy.deepcopy(breadth_models.tiny("mixtral"))
+    config = copy.deepcopy(model.config)
+    config.num_experts_per_tok = 1
+    fewer = type(model)(config).eval()
+    fewer.load_state_dict(model.state_dict())
+    fewer.generation_config.pad_token_id = PAD
+    return model, fewer
+
+
+def test_a_model_built_with_another_config_value_is_another_model(tmp_path: Path) -> None:
+    """Same weights, one config field apart (``num_experts_per_tok``): the store of one steps
+    aside for the other, naming the field, and a folder or a prefix file saved by one is refused
+    for the other (``PrefixMismatchError``, ``field="config"``); each model reuses its own."""
+    from hf_vkv.prefix.fingerprint import weights_fingerprint
+
+    model, fewer = _moe_pair()
+    assert weights_fingerprint(model) == weights_fingerprint(fewer)
+    g = torch.Generator().manual_seed(31)
+    history = torch.randint(3, 128, (24,), generator=g).tolist()
+    ids, mask = _batch([history])
+    store = PrefixStore(model.config)
+    out = _generate(model, ids, mask, store, return_dict_in_generate=True)
+    cache = getattr(out, "cache", None) or out.past_key_values  # "cache" from transformers 5.24
+    turn, turn_mask = _batch([history + torch.randint(3, 128, (5,), generator=g).tolist()])
+    sequences, report = _reuse(fewer, turn, turn_mask, store)
+    assert report.refusal is not None and "num_experts_per_tok" in report.refusal and report.reused_tokens == 0
+    assert_same_tokens(_generate(fewer, turn, turn_mask, None), sequences)
+    store.save(tmp_path / "folder")
+    path = hf_vkv.save_prefix(tmp_path / "p.safetensors", cache, out.sequences[0, :cache.get_seq_length()].tolist(),
+                              model=model)
+    for source in (tmp_path / "folder", path):
+        fresh = PrefixStore(fewer.config)
+        with pytest.raises(hf_vkv.PrefixMismatchError, match="num_experts_per_tok: file 2, model 1") as err:
+            fresh.load(source, model=fewer)
+        assert err.value.field == "config" and len(fresh) == 0
+        fresh.check_invariants()
+    with pytest.raises(hf_vkv.PrefixMismatchError, match="num_experts_per_tok"):
+        hf_vkv.load_prefix(path, model=fewer)
+    own = PrefixStore(model.config)
+    assert own.load(tmp_path / "folder", model=model) >= len(history) - 1
+    sequences, report = _reuse(model, turn, turn_mask, own)
+    assert report.refusal is None and report.reused_tokens > 0
+    assert_same_tokens(_generate(model, turn, turn_mask, None), sequences)
+
+
+def test_a_folder_saved_before_the_other_config_fields_still_loads(tmp_path: Path) -> None:
+    """An index written before the config's other fields were fingerprinted (no ``config_rest``,
+    a fingerprint of the listed fields alone) still loads for its model and serves as before."""
+    import hashlib
+
+    from hf_vkv.prefix.fingerprint import config_fields
+    from hf_vkv.prefix.mapped import index_text
+
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(32)
+    history = _rand(30, g)
+    store = PrefixStore(model.config)
+    _generate(model, *_batch([history]), store)
+    store.save(tmp_path / "old")
+    index_path = tmp_path / "old" / STORE_INDEX
+    index = json.loads(index_path.read_text())
+    index.pop("sha256")
+    assert index.pop("config_rest") is not None and index["config_fields"] == config_fields(model.config)
+    index["config_fingerprint"] = hashlib.sha256(json.dumps(index["config_fields"], sort_keys=True).encode()).hexdigest()
+    index_path.write_text(index_text(index))
+    fresh = PrefixStore(model.config)
+    assert fresh.load(tmp_path / "old", model=model) > len(history)
+    ids, mask = _batch([history + _rand(4, g)])
+    sequences, report = _reuse(model, ids, mask, fresh)
+    assert report.reused_tokens >= len(history) and report.refusal is None
+    assert_same_tokens(_generate(model, ids, mask, None), sequences)
+
+
 def test_pipeline_with_chat_messages() -> None:
     from transformers import pipeline
 
