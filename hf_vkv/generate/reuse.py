@@ -178,7 +178,8 @@ def attach(cache: VKVCache, store: PrefixStore, model: Any, *, owned: bool, rows
     elif versions is not None and not store.unwritten_since(versions):
         refusal = ("the model's parameters were written in place since the store's entries were computed (a "
                    "parameter's version counter moved: an optimizer step, load_state_dict, an edit under "
-                   "torch.no_grad()), or this is another copy of that model: its K/V may differ where the weights "
+                   "torch.no_grad()), a parameter or buffer was replaced (module.weight = ..., a new pruning mask), "
+                   "or this is another copy of that model: its K/V may differ where the weights "
                    "fingerprint does not sample; store.clear() fills the store again with these weights, or use a "
                    "store per model")
     return begin(cache, owned=owned, rows=rows, num_beams=num_beams, store=store, eos_token_id=eos_token_id,

@@ -43,8 +43,8 @@ from .errors import (
     PrefixNotAFolderError,
     PrefixNotFoundError,
 )
-from .fingerprint import (WEIGHTS_DIFFER, config_fields, config_fingerprint, config_rest, describe_config_difference,
-                          weights_fingerprint)
+from .fingerprint import (WEIGHTS_DIFFER, TensorsSeen, config_fields, config_fingerprint, config_rest,
+                          describe_config_difference, weights_fingerprint)
 from .mapped import PAGES_FILE, MappedEntry, check_index_text, clean_saves, index_text, map_entries, write_pages
 from .page_check import MappedPages
 from .persist import _check_model, _load, _save
@@ -170,7 +170,7 @@ class PrefixStore:
         self._ids = itertools.count()
         self._dtype: torch.dtype | None = None
         self._weights: str | None = None  # weights fingerprint of the model the entries were computed with
-        self._versions: int | None = None  # its parameters' version counters (weights_identity), in this process
+        self._versions: TensorsSeen | None = None  # its model's tensors and their version counters (weights_identity)
         # the entries' pages, each counted once however many entries hold it (bytes_held): kept as
         # entries come and go; an entry is counted when first needed (a mapped entry's at open costs
         # a pass over its pages that opening does not need)
@@ -455,12 +455,13 @@ class PrefixStore:
         call: nothing cheaper tells that a parameter did not change)."""
         return weights_fingerprint(model)
 
-    def unwritten_since(self, versions: int) -> bool:
-        """Whether a model with the store's weights fingerprint and the parameter version
-        counters ``versions`` (:func:`~hf_vkv.prefix.fingerprint.weights_identity`) wrote
-        none of its parameters in place since the store's entries were computed, in this process
-        (``False``: an optimizer step, ``load_state_dict`` or an edit under ``torch.no_grad()``
-        may have changed values the fingerprint does not sample; ``generate`` then steps aside).
+    def unwritten_since(self, versions: TensorsSeen) -> bool:
+        """Whether a model with the store's weights fingerprint whose tensors are ``versions``
+        (:func:`~hf_vkv.prefix.fingerprint.weights_identity`) wrote none of its parameters or
+        buffers in place and replaced none since the store's entries were computed, in this
+        process (``False``: an optimizer step, ``load_state_dict``, an edit under
+        ``torch.no_grad()``, a new pruning mask may have changed values the fingerprint does not
+        sample; ``generate`` then steps aside).
         Where the store knows no counters for its entries (it is empty, or they were loaded or
         inserted by hand) it takes these: later writes are seen from here on."""
         with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import copy
 import gc
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,48 @@ def test_a_buffer_rewritten_in_place_steps_aside() -> None:
     report = _stepped_aside(model, ids, store)
     assert report.reused_tokens == 0 and "other weights" in report.refusal and "buffers" in report.refusal
     store.check_invariants()
+
+
+def test_a_pruning_mask_replaced_where_the_fingerprint_does_not_sample_steps_aside() -> None:
+    """A second round of ``torch.nn.utils.prune`` replaces a layer's ``weight_mask`` buffer by a
+    new tensor that differs from the old one in a few values (none the fingerprint samples): the
+    store steps aside (it reused K/V of the old mask: SmolLM2, logits 0.011 apart) and the tokens
+    are a DynamicCache's of the re-pruned model."""
+    from torch.nn.utils import prune
+
+    model = copy.deepcopy(tiny("llama", seed=0))
+    for layer in model.model.layers:
+        prune.l1_unstructured(layer.self_attn.v_proj, "weight", amount=0.2)
+    store = PrefixStore(model.config)
+    history = _ids(40)
+    _call(model, history, store)
+    mask = model.model.layers[0].self_attn.v_proj.weight_mask
+    prune.l1_unstructured(model.model.layers[0].self_attn.v_proj, "weight", amount=3)  # 3 more weights cut
+    again = model.model.layers[0].self_attn.v_proj.weight_mask
+    sampled = torch.from_numpy(_sample_index(mask.numel()))
+    assert again is not mask and torch.equal(again.reshape(-1)[sampled], mask.reshape(-1)[sampled])
+    report = _stepped_aside(model, torch.cat([history, _ids(5, 1)], dim=1), store)
+    assert report.reused_tokens == 0 and "replaced" in report.refusal
+    store.check_invariants()
+
+
+def test_a_quantized_model_whose_weights_are_packed_steps_aside() -> None:
+    """torch.ao's dynamic quantization packs the Linear layers' weights outside the parameters
+    and buffers: two quantized models with other attention weights fingerprinted alike, and the
+    second reused the first's K/V (SmolLM2: other tokens, logits 23.6 apart). The store steps
+    aside for such a model (nothing goes in), naming a quantized layer; ``store.save(model=)``
+    and ``load(model=)`` refuse it."""
+    model = copy.deepcopy(tiny("llama", seed=0))
+    quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8).eval()
+    store = PrefixStore(quantized.config)
+    history = _ids(40)
+    for ids in (history, torch.cat([history, _ids(5, 1)], dim=1)):
+        report = _stepped_aside(quantized, ids, store)
+        assert report.reused_tokens == 0 and "packed" in report.refusal and "self_attn" in report.refusal
+    assert len(store) == 0
+    with pytest.raises(hf_vkv.PrefixMismatchError, match="cannot be fingerprinted") as err:
+        store.save(Path(tempfile.mkdtemp()) / "q", model=quantized)
+    assert err.value.field == "weights"
 
 
 def test_a_model_cast_to_another_dtype_steps_aside_naming_the_dtype() -> None:
