@@ -532,7 +532,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         try:
             held = int(summary(folder)["file_bytes"])
-            verify_folder(folder, pages=False)  # the page file there, of its size: no page read
+            verify_folder(folder, pages=True)  # the page file there, of its size, every page against its checksum
         except (OSError, ValueError) as exc:  # a damaged index (not JSON, its digest differs), a truncated page file
             parser.error(f"--prefix-dir {args.prefix_dir}: {type(exc).__name__}: {exc}")
         if held > args.prefix_store_mib << 20:

@@ -31,7 +31,11 @@ an entry's pages are handed out (:meth:`MappedPages.verify`, by :meth:`PrefixSto
 :meth:`PrefixStore.take`) checks what that thread has not reached; each page is checked once. A
 damaged page raises :class:`PrefixFileCorruptError` at that first use, the store drops every entry
 of that file and stays usable. The sum is not a cryptographic hash: it does not defend against a file
-crafted to pass it, and a file changed while it is mapped is not re-checked.
+crafted to pass it. A page file written after it was opened (``cp`` or ``rsync --inplace`` over
+it, a truncation: its size or times changed) is seen at the store's next lookup or save, which
+drops every entry holding its pages with a warning (:meth:`MappedPages.changed`); a write during
+a turn that reads its pages is not (and a read past a truncated end then is a SIGBUS): replace a
+served folder by saving into it (a new file), never write its page file in place.
 """
 
 from __future__ import annotations
@@ -394,7 +398,7 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
             for tokens, sized, group_tables, held in parsed:
                 out.append(MappedEntry(tokens, sized, group_tables, base, arena, (held + base).tolist()))
                 arena.hold(out[-1])
-        return out, MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes, data_offset=offset)
+        return out, MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes, data_offset=offset, arena=arena)
     except BaseException as e:
         for entry in out:
             entry.release()

@@ -8,6 +8,7 @@ import mmap
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,10 +16,15 @@ import numpy as np
 import torch
 
 from ..memory import PageId
+from ..memory.held_pages import HeldPages
 from ..memory.errors import ArgumentError
 from .errors import PrefixFileCorruptError
 
 __all__ = ["MappedPages", "page_checksums"]
+
+
+def _file_state(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def page_checksums(pages: torch.Tensor) -> np.ndarray:
@@ -43,9 +49,13 @@ class MappedPages:
     CHUNK = 1024
 
     def __init__(self, path: Path, fd: int, page_ids: list[PageId], checksums: np.ndarray, *, page_bytes: int,
-                 data_offset: int) -> None:
+                 data_offset: int, arena: object = None) -> None:
         self.path = path
         self.page_ids = page_ids
+        self.arena = arena  # the page store whose ids page_ids are (what a cache's held pages name)
+        self._fd = os.dup(fd)  # the mapped file itself (the folder's name may come to name another)
+        weakref.finalize(self, os.close, self._fd)
+        self._seen = _file_state(os.fstat(self._fd))
         self._first = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
         self._checksums = checksums
         self._verified = np.zeros(len(page_ids), dtype=bool)
@@ -56,6 +66,22 @@ class MappedPages:
         self._pid = os.getpid()  # a forked child makes its own lock (the thread may have held this one)
         self._thread: threading.Thread | None = None
         self.verified_bytes = 0  # bytes checked so far (what verification cost: see docs)
+
+    def changed(self) -> bool:
+        """Whether the mapped file was written since it was opened (its size, modification or
+        change time differ: ``cp`` or ``rsync --inplace`` over it, a truncation): its pages, which
+        the file's page cache backs, may no longer hold what was checked, or exist (a read past a
+        truncated end is a SIGBUS). A save into the folder writes a new file and leaves this one as
+        it was."""
+        return _file_state(os.fstat(self._fd)) != self._seen
+
+    def holds(self, pages: HeldPages) -> bool:
+        """Whether ``pages`` (a holder's) include a page of this file."""
+        ids = pages.pages.get(self.arena)
+        if ids is None or not self.page_ids:
+            return False
+        ids = ids[1]
+        return bool(np.any((ids >= self._first) & (ids < self._first + len(self.page_ids))))
 
     def verify(self, pages: Sequence[PageId]) -> None:
         """Check every file page among ``pages`` not yet checked (the wrapping sums of their words,

@@ -170,6 +170,7 @@ class PrefixStore:
         self._ids = itertools.count()
         self._dtype: torch.dtype | None = None
         self._weights: str | None = None  # weights fingerprint of the model the entries were computed with
+        self._files: list[MappedPages] = []  # the page files opened (load), watched for writes (_check_files)
         self._versions: TensorsSeen | None = None  # its model's tensors and their version counters (weights_identity)
         # the entries' pages, each counted once however many entries hold it (bytes_held): kept as
         # entries come and go; an entry is counted when first needed (a mapped entry's at open costs
@@ -357,12 +358,28 @@ class PrefixStore:
         that prefix's length, or ``None``: what :meth:`borrow`, :meth:`take` and
         :meth:`longest_prefix` look up (under the lock)."""
         cap = len(tokens) - 1
+        self._check_files()
         for shared, key in self._tree.common_prefixes(tokens[:cap]):
             entry = self._entries[key]
             m = min(shared, cap)
             if m >= max(entry.min_reuse, 1):
                 return entry, m
         return None
+
+    def _check_files(self) -> None:
+        """Drop every entry holding pages of an opened page file that was written since it was
+        opened (:meth:`MappedPages.changed`), with a warning: its pages may hold other bytes than
+        were checked, or none (under the lock, before any entry is looked up or saved; an ``fstat``
+        a file)."""
+        for mapped in [m for m in self._files if m.changed()]:
+            self._files.remove(mapped)
+            gone = [e for e in self._entries.values() if mapped.holds(_pages_of(e))]
+            for entry in gone:
+                self._drop(entry)
+            warnings.warn(f"PrefixStore: {mapped.path} was written after it was opened (its size or times changed: "
+                          f"cp or rsync --inplace over it, a truncation): the {len(gone)} entries holding its pages "
+                          f"were dropped, and requests compute those tokens again; save into a folder instead of "
+                          f"writing a served page file in place, and load it again", UserWarning, stacklevel=4)
 
     def _verify(self, entry: _Entry) -> None:
         """Check a mapped entry's pages against their checksums before they are first handed out;
@@ -623,6 +640,8 @@ class PrefixStore:
                     self._add_mapped(given.pop(0), mapped, weights)
                 kept = {entry.tokens for entry in self._entries.values()}
             if mapped is not None:
+                with self._lock:
+                    self._files.append(mapped)
                 mapped.check_in_background()  # its pages are checked by their first use, or then
         finally:
             for cache, _ in loaded:
@@ -665,6 +684,7 @@ class PrefixStore:
             self._check_model(model)
         weights = None if model is None else self.fingerprint(model)
         with self._lock:
+            self._check_files()  # a page file written since it was opened is never saved again as checked
             if weights is not None:
                 self._check_weights(weights, doing="saved with")
             weights = weights or (self._weights if self._entries else None)
@@ -788,6 +808,7 @@ class PrefixStore:
         with self._lock:
             for entry in list(self._entries.values()):
                 self._drop(entry)
+            self._files.clear()
 
     close = clear
 

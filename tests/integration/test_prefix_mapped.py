@@ -619,3 +619,66 @@ def test_two_stores_of_one_process_saving_into_one_folder_at_once_leave_a_folder
     assert {tuple(p[:70]) for p in first_prompts} <= held or {tuple(p[:70]) for p in second_prompts} <= held
     warm.check_invariants()
     assert sorted(p.name for p in folder.iterdir()) == sorted([PAGES_FILE, STORE_INDEX])
+
+
+_WRITTEN_UNDER = r"""
+import sys, warnings
+sys.path.insert(0, {tests!r})
+import torch
+from models import PAD, tiny
+import hf_vkv
+model = tiny("llama")
+store = hf_vkv.PrefixStore(model.config)
+store.load({folder!r}, model=model)
+ids = torch.tensor([{prompt}])
+first = store.lookup(ids)  # its pages checked, as a first turn's are (and no entry of its own added)
+assert first.get_seq_length() > 0
+first.close()
+print("opened", flush=True)
+sys.stdin.readline()  # the parent writes the file meanwhile
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=PAD,
+                         return_dict_in_generate=True, output_logits=True, cache_implementation="vkv",
+                         cache_config={{"prefix_store": store}})
+ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=PAD,
+                     return_dict_in_generate=True, output_logits=True)
+assert torch.equal(out.sequences, ref.sequences) and all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+assert hf_vkv.reuse_report(out).reused_tokens == 0
+assert any("was written after it was opened" in str(w.message) for w in caught), [str(w.message) for w in caught]
+store.check_invariants()
+print("served", flush=True)
+"""
+
+
+@pytest.mark.parametrize("write", ["zeros in place", "truncated", "copied over"])
+def test_a_page_file_written_while_it_is_open_is_dropped_not_read(tmp_path: Path, write: str) -> None:
+    """A served folder's page file written in place after it was opened and checked (``cp`` or
+    ``rsync --inplace`` over it, a truncation): the store drops the entries holding its pages,
+    with a warning, and the next turn computes them again, DynamicCache's tokens and logits. Before,
+    zeros written in place were reused (other tokens, HTTP 200 through the server) and a truncated
+    file's pages were read past its end (SIGBUS: the process died), so the process that opens the
+    file is a child here."""
+    model = tiny("llama")
+    _, folder, prompts = _saved_store(tmp_path, model)
+    other, other_folder, _ = _saved_store(tmp_path / "other", model, chats=1, seed=9)
+    pages = folder / PAGES_FILE
+    code = _WRITTEN_UNDER.format(tests=str(Path(__file__).parents[1]), folder=str(folder), prompt=prompts[0] + [7, 8])
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                             cwd=str(Path(__file__).parents[2]))
+    try:
+        assert child.stdout.readline().strip() == "opened", child.stderr.read()[-3000:]
+        size = pages.stat().st_size
+        if write == "zeros in place":
+            with open(pages, "r+b") as f:
+                f.seek(4096)
+                f.write(b"\0" * (size - 4096))
+        elif write == "truncated":
+            os.truncate(pages, size // 2)
+        else:  # cp's way: the same file, truncated and written again
+            pages.write_bytes((other_folder / PAGES_FILE).read_bytes())
+        out, err = child.communicate("go\n", timeout=300)
+    finally:
+        child.kill()
+    assert child.returncode == 0 and out.strip().endswith("served"), (child.returncode, err[-3000:])

@@ -261,9 +261,13 @@ def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_re
     shutil.copytree(tmp_path / "system", tmp_path / "truncated")
     page_file = tmp_path / "truncated" / "prefix_store.kv"
     page_file.write_bytes(page_file.read_bytes()[:-4096])
+    shutil.copytree(tmp_path / "system", tmp_path / "flipped")  # a page's bytes damaged, the size kept
+    data = bytearray((tmp_path / "flipped" / "prefix_store.kv").read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 64])
+    (tmp_path / "flipped" / "prefix_store.kv").write_bytes(bytes(data))
     for args in (["--prefix-dir", str(tmp_path)], ["--prefix-dir", str(tmp_path / "damaged")],
                  ["--prefix-dir", str(tmp_path / "nowhere")],
-                 ["--prefix-dir", str(tmp_path / "truncated")],
+                 ["--prefix-dir", str(tmp_path / "truncated")], ["--prefix-dir", str(tmp_path / "flipped")],
                  ["--prefix-store-mib", "1", "--prefix-dir", str(tmp_path / "system")]):
         with pytest.raises(SystemExit) as refused:
             main(["serve", *args, model_dir])
@@ -271,6 +275,7 @@ def test_a_server_started_from_a_saved_system_prompt_reuses_it_from_its_first_re
         err = capsys.readouterr().err
         assert f"--prefix-dir {args[-1]}" in err
         assert "truncated" not in args[-1] or "PrefixFileCorruptError" in err and "not whole" in err
+        assert "flipped" not in args[-1] or "PrefixFileCorruptError" in err and "differs from its checksum" in err
         assert "nowhere" not in args[-1] or "no such folder" in err and "hf-vkv prefix save" in err
 
 
