@@ -6,8 +6,8 @@ other field but those that change nothing a layer computes in eval mode (:data:`
 ids, names, outputs asked for, dropout, initialisation; :func:`config_rest`), so that a model
 built with another value of any field (``num_experts_per_tok=1`` from ``from_pretrained``, a
 ``residual_multiplier``) is another model; a file compares its recorded fields with the model's
-(:func:`config_difference`), the other fields where both have them. The weights fingerprint hashes a
-fixed sample of every parameter (its name, shape and a few hundred of its values), which
+(:func:`config_difference`), the other fields where both have them. The weights fingerprint
+hashes a fixed sample of every parameter (its name, shape and a few hundred of its values), which
 tells two checkpoints of one architecture apart without reading all the weights (a few ms
 for SmolLM2 on a CPU, taken at each use), the same sample of every buffer (a rotary embedding's
 ``inv_freq`` rewritten in place changes every key), and what changes what a layer computes without changing a
@@ -17,8 +17,8 @@ attention implementation other than sdpa's. In a process, :func:`weights_identit
 parameters' version counters, which torch bumps at every in-place write through a tensor (an
 optimizer step, ``load_state_dict``, ``param[i] += x`` under ``torch.no_grad()``): a store that
 saw other counters steps aside, whatever the sampled values. Both are checks against mistakes,
-not proofs: a parameter written through ``param.data`` (or numpy) only between the sampled values is not
-seen, nor is a change in what a hook does or in what a module computes from plain Python
+not proofs: a parameter written through ``param.data`` (or numpy) only between the sampled values
+is not seen, nor is a change in what a hook does or in what a module computes from plain Python
 attributes (an adapter's on/off flag, a parametrization's attribute).
 """
 
@@ -202,8 +202,9 @@ def _walk(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]],
     id]`` (``-1``: a global module hook), its buffers as ``model.named_buffers()`` names them,
     and the modules whose weights are packed where neither is (torch.ao's quantized modules hold
     them in a ``_packed_params`` script object, unpacked at a cost of ~1.5 ms a layer: SmolLM2's
-    422 quantized Linear layers take 0.65 s). A hook is known by its handle: the same hook registered again is another one. (An explicit
-    stack: torch's nested generators took about a third of the fingerprint's time.)"""
+    422 quantized Linear layers take 0.65 s). A hook is known by its handle: the same hook
+    registered again is another one. (An explicit stack: torch's nested generators took about a
+    third of the fingerprint's time.)"""
     params: list[tuple[str, torch.nn.Parameter]] = []
     buffers: list[tuple[str, torch.Tensor]] = []
     adapters: list[list[Any]] = []
