@@ -13,10 +13,12 @@ for SmolLM2 on a CPU, taken at each use), the same sample of every buffer (a rot
 ``inv_freq`` rewritten in place changes every key), and what changes what a layer computes without changing a
 parameter (:func:`computation_state`): the state of the model's adapter layers (which adapters
 are active, disabled or merged, and their scaling), the forward hooks a user put on it, and an
-attention implementation other than sdpa's. In a process, :func:`weights_identity` adds the
-parameters' version counters, which torch bumps at every in-place write through a tensor (an
-optimizer step, ``load_state_dict``, ``param[i] += x`` under ``torch.no_grad()``): a store that
-saw other counters steps aside, whatever the sampled values. Both are checks against mistakes,
+attention implementation other than sdpa's. In a process, :func:`weights_identity` adds which
+tensors the parameters and buffers are and their version counters, which torch bumps at every
+in-place write through a tensor (an optimizer step, ``load_state_dict``, ``param[i] += x`` under
+``torch.no_grad()``): a store that saw other tensors or counters steps aside, whatever the sampled
+values. Weights packed outside the parameters (torch.ao quantization) cannot be fingerprinted
+(:class:`~hf_vkv.PrefixMismatchError`). Both are checks against mistakes,
 not proofs: a parameter written through ``param.data`` (or numpy) only between the sampled values
 is not seen, nor is a change in what a hook does or in what a module computes from plain Python
 attributes (an adapter's on/off flag, a parametrization's attribute).
