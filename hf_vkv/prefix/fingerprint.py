@@ -345,7 +345,6 @@ class TensorsSeen:
     (``module.weight = ...``, a second round of ``torch.nn.utils.prune`` replacing a mask) or
     written in place since."""
 
-    __slots__ = ("_refs", "_versions")
     __hash__ = None  # type: ignore[assignment]
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
