@@ -233,7 +233,7 @@ def _walk(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]],
             hooks.extend([place, key] for key in _user_hook_keys(module._forward_hooks, module._forward_pre_hooks))
         if _adapter_class(type(module)):
             adapters.append(_layer_state(module))
-        if isinstance(getattr(module, "_packed_params", None), torch.ScriptObject):
+        if isinstance(vars(module).get("_packed_params"), torch.ScriptObject):  # (getattr: Module.__getattr__'s raise)
             packed.append(prefix.removesuffix(".").removesuffix("._packed_params") or type(module).__name__)
         children = [(f"{prefix}{key}.", child) for key, child in module._modules.items() if child is not None]
         stack.extend(reversed(children))
