@@ -41,7 +41,7 @@ from .errors import PrefixMismatchError
 
 __all__ = [
     "CONFIG_FIELDS", "INERT_FIELDS", "LIBRARY_HOOKS", "OFFLOADED", "SDPA_EXACT_ATTENTION", "WEIGHTS_DIFFER", "adapter_state",
-    "computation_state", "config_difference", "config_fields", "config_fingerprint", "config_rest",
+    "computation_state", "config_difference", "config_fields", "config_fingerprint", "config_record", "config_rest",
     "describe_config_difference", "describe_difference", "in_training", "is_adapter_layer",
     "per_row_adapters", "TensorsSeen", "unwrapped", "weights_fingerprint", "weights_identity", "weights_match",
 ]
@@ -105,19 +105,31 @@ def _digest(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _fingerprint_of(fields: dict[str, Any], rest: dict[str, Any]) -> str:
+    return _digest({**fields, " rest": rest})
+
+
+def config_record(config: Any) -> dict[str, Any]:
+    """What a prefix file records of ``config``: ``config_fingerprint`` (sha256, hex, of
+    :func:`config_fields` and :func:`config_rest`: configs that fingerprint alike compute alike),
+    ``config_fields`` and ``config_rest``."""
+    fields, rest = config_fields(config), config_rest(config)
+    return {"config_fingerprint": _fingerprint_of(fields, rest), "config_fields": fields, "config_rest": rest}
+
+
 def config_fingerprint(config: Any) -> str:
-    """sha256 (hex) of :func:`config_fields` and :func:`config_rest`: configs that fingerprint
-    alike compute alike (two objects of one config always do)."""
-    return _digest({**config_fields(config), " rest": config_rest(config)})
+    """The ``config_fingerprint`` of :func:`config_record` (two objects of one config fingerprint alike)."""
+    return config_record(config)["config_fingerprint"]
 
 
-def config_difference(saved: dict[str, Any], fields: dict[str, Any], rest: dict[str, Any]) -> str | None:
+def config_difference(saved: dict[str, Any], record: dict[str, Any]) -> str | None:
     """What differs between a file's recorded config (``saved``: its ``config_fingerprint``,
     ``config_fields`` and, written since the other fields were fingerprinted, ``config_rest``) and
-    a config's :func:`config_fields` and :func:`config_rest` (``None``: the file can be that
-    config's). The fields of :data:`CONFIG_FIELDS` must all agree; of the others, those both
-    record (a field that one transformers release has and another lacks says nothing). A file
-    that recorded no fields is compared by its fingerprint of :data:`CONFIG_FIELDS` alone."""
+    a config's :func:`config_record` (``None``: the file can be that config's). The fields of
+    :data:`CONFIG_FIELDS` must all agree; of the others, those both record (a field that one
+    transformers release has and another lacks says nothing). A file that recorded no fields is
+    compared by its fingerprint of :data:`CONFIG_FIELDS` alone."""
+    fields, rest = record["config_fields"], record["config_rest"]
     saved_fields, saved_rest = saved.get("config_fields"), saved.get("config_rest")
     if not isinstance(saved_fields, dict) or not saved_fields:
         return None if saved.get("config_fingerprint") == _digest(fields) else "fields outside the fingerprint's list"
@@ -125,7 +137,7 @@ def config_difference(saved: dict[str, Any], fields: dict[str, Any], rest: dict[
         return describe_difference(saved_fields, fields, a_name="file", b_name="model")
     if not isinstance(saved_rest, dict):  # written before the other fields were fingerprinted
         return None if saved.get("config_fingerprint") == _digest(fields) else "a fingerprint that is not its fields'"
-    if saved.get("config_fingerprint") != _digest({**saved_fields, " rest": saved_rest}):
+    if saved.get("config_fingerprint") != _fingerprint_of(saved_fields, saved_rest):
         return "a fingerprint that is not its fields'"
     differ = sorted(k for k in saved_rest.keys() & rest.keys() if saved_rest[k] != rest[k])
     if not differ:

@@ -6,8 +6,8 @@ Layout of a file (format version 2, layout ``"contiguous"``):
   T_i, head_dim]`` in the cache's dtype. ``T_i`` is the whole prefix for full-attention layers and
   its last ``window - 1`` tokens for sliding-window layers (all they keep);
 * metadata key ``"hf_vkv_prefix"``: JSON with ``format``, ``version``, ``layout``, ``dtype``,
-  ``length``, ``token_ids``, ``config_fingerprint`` and ``config_fields`` (what was hashed, to say
-  what differs), ``weights_fingerprint`` (when saved with the model), per layer its
+  ``length``, ``token_ids``, ``config_fingerprint``, ``config_fields`` and ``config_rest`` (what was
+  hashed, to say what differs: :func:`~hf_vkv.prefix.fingerprint.config_record`), ``weights_fingerprint`` (when saved with the model), per layer its
   ``start`` (the position of its first saved token) and ``window``, and ``checksums``: a digest
   of every tensor's bytes, of the token ids and of the rest of the metadata
   (:mod:`.checksums`), so a file is verified by content at load, not only by shape.
@@ -51,7 +51,7 @@ from .errors import (
     PrefixNotFoundError,
 )
 from .checksums import checksums_of, verify_checksums, validate_meta
-from .fingerprint import (WEIGHTS_DIFFER, config_difference, config_fields, config_fingerprint, config_rest, weights_fingerprint,
+from .fingerprint import (WEIGHTS_DIFFER, config_difference, config_fingerprint, config_record, weights_fingerprint,
                           weights_match)
 from .tokens import outside_vocabulary, token_list
 
@@ -119,8 +119,7 @@ def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, mode
     meta = {
         "format": FORMAT, "version": VERSION, "layout": LAYOUT, "writer": f"hf_vkv {__version__}",
         "dtype": str(dtype).removeprefix("torch."), "length": n, "token_ids": tokens,
-        "config_fingerprint": config_fingerprint(cache.config), "config_fields": config_fields(cache.config),
-        "config_rest": config_rest(cache.config), "weights_fingerprint": weights, "layers": layers,
+        **config_record(cache.config), "weights_fingerprint": weights, "layers": layers,
     }
     meta["checksums"] = checksums_of(meta, tensors)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
@@ -282,12 +281,11 @@ def _check_tensors(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Te
 
 def _check_model(path: Path, meta: dict[str, Any], config: Any, model: torch.nn.Module | None,
                  dtype: torch.dtype | None, *, check_weights: bool = True, weights: str | None = None,
-                 config_known: tuple[dict[str, Any], dict[str, Any]] | None = None) -> None:
+                 config_known: dict[str, Any] | None = None) -> None:
     """Refuse ``meta`` (a file's) unless it is ``config``'s (:func:`config_difference`;
-    ``config_known``: its :func:`config_fields` and :func:`config_rest`, if known), ``model``'s
-    dtype and weights, and its token ids are in the vocabulary."""
-    fields, rest = config_known or (config_fields(config), config_rest(config))
-    detail = config_difference(meta, fields, rest)
+    ``config_known``: its :func:`config_record`, if known), ``model``'s dtype and weights, and its
+    token ids are in the vocabulary."""
+    detail = config_difference(meta, config_known or config_record(config))
     if detail is not None:
         raise PrefixMismatchError("config", f"{path} was saved for another model ({detail})")
     if dtype is None and model is not None:

@@ -43,8 +43,8 @@ from .errors import (
     PrefixNotAFolderError,
     PrefixNotFoundError,
 )
-from .fingerprint import (WEIGHTS_DIFFER, TensorsSeen, config_fields, config_fingerprint, config_rest,
-                          describe_config_difference, weights_fingerprint)
+from .fingerprint import (WEIGHTS_DIFFER, TensorsSeen, config_fingerprint, config_record, describe_config_difference,
+                          weights_fingerprint)
 from .mapped import PAGES_FILE, MappedEntry, check_index_text, clean_saves, index_text, map_entries, write_pages
 from .page_check import MappedPages
 from .persist import _check_model, _load, _save
@@ -163,8 +163,8 @@ class PrefixStore:
         self._memories: dict[str, VKVCache] = {}
         self._memory_of("cpu")
         self._device_type = "cpu"  # of the last memory asked for: where new_cache() draws from
-        self._fingerprint = config_fingerprint(config)
-        self._config_known = (config_fields(config), config_rest(config))  # what files are compared with
+        self._config_known = config_record(config)  # what files record and are compared with
+        self._fingerprint: str = self._config_known["config_fingerprint"]
         self._tree: RadixTree[int] = RadixTree()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._ids = itertools.count()
@@ -726,8 +726,7 @@ class PrefixStore:
                 cache.close()
         index = {"format": STORE_FORMAT, "version": STORE_VERSION, "writer": f"hf_vkv {__version__}",
                  "files": [p.name for p in paths],
-                 "config_fingerprint": self._fingerprint, "config_fields": self._config_known[0],
-                 "config_rest": self._config_known[1],
+                 **self._config_known,
                  "weights_fingerprint": weights, "dtype": None if self._dtype is None else str(self._dtype).removeprefix("torch."),
                  "mapped": section}
         # The index is the commit: written after the files it names, each under a name of its own, so
