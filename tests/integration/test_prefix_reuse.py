@@ -361,6 +361,16 @@ def test_a_saved_store_carries_its_weights_fingerprint(tmp_path: Path) -> None:
     assert PrefixStore(model.config).load(tmp_path / "mine", model=model) == len(store.prefixes()[0])
 
 
+def _serves_as_before(model: Any, folder: Path, history: list[int], g: torch.Generator) -> None:
+    """A folder an older hf_vkv wrote loads for ``model`` and serves ``history`` as before."""
+    fresh = PrefixStore(model.config)
+    assert fresh.load(folder, model=model) > len(history)
+    ids, mask = _batch([history + _rand(4, g)])
+    sequences, report = _reuse(model, ids, mask, fresh)
+    assert report.reused_tokens >= len(history) and report.refusal is None
+    assert_same_tokens(_generate(model, ids, mask, None), sequences)
+
+
 def test_a_folder_fingerprinted_before_buffers_were_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A folder an hf_vkv wrote before the weights fingerprint sampled buffers carries the
     parameters' fingerprint alone: it still loads for its model (checked on its parameters) and
@@ -380,12 +390,7 @@ def test_a_folder_fingerprinted_before_buffers_were_still_loads(tmp_path: Path, 
         store.save(tmp_path / "old")
     saved = json.loads((tmp_path / "old" / STORE_INDEX).read_text())["weights_fingerprint"]
     assert saved == weights_fingerprint(model, buffers=False) != weights_fingerprint(model)
-    fresh = PrefixStore(model.config)
-    assert fresh.load(tmp_path / "old", model=model) > len(history)
-    ids, mask = _batch([history + _rand(4, g)])
-    sequences, report = _reuse(model, ids, mask, fresh)
-    assert report.reused_tokens >= len(history) and report.refusal is None
-    assert_same_tokens(_generate(model, ids, mask, None), sequences)
+    _serves_as_before(model, tmp_path / "old", history, g)
     with pytest.raises(hf_vkv.PrefixMismatchError, match="other weights"):
         PrefixStore(other.config).load(tmp_path / "old", model=other)
 
@@ -463,12 +468,7 @@ def test_a_folder_saved_before_the_other_config_fields_still_loads(tmp_path: Pat
     assert index.pop("config_rest") is not None and index["config_fields"] == config_fields(model.config)
     index["config_fingerprint"] = hashlib.sha256(json.dumps(index["config_fields"], sort_keys=True).encode()).hexdigest()
     index_path.write_text(index_text(index))
-    fresh = PrefixStore(model.config)
-    assert fresh.load(tmp_path / "old", model=model) > len(history)
-    ids, mask = _batch([history + _rand(4, g)])
-    sequences, report = _reuse(model, ids, mask, fresh)
-    assert report.reused_tokens >= len(history) and report.refusal is None
-    assert_same_tokens(_generate(model, ids, mask, None), sequences)
+    _serves_as_before(model, tmp_path / "old", history, g)
 
 
 def test_pipeline_with_chat_messages() -> None:
