@@ -22,7 +22,9 @@ import sys
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode
+
+from ..memory import section
 
 __all__ = ["HeadReads", "RepeatedRows", "repeat_for_head"]
 
@@ -90,6 +92,19 @@ _SLICES = frozenset({torch.Tensor.__getitem__, torch.Tensor.narrow, torch.narrow
                      torch.select})
 
 
+def leave_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off torch's function-mode stack with every mode above it (pushed while it was
+    on, and left there by an interrupt); nothing if it is not on it (an interrupt in torch's own
+    ``_pop_mode_temporarily`` can drop a mode from the stack). Call with Ctrl-C held."""
+    stack = _get_current_function_mode_stack()
+    if not any(m is mode for m in stack):
+        return
+    for m in reversed(stack):
+        _pop_mode()
+        if m is mode:
+            return
+
+
 class HeadReads(TorchFunctionMode):
     """While active, guards the :class:`RepeatedRows` in :attr:`pending` (see the module docstring)."""
 
@@ -101,18 +116,20 @@ class HeadReads(TorchFunctionMode):
     def add(self, rows: RepeatedRows) -> None:
         """Guard ``rows`` from now on (the first one enters this mode: it stays active, on top of
         the modes entered before, until :meth:`close`)."""
-        if not self._active:
-            self.__enter__()
-            self._active = True
-        self.pending.append(rows)
+        with section():  # entered and recorded as one (a Ctrl-C between would leave the mode on for good)
+            if not self._active:
+                self.__enter__()
+                self._active = True
+            self.pending.append(rows)
 
     def close(self) -> None:
         """At the forward's end: leave the mode (if :meth:`add` entered it), fill any tensor that
         something beyond its record still holds (so nothing reads unwritten positions later), and
         let go of all of them."""
-        if self._active:
-            self._active = False
-            self.__exit__(None, None, None)
+        with section():
+            if self._active:
+                self._active = False
+                leave_mode(self)
         for rows in self.pending:
             if not rows.whole and sys.getrefcount(rows.full) > 2:  # the record's reference and the call's
                 rows.fill()

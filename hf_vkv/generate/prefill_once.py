@@ -59,9 +59,10 @@ import torch
 from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..devices import policy_for
+from ..memory import section
 from ..prefix.fingerprint import in_training, user_hooks
 from .names import CACHE_NAMES
-from .head_rows import HeadReads, RepeatedRows, repeat_for_head
+from .head_rows import HeadReads, RepeatedRows, leave_mode, repeat_for_head
 from .row_exactness import InexactRows, RowExactness
 
 __all__ = ["prefill", "expand_rows", "first_of_repeats", "repeats_refusal", "row_dim", "unique_prompts",
@@ -343,19 +344,32 @@ def _rows_checked(model: Any, prompts: int, k: int, *, keep: Any = None) -> Iter
             reads.add(rows)
         return output
 
-    handles = [base.register_forward_pre_hook(start), base.register_forward_hook(stop, always_call=True)]
+    # The hooks and the mode are put on whole and taken off whole, Ctrl-C held (hf_vkv.memory.interrupts): one
+    # left on the model by an interrupt would expand the rows of every later forward.
+    handles: list[Any] = []
+    entered = False
     try:
-        with mode:
-            try:
-                yield mode
-            finally:
+        with section():
+            handles = [base.register_forward_pre_hook(start), base.register_forward_hook(stop, always_call=True)]
+            mode.__enter__()
+            entered = True
+        try:
+            yield mode
+        finally:
+            with section():
                 reads.close()
+                if entered:
+                    entered = False
+                    leave_mode(mode)
         if not mode.base_calls:  # nothing was checked and the head did not see expanded rows
             raise InexactRows(f"{type(model).__name__}'s forward did not run {type(base).__name__}, the module whose "
                               f"rows prefill once checks and expands")
     finally:
-        for handle in handles:
-            handle.remove()
+        with section():
+            if entered:
+                leave_mode(mode)
+            for handle in handles:
+                handle.remove()
 
 
 def _check_head_rows(model: Any, outputs: Any, prompts: int) -> None:

@@ -17,6 +17,11 @@ transformers). A ``generate`` call's state travels in one record,
 :class:`~hf_vkv.generate.call.GenerateCall`, which the first hook puts on the cache it builds and
 the others read from the cache transformers hands them (never from module state):
 
+0. ``GenerationMixin.generate``: the call runs with Ctrl-C held wherever hf_vkv's bookkeeping is
+   half done (a pool transaction, a prefix store's change, a finalizer giving a dropped cache's
+   pages back, prefill once's hooks going on or off), and raised as that ends
+   (:mod:`hf_vkv.memory.interrupts`): an interrupt stops the call within a layer and leaves no
+   page, hook or transaction behind;
 1. ``GenerationMixin._prepare_cache_for_generation``: for ``"vkv"`` it builds a :class:`VKVCache`
    with :meth:`VKVCache.for_generate` (rows = batch x max(num_beams, num_return_sequences), the
    options of ``cache_config``, the layout :func:`hf_vkv.devices.choose_layout` picks for the
@@ -72,7 +77,7 @@ and in each model's process :func:`register_engine` adds :func:`engine_patches`:
 11. ``GenerateRunner.generate`` of ``transformers.cli.serving.utils`` (the server's default path, one
    ``model.generate()`` per request): the request's keywords generate with vkv and the model's
    prefix store, or the request is refused before it is queued (:mod:`hf_vkv.generate.serving`);
-12. ``GenerationMixin.generate``: an hf_vkv error raised while a request generates leaves as a
+12. ``GenerationMixin.generate`` (around item 0's wrapper): an hf_vkv error raised while a request generates leaves as a
     :class:`~hf_vkv.generate.serving.ServedRequestError` (a ``ValueError`` naming it), which the
     server answers with an HTTP 400 rather than an error without its message.
 """
@@ -98,6 +103,7 @@ from ..cache.export import register_pytree
 from ..cache.options import PAGED_KEYS, PREFIX_STORE_KEY, config_dict, from_transformers_keys
 from ..memory.errors import (ArgumentError, CacheOptionError, CapacityError, CompiledModuleError, KVCacheOutOfMemory,
                              MissingDependencyError, VKVError)
+from ..memory import guarded, section
 from ..memory.map_budget import MappingLimitError
 from . import prefill_once, reuse, serving
 from .call import begin, end
@@ -106,7 +112,7 @@ from .names import CACHE_IMPLEMENTATION, CACHE_NAMES, cache_kwarg
 __all__ = ["CACHE_IMPLEMENTATION", "CACHE_NAMES", "PATCH_MARK", "Patch", "cache_kwarg", "engine_patches", "patches",
            "register", "register_engine", "register_serving", "run_engine", "run_spawned", "serving_patches"]
 
-#: Attribute marking a method :func:`_install` wrapped (so a second ``register`` wraps nothing).
+#: Attribute naming the ``around`` of a method :func:`_install` wrapped (so a second ``register`` wraps nothing).
 PATCH_MARK = "_hf_vkv_patch"
 #: ``generate``'s decoding loops (``GENERATION_MODES_MAPPING``'s values that are methods).
 DECODING_LOOPS = ("_sample", "_beam_search", "_assisted_decoding")
@@ -129,6 +135,7 @@ def patches() -> tuple[Patch, ...]:
     """Every method of transformers vkv wraps, in the order (and for the reasons) this module's
     docstring gives."""
     return (
+        Patch(GenerationMixin, "generate", _guarded_generate),
         Patch(GenerationMixin, "_prepare_cache_for_generation", _prepare_cache),
         Patch(GenerationMixin, "prepare_inputs_for_generation", _prepare_inputs),
         Patch(GenerationMixin, "_prefill", _prefill),
@@ -232,12 +239,12 @@ def _install(patch: Patch) -> None:
     """Replace ``patch.owner.<name>`` by a method calling ``patch.around(original, self, ...)``
     (once: a wrapped method is marked)."""
     original = getattr(patch.owner, patch.name)
-    if getattr(original, PATCH_MARK, False):
-        return
     around = patch.around
+    if _wrapped_by(original, around):
+        return
     if patch.spawned:
         around.original = original  # type: ignore[attr-defined] - this process's; a spawned one has its own
-        setattr(around, PATCH_MARK, True)
+        setattr(around, PATCH_MARK, around)
         setattr(patch.owner, patch.name, staticmethod(around) if isinstance(patch.owner, type) else around)
         return
 
@@ -245,8 +252,25 @@ def _install(patch: Patch) -> None:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         return around(original, self, *args, **kwargs)
 
-    setattr(method, PATCH_MARK, True)
+    setattr(method, PATCH_MARK, around)
     setattr(patch.owner, patch.name, method)
+
+
+def _wrapped_by(method: Any, around: Callable[..., Any]) -> bool:
+    """Whether ``around`` wraps ``method`` already, at any depth (a model's process of the server
+    wraps ``generate`` twice: :func:`_guarded_generate`, then :func:`_served_generate`)."""
+    while method is not None:
+        if getattr(method, PATCH_MARK, None) is around:
+            return True
+        method = getattr(method, "__wrapped__", None)
+    return False
+
+
+def _guarded_generate(original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+    """``generate`` with Ctrl-C held while hf_vkv's bookkeeping is half done
+    (:mod:`hf_vkv.memory.interrupts`), up to its return: the caches it drops are given back inside."""
+    with guarded():
+        return original(model, *args, **kwargs)
 
 
 def _json_without_store(original: Any, config: Any, *args: Any, **kwargs: Any) -> str:
@@ -497,10 +521,12 @@ def _prefill(original: Any, model: Any, input_ids: Any, generation_config: Any, 
     cache = None if found is None else found[1]
     call = None if cache is None else cache.call
     if call is not None:
-        reuse.start(call, cache, model, input_ids, model_kwargs)
+        with section():  # Ctrl-C waits for the rows to be taken from the store and recorded (interrupts.py)
+            reuse.start(call, cache, model, input_ids, model_kwargs)
     outputs = prefill_once.prefill(original, model, input_ids, generation_config, model_kwargs, *args, **kwargs)
     if call is not None:
-        reuse.count_prefill(call, cache)
+        with section():
+            reuse.count_prefill(call, cache)
     return outputs
 
 
@@ -516,20 +542,30 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
         if cache is not None:
             cache.check_reads()
         return out
-    try:
-        out = original(model, input_ids, *args, **model_kwargs)
-        cache.check_reads()  # the last layers' attention got what their update returned
-        returned = not hasattr(out, "shape")  # a dict output carries the cache back to the caller
-        reuse.finish(call, cache, getattr(out, "sequences", None) if returned else out, returned=returned)
-    except BaseException as exc:
-        whole = _whole_call(exc, cache, call)
-        if call.owned and not reuse.give_back(call, cache):  # a store entry it took over goes back to the store
-            cache.close()  # nobody can reach it after the error: its pages go back now
-        if whole is not None:
-            raise whole from None
-        raise
-    finally:
-        end(cache)
+    # The loop's compute stops at Ctrl-C; what the call does with the store and its pages after it
+    # (finish, give back, end) is done whole before an interrupt is raised (memory/interrupts.py).
+    finished = False  # a Ctrl-C held through finish is raised as it ends: the rows are the store's by then
+    with guarded():
+        try:
+            out = original(model, input_ids, *args, **model_kwargs)
+            with section():
+                cache.check_reads()  # the last layers' attention got what their update returned
+                returned = not hasattr(out, "shape")  # a dict output carries the cache back to the caller
+                reuse.finish(call, cache, getattr(out, "sequences", None) if returned else out, returned=returned)
+                finished = True
+        except BaseException as exc:
+            if finished:
+                raise
+            with section():
+                whole = _whole_call(exc, cache, call)
+                if call.owned and not reuse.give_back(call, cache):  # a store entry it took over goes back
+                    cache.close()  # nobody can reach it after the error: its pages go back now
+            if whole is not None:
+                raise whole from None
+            raise
+        finally:
+            with section():
+                end(cache)
     return out
 
 

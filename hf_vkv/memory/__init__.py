@@ -23,6 +23,7 @@ from .errors import (
     VKVError,
 )
 from .host_backend import HostBackend
+from .interrupts import SectionLock, guarded, section
 from .limits import PageSizeError
 from .map_budget import MappingLimitError
 from .page_table import CowCopy, PageTable, Row
@@ -32,6 +33,6 @@ from .subrow_buffer import SubRowBuffer
 
 __all__ = [
     "Arena", "Backend", "BackendError", "BlockBuffer", "BlockStore", "BufferStats", "CacheClosedError", "CapacityError", "CowCopy",
-    "HostBackend", "InvariantError", "KVCacheOutOfMemory", "MappingLimitError", "PageSizeError", "OpenTables", "PageId", "PagePool",
-    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "SubRowBuffer", "VKVError", "VirtualBuffer", "check_pages",
+    "HostBackend", "InvariantError", "SectionLock", "KVCacheOutOfMemory", "MappingLimitError", "PageSizeError", "OpenTables", "PageId", "PagePool",
+    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "SubRowBuffer", "VKVError", "VirtualBuffer", "check_pages", "guarded", "section",
 ]

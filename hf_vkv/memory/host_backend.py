@@ -38,6 +38,7 @@ import torch
 
 from .errors import BackendError, CacheClosedError
 from .errors import ArgumentError
+from .interrupts import register_critical
 from .limits import MAX_HOST_PAGE_BYTES, PageSizeError, check_page_bytes
 from .map_budget import PROCESS_MAP_BUDGET, process_mappings, read_max_map_count
 from .pool import PageId
@@ -90,6 +91,7 @@ def _mmap(address: int | None, nbytes: int, prot: int, flags: int, fd: int, offs
     return int(out)
 
 
+@register_critical  # a finalizer's
 def _munmap(address: int, nbytes: int) -> None:
     if _lib().munmap(address, nbytes) != 0:
         err = ctypes.get_errno()

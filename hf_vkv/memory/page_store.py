@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from .errors import CacheClosedError
+from .interrupts import SectionLock
 from .invariants import PageHolder
 from .process import MadeIn, made_here
 from .page_table import PageTable
@@ -94,7 +95,7 @@ class OpenTables(ABC):
         self._tables: dict[int, PageTable] = {}  # id(table) -> table, in opening order
         self._holders: dict[int, PageHolder] = {}  # id(holder) -> holder outside any table
         self.closed = False
-        self.lock = threading.RLock()
+        self.lock = SectionLock()  # held, it holds Ctrl-C too (:mod:`hf_vkv.memory.interrupts`)
         self.made_in = made_here()  # a forked child never changes it (:mod:`hf_vkv.memory.process`)
 
     def buffer_opened(self, table: PageTable) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from .errors import ArgumentError, CacheClosedError, CacheIndexError, CapacityError, InvariantError
+from .interrupts import register_critical
 from .invariants import check_pages
 from .page_store import PageStore
 from .page_table import CowCopy, PageTable, Row
@@ -460,6 +461,7 @@ def _give_back(store: PageStore, pages: list[PageId]) -> None:
         store.pool.keep_resident(kept)
 
 
+@register_critical
 def return_pages(table: PageTable, store: PageStore, untranslate: Callable[[], None] | None = None) -> None:
     """A buffer's end (its ``_finalizer``): undo its translation (``untranslate``), return every
     page of ``table`` to the pool, and close the table in ``store``. Pages go back even if

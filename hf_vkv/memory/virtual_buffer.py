@@ -24,6 +24,7 @@ import torch
 
 from .arena import Arena
 from .backend_protocol import Backend
+from .interrupts import register_critical, section
 from .errors import ArgumentError, ArgumentTypeError, BackendError, CacheClosedError
 from .map_budget import MapBudget, mapping_change
 from .page_table import PageTable, Row
@@ -71,11 +72,18 @@ class _Closer:
             return_pages(table, arena, None if self.unmapped else partial(_unmap_rows, *args))
 
 
+@register_critical
 def _release(state: dict, backend: Backend, address: int, nbytes: int) -> None:
     """A reservation's end (its finalizer, when the buffer and its last view are gone): return the
-    pages still mapped in it, then give the range back. Nothing can catch an error raised here, so
+    pages still mapped in it, then give the range back, Ctrl-C held throughout (a finalizer cut
+    short would keep them until the process ends). Nothing can catch an error raised here, so
     a backend that cannot free the range (a CUDA driver in a sticky error) is said in one
     ``RuntimeWarning`` naming the range, which stays reserved, instead of a traceback."""
+    with section():
+        _give_back_range(state, backend, address, nbytes)
+
+
+def _give_back_range(state: dict, backend: Backend, address: int, nbytes: int) -> None:
     try:
         if state.get("closer") is not None:
             state["closer"]()

@@ -33,7 +33,7 @@ import torch
 from .. import devices
 from ..cache import VKVCache
 from ..cache.options import config_dict
-from ..memory import PageId, PagePool
+from ..memory import PageId, PagePool, SectionLock
 from ..memory.errors import ArgumentError, ArgumentTypeError, InvariantError
 from ..memory.held_pages import HeldPages, PageCounts
 from .errors import (
@@ -154,7 +154,7 @@ class PrefixStore:
             raise ArgumentTypeError(f"PrefixStore needs the model's config, got {type(config).__name__}: "
                                     f"PrefixStore(model.config, ...)")
         self.config = config
-        self._lock = threading.RLock()
+        self._lock = SectionLock()  # held, it holds Ctrl-C too (hf_vkv.memory.interrupts)
         self._budget: int | None = None
         self.budget_bytes = budget_bytes
         self.cache_config = config_dict(cache_config)
