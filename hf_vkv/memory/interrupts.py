@@ -10,12 +10,13 @@ a prefix store's lock is held, a finalizer gives pages back) a SIGINT is held, a
 ``KeyboardInterrupt`` once the outermost section has ended: right after the bookkeeping, before
 the next layer's or step's compute, so an interrupt still stops ``generate`` within one layer.
 
-A section installs the holding handler when none is installed (two ``signal.signal`` calls, ~6
-us) and puts the replaced one back as it ends; a :func:`guarded` scope (a ``generate`` call)
-keeps it installed for its whole length, so that its many sections cost a counter each, and so
-that the first bytecodes of a finalizer (``weakref.finalize``'s own, before the finalizer's
-section begins) are covered too: an interrupt whose stack holds a frame of a function
-:func:`register_critical` named is held as well.
+A section installs the holding handler when none is installed and puts the replaced one back as
+it ends (~12 us a section, two ``signal.signal`` calls among it); a :func:`guarded` scope (a
+``generate`` call) keeps it installed for its whole length, so that its sections cost ~1 us each
+(a decode step opens two), and so that the first bytecodes of a finalizer (``weakref.finalize``'s
+own, before the finalizer's section begins) are covered too: an interrupt whose stack holds a
+frame of a function :func:`register_critical` named is raised again :data:`_RETRY_S` later, from a
+timer thread, once the finalizer has run (raised inside it, it would be printed and lost).
 
 Only the main thread of the main interpreter receives SIGINT; in other threads sections count
 nothing. A SIGINT handler that is not a Python callable (``SIG_IGN``, ``SIG_DFL``: Ctrl-C ends the
@@ -37,7 +38,7 @@ from contextlib import contextmanager
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["guarded", "held_now", "register_critical", "section"]
+__all__ = ["SectionLock", "guarded", "held_now", "register_critical", "section"]
 
 _RETRY_S = 0.002  # an interrupt that came in a finalizer's first bytecodes is raised again this much later
 
@@ -77,28 +78,29 @@ class _Hold:
             frame = frame.f_back
         return False
 
-    def open(self, *, scope: bool) -> bool:
+    def ready(self) -> bool:
+        """In the main thread: the holding handler in place; whether this is the main thread. The
+        caller counts its section or scope next, with no call in between (Python raises a pending
+        interrupt only at a call's end, a jump back or a function's start), then enters ``try``."""
         if threading.current_thread() is not threading.main_thread():
             return False
-        if scope:
-            self.scopes += 1
-        else:
-            self.depth += 1
         if not self.installed:
             self._install()
         return True
 
     def close(self, *, scope: bool) -> None:
+        """A section or scope of the main thread ends: the last one takes the handler back, and a
+        SIGINT held meanwhile is raised."""
         if scope:
             self.scopes -= 1
         else:
             self.depth -= 1
         if self.depth:
             return
+        deliver, self.pending = self.pending, False
         if not self.scopes:
             self._uninstall()
-        if self.pending:
-            self.pending = False
+        if deliver:
             if self._in_critical(sys._getframe(1)):
                 _later()  # raised in a finalizer, it would be printed and lost: after it, then
             else:
@@ -141,12 +143,14 @@ _HOLD = _Hold()
 @contextmanager
 def section() -> Iterator[None]:
     """Hold SIGINT (in the main thread) until the outermost section ends, then raise it."""
-    opened = _HOLD.open(scope=False)
+    if not _HOLD.ready():
+        yield
+        return
+    _HOLD.depth += 1  # (no call before the try: see _Hold.ready)
     try:
         yield
     finally:
-        if opened:
-            _HOLD.close(scope=False)
+        _HOLD.close(scope=False)
 
 
 @contextmanager
@@ -154,17 +158,19 @@ def guarded() -> Iterator[None]:
     """Keep the holding handler installed for the scope (a ``generate`` call): its sections cost a
     counter, and finalizers that start in it (:func:`register_critical`) are covered from their
     first bytecode. Holds nothing by itself."""
-    opened = _HOLD.open(scope=True)
+    if not _HOLD.ready():
+        yield
+        return
+    _HOLD.scopes += 1
     try:
         yield
     finally:
-        if opened:
-            _HOLD.close(scope=True)
+        _HOLD.close(scope=True)
 
 
 def register_critical(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator: an interrupt whose stack holds a frame of ``func`` is held (a finalizer, whose
-    first bytecodes run before the section it opens)."""
+    """Decorator: an interrupt whose stack holds a frame of ``func`` (a finalizer, whose first
+    bytecodes run before the section it opens) is raised again once it has run."""
     _HOLD.critical.add(func.__code__)
     return func
 
@@ -182,11 +188,13 @@ class SectionLock:
         self._lock = threading.RLock()
 
     def __enter__(self) -> SectionLock:
-        opened = _HOLD.open(scope=False)
+        main = _HOLD.ready()
+        if main:
+            _HOLD.depth += 1
         try:
             self._lock.acquire()
         except BaseException:
-            if opened:
+            if main:
                 _HOLD.close(scope=False)
             raise
         return self
@@ -195,5 +203,3 @@ class SectionLock:
         self._lock.release()
         if threading.current_thread() is threading.main_thread():
             _HOLD.close(scope=False)
-
-
