@@ -47,9 +47,10 @@ class _Hold:
     """The main thread's open sections and scopes, the handler they installed, and whether a
     SIGINT came while they held it.
 
-    Invariants: ``installed`` iff the holding handler was put in place by the first open section
-    or scope and not yet taken back; ``pending`` only while installed or until the section that
-    saw it ends."""
+    Invariants: ``installed`` while the holding handler is in place for an open section or scope
+    (it is taken back as the last one ends); ``original`` is the handler it passes SIGINTs on to
+    outside sections (the one it replaced; kept after); ``pending`` only until the outermost
+    section that held the SIGINT ends."""
 
     def __init__(self) -> None:
         self.depth = 0  # open sections
@@ -109,7 +110,10 @@ class _Hold:
     def _install(self) -> None:
         try:
             current = signal.getsignal(signal.SIGINT)
-            if not callable(current) or current is self.handler:
+            if current is self.handler:  # left in place by an interrupt inside _uninstall: ours again
+                self.installed = True
+                return
+            if not callable(current):
                 return
             signal.signal(signal.SIGINT, self.handler)
         except ValueError:  # not the main interpreter
@@ -117,12 +121,14 @@ class _Hold:
         self.original, self.installed = current, True
 
     def _uninstall(self) -> None:
+        # ``original`` is kept: should an interrupt stop this before the handler goes back, the one left
+        # in place still passes every SIGINT on to it
         if not self.installed:
             return
-        original, self.original, self.installed = self.original, None, False
+        self.installed = False
         try:
             if signal.getsignal(signal.SIGINT) is self.handler:  # else another library's handler came since: kept
-                signal.signal(signal.SIGINT, original)
+                signal.signal(signal.SIGINT, self.original)
         except ValueError:
             pass
 
