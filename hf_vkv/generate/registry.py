@@ -78,8 +78,8 @@ and in each model's process :func:`register_engine` adds :func:`engine_patches`:
    ``model.generate()`` per request): the request's keywords generate with vkv and the model's
    prefix store, or the request is refused before it is queued (:mod:`hf_vkv.generate.serving`);
 12. ``GenerationMixin.generate`` (around item 0's wrapper): an hf_vkv error raised while a request
-    generates leaves as a :class:`~hf_vkv.generate.serving.ServedRequestError` (a ``ValueError`` naming it), which the
-    server answers with an HTTP 400 rather than an error without its message.
+    generates leaves as a :class:`~hf_vkv.generate.serving.ServedRequestError` (a ``ValueError``
+    naming it), which the server answers with an HTTP 400 rather than an error without its message.
 """
 
 from __future__ import annotations
