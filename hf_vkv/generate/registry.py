@@ -543,29 +543,29 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
             cache.check_reads()
         return out
     # The loop's compute stops at Ctrl-C; what the call does with the store and its pages after it
-    # (finish, give back, end) is done whole before an interrupt is raised (memory/interrupts.py).
+    # (finish, give back, end) is done whole before an interrupt is raised (memory/interrupts.py; generate's
+    # wrapper keeps the handler in place for the call).
     finished = False  # a Ctrl-C held through finish is raised as it ends: the rows are the store's by then
-    with guarded():
-        try:
-            out = original(model, input_ids, *args, **model_kwargs)
-            with section():
-                cache.check_reads()  # the last layers' attention got what their update returned
-                returned = not hasattr(out, "shape")  # a dict output carries the cache back to the caller
-                reuse.finish(call, cache, getattr(out, "sequences", None) if returned else out, returned=returned)
-                finished = True
-        except BaseException as exc:
-            if finished:
-                raise
-            with section():
-                whole = _whole_call(exc, cache, call)
-                if call.owned and not reuse.give_back(call, cache):  # a store entry it took over goes back
-                    cache.close()  # nobody can reach it after the error: its pages go back now
-            if whole is not None:
-                raise whole from None
+    try:
+        out = original(model, input_ids, *args, **model_kwargs)
+        with section():
+            cache.check_reads()  # the last layers' attention got what their update returned
+            returned = not hasattr(out, "shape")  # a dict output carries the cache back to the caller
+            reuse.finish(call, cache, getattr(out, "sequences", None) if returned else out, returned=returned)
+            finished = True
+    except BaseException as exc:
+        if finished:
             raise
-        finally:
-            with section():
-                end(cache)
+        with section():
+            whole = _whole_call(exc, cache, call)
+            if call.owned and not reuse.give_back(call, cache):  # a store entry it took over goes back
+                cache.close()  # nobody can reach it after the error: its pages go back now
+        if whole is not None:
+            raise whole from None
+        raise
+    finally:
+        with section():
+            end(cache)
     return out
 
 

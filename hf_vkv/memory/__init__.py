@@ -33,6 +33,6 @@ from .subrow_buffer import SubRowBuffer
 
 __all__ = [
     "Arena", "Backend", "BackendError", "BlockBuffer", "BlockStore", "BufferStats", "CacheClosedError", "CapacityError", "CowCopy",
-    "HostBackend", "InvariantError", "SectionLock", "KVCacheOutOfMemory", "MappingLimitError", "PageSizeError", "OpenTables", "PageId", "PagePool",
-    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "SubRowBuffer", "VKVError", "VirtualBuffer", "check_pages", "guarded", "section",
+    "HostBackend", "InvariantError", "KVCacheOutOfMemory", "MappingLimitError", "PageSizeError", "OpenTables", "PageId", "PagePool",
+    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "SectionLock", "SubRowBuffer", "VKVError", "VirtualBuffer", "check_pages", "guarded", "section",
 ]

@@ -17,7 +17,6 @@ those references too.
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
@@ -38,7 +37,7 @@ class PageStore(Protocol):
     pool: PagePool  # numbers, counts and budgets the pages
     closed: bool
     gathered_copies: bool  # copy() reads every source before it writes any destination
-    lock: threading.RLock  # held by every transaction on the store's tables and pool (threads sharing pages)
+    lock: SectionLock  # held by every transaction on the store's tables and pool (threads sharing pages; Ctrl-C waits)
     made_in: MadeIn  # the process that made it: no other changes its pages
 
     @property

@@ -80,22 +80,18 @@ def _release(state: dict, backend: Backend, address: int, nbytes: int) -> None:
     a backend that cannot free the range (a CUDA driver in a sticky error) is said in one
     ``RuntimeWarning`` naming the range, which stays reserved, instead of a traceback."""
     with section():
-        _give_back_range(state, backend, address, nbytes)
-
-
-def _give_back_range(state: dict, backend: Backend, address: int, nbytes: int) -> None:
-    try:
-        if state.get("closer") is not None:
-            state["closer"]()
-    finally:
-        if state.get("budget") is not None:
-            state["budget"].charge(-state["mappings"])
         try:
-            backend.unreserve(address, nbytes)
-        except BackendError as exc:
-            warnings.warn(f"hf_vkv could not give back the {nbytes:,}-byte address range at {address:#x} of a cache "
-                          f"that is gone ({exc.call}: {exc.detail}); it stays reserved until the process ends",
-                          RuntimeWarning, stacklevel=2)
+            if state.get("closer") is not None:
+                state["closer"]()
+        finally:
+            if state.get("budget") is not None:
+                state["budget"].charge(-state["mappings"])
+            try:
+                backend.unreserve(address, nbytes)
+            except BackendError as exc:
+                warnings.warn(f"hf_vkv could not give back the {nbytes:,}-byte address range at {address:#x} of a cache "
+                              f"that is gone ({exc.call}: {exc.detail}); it stays reserved until the process ends",
+                              RuntimeWarning, stacklevel=2)
 
 
 class VirtualBuffer(RowBuffer):
