@@ -10,6 +10,10 @@ unrelated warm-up generate first (so every column pays the same process start-up
 * ``open``: ``PrefixStore.load(folder)`` of the mapped file, ``--repeats`` times into fresh stores
   (the weights fingerprint, computed once per model, is taken before the first: it is the model's
   cost, not the file's);
+* ``fingerprint_after_pause_s`` (same child): the model's weights fingerprint taken 0.3 s after
+  the last call, 11 times alternating its sample (runs of 32 consecutive values) with the one of
+  earlier versions (256 evenly spaced values): the weights are no longer in the processor's
+  caches and TLB then, as in a call a user makes after a pause;
 * ``fresh``: the first turn (the prefix + ``--question`` new tokens, one token generated) in a
   process that just opened the file: the turn checks the pages the background check started by
   the open has not reached yet, and faults them in. Its time to
@@ -106,6 +110,13 @@ if mode == "open":
         s.fingerprint(model)
         t = time.perf_counter(); s.load({folder!r}, model=model); times.append(time.perf_counter() - t)
     out["open_s"] = times
+    from hf_vkv.prefix.fingerprint import weights_identity
+    took = {{"runs": [], "evenly_spaced": []}}  # the sample taken now, and the one before (blocks=256)
+    for i in range(11):
+        for name, blocks in ((("runs", 8), ("evenly_spaced", 256)) if i % 2 else (("evenly_spaced", 256), ("runs", 8))):
+            time.sleep(0.3)  # what a call after a pause pays: the weights are no longer in the caches and TLB
+            t = time.perf_counter(); weights_identity(model, blocks=blocks); took[name].append(time.perf_counter() - t)
+    out["fingerprint_after_pause_s"] = took
 elif mode == "fresh":
     store = PrefixStore(model.config)
     store.fingerprint(model)
@@ -216,8 +227,12 @@ def main() -> int:
         threads=args.threads, prefix_tokens=args.tokens, stored_tokens=n, question_tokens=args.question,
         file_bytes=kv_file.stat().st_size, one_copy_bytes=one_copy, page_bytes=index["mapped"]["page_bytes"])
     print(f"prefix {n} tokens stored, {one_copy / 2**20:.1f} MiB of pages; file {kv_file.stat().st_size / 2**20:.1f} MiB")
-    report["open_s"] = _results(_child("open", args, common, repeats=max(args.repeats, 5)))[0]["open_s"]
+    opened = _results(_child("open", args, common, repeats=max(args.repeats, 5)))[0]
+    report["open_s"] = opened["open_s"]
     print(f"open: median {1e3 * statistics.median(report['open_s']):.2f} ms of {report['open_s']}")
+    report["fingerprint_after_pause_s"] = opened["fingerprint_after_pause_s"]
+    print("fingerprint after a 0.3 s pause, median: " + ", ".join(
+        f"{name} {1e3 * statistics.median(v):.2f} ms" for name, v in report["fingerprint_after_pause_s"].items()))
     cols: dict[str, list[dict[str, Any]]] = {"fresh": [], "ahead": [], "warm": [], "prefill": [], "continued": []}
     for _ in range(args.repeats):  # interleaved
         for mode in cols:

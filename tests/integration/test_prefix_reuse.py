@@ -371,25 +371,30 @@ def _serves_as_before(model: Any, folder: Path, history: list[int], g: torch.Gen
     assert_same_tokens(_generate(model, ids, mask, None), sequences)
 
 
-def test_a_folder_fingerprinted_before_buffers_were_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A folder an hf_vkv wrote before the weights fingerprint sampled buffers carries the
-    parameters' fingerprint alone: it still loads for its model (checked on its parameters) and
-    serves as before, and is still refused for other weights."""
+@pytest.mark.parametrize("earlier", [0, 1], ids=["evenly-spaced-values", "before-buffers"])
+def test_a_folder_fingerprinted_by_an_earlier_version_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   earlier: int) -> None:
+    """A folder an earlier hf_vkv wrote carries the fingerprint that version took (256 evenly
+    spaced values of each tensor, with the buffers or, before buffers were sampled, without
+    them): it still loads for its model and serves as before, and is still refused for other
+    weights."""
     import hf_vkv.generate.reuse as reuse_module
     import hf_vkv.prefix.store as store_module
-    from hf_vkv.prefix.fingerprint import weights_fingerprint, weights_identity
+    from hf_vkv.prefix.fingerprint import earlier_fingerprints, weights_fingerprint, weights_identity
 
     model, other = tiny("llama"), tiny("llama", seed=1)
     g = torch.Generator().manual_seed(23)
     history = _rand(30, g)
     with monkeypatch.context() as old_version:
-        old_version.setattr(store_module, "weights_fingerprint", lambda m: weights_fingerprint(m, buffers=False))
-        old_version.setattr(reuse_module, "weights_identity", lambda m: weights_identity(m, buffers=False))
+        def identity(m: torch.nn.Module) -> tuple:
+            return weights_identity(m, buffers=earlier == 0, blocks=256)
+        old_version.setattr(store_module, "weights_fingerprint", lambda m: identity(m)[0])
+        old_version.setattr(reuse_module, "weights_identity", identity)
         store = PrefixStore(model.config)
         _generate(model, *_batch([history]), store)
         store.save(tmp_path / "old")
     saved = json.loads((tmp_path / "old" / STORE_INDEX).read_text())["weights_fingerprint"]
-    assert saved == weights_fingerprint(model, buffers=False) != weights_fingerprint(model)
+    assert saved == earlier_fingerprints(model)[earlier] != weights_fingerprint(model)
     _serves_as_before(model, tmp_path / "old", history, g)
     with pytest.raises(hf_vkv.PrefixMismatchError, match="other weights"):
         PrefixStore(other.config).load(tmp_path / "old", model=other)

@@ -24,7 +24,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import hf_vkv
 from hf_vkv import CacheOptionError, KVCacheOutOfMemory, PrefixStore, VKVCache, reuse_report
 from hf_vkv.generate import cache_kwarg
-from hf_vkv.prefix.fingerprint import _sample_index
+from hf_vkv.prefix.fingerprint import _BLOCKS, _sample_index
 
 pytestmark = pytest.mark.integration
 
@@ -100,7 +100,7 @@ def test_a_parameter_written_in_place_where_the_fingerprint_does_not_sample_step
     ids = torch.cat([history, _ids(5, 1)], dim=1)
     def unsampled(weight: torch.Tensor, row: int = 0) -> tuple[int, int]:
         """A place in ``weight``'s row ``row`` that the fingerprint does not sample."""
-        sampled = set(_sample_index(weight.numel()).tolist())
+        sampled = set(_sample_index(weight.numel(), _BLOCKS).tolist())
         column = next(c for c in range(weight.shape[1]) if row * weight.shape[1] + c not in sampled)
         return row, column
 
@@ -187,7 +187,7 @@ def test_a_pruning_mask_replaced_where_the_fingerprint_does_not_sample_steps_asi
     mask = model.model.layers[0].self_attn.v_proj.weight_mask
     prune.l1_unstructured(model.model.layers[0].self_attn.v_proj, "weight", amount=3)  # 3 more weights cut
     again = model.model.layers[0].self_attn.v_proj.weight_mask
-    sampled = torch.from_numpy(_sample_index(mask.numel()))
+    sampled = torch.from_numpy(_sample_index(mask.numel(), _BLOCKS))
     assert again is not mask and torch.equal(again.reshape(-1)[sampled], mask.reshape(-1)[sampled])
     report = _stepped_aside(model, torch.cat([history, _ids(5, 1)], dim=1), store)
     assert report.reused_tokens == 0 and "replaced" in report.refusal

@@ -15,7 +15,8 @@ import torch
 from transformers import LlamaConfig
 
 from hf_vkv import PrefixStore
-from hf_vkv.prefix.fingerprint import adapter_state, computation_state, weights_fingerprint
+from hf_vkv.prefix.fingerprint import (adapter_state, computation_state, earlier_fingerprints, weights_fingerprint,
+                                       weights_match)
 
 SMOLLM2_EMBEDDING = 49152 * 576  # 28,311,552 values: past float32's 2**24 exact integers
 
@@ -46,28 +47,60 @@ def test_small_parameters_are_sampled_whole() -> None:
         assert weights_fingerprint(model) != before, numel
 
 
-def _reference(model: torch.nn.Module) -> str:
-    """The fingerprint's definition in plain torch indexing (what files written before hold)."""
+def _sample(n: int, *, blocks: int) -> torch.Tensor:
+    """The definition of the sampled indices: all up to 256, else ``blocks`` runs of 256 / blocks
+    consecutive values, the runs' starts evenly spaced from 0 to ``n - 256 / blocks``."""
+    if n <= 256:
+        return torch.arange(n)
+    width = 256 // blocks
+    return torch.cat([torch.arange(width) + i * (n - width) // (blocks - 1) for i in range(blocks)])
+
+
+def _reference(model: torch.nn.Module, *, blocks: int = 8) -> str:
+    """The fingerprint's definition in plain torch indexing (``blocks=256``: 256 evenly spaced
+    values, what files written by earlier versions hold)."""
     h = hashlib.sha256()
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         flat = param.detach().reshape(-1)
-        n, count = flat.numel(), min(256, flat.numel())
-        index = torch.arange(count, dtype=torch.int64) * (n - 1) // max(count - 1, 1)
         h.update(f"{name}:{tuple(param.shape)};".encode())
-        h.update(flat[index].float().numpy().tobytes())
+        h.update(flat[_sample(flat.numel(), blocks=blocks)].float().numpy().tobytes())
     return h.hexdigest()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 def test_the_fingerprint_reads_the_values_torch_indexing_reads(dtype: torch.dtype) -> None:
     """CPU tensors numpy can hold are sampled through numpy, the rest through torch: both give
-    the definition's bytes (a file saved before keeps matching its model)."""
+    the definition's bytes, and those of the earlier versions' definition (a file saved before
+    keeps matching its model)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(300, 7), torch.nn.Embedding(1000, 33))
     for name, param in list(model.named_parameters()):  # Module.to takes floating dtypes only
         module, leaf = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
         setattr(module, leaf, torch.nn.Parameter((param.detach() * 50).to(dtype), requires_grad=False))
     assert weights_fingerprint(model) == _reference(model)
+    assert earlier_fingerprints(model) == (_reference(model, blocks=256),) * 2  # no buffers: both the same
+    assert weights_match(_reference(model, blocks=256), model) and not weights_match(_reference(model[:1]), model)
+
+
+def test_the_sample_covers_both_ends_and_runs_of_values() -> None:
+    """Every value of a run is read, the first and the last value included, the runs do not
+    overlap, and a write between the runs goes unseen (a sample, not a proof)."""
+    n = 1000
+    index = _sample(n, blocks=8)
+    assert len(set(index.tolist())) == 256 and index[0] == 0 and index[-1] == n - 1
+    model = _model(n)
+    before = weights_fingerprint(model)
+    for i in (0, 31, n - 32, n - 1):
+        with torch.no_grad():
+            model.weight[i] = 5
+        assert weights_fingerprint(model) != before, i
+        with torch.no_grad():
+            model.weight[i] = 0
+    assert weights_fingerprint(model) == before
+    gap = int(index[32]) - 1  # between the first run and the second
+    with torch.no_grad():
+        model.weight[gap] = 5
+    assert weights_fingerprint(model) == before
 
 
 def test_a_write_through_param_data_is_seen_at_every_call() -> None:
