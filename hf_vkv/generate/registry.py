@@ -53,7 +53,8 @@ the others read from the cache transformers hands them (never from module state)
 7. ``GenerationConfig.to_json_string``: a generation config whose ``cache_config`` holds a
    :class:`~hf_vkv.PrefixStore` (memory of this process, which JSON cannot hold) is written
    without it, with a warning naming ``store.save``; it raised ``TypeError`` inside
-   ``save_pretrained``, leaving a folder without weights.
+   ``save_pretrained``, leaving a folder without weights. Compared and shown (``==``, ``hash``,
+   ``repr``), it names the store by its identity, without a warning;
 
 :func:`register_serving` (called by ``hf-vkv serve``, not by ``import hf_vkv``: it imports
 transformers' server, an extra, 5.25 or later) adds :func:`serving_patches`:
@@ -275,15 +276,22 @@ def _guarded_generate(original: Any, model: Any, *args: Any, **kwargs: Any) -> A
 
 def _json_without_store(original: Any, config: Any, *args: Any, **kwargs: Any) -> str:
     """``GenerationConfig.to_json_string`` of ``config`` without a prefix store in its
-    ``cache_config`` (a copy of the config is written; ``config`` keeps its store)."""
+    ``cache_config`` (a copy of the config is written; ``config`` keeps its store), with a warning.
+    With ``ignore_metadata=True``, the string transformers compares and shows a config by
+    (``==``, ``hash``, ``repr``), the store is named by its identity instead, without a warning:
+    nothing is written, and configs holding other stores differ."""
     options = config.cache_config
     if not isinstance(options, dict) or options.get(PREFIX_STORE_KEY) is None:
         return original(config, *args, **kwargs)
-    warnings.warn(f"the generation config's cache_config holds a PrefixStore (memory of this process): it is written "
-                  f"without it; store.save(folder, model=model) saves its entries, PrefixStore.load(folder, "
-                  f"model=model) reads them back", UserWarning, stacklevel=3)
     written = copy.copy(config)
     written.cache_config = {k: v for k, v in options.items() if k != PREFIX_STORE_KEY}
+    if kwargs.get("ignore_metadata"):
+        store = options[PREFIX_STORE_KEY]
+        written.cache_config[PREFIX_STORE_KEY] = f"<{type(store).__name__} at {id(store):#x}: not saved>"
+    else:
+        warnings.warn(f"the generation config's cache_config holds a PrefixStore (memory of this process): it is "
+                      f"written without it; store.save(folder, model=model) saves its entries, PrefixStore.load("
+                      f"folder, model=model) reads them back", UserWarning, stacklevel=3)
     return original(written, *args, **kwargs)
 
 
@@ -365,10 +373,13 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
             # cache this wrapper built for it in the first round (its config still says "vkv")
             past._is_user_defined = True
             return None
+        inherited = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
         raise ArgumentError(
             f"Passing both `cache_implementation` (used to initialize certain caches) and `{given[0]}` (a "
             "Cache object) is unsupported. Please use only one of the two."
-        )
+            + (f" Here cache_implementation={CACHE_IMPLEMENTATION!r} is set on model.generation_config, which every "
+               f"call inherits: to continue the cache you pass, add cache_implementation=None to this call "
+               f"(nothing was computed; the cache is as it was)" if inherited == CACHE_IMPLEMENTATION else ""))
     if generation_config.use_cache is False:
         return transformers_own()
     _check_compiled(model)

@@ -7,6 +7,7 @@ for its own implementations), and no deprecation warning comes from an hf_vkv fr
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import traceback
@@ -58,6 +59,32 @@ def test_user_cache_with_cache_implementation_is_refused(name: str, kind: str) -
         with pytest.raises(ValueError, match="Passing both `cache_implementation`"):
             model.generate(**prompts(1, 5), max_new_tokens=2, cache_implementation="static", **{name: user})
     assert user.get_seq_length() == 0  # nothing ran
+
+
+def test_continuing_a_cache_with_vkv_set_on_the_model_says_how() -> None:
+    """With ``cache_implementation="vkv"`` set once on ``model.generation_config``, a call that
+    continues the cache it returned was refused with transformers' "Passing both", though the call
+    named only the cache. The refusal now says where the name comes from and what to add; with
+    ``cache_implementation=None`` the continuation gives DynamicCache's tokens and logits."""
+    model = copy.deepcopy(tiny("llama"))  # tiny's models are shared: this one's generation config is changed
+    model.generation_config.cache_implementation = "vkv"
+    inputs = prompts(1, 10, seed=4)
+    out = model.generate(**inputs, max_new_tokens=4, return_dict_in_generate=True)
+    cache = out[cache_kwarg()]
+    assert isinstance(cache, hf_vkv.VKVCache)
+    ids = torch.cat([out.sequences, torch.tensor([[33, 34]])], 1)
+    with pytest.raises(hf_vkv.ArgumentError, match=r"Passing both .* add cache_implementation=None to this call"):
+        model.generate(input_ids=ids, **{cache_kwarg(): cache}, max_new_tokens=4)
+    got = model.generate(input_ids=ids, **{cache_kwarg(): cache}, max_new_tokens=4, cache_implementation=None,
+                         return_dict_in_generate=True, output_logits=True)
+    reference = DynamicCache(config=model.config)
+    first = model.generate(**inputs, max_new_tokens=4, cache_implementation=None, **{cache_kwarg(): reference},
+                           return_dict_in_generate=True)
+    assert torch.equal(first.sequences, out.sequences)
+    want = model.generate(input_ids=ids, **{cache_kwarg(): reference}, max_new_tokens=4, cache_implementation=None,
+                          return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(g, w) for g, w in zip(got.logits, want.logits))
 
 
 @contextmanager

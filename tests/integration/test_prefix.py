@@ -10,6 +10,7 @@ pages behind their window and the store has to refuse prefixes whose window is g
 from __future__ import annotations
 
 import json
+import warnings
 import os
 import re
 import subprocess
@@ -597,3 +598,22 @@ def test_a_model_whose_generation_config_holds_a_store_saves_without_it(tmp_path
     out = loaded.generate(**inputs, max_new_tokens=4, return_dict_in_generate=True)
     assert isinstance(out[cache_kwarg()], hf_vkv.VKVCache)
     assert torch.equal(out.sequences, first)
+
+
+def test_a_generation_config_holding_a_store_is_compared_and_shown_by_it_without_a_warning() -> None:
+    """``repr``, ``==`` and ``hash`` of a generation config (transformers builds them from its JSON
+    string) warned "it is written without it" with nothing written, and took two configs holding
+    other stores for equal. They now name the store by its identity, silently; writing the JSON
+    still leaves it out, with the warning."""
+    from transformers import GenerationConfig
+
+    config = tiny("llama").config
+    a, b = (GenerationConfig(cache_implementation="vkv", cache_config={"prefix_store": hf_vkv.PrefixStore(config)})
+            for _ in range(2))
+    same = GenerationConfig(cache_implementation="vkv", cache_config=dict(a.cache_config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning from any of these
+        assert "PrefixStore at" in repr(a) and a != b and hash(a) != hash(b)
+        assert a == same and hash(a) == hash(same)
+    with pytest.warns(UserWarning, match=r"PrefixStore.*written without it"):
+        assert "prefix_store" not in json.loads(a.to_json_string())["cache_config"]
