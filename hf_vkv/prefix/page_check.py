@@ -22,6 +22,12 @@ from .errors import PrefixFileCorruptError
 
 __all__ = ["MappedPages", "page_checksums"]
 
+# torch.frombuffer warns (once a process) that the file's read-only pages are not writable: they are only
+# read here. A filter for this module's calls alone, set once: a warnings.catch_warnings() around the call
+# swapped the process's filter list, and two threads checking pages at once could leave every UserWarning
+# of the process ignored for good (catch_warnings is not thread-safe).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
+
 
 def _file_state(st: os.stat_result) -> tuple[int, ...]:
     return st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns
@@ -132,10 +138,8 @@ class MappedPages:
         breaks = np.flatnonzero(np.diff(todo) != 1) + 1
         for run in np.split(todo, breaks):
             lo, count = int(run[0]), len(run)
-            with warnings.catch_warnings():  # the file's pages are read-only, and only read here
-                warnings.simplefilter("ignore", UserWarning)
-                data = torch.frombuffer(self._map, dtype=torch.uint8, count=count * self._page_bytes,
-                                        offset=self._offset + lo * self._page_bytes)
+            data = torch.frombuffer(self._map, dtype=torch.uint8, count=count * self._page_bytes,
+                                    offset=self._offset + lo * self._page_bytes)  # read-only pages, only read
             sums = page_checksums(data.view(count, self._page_bytes))
             bad = np.flatnonzero(sums != self._checksums[lo:lo + count])
             if len(bad):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -109,3 +110,35 @@ def test_a_child_forked_while_the_check_holds_the_lock_checks_on_its_own(tmp_pat
             pytest.fail("the child waited for the lock it inherited from the fork")
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_checking_pages_leaves_the_process_warning_filters_alone(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check wrapped ``torch.frombuffer`` (which warns that the file's read-only pages are not
+    writable) in ``warnings.catch_warnings()``, which swaps the process's filter list and is not
+    thread-safe: two threads checking at once (one file's background check, another's first use)
+    could leave "ignore UserWarning" in place for good, hiding every warning of the process,
+    hf_vkv's own included. The check no longer swaps or changes the filters."""
+    import warnings
+
+    swaps: list[str] = []
+    real = warnings.catch_warnings
+
+    def counted(*args: object, **kwargs: object) -> object:
+        swaps.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    n = 2 * MappedPages.CHUNK + 3
+    files = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        files.append(_open(*_file(tmp_path / name, n)))
+    before = list(warnings.filters)
+    monkeypatch.setattr(warnings, "catch_warnings", counted)
+    for pages in files:
+        pages.check_in_background()
+    for pages in files:
+        pages.verify(range(BASE + n - 5, BASE + n))
+        pages.wait()
+        assert pages.verified_bytes == n * PAGE
+    assert swaps == [] and warnings.filters == before
