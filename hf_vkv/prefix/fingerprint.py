@@ -289,8 +289,10 @@ def user_hooks(model: torch.nn.Module) -> list[str]:
 
 
 def _user_hook_keys(*tables: dict[int, Any]) -> list[int]:
-    """The handle ids of the hooks in ``tables`` that no library put."""
-    return [key for table in tables for key, hook in table.items() if not _from_library(hook)]
+    """The handle ids of the hooks in ``tables`` that no library put. Each table is copied first, in
+    one C call: another thread's ``generate`` (prefill once) adds and removes hooks meanwhile, and an
+    ``OrderedDict`` changed while Python code iterates it raises ``RuntimeError``."""
+    return [key for table in tables for key, hook in tuple(table.items()) if not _from_library(hook)]
 
 
 def _from_library(hook: Any) -> bool:

@@ -159,3 +159,26 @@ def test_an_attention_other_than_sdpa_is_part_of_the_fingerprint(attention: str 
     model.config._attn_implementation_internal = attention
     assert computation_state(model) == state
     assert (weights_fingerprint(model) == _reference(model)) == (not state)
+
+
+def test_hooks_added_by_another_thread_meanwhile_are_no_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread's ``generate`` adds and removes prefill once's hooks on a module while this
+    thread's fingerprint reads its hook tables: a dict that changes size while Python iterates it
+    raised ``RuntimeError: OrderedDict mutated during iteration``. A hook added between two items
+    read (what a thread switch there does) is no error now."""
+    import hf_vkv.prefix.fingerprint as fingerprint
+
+    model = torch.nn.Linear(4, 4)
+    for _ in range(3):
+        model.register_forward_hook(lambda *a: None)
+    real = fingerprint._from_library
+    added: list[object] = []
+
+    def switch_here(hook: object) -> bool:  # another thread registers a hook between two items
+        if not added:
+            added.append(model.register_forward_hook(lambda *a: None))
+        return real(hook)
+
+    monkeypatch.setattr(fingerprint, "_from_library", switch_here)
+    assert len(computation_state(model)["hooks"]) >= 3  # the user's hooks are seen
+    assert added
