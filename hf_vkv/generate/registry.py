@@ -54,7 +54,7 @@ the others read from the cache transformers hands them (never from module state)
    :class:`~hf_vkv.PrefixStore` (memory of this process, which JSON cannot hold) is written
    without it, with a warning naming ``store.save``; it raised ``TypeError`` inside
    ``save_pretrained``, leaving a folder without weights. Compared and shown (``==``, ``hash``,
-   ``repr``), it names the store by its identity, without a warning;
+   ``repr``), it names the store by its identity, without a warning.
 
 :func:`register_serving` (called by ``hf-vkv serve``, not by ``import hf_vkv``: it imports
 transformers' server, an extra, 5.25 or later) adds :func:`serving_patches`:

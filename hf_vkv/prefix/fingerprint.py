@@ -346,10 +346,12 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
     Taken anew at each use: nothing cheaper tells that a parameter did not change (a write
     through ``param.data``, which an adapter's merge does, bumps no version counter). What it
-    costs is reading memory the processor's caches mostly do not hold: runs of 32 values touch
-    one cache line where 32 evenly spaced values touch 32 (SmolLM2's 272 parameters after a
-    0.2 s pause, one thread: 3.6 ms against 9.1 ms for 256 evenly spaced values, medians of 15;
-    the fingerprints earlier versions wrote, :func:`earlier_fingerprints`, still match)."""
+    costs is mostly reading memory that the processor's caches and TLB no longer hold: a run of
+    32 values lies in one or two cache lines of one page, where 32 evenly spaced values of a large
+    tensor lie in up to 32 pages (the embedded SmolLM2's fingerprint 0.3 s after the last call:
+    8.9 ms against 17.4 ms for 256 evenly spaced values at one thread, 10.1 against 15.2 ms at
+    two; ``benchmarks/prefix_files.py``). The fingerprints earlier versions wrote
+    (:func:`earlier_fingerprints`) still match."""
     return weights_identity(model)[0]
 
 
