@@ -33,7 +33,9 @@ the others read from the cache transformers hands them (never from module state)
    transformers refuses it;
 2. ``GenerationMixin.prepare_inputs_for_generation``: before each forward, a static-layout cache
    maps the pages the step writes (a compiled step cannot run page-table code);
-3. ``GenerationMixin._prefill``: with a prefix store, rows start from their stored prefixes
+3. ``GenerationMixin._prefill``: a decoder's vkv cache passed with no more ``input_ids`` than it
+   holds (the new tokens without the history) raises :class:`ArgumentError` before any forward;
+   with a prefix store, rows start from their stored prefixes
    (:func:`hf_vkv.generate.reuse.start`); with a :class:`VKVCache` whose rows repeat prompts the
    prompt's forward runs once per prompt (:mod:`hf_vkv.generate.prefill_once`, which adds forward
    hooks to the model's base module for the length of that one call and removes them);
@@ -91,6 +93,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
@@ -523,6 +527,20 @@ def _check_room(cache: Any, generation_config: Any, max_cache_length: int) -> No
             f"(cache_config={{'max_tokens': N}} on its first call, or VKVCache(config, max_tokens=N))")
 
 
+def _check_continued(cache: VKVCache, input_ids: Any) -> None:
+    """A decoder's vkv cache passed to ``generate`` that holds as many tokens a row as the call's
+    ``input_ids``, or more (the new tokens passed alone, without the history), raises
+    :class:`ArgumentError` before anything is computed: the forward got no token to compute and
+    failed inside the model (DynamicCache's ``RuntimeError: cannot reshape tensor of 0 elements``)."""
+    held = cache.get_seq_length()
+    if held and isinstance(input_ids, torch.Tensor) and input_ids.shape[-1] <= held:
+        raise ArgumentError(
+            f"the cache passed to generate already holds {held} tokens a row and input_ids hold "
+            f"{input_ids.shape[-1]}: a call that continues a cache passes the whole sequence, the tokens the "
+            f"cache holds followed by the new ones (out.sequences with the new tokens appended); nothing was "
+            f"computed and the cache is as it was")
+
+
 def _prefill(original: Any, model: Any, input_ids: Any, generation_config: Any, model_kwargs: dict,
              *args: Any, **kwargs: Any) -> Any:
     """``GenerationMixin._prefill``: rows start from stored prefixes (a call with a store), then
@@ -530,6 +548,8 @@ def _prefill(original: Any, model: Any, input_ids: Any, generation_config: Any, 
     runs ``original``)."""
     found = prefill_once.vkv_cache_of(model_kwargs)
     cache = None if found is None else found[1]
+    if found is not None and found[0] is cache and model_kwargs.get("inputs_embeds") is None:
+        _check_continued(cache, input_ids)
     call = None if cache is None else cache.call
     if call is not None:
         with section():  # Ctrl-C waits for the rows to be taken from the store and recorded (interrupts.py)

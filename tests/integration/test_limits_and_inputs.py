@@ -324,3 +324,31 @@ def test_keys_and_values_of_two_dtypes_under_autocast_say_what_to_do():
     model = tiny("llama")
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(LayerMismatchError, match=r"torch.autocast.*model.to"):
         model.generate(**prompts(1, 9), max_new_tokens=3, cache_implementation="vkv")
+
+
+@pytest.mark.parametrize("short", [3, 13])
+def test_continuing_a_cache_with_the_new_tokens_alone_is_a_typed_error(short: int) -> None:
+    """A call that continues a returned cache with input_ids no longer than what the cache holds
+    (the new tokens alone, without the history) failed inside the model's forward with
+    ``RuntimeError: cannot reshape tensor of 0 elements`` (DynamicCache too). It is an
+    ``ArgumentError`` naming both lengths and what to pass, before anything is computed; the cache
+    is as it was and continues exactly."""
+    model = tiny("llama")
+    inputs = prompts(1, 10, seed=4)
+    out = model.generate(**inputs, max_new_tokens=4, cache_implementation="vkv", return_dict_in_generate=True)
+    cache = out[cache_kwarg()]
+    held = cache.get_seq_length()
+    assert held == 13
+    with pytest.raises(hf_vkv.ArgumentError, match=rf"already holds 13 tokens a row and input_ids hold {short}"):
+        model.generate(input_ids=out.sequences[:, :short], **{cache_kwarg(): cache}, max_new_tokens=3)
+    assert cache.get_seq_length() == held
+    cache.check_invariants()
+    ids = torch.cat([out.sequences, torch.tensor([[33, 34]])], 1)
+    got = model.generate(input_ids=ids, **{cache_kwarg(): cache}, max_new_tokens=3, return_dict_in_generate=True,
+                         output_logits=True)
+    first = model.generate(**inputs, max_new_tokens=4, return_dict_in_generate=True)  # DynamicCache, continued
+    assert torch.equal(first.sequences, out.sequences)
+    want = model.generate(input_ids=ids, **{cache_kwarg(): first[cache_kwarg()]}, max_new_tokens=3,
+                          return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
