@@ -28,7 +28,7 @@ absorbs what it cannot see.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from operator import sub
 from time import monotonic
@@ -214,7 +214,7 @@ def _inner_breaks(pages: Sequence[int | None]) -> int:
     return sum(1 for x, y in zip(pages, pages[1:]) if not _joined(x, y))
 
 
-def mapping_change(runs: Sequence[SlotRun], old: Slot, total: int) -> tuple[int, int]:
+def mapping_change(runs: Iterable[SlotRun], old: Slot, total: int) -> tuple[int, int]:
     """``(peak, final)`` change in the mappings of a reservation of ``total`` page slots when the
     disjoint slot ``runs`` (in the order they are applied) go from their pages before to their
     pages after; ``old(g)``: the page at slot ``g`` before any run is applied (asked only next to

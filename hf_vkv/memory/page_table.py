@@ -18,9 +18,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 
 from .errors import ArgumentError, CacheIndexError, CapacityError, InvariantError
-from .pool import PageId, PagePool
+from .pool import PageHints, PageId, PagePool
 from .reorder_plan import grouped_plan, private_tails_plan, table_changes
-from .table_records import CowCopy, Row
+from .table_records import EMPTY_ROW, CowCopy, Row
 
 __all__ = ["Row", "PageTable", "CowCopy"]  # Row and CowCopy are table_records's (the reorder plan builds them too)
 
@@ -62,7 +62,7 @@ class PageTable:
         self._base = pool.add_segment(rows * pages_per_row)
         #: Each row's :class:`Row`, by index: read it freely (the buffers' views do, without a
         #: call per row); change it only through this table's operations.
-        self.entries: list[Row] = [Row()] * rows
+        self.entries: list[Row] = [EMPTY_ROW] * rows
         self._undo: dict[int, Row] | None = None
         self._undo_counters: tuple[int, int, int] = (0, 0, 0)
         self.cow_copies = 0  # pages copied by copy-on-write, over the table's life
@@ -219,7 +219,7 @@ class PageTable:
         end = _pages_for(length, self.page_size)
         if length and end <= source.start:
             raise ArgumentError(f"row {src}'s first {length} bytes were dropped behind its window")
-        self.assign(dst, Row(length, source.start, source.pages[: end - source.start]) if length else Row())
+        self.assign(dst, Row(length, source.start, source.pages[: end - source.start]) if length else EMPTY_ROW)
 
     def assign(self, row: int, table: Row) -> None:
         """Make ``row`` hold ``table`` (pages of this pool, e.g. another table's row: a fork),
@@ -311,7 +311,8 @@ class PageTable:
         dropping: dict[PageId, int] = {}  # references the copies planned so far will drop
         moved: dict[PageId, int] = {}  # append marks the rows planned so far advance
         plans = []  # (row, old, its length after, grown pages' count, shared indices)
-        hints: list[list[PageId]] = []
+        hints = PageHints()
+        prefer, home_of = hints.first, hints.second
         for row in rows:
             old = self.entries[self._check_row(row)]
             self._check_length(row, end)
@@ -320,8 +321,13 @@ class PageTable:
                 raise ArgumentError(f"write range [{start}, {end}) is outside row {row}'s 0..{length} bytes")
             need = _pages_for(length, ps)
             last = old.pages[-1] if old.pages else None
-            for k, index in enumerate(range(old.end, need)):
-                hints.append(([PageId(last + 1 + k)] if last is not None else []) + [home(row, index)] if hinted else [])
+            if hinted:
+                prefer.extend(range(last + 1, last + 1 + need - old.end) if last is not None else repeat(-1, need - old.end))
+                at = home(row, old.end)  # a row's pages prefer consecutive ids
+                home_of.extend(range(at, at + need - old.end))
+            else:
+                prefer.extend(repeat(-1, need - old.end))
+                home_of.extend(repeat(-1, need - old.end))
             first, final = start // ps, (end - 1) // ps
             if start < end and first < old.start:
                 raise ArgumentError(f"row {row} cannot write byte {start}: it was dropped behind the window")
@@ -340,8 +346,8 @@ class PageTable:
                 if mark is not None and held > mark:
                     moved[tail] = held
             for i in shared:
-                hints.append(([PageId(old.pages[i - 1 - old.start] + 1)] if i > old.start else []) + [home(row, i)]
-                             if hinted else [])
+                prefer.append(old.pages[i - 1 - old.start] + 1 if hinted and i > old.start else -1)
+                home_of.append(home(row, i) if hinted else -1)
             plans.append((row, old, length, need - old.end, shared))
         pages, created = self.pool.allocate(hints)
         copies: list[CowCopy] = []
@@ -386,7 +392,7 @@ class PageTable:
         end = _pages_for(length, self.page_size)
         keep = max(end - old.start, 0)
         self.pool.decref(old.pages[keep:])
-        self._set(row, Row(length, min(old.start, end), old.pages[:keep]) if length else Row())
+        self._set(row, Row(length, min(old.start, end), old.pages[:keep]) if length else EMPTY_ROW)
 
     def drop_before(self, row: int, offset: int) -> None:
         """Drop the pages of ``row`` that lie wholly before byte ``offset`` (behind a sliding window)."""
@@ -422,7 +428,7 @@ class PageTable:
         else:
             self.pool.decref([page for r in held for page in self.entries[r].pages])
         for r in held:
-            self._set(r, Row())
+            self._set(r, EMPTY_ROW)
 
     # ----------------------------------------------------------------------------- checks
     def shared_pages(self) -> int:

@@ -30,7 +30,7 @@ pages usually sit at consecutive physical offsets and the host backend maps them
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, islice, repeat
 from operator import add, not_, sub
@@ -39,7 +39,7 @@ from typing import NewType, cast
 
 from .errors import ArgumentError, InvariantError, KVCacheOutOfMemory
 
-__all__ = ["PageId", "PagePool", "PoolStats"]
+__all__ = ["PageHints", "PageId", "PagePool", "PoolStats"]
 
 PageId = NewType("PageId", int)
 
@@ -70,6 +70,26 @@ class PoolStats:
     @property
     def in_use_bytes(self) -> int:
         return self.in_use * self.page_bytes
+
+
+class PageHints:
+    """The preferred ids of the pages one :meth:`PagePool.allocate` takes, best first: ``first[i]``
+    then ``second[i]`` for page ``i`` (a negative id: no preference). Two flat lists of ints,
+    which the cyclic garbage collector does not track: a list per page made a prefill's thousands
+    of pages trigger it again and again (and, with a model's objects on the heap, a full
+    collection every few calls)."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self) -> None:
+        self.first: list[int] = []
+        self.second: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return zip(self.first, self.second)
 
 
 class PagePool:
@@ -221,10 +241,11 @@ class PagePool:
         return self._id_space
 
     # ----------------------------------------------------------------------------- allocation
-    def allocate(self, hints: Sequence[Sequence[PageId]]) -> tuple[list[PageId], list[PageId]]:
+    def allocate(self, hints: Sequence[Sequence[int]]) -> tuple[list[PageId], list[PageId]]:
         """Take one page per entry of ``hints``, each with refcount 1.
 
-        ``hints[i]`` lists preferred ids for page ``i``, best first. A free hinted id is taken if
+        ``hints[i]`` lists preferred ids for page ``i``, best first (a negative id: no preference;
+        :class:`PageHints`). A free hinted id is taken if
         taking it keeps resident memory within the budget; else a resident free page is recycled;
         else a fresh id is made resident.
 
@@ -331,15 +352,14 @@ class PagePool:
         refs.update({page: old[page] + n for page, n in Counter(pages).items()})
         self._record(lambda: refs.update(old))
 
-    def _restore_refs(self, old: list[tuple[PageId, int]]) -> None:
-        for page, count in reversed(old):
-            self._restore_ref(page, count)
 
     def decref(self, pages: Iterable[PageId]) -> list[PageId]:
         """Drop one reference from each page; return the pages that became free (kept resident).
         One undo step for all of them, as :meth:`incref` (closing or clearing a long head-major
         row drops thousands)."""
-        refs, old, freed, retired = self._refs, [], [], []
+        refs, freed, retired = self._refs, [], []
+        old_pages: list[PageId] = []  # what each page held before, in two lists of ints: a tuple per page
+        old_counts: list[int] = []  # made closing a long row trigger the cyclic garbage collector
         pages = pages if isinstance(pages, (list, tuple)) else list(pages)
         counts = list(map(refs.get, pages, repeat(0)))
         if counts and min(counts) >= 3 and len(set(pages)) == len(pages):
@@ -353,7 +373,8 @@ class PagePool:
                 count = refs.get(page, 0)
                 if count == 0:
                     raise InvariantError(f"decref of page {page}, which is not in use")
-                old.append((page, count))
+                old_pages.append(page)
+                old_counts.append(count)
                 if count == 1:
                     del refs[page]
                     self._resident_free[page] = None
@@ -366,15 +387,16 @@ class PagePool:
                 else:
                     refs[page] = count - 1
         finally:
-            if old:
-                self._record(lambda: self._undo_decref(old, freed, retired))
+            if old_pages:
+                self._record(lambda: self._undo_decref(old_pages, old_counts, freed, retired))
         return freed
 
-    def _undo_decref(self, old: list[tuple[PageId, int]], freed: list[PageId], retired: list[PageId]) -> None:
+    def _undo_decref(self, pages: list[PageId], counts: list[int], freed: list[PageId], retired: list[PageId]) -> None:
         for page in freed:
             self._resident_free.pop(page, None)
         self._retired.difference_update(retired)
-        self._restore_refs(old)
+        for page, count in zip(reversed(pages), reversed(counts)):
+            self._restore_ref(page, count)
 
     def adjust(self, delta: Mapping[PageId, int]) -> None:
         """Add ``delta[p]`` references to each page ``p`` (negative: drop them), in one pass: what

@@ -11,13 +11,13 @@ the pages past the common prefix move references.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from itertools import chain, repeat
 from operator import add, itemgetter
 
 from .pool import PageId
-from .table_records import CowCopy, Row
+from .table_records import EMPTY_ROW, CowCopy, Row
 
 __all__ = ["Change", "common_prefix", "grouped_plan", "private_tails_plan", "table_changes"]
 
@@ -25,7 +25,6 @@ __all__ = ["Change", "common_prefix", "grouped_plan", "private_tails_plan", "tab
 #: from the front)``.
 Change = tuple[int, Row, int]
 
-_EMPTY = Row()
 _NEW_ROW = partial(tuple.__new__, Row)  # Row(*fields), called from C (grouped_plan's rows that keep one run)
 
 
@@ -65,7 +64,7 @@ def table_changes(entries: Sequence[Row], index: Sequence[int | None]) -> tuple[
     for i in range(len(entries)):
         src = index[i] if i < len(index) else None
         before = entries[i]
-        after = _EMPTY if src is None else entries[src]
+        after = EMPTY_ROW if src is None else entries[src]
         if after is before:
             continue
         bp, ap = before.pages, after.pages
@@ -205,9 +204,9 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
 
 def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Sequence[Sequence[int]],
                  refs: Mapping[PageId, int], page_size: int, *, private_tails: bool, remaps_cost: bool,
-                 gathered: bool, written: int | None) -> tuple[list[Change], dict[PageId, int], list[CowCopy]] | None:
-    """The plan of :meth:`PageTable.reorder` (changes, net reference change per page, tail copies
-    in order) for table rows in ``groups`` that always hold the same items: a row buffer's rows and
+                 gathered: bool, written: int | None) -> tuple[Iterable[Change], dict[PageId, int], list[CowCopy]] | None:
+    """The plan of :meth:`PageTable.reorder` (changes, to be read once; net reference change per
+    page; tail copies in order) for table rows in ``groups`` that always hold the same items: a row buffer's rows and
     their parts (the head-major layout's ``2 x layers x heads`` sub-rows of a row), whose tables
     have the same shape and share pages with the same parts of other rows in the same places
     (:meth:`~hf_vkv.memory.row_buffer.RowBuffer.check_shared_parts`).
@@ -237,7 +236,8 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
     copies_of: dict[int, list[int]] = {}  # group -> the tail indices its first row copies into
     for c in head_copies:
         copies_of.setdefault(c.row, []).append(c.index)
-    changes: list[Change] = []
+    changes: list[Iterable[Change]] = []  # each group's, made as they are read (a tuple per row set off the
+    # cyclic garbage collector: a repeat into 64 rows changes 11,520 sub-rows)
     taken: list[tuple[PageId, ...]] = []  # page runs that gain a reference (one per row)
     dropped: list[tuple[PageId, ...]] = []  # page runs that lose one
     expanded: dict[tuple[int, int], tuple[list[CowCopy], list[PageId], list[PageId]]] = {}  # (group, tail
@@ -248,7 +248,7 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
         targets = groups[g]
         sources = groups[src_group] if src_group is not None else None
         if sources is None:
-            sources, olds, news = (None,) * len(targets), [entries[t] for t in targets], [_EMPTY] * len(targets)
+            sources, olds, news = (None,) * len(targets), [entries[t] for t in targets], [EMPTY_ROW] * len(targets)
         else:
             if len(sources) != len(targets):
                 return None
@@ -286,7 +286,7 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
         cut = itemgetter(slice(k, None))
         taken.extend(map(cut, map(_PAGES, news)))
         dropped.extend(map(cut, bps))
-        changes.extend(zip(targets, news, repeat(k)))
+        changes.append(zip(targets, news, repeat(k)))
     delta = _net_references(taken, dropped)
     get = delta.get
     copies = []
@@ -301,7 +301,7 @@ def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Se
             return None  # a page copied into that another row holds, or reads after it is written
         written_into.update(dsts)
         copies += batch
-    return changes, delta, copies
+    return chain.from_iterable(changes), delta, copies
 
 
 def _net_references(taken: list[tuple[PageId, ...]], dropped: list[tuple[PageId, ...]]) -> dict[PageId, int]:

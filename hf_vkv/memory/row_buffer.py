@@ -28,6 +28,7 @@ from .interrupts import register_critical
 from .invariants import check_pages
 from .page_store import PageStore
 from .page_table import CowCopy, PageTable, Row
+from .table_records import EMPTY_ROW
 from .reorder_plan import common_prefix
 from .pool import PageId
 
@@ -253,7 +254,7 @@ class RowBuffer(ABC):
                     raise ArgumentError(f"row {source_row}'s first {length} items were dropped behind its window")
                 if units == held.length and units % page and pool.refcount(held.pages[-1]) == 1:
                     marks[held.pages[-1]] = units % page  # the source alone holds its last page: it is all it holds
-                table.assign(a, Row(units, held.start, held.pages[:end - held.start]) if units else Row())
+                table.assign(a, Row(units, held.start, held.pages[:end - held.start]) if units else EMPTY_ROW)
             pool.set_marks(marks)
 
     def install(self, row: int, tables: Sequence[Row]) -> None:

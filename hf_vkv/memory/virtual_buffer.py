@@ -18,7 +18,9 @@ import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
+from functools import lru_cache, partial
+from itertools import islice
+from typing import NamedTuple
 
 import torch
 
@@ -200,32 +202,28 @@ class VirtualBuffer(RowBuffer):
     def _sync(self, changed: dict[int, Row]) -> None:
         """Make the mappings of the changed rows follow the table, after checking the mapping
         budget; undo all of it on failure (see :meth:`_undo`)."""
-        plan = [(r, first, before, after) for r, old in changed.items()
-                for first, before, after in _slot_changes(old, self._table.row(r))]
-        if not plan:
+        plan = _plan(changed, self._table)
+        if not plan.rows:
             return
-        plan = _as_ranges(plan)
         reservation = self._reservation
         final = 0
         if reservation.budget is not None:
             peak, final = self._mapping_change(plan, changed)
             reservation.budget.check(peak)  # nothing changed yet: the cache stays usable
-        done: list[tuple[int, int, Sequence[PageId | None], Sequence[PageId | None]]] = []
-        for r, first, before, after in plan:
-            reached = [0]
+        reached = [0]
+        for k, (r, first, before, after) in enumerate(plan.runs()):
+            reached[0] = 0
             try:
                 self._apply(r, first, after, reached)
             except BaseException as exc:
                 # A failed map of several runs may have mapped a prefix of them: restore up to there.
-                done.append((r, first, before[:reached[0]], after[:reached[0]]))
-                self._undo(done, exc)
+                self._undo([*islice(plan.runs(), k), (r, first, before[:reached[0]], after[:reached[0]])], exc)
                 raise
-            done.append((r, first, before, after))
         if reservation.budget is not None:
             reservation.budget.charge(final)
             reservation.mappings += final
 
-    def _mapping_change(self, plan: list, changed: dict[int, Row]) -> tuple[int, int]:
+    def _mapping_change(self, plan: _Plan, changed: dict[int, Row]) -> tuple[int, int]:
         """``(peak, final)`` change in the kernel mappings of the reservation for ``plan``."""
         ppr, entries = self.pages_per_row, self._table.entries
 
@@ -234,7 +232,7 @@ class VirtualBuffer(RowBuffer):
             row = changed[r] if r in changed else entries[r]
             return row.pages[slot - row.start] if row.start <= slot < row.start + len(row.pages) else None
 
-        return mapping_change([(r * ppr + first, before, after) for r, first, before, after in plan], old,
+        return mapping_change(((r * ppr + first, before, after) for r, first, before, after in plan.runs()), old,
                               self._table.rows * ppr)
 
     def _undo(self, done: list, cause: BaseException) -> None:
@@ -306,22 +304,51 @@ def _root(exc: BaseException) -> str:
     return f"{exc.call}: {exc.detail}" if isinstance(exc, BackendError) else _detail(exc)
 
 
-def _as_ranges(plan: list[tuple[int, int, Sequence[PageId | None], Sequence[PageId | None]]]
-               ) -> list[tuple[int, int, Sequence[PageId | None], Sequence[PageId | None]]]:
-    """``plan`` with each run of new pages that is one run of consecutive ids as a ``range``, found
-    once per distinct tuple (rows that repeat a row hold its very tuples: a repeat of one row of a
-    head-major group into 64 maps the same 180 tuples 63 times), so that the budget's count and the
-    backend's split take it in one step (:func:`~hf_vkv.memory.runs.is_one_run` of a range)."""
-    seen: dict[int, Sequence[PageId | None]] = {}
-    out = []
-    for r, first, before, after in plan:
-        key = id(after)
-        found = seen.get(key)
-        if found is None:
-            found = seen[key] = range(after[0], after[0] + len(after)) \
-                if after and after[0] is not None and after[-1] is not None and is_one_run(after) else after  # type: ignore[arg-type]
-        out.append((r, first, before, found))
-    return out
+class _Plan(NamedTuple):
+    """The runs of slots whose page changes, as parallel lists (no record per run: a repeat into
+    64 rows has 11,520 runs, and a tuple each set off the cyclic garbage collector dozens of
+    times a call): run ``k`` is slots ``firsts[k] ..`` of row ``rows[k]``, from pages
+    ``befores[k]`` to ``afters[k]`` (``None``: unmapped)."""
+
+    rows: list[int]
+    firsts: list[int]
+    befores: list[Sequence[PageId | None]]
+    afters: list[Sequence[PageId | None]]
+
+    def runs(self) -> Iterator[tuple[int, int, Sequence[PageId | None], Sequence[PageId | None]]]:
+        """``(row, first slot, old pages, new pages)`` of each run, in order."""
+        return zip(self.rows, self.firsts, self.befores, self.afters)
+
+
+def _plan(changed: dict[int, Row], table: PageTable) -> _Plan:
+    """The runs of slots whose page differs between ``changed`` (the rows' tables before) and
+    ``table``, each run of new pages that is one run of consecutive ids as a ``range``, found once
+    per distinct tuple (rows that repeat a row hold its very tuples: a repeat of one row of a
+    head-major group into 64 maps the same 180 tuples 63 times), so that the budget's count and
+    the backend's split take it in one step (:func:`~hf_vkv.memory.runs.is_one_run` of a range)."""
+    entries = table.entries
+    ranged: dict[int, Sequence[PageId | None]] = {}
+    seen: list[Sequence[PageId | None]] = []  # what ``ranged`` is keyed by stays alive, so no id is reused
+    plan = _Plan([], [], [], [])
+    rows, firsts, befores, afters = plan
+    for r, old in changed.items():
+        for first, before, after in _slot_changes(old, entries[r]):
+            found = ranged.get(id(after))
+            if found is None:
+                seen.append(after)
+                found = ranged[id(after)] = range(after[0], after[0] + len(after)) \
+                    if after and after[0] is not None and after[-1] is not None and is_one_run(after) else after  # type: ignore[arg-type]
+            rows.append(r)
+            firsts.append(first)
+            befores.append(before)
+            afters.append(found)
+    return plan
+
+
+@lru_cache(maxsize=64)
+def _unmapped(n: int) -> tuple[None, ...]:
+    """``n`` unmapped slots (shared: rows that fill from nothing have the same count)."""
+    return (None,) * n
 
 
 def _slot_changes(old: Row, new: Row) -> list[tuple[int, Sequence[PageId | None], Sequence[PageId | None]]]:
@@ -329,11 +356,11 @@ def _slot_changes(old: Row, new: Row) -> list[tuple[int, Sequence[PageId | None]
     if old.start == new.start and old.pages == new.pages:
         return []  # a reorder's row that kept its pages (or copied its tail in place)
     if not old.pages or not new.pages:  # a row filled from nothing (a share) or emptied: one run, no loop or copy
-        return [(new.start, (None,) * len(new.pages), new.pages)] if new.pages else \
-            [(old.start, old.pages, (None,) * len(old.pages))]
+        return [(new.start, _unmapped(len(new.pages)), new.pages)] if new.pages else \
+            [(old.start, old.pages, _unmapped(len(old.pages)))]
     k = len(old.pages)
     if old.start == new.start and len(new.pages) > k and new.pages[:k] == old.pages:  # a row that grew (compared in C)
-        return [(old.start + k, (None,) * (len(new.pages) - k), new.pages[k:])]
+        return [(old.start + k, _unmapped(len(new.pages) - k), new.pages[k:])]
     lo = min(old.start if old.pages else new.start, new.start if new.pages else old.start)
     hi = max(old.end, new.end)
     a, b = max(old.start, new.start), min(old.end, new.end)

@@ -513,7 +513,7 @@ def test_a_grouped_reorder_plans_once_per_row_and_applies_it_to_every_part():
                         remaps_cost=True, gathered=False, written=None)
     assert plan is not None
     changes, delta, copies = plan
-    assert changes == [] and not any(delta.values())
+    assert list(changes) == [] and not any(delta.values())
     assert copies == [CowCopy(4, 1, P(9), P(17)), CowCopy(5, 1, P(13), P(21)), CowCopy(6, 1, P(1), P(25)),
                       CowCopy(7, 1, P(5), P(29)), CowCopy(2, 1, P(1), P(9)), CowCopy(3, 1, P(5), P(13))]
     assert t.reorder(moves([0, 0, 1, 0]), private_tails=True, remaps_cost=True, groups=GROUPS) == copies
