@@ -167,16 +167,13 @@ class PageTable:
         ps, n, entries, refs, marks = self.page_size, self.rows, self.entries, self.pool.refs, self.pool.marks
         need = _pages_for(end, ps)
         first, last = start // ps, (end - 1) // ps
-        olds: list[Row] = []
         touched: list[PageId] = []  # the pages the write touches, of every row
         for row in rows:
             if not 0 <= row < n:
                 return False
-            old = entries[row]
-            length, s0, pages = old
+            length, s0, pages = entries[row]
             if s0 + len(pages) < need or start > length or first < s0:
                 return False
-            olds.append(old)
             if first == last:  # one page (a decode step)
                 touched.append(pages[first - s0])
             else:
@@ -188,7 +185,7 @@ class PageTable:
             if refs.get(page, 0) > 1:  # shared: the write needs copy-on-write ...
                 if appendable is None:  # ... unless every row appends in one page, right after its length
                     appendable = bool(marks) and first == last and start % ps != 0 \
-                        and all(old.length == start for old in olds)
+                        and all(entries[row].length == start for row in rows)
                 if not appendable or marks.get(page) != start - first * ps:  # ... and the page's mark
                     return False
                 appended.append(page)
@@ -202,7 +199,9 @@ class PageTable:
                 marks[page] = mark
         for page in unmarked:
             del marks[page]
-        for row, (length, s0, pages) in zip(rows, olds):
+        for row in rows:  # each old record goes as its new one comes (none is kept alive meanwhile: a record
+            # per sub-row alive at once set off the garbage collector several times a step)
+            length, s0, pages = entries[row]
             if length < end:
                 entries[row] = Row(end, s0, pages)
         return True
@@ -310,7 +309,14 @@ class PageTable:
         ps, home, hinted, refs, marks = self.page_size, self.home, self.hinted, self.pool.refs, self.pool.marks
         dropping: dict[PageId, int] = {}  # references the copies planned so far will drop
         moved: dict[PageId, int] = {}  # append marks the rows planned so far advance
-        plans = []  # (row, old, its length after, grown pages' count, shared indices)
+        # per row, in parallel lists (no record per row: a decode step of 64 head-major rows that leaves
+        # their last pages plans 11,520 sub-rows): the row, its table, its length after, the pages it
+        # grows by, the indices of the shared pages it copies
+        plan_rows: list[int] = []
+        plan_olds: list[Row] = []
+        plan_lengths: list[int] = []
+        plan_grown: list[int] = []
+        plan_shared: list[Sequence[int]] = []
         hints = PageHints()
         prefer, home_of = hints.first, hints.second
         for row in rows:
@@ -331,14 +337,18 @@ class PageTable:
             first, final = start // ps, (end - 1) // ps
             if start < end and first < old.start:
                 raise ArgumentError(f"row {row} cannot write byte {start}: it was dropped behind the window")
-            shared = []  # as the calls row by row see it: a copy drops its source's reference before the next row
+            shared: list[int] | tuple[()] = ()  # as the calls row by row see it: a copy drops its source's
+            # reference before the next row (a list only where there is one: a row of none makes no object)
             for i in range(first, min(final + 1, old.end)) if start < end else ():
                 page = old.pages[i - old.start]
                 if refs.get(page, 0) - dropping.get(page, 0) > 1:
                     if i == first and start == old.length and start % ps and \
                             moved.get(page, marks.get(page)) == start - i * ps:
                         continue  # an append right after the page's marked bytes: in place (the mark advances)
-                    shared.append(i)
+                    if shared:
+                        shared.append(i)  # type: ignore[union-attr]
+                    else:
+                        shared = [i]
                     dropping[page] = dropping.get(page, 0) + 1
             if old.pages and (marks or moved) and (not shared or shared[-1] != old.end - 1):
                 tail = old.pages[-1]  # the row keeps its last page: its mark covers the row's bytes there
@@ -348,13 +358,17 @@ class PageTable:
             for i in shared:
                 prefer.append(old.pages[i - 1 - old.start] + 1 if hinted and i > old.start else -1)
                 home_of.append(home(row, i) if hinted else -1)
-            plans.append((row, old, length, need - old.end, shared))
+            plan_rows.append(row)
+            plan_olds.append(old)
+            plan_lengths.append(length)
+            plan_grown.append(need - old.end)
+            plan_shared.append(shared)
         pages, created = self.pool.allocate(hints)
         copies: list[CowCopy] = []
         nbytes: list[int] = []
         sources: list[PageId] = []
         taken = 0
-        for row, old, length, grown, shared in plans:
+        for row, old, length, grown, shared in zip(plan_rows, plan_olds, plan_lengths, plan_grown, plan_shared):
             table = list(old.pages) + pages[taken:taken + grown]
             taken += grown
             for i, page in zip(shared, pages[taken:taken + len(shared)]):

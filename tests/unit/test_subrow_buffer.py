@@ -124,20 +124,28 @@ def test_shared_items_follow_sharing_reorder_and_copy_on_write() -> None:
     b.close()
 
 
-def test_growing_repeating_and_clearing_many_rows_leave_the_garbage_collector_alone(mapped_pages) -> None:
+def test_growing_repeating_stepping_and_clearing_many_rows_leave_the_garbage_collector_alone(mapped_pages) -> None:
     """A prefill of one row of SmolLM2's shape (30 layers x K/V = 60 blocks, 3 heads, 32 pages a
-    sub-row), its repeat into 64 rows (prefill once) and their clearing make no record per page
-    or per sub-row that lives through the call: each counted towards the cyclic garbage
-    collector's threshold (700 objects), and the three calls set it off 10, 90 and 84 times,
-    promoting enough objects that a process with SmolLM2 loaded ran a full collection (0.16 s)
-    every few calls. Pages, rows and mappings are as the table says after each."""
+    sub-row, the last one half written), its repeat into 64 rows (prefill once), their first
+    decode step (a copy of the shared last page per sub-row), seven steps inside their own last
+    pages and their clearing make no record per page or per sub-row that lives through the call
+    beside the rows' new tables: each counted towards the cyclic garbage collector's threshold
+    (700 objects), and the prefill, the repeat, the seven steps and the clearing set it off 10,
+    90, 112 and 84 times, promoting enough objects that a process with SmolLM2 loaded ran a full
+    collection (0.16 s) every few calls. Pages, rows and mappings are as the table says after."""
     arena = Arena(HostBackend(page_bytes=PAGE, name="hf_vkv-test-subrows"))
     b = SubRowBuffer(arena, rows=64, blocks=60, heads=3, capacity=32 * PAGE // 256, item_bytes=256)
+    prompt = b.capacity - 8  # the last page holds 8 of its 16 items
     started: list[int] = []
 
     def count(phase: str, info: dict) -> None:
         if phase == "start":
             started.append(info["generation"])
+
+    def collections(call, *args) -> int:
+        before = len(started)
+        call(*args)
+        return len(started) - before
 
     was_enabled, thresholds = gc.isenabled(), gc.get_threshold()
     gc.collect()
@@ -145,19 +153,19 @@ def test_growing_repeating_and_clearing_many_rows_leave_the_garbage_collector_al
     gc.set_threshold(700, 10, 10)
     gc.callbacks.append(count)
     try:
-        b.prepare_write([0], 0, b.capacity)  # 5,760 pages
-        grown = len(started)
-        b.reorder([0] * 64)  # 11,520 sub-rows take row 0's pages
-        repeated = len(started) - grown
+        grown = collections(b.prepare_write, [0], 0, prompt)  # 5,760 pages
+        repeated = collections(b.reorder, [0] * 64)  # 11,520 sub-rows take row 0's pages
         assert b.table.row(b.rows * b.heads - 1).pages == b.table.row(b.heads - 1).pages  # row 63 holds row 0's
-        b.reorder([0])  # rows 1..63 let go of them
-        cleared = len(started) - grown - repeated
+        b.prepare_write(range(64), prompt, prompt + 1)  # each sub-row copies the shared last page
+        stepped = sum(collections(b.prepare_write, range(64), t, t + 1) for t in range(prompt + 1, b.capacity))
+        cleared = collections(b.reorder, [0])  # rows 1..63 let go of their pages
     finally:
         gc.callbacks.remove(count)
         gc.set_threshold(*thresholds)
         if not was_enabled:
             gc.disable()
-    assert max(grown, repeated, cleared) <= 1, (grown, repeated, cleared)
+    assert max(grown, repeated, stepped, cleared) <= 1, (grown, repeated, stepped, cleared)
+    assert b.table.row(b.rows * b.heads - 1) == Row() and b.length(0) == b.capacity
     b.check_invariants()
     mapped_pages(b)
     b.close()
