@@ -327,13 +327,14 @@ class PageTable:
                 raise ArgumentError(f"write range [{start}, {end}) is outside row {row}'s 0..{length} bytes")
             need = _pages_for(length, ps)
             last = old.pages[-1] if old.pages else None
-            if hinted:
-                prefer.extend(range(last + 1, last + 1 + need - old.end) if last is not None else repeat(-1, need - old.end))
-                at = home(row, old.end)  # a row's pages prefer consecutive ids
-                home_of.extend(range(at, at + need - old.end))
+            grown = need - old.end
+            if hinted:  # a row's pages prefer consecutive ids: after its last page, else its home
+                prefer.extend(range(last + 1, last + 1 + grown) if last is not None else repeat(-1, grown))
+                at = home(row, old.end)
+                home_of.extend(range(at, at + grown))
             else:
-                prefer.extend(repeat(-1, need - old.end))
-                home_of.extend(repeat(-1, need - old.end))
+                prefer.extend(repeat(-1, grown))
+                home_of.extend(repeat(-1, grown))
             first, final = start // ps, (end - 1) // ps
             if start < end and first < old.start:
                 raise ArgumentError(f"row {row} cannot write byte {start}: it was dropped behind the window")
@@ -361,7 +362,7 @@ class PageTable:
             plan_rows.append(row)
             plan_olds.append(old)
             plan_lengths.append(length)
-            plan_grown.append(need - old.end)
+            plan_grown.append(grown)
             plan_shared.append(shared)
         pages, created = self.pool.allocate(hints)
         copies: list[CowCopy] = []

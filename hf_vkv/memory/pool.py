@@ -352,7 +352,6 @@ class PagePool:
         refs.update({page: old[page] + n for page, n in Counter(pages).items()})
         self._record(lambda: refs.update(old))
 
-
     def decref(self, pages: Iterable[PageId]) -> list[PageId]:
         """Drop one reference from each page; return the pages that became free (kept resident).
         One undo step for all of them, as :meth:`incref` (closing or clearing a long head-major

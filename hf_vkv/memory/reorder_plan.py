@@ -204,12 +204,13 @@ def private_tails_plan(changes: list[Change | None], delta: dict[PageId, int], e
 
 def grouped_plan(entries: Sequence[Row], index: Sequence[int | None], groups: Sequence[Sequence[int]],
                  refs: Mapping[PageId, int], page_size: int, *, private_tails: bool, remaps_cost: bool,
-                 gathered: bool, written: int | None) -> tuple[Iterable[Change], dict[PageId, int], list[CowCopy]] | None:
+                 gathered: bool, written: int | None
+                 ) -> tuple[Iterable[Change], dict[PageId, int], list[CowCopy]] | None:
     """The plan of :meth:`PageTable.reorder` (changes, to be read once; net reference change per
-    page; tail copies in order) for table rows in ``groups`` that always hold the same items: a row buffer's rows and
-    their parts (the head-major layout's ``2 x layers x heads`` sub-rows of a row), whose tables
-    have the same shape and share pages with the same parts of other rows in the same places
-    (:meth:`~hf_vkv.memory.row_buffer.RowBuffer.check_shared_parts`).
+    page; tail copies in order) for table rows in ``groups`` that always hold the same items: a
+    row buffer's rows and their parts (the head-major layout's ``2 x layers x heads`` sub-rows of
+    a row), whose tables have the same shape and share pages with the same parts of other rows in
+    the same places (:meth:`~hf_vkv.memory.row_buffer.RowBuffer.check_shared_parts`).
 
     The plan is made once per group, on its first row (:func:`table_changes`,
     :func:`private_tails_plan`), and applied to every row of the group with what it decided: the

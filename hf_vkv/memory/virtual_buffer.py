@@ -336,8 +336,8 @@ def _plan(changed: dict[int, Row], table: PageTable) -> _Plan:
             found = ranged.get(id(after))
             if found is None:
                 seen.append(after)
-                found = ranged[id(after)] = range(after[0], after[0] + len(after)) \
-                    if after and after[0] is not None and after[-1] is not None and is_one_run(after) else after  # type: ignore[arg-type]
+                one_run = after and after[0] is not None and after[-1] is not None and is_one_run(after)  # type: ignore[arg-type]
+                found = ranged[id(after)] = range(after[0], after[0] + len(after)) if one_run else after  # type: ignore[operator]
             rows.append(r)
             firsts.append(first)
             befores.append(before)
