@@ -54,6 +54,9 @@ class Cells:
         tokens = args.prompt + args.steps * args.rounds * len(args.threads) + 8
         config = LlamaConfig(num_hidden_layers=LAYERS, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
                              intermediate_size=64, vocab_size=64, max_position_embeddings=tokens)
+        # what a model from from_pretrained runs (its default): with no attention named the cache takes eager's,
+        # and token-major then copies its reads at every step (exact for eager's matmul, O(tokens) a step)
+        config._attn_implementation = "sdpa"
         self.steps = args.steps
         self.caches: dict[str, VKVCache] = {}
         self.names: dict[str, str] = {}  # layout argument -> the layout the cache chose
