@@ -69,12 +69,13 @@ class Arena(OpenTables):
         if self.made_in.here:  # a forked child's finalizers leave the pages to the process that made them
             self.backend.release(pages)
 
-    def map_file(self, fd: int, offset: int, num_pages: int, *, holds: Sequence[int] | None = None) -> list[PageId]:
+    def map_file(self, fd: int, offset: int, num_pages: int, *, holds: Sequence[int] | None = None) -> range:
         """``num_pages`` external pages backed by the file open as ``fd`` from byte ``offset`` on
         (mapped read-only, never written: :meth:`PagePool.add_external`), each held by its pin
         and ``holds[i]`` references of those who will hold page ``i`` (else none: tables take
-        them later); they retire when no table holds them any more. Raises
-        :class:`BackendError` where the backend cannot map files (only the host backend can)."""
+        them later); they retire when no table holds them any more. Returns their ids (a
+        ``range``: consecutive). Raises :class:`BackendError` where the backend cannot map files
+        (only the host backend can)."""
         map_file = getattr(self.backend, "map_file", None)
         if map_file is None:
             raise BackendError("map_file", f"the {type(self.backend).__name__} cannot map files: read the file "

@@ -267,7 +267,8 @@ class HostBackend:
         if offset + len(pages) * self.page_bytes > size:
             raise BackendError("map_file", f"the file holds {size:,} bytes, not {len(pages)} pages of "
                                            f"{self.page_bytes:,} from byte {offset:,}")
-        if pages and list(pages) != list(range(pages[0], pages[0] + len(pages))):
+        consecutive = range(pages[0], pages[0] + len(pages)) if pages else range(0)
+        if pages and (pages != consecutive if isinstance(pages, range) else list(pages) != list(consecutive)):
             raise BackendError("map_file", "the pages of one file must be consecutive ids, in order")
         if pages and (not 0 <= pages[0] <= pages[-1] < self._id_space
                       or any(lo <= pages[-1] and pages[0] <= hi for lo, hi, _, _ in self._file_spans)):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from itertools import compress, islice, repeat
 from operator import add, not_, sub
 from types import MappingProxyType
-from typing import NewType, cast
+from typing import NewType
 
 from .errors import ArgumentError, InvariantError, KVCacheOutOfMemory
 
@@ -190,7 +190,7 @@ class PagePool:
         self._bump("_id_space", num_pages)
         return PageId(base)
 
-    def add_external(self, num_pages: int, *, holds: Sequence[int] | None = None) -> list[PageId]:
+    def add_external(self, num_pages: int, *, holds: Sequence[int] | None = None) -> range:
         """A new segment of ``num_pages`` external pages (module docstring), each in use with
         its pin (refcount 1) and, with ``holds``, ``holds[i]`` references more on page ``i``
         (those of whoever will hold it: one pass, where :meth:`incref` per holder made a pass
@@ -198,13 +198,13 @@ class PagePool:
         for table entries (:meth:`incref`). Outside the budget: their memory is the file's (the
         page cache), not the pool's. Raises :class:`InvariantError` inside a transaction (a
         mapped file is opened on its own) and ``ValueError`` for ``holds`` of another length or
-        with a negative count."""
+        with a negative count. Returns the pages' ids: a ``range``, as they are consecutive."""
         if self._undo is not None:
             raise InvariantError("PagePool.add_external() inside an open transaction")
         if holds is not None and (len(holds) != num_pages or (num_pages and min(holds) < 0)):
             raise ArgumentError(f"holds must give a count >= 0 for each of the {num_pages} pages")
         base = self.add_segment(num_pages)
-        pages = cast("list[PageId]", list(range(base, base + num_pages)))  # PageId is an int at run time
+        pages = range(base, base + num_pages)  # consecutive ids (PageId is an int at run time)
         self._external.update(pages)
         if holds is None:
             self._refs.update(dict.fromkeys(pages, 1))

@@ -68,8 +68,22 @@ def _text_config(config: Any) -> Any:
 
 def config_fields(config: Any) -> dict[str, Any]:
     """The :data:`CONFIG_FIELDS` the (text) config has, as JSON-ready values."""
-    data = _text_config(config).to_dict()
-    return {k: json.loads(json.dumps(data[k], sort_keys=True, default=str)) for k in CONFIG_FIELDS if k in data}
+    return _fields_of(_text_config(config).to_dict())
+
+
+def _fields_of(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _json_ready(data[k]) for k in CONFIG_FIELDS if k in data}
+
+
+#: Values that come back from a JSON round trip as they went in (``float``: NaN stays NaN).
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+
+
+def _json_ready(value: Any) -> Any:
+    """``value`` as JSON gives it back (sorted keys, anything else as its ``str``); a plain value as it is."""
+    if type(value) in _PLAIN:
+        return value
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
 #: Config fields that change nothing a layer computes in eval mode, left out of :func:`config_rest`
@@ -96,10 +110,12 @@ _INERT_ENDINGS = ("_token_id", "_token_ids", "dropout", "_pdrop", "layerdrop", "
 def config_rest(config: Any) -> dict[str, Any]:
     """The (text) config's other fields, as JSON-ready values: every one that is not in
     :data:`CONFIG_FIELDS`, not private and not inert (:data:`INERT_FIELDS`)."""
-    data = _text_config(config).to_dict()
-    return {k: json.loads(json.dumps(v, sort_keys=True, default=str)) for k, v in data.items()
-            if k not in CONFIG_FIELDS and not k.startswith("_") and k not in INERT_FIELDS
-            and not k.endswith(_INERT_ENDINGS)}
+    return _rest_of(_text_config(config).to_dict())
+
+
+def _rest_of(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _json_ready(v) for k, v in data.items() if k not in CONFIG_FIELDS and not k.startswith("_")
+            and k not in INERT_FIELDS and not k.endswith(_INERT_ENDINGS)}
 
 
 def _digest(fields: dict[str, Any]) -> str:
@@ -114,7 +130,8 @@ def config_record(config: Any) -> dict[str, Any]:
     """What a prefix file records of ``config``: ``config_fingerprint`` (sha256, hex, of
     :func:`config_fields` and :func:`config_rest`: configs that fingerprint alike compute alike),
     ``config_fields`` and ``config_rest``."""
-    fields, rest = config_fields(config), config_rest(config)
+    data = _text_config(config).to_dict()
+    fields, rest = _fields_of(data), _rest_of(data)
     return {"config_fingerprint": _fingerprint_of(fields, rest), "config_fields": fields, "config_rest": rest}
 
 
@@ -167,8 +184,9 @@ def describe_difference(a: dict[str, Any], b: dict[str, Any], *, a_name: str, b_
 OFFLOADED = "a store's weights fingerprint reads the parameters, and these are not in memory"
 
 #: dtypes whose CPU tensors are sampled through numpy
-_NUMPY_DTYPES = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-                 torch.uint8)
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8})
+_CPU = torch.device("cpu")
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -228,30 +246,51 @@ def _walk(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]],
     seen_modules: set[int] = set()
     seen_params: set[int] = set()
     stack: list[tuple[str, torch.nn.Module]] = [("", model)]
+    pop, push = stack.pop, stack.append
     place = 0
     while stack:
-        prefix, module = stack.pop()
+        prefix, module = pop()
         if id(module) in seen_modules:
             continue
         seen_modules.add(id(module))
-        for key, param in module._parameters.items():
-            if param is not None and id(param) not in seen_params:
-                seen_params.add(id(param))
-                params.append((prefix + key, param))
-        for key, buffer in module._buffers.items():
-            if buffer is not None and id(buffer) not in seen_params:
-                seen_params.add(id(buffer))
-                buffers.append((prefix + key, buffer))
-        if module._forward_hooks or module._forward_pre_hooks:
-            hooks.extend([place, key] for key in _user_hook_keys(module._forward_hooks, module._forward_pre_hooks))
+        own, held, forward, pre, children, packed_params = _module_tables(module)
+        if own:
+            for key, param in own.items():
+                if param is not None and id(param) not in seen_params:
+                    seen_params.add(id(param))
+                    params.append((prefix + key, param))
+        if held:
+            for key, buffer in held.items():
+                if buffer is not None and id(buffer) not in seen_params:
+                    seen_params.add(id(buffer))
+                    buffers.append((prefix + key, buffer))
+        if forward or pre:
+            hooks.extend([place, key] for key in _user_hook_keys(forward, pre))
         if _adapter_class(type(module)):
             adapters.append(_layer_state(module))
-        if isinstance(vars(module).get("_packed_params"), torch.ScriptObject):  # (getattr: Module.__getattr__'s raise)
+        if isinstance(packed_params, torch.ScriptObject):
             packed.append(prefix.removesuffix(".").removesuffix("._packed_params") or type(module).__name__)
-        children = [(f"{prefix}{key}.", child) for key, child in module._modules.items() if child is not None]
-        stack.extend(reversed(children))
+        if children:
+            for key, child in reversed(children.items()):
+                if child is not None:
+                    push((f"{prefix}{key}.", child))
         place += 1
     return params, adapters, hooks, buffers, packed
+
+
+def _module_tables(module: torch.nn.Module) -> tuple[Any, ...]:
+    """``module``'s parameters, buffers, forward hooks, forward pre-hooks and children (the dicts
+    ``nn.Module`` keeps in its ``__dict__``: read there, they cost no attribute lookup, which was
+    half of :func:`_walk`'s time), and its ``_packed_params`` (torch.ao's quantized modules;
+    ``None`` if it has none). A module that keeps them elsewhere (a scripted one) is read through
+    its attributes."""
+    d = vars(module)
+    try:
+        return (d["_parameters"], d["_buffers"], d["_forward_hooks"], d["_forward_pre_hooks"], d["_modules"],
+                d.get("_packed_params"))
+    except KeyError:
+        return (module._parameters, module._buffers, module._forward_hooks, module._forward_pre_hooks,
+                module._modules, d.get("_packed_params"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -424,21 +463,28 @@ def weights_match(saved: str, model: torch.nn.Module, current: str | None = None
 def _samples(tensors: list[tuple[str, torch.Tensor]], blocks: int) -> list[bytes]:
     """Per tensor, by name: its header (name, shape) and its sample (:func:`_sample_index`) as float32."""
     parts: list[bytes] = []  # hashed at once: the same digest as an update per part, fewer calls
-    for name, tensor in sorted(tensors, key=lambda kv: kv[0]):
+    for name, tensor in sorted(tensors, key=_name_of):
         values = tensor.detach()
-        if values.device.type == "meta":
+        if type(values) is torch.Tensor and values.device == _CPU and values.dtype in _NUMPY_DTYPES:
+            # fewer, cheaper calls than torch's indexing (a tensor subclass, a quantized one, goes through torch)
+            flat = values.numpy().reshape(-1)
+            sample = flat[_sample_index(flat.size, blocks)]
+            if sample.dtype != np.float32:
+                sample = sample.astype(np.float32)
+        elif values.device.type == "meta":
             raise PrefixMismatchError("weights", f"the weights cannot be fingerprinted: {name!r} is on the "
                                                  f"meta device (offloaded by accelerate: {OFFLOADED}); load the model "
                                                  f"onto its device to use a prefix store with it")
-        index = _sample_index(values.numel(), blocks)
-        if type(values) is torch.Tensor and values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES:
-            # fewer, cheaper calls than torch's indexing (a tensor subclass, a quantized one, goes through torch)
-            sample = values.numpy().reshape(-1)[index].astype(np.float32)
         else:
+            index = _sample_index(values.numel(), blocks)
             sample = values.reshape(-1)[torch.from_numpy(index).to(values.device)].float().cpu().numpy()
         parts.append(_header(name, tensor.shape))
         parts.append(sample.tobytes())
     return parts
+
+
+def _name_of(item: tuple[str, Any]) -> str:
+    return item[0]
 
 
 @functools.lru_cache(maxsize=4096)

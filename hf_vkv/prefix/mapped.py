@@ -354,7 +354,7 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
     except FileNotFoundError:
         raise PrefixFileCorruptError(f"{folder} is not whole: it lacks {section['file']}, which its index names") from None
     out: list[MappedEntry] = []
-    page_ids: list[PageId] = []
+    page_ids: Sequence[PageId] = ()
     arena: Arena | None = None
     parsed: list[tuple[tuple[int, ...], list[GroupImage], list[list[TableRuns]], np.ndarray]] = []
     try:

@@ -54,7 +54,7 @@ class MappedPages:
     #: first use that finds the thread busy waits for at most, besides its own pages.
     CHUNK = 1024
 
-    def __init__(self, path: Path, fd: int, page_ids: list[PageId], checksums: np.ndarray, *, page_bytes: int,
+    def __init__(self, path: Path, fd: int, page_ids: Sequence[PageId], checksums: np.ndarray, *, page_bytes: int,
                  data_offset: int, arena: object = None) -> None:
         self.path = path
         self.page_ids = page_ids

@@ -22,8 +22,9 @@ import json
 import os
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,7 @@ class PrefixStore:
         root = self._memories.get(kind)
         if root is None:
             root = self._memories[kind] = VKVCache.from_cache_config(self.config, self._options(kind))
-            root.on_memory_full(self._reclaim)  # entries go before a call drawing from it fails
+            root.on_memory_full(_weak_reclaim(self))  # entries go before a call drawing from it fails
         return root
 
     def _reclaim(self, pages: int, pool: PagePool) -> bool:
@@ -952,6 +953,18 @@ def _write_index(folder: Path, index: dict[str, Any]) -> None:
         os.replace(tmp, folder / STORE_INDEX)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _weak_reclaim(store: PrefixStore) -> Callable[[int, PagePool], bool]:
+    """``store._reclaim`` for its memory to call, holding the store weakly: the memory is the
+    store's, and a bound method would make a cycle that keeps a dropped store, its pages and its
+    mapped files until the garbage collector's next full pass instead of freeing them at once."""
+    method = weakref.WeakMethod(store._reclaim)
+
+    def reclaim(pages: int, pool: PagePool) -> bool:
+        bound = method()
+        return False if bound is None else bound(pages, pool)
+    return reclaim
 
 
 def saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:

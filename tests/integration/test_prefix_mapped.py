@@ -204,6 +204,35 @@ def test_mapped_pages_retire_when_no_entry_holds_them(tmp_path: Path) -> None:
     warm.check_invariants()
 
 
+def test_a_dropped_store_lets_go_of_its_pages_and_files_at_once(tmp_path: Path) -> None:
+    """A store's memory calls back into the store when its budget is full: held weakly, so a store
+    whose last reference goes is freed then, its mapped file closed and its pages let go, without
+    waiting for a pass of the garbage collector (a bound method made a cycle that kept them, in a
+    server or a benchmark opening stores one after another, until a collection came due)."""
+    import weakref
+
+    model = tiny("llama")
+    _, folder, prompts = _saved_store(tmp_path, model)
+    gc.collect()
+    gc.disable()
+    try:
+        store = PrefixStore(model.config, budget_bytes=1 << 26)
+        assert store.load(folder, model=model) > 0
+        files = [weakref.ref(f) for f in store._files]
+        assert files
+        [f.wait() for f in store._files]
+        out = _generate(model, prompts[0] + [7, 8], store)  # a call that reuses the mapped pages
+        first = out.sequences
+        del out  # its cache, which draws from the store's memory
+        assert store.stats().tokens_reused > 0
+        gone = weakref.ref(store)
+        del store
+        assert gone() is None
+        assert all(f() is None for f in files)
+    finally:
+        gc.enable()
+    assert torch.equal(first, _generate(model, prompts[0] + [7, 8], None).sequences)
+
 def test_entries_are_installed_at_first_use_and_an_unused_one_lets_go_of_its_pages_alone(tmp_path: Path) -> None:
     """Opening makes no cache: each entry holds one reference on each of its pages until its first
     use installs its row. The two entries share the system prompt's pages; dropping one that was
