@@ -7,9 +7,11 @@ A store holding one ``--tokens``-token prefix (a system prompt) is saved with
 ``PrefixStore.save``. Then, each in a child process of its own that loads the model and runs one
 unrelated warm-up generate first (so every column pays the same process start-up):
 
-* ``open``: ``PrefixStore.load(folder)`` of the mapped file, ``--repeats`` times into fresh stores
-  (the weights fingerprint, computed once per model, is taken before the first: it is the model's
-  cost, not the file's);
+* ``open``: ``PrefixStore.load(folder)`` of the mapped file, ``--repeats`` times into fresh stores,
+  each 0.1 s after the last (whose check of the pages in the background has ended by then: each
+  open is timed as a process's open, not beside the previous one's check); the weights
+  fingerprint, which ``load`` takes, is taken just before each as well (what it costs cold is
+  ``fingerprint_after_pause_s``);
 * ``fingerprint_after_pause_s`` (same child): the model's weights fingerprint taken 0.3 s after
   the last call, 11 times alternating its sample (runs of 32 consecutive values) with the one of
   earlier versions (256 evenly spaced values): the weights are no longer in the processor's
@@ -106,6 +108,7 @@ if mode == "open":
     store.fingerprint(model)
     times = []
     for _ in range({repeats}):
+        time.sleep(0.1)  # the last open's background check has ended (~10 ms): an open in a process, not beside another's check
         s = PrefixStore(model.config)
         s.fingerprint(model)
         t = time.perf_counter(); s.load({folder!r}, model=model); times.append(time.perf_counter() - t)

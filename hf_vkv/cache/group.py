@@ -506,19 +506,25 @@ class LayerGroup:
                           tables=tuple(table.row(t) for t in buffer.table_rows(0)), store=buffer.store)
 
     def arena_for_image(self, image: GroupImage) -> Arena:
-        """The arena :meth:`install_row` would put ``image``'s row in (where its pages must live),
-        making this empty group's layout and buffer for ``image``'s geometry if it has none.
-        Raises ``ValueError`` if the image does not fit this group (members, geometry, layout,
-        buffer shape, page size)."""
+        """The arena :meth:`install_row` would put ``image``'s row in (where its pages must live).
+        An empty group that has no buffer yet makes none for this: its layout for ``image``'s
+        geometry says the shape of the rows it would hold (a mapped prefix file checks its entries
+        against a store's memory, which never holds a row). Raises ``ValueError`` if the image does
+        not fit this group (members, geometry, layout, buffer shape, page size)."""
         if self.sliding_window is not None or type(self) is not LayerGroup:
             raise ArgumentError(f"group {self.name!r} takes no row image (a sliding window, or a cascade/static group)")
         if image.members != self.members or (self.geometry is not None and image.geometry != self.geometry):
             raise ArgumentError(f"group {self.name!r}: the image is of layers {image.members[:4]}... with "
                                 f"{image.geometry.describe()}, not this group's")
         if self.buffer is None:
-            self._first_buffer(image.geometry, rows=1, tokens=max(image.lengths), fit=True)
-        buffer, layout = self._buf(), self._lay()
-        shape = (type(layout).__name__, buffer.item_bytes, buffer.parts, buffer.store.page_bytes)
+            layout = self._make_layout(image.geometry, len(self.members))
+            arena = self._arena_for(image.geometry.device, layout)  # the one _first_buffer would draw from
+            store = arena if layout.draws_from_arena else None
+            shape = (type(layout).__name__, layout.item_bytes, layout.row_parts, arena.page_bytes)
+        else:
+            buffer = self.buffer
+            store = buffer.store
+            shape = (type(self._lay()).__name__, buffer.item_bytes, buffer.parts, buffer.store.page_bytes)
         if shape != (image.layout, image.item_bytes, image.parts, image.page_bytes):
             raise ArgumentError(
                 f"group {self.name!r} holds rows {layout_option(shape[0])} in {shape[3]:,}-byte pages ({shape[1]:,} "
@@ -526,9 +532,9 @@ class LayerGroup:
                 f"{image.page_bytes:,}-byte pages ({image.item_bytes:,} bytes a token, {image.parts} part(s)): load it "
                 f"where the memory has its layout and page size (PrefixStore(config, cache_config={{'layout': "
                 f"{layout_option(image.layout)!r}, 'page_bytes': {image.page_bytes}}}))")
-        if not isinstance(buffer.store, Arena):
-            raise ArgumentError(f"group {self.name!r} draws from a {type(buffer.store).__name__}, not an arena")
-        return buffer.store
+        if not isinstance(store, Arena):
+            raise ArgumentError(f"group {self.name!r} draws its pages from a block store, not an arena")
+        return store
 
     def install_row(self, image: GroupImage) -> None:
         """Make this empty group hold ``image``'s row as row 0, on the image's pages (in use in
@@ -537,6 +543,8 @@ class LayerGroup:
         if any(self.lengths) or (self.buffer is not None and self.batch):
             raise ArgumentError(f"group {self.name!r} holds tokens: install_row fills an empty group (use a new cache)")
         self.arena_for_image(image)
+        if self.buffer is None:
+            self._first_buffer(image.geometry, rows=1, tokens=max(image.lengths), fit=True)
         self._buf().install(0, list(image.tables))
         self.batch = 1
         self.lengths = list(image.lengths)

@@ -206,8 +206,8 @@ class PagePool:
         base = self.add_segment(num_pages)
         pages = range(base, base + num_pages)  # consecutive ids (PageId is an int at run time)
         self._external.update(pages)
-        if holds is None:
-            self._refs.update(dict.fromkeys(pages, 1))
+        if holds is None or (num_pages and min(holds) == max(holds) > 0):  # each page held alike (one entry)
+            self._refs.update(dict.fromkeys(pages, 1 + (holds[0] if holds is not None else 0)))
         else:
             held = list(compress(pages, holds))  # (iterators in C: a file has thousands of pages)
             self._refs.update(zip(held, map(add, compress(holds, holds), repeat(1))))

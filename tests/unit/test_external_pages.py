@@ -59,6 +59,13 @@ def test_external_pages_can_take_their_holders_references_with_their_pins() -> N
     pool.decref([ext[0], ext[1], ext[1], ext[3]])
     assert pool.stats().external == 0
     pool.check_invariants()
+    alike = pool.add_external(3, holds=[2, 2, 2])  # every page held alike (one path), then none held
+    assert list(alike) == list(range(ext[-1] + 1, ext[-1] + 4)) and [pool.refcount(p) for p in alike] == [3, 3, 3]
+    none = pool.add_external(2, holds=[0, 0])
+    assert [pool.refcount(p) for p in none] == [0, 0] and pool.stats().external == 3
+    pool.decref([p for p in alike for _ in range(2)])
+    assert pool.stats().external == 0
+    pool.check_invariants()
 
 
 def test_the_pool_check_catches_a_mark_on_an_external_page() -> None:

@@ -40,6 +40,9 @@ class Layout(ABC):
     name: ClassVar[str]
     #: Whether ``update`` returns fixed-address, full-capacity views (StaticLayer's contract).
     static: ClassVar[bool] = False
+    #: Whether a row buffer's pages are its arena's own (a row image can be installed from an
+    #: arena's pages); the paged layout's live in a block store inside the arena.
+    draws_from_arena: ClassVar[bool] = True
 
     def __init__(self, geometry: GroupGeometry, *, members: int) -> None:
         self.geometry = geometry
@@ -55,6 +58,16 @@ class Layout(ABC):
     def preferred_page_bytes(self, backend: str) -> int | None:
         """:meth:`page_bytes` of this layout object (a wrapping layout asks the one it wraps)."""
         return type(self).page_bytes(backend)
+
+    @property
+    @abstractmethod
+    def item_bytes(self) -> int:
+        """Bytes of one token in one part of a row of the buffers :meth:`make_buffer` makes."""
+
+    @property
+    def row_parts(self) -> int:
+        """Parts (page tables) of a row of the buffers :meth:`make_buffer` makes."""
+        return 1
 
     @abstractmethod
     def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = False) -> RowBuffer:

@@ -44,10 +44,19 @@ class HeadMajorLayout(Layout):
         """Elements of one token of one sub-row (the wider of the key and value head dims)."""
         return max(self.geometry.key_dim, self.geometry.value_dim)
 
+    @property
+    def item_bytes(self) -> int:
+        """Bytes of one token of one sub-row."""
+        return self.item_dim * self.geometry.dtype.itemsize
+
+    @property
+    def row_parts(self) -> int:
+        """Sub-rows of a row: one per (member, K/V, head)."""
+        return 2 * self.members * self.geometry.kv_heads
+
     def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = False) -> RowBuffer:
-        g = self.geometry
-        return SubRowBuffer(arena, rows=rows, blocks=2 * self.members, heads=g.kv_heads, capacity=capacity,
-                            item_bytes=self.item_dim * g.dtype.itemsize, readable=readable)
+        return SubRowBuffer(arena, rows=rows, blocks=2 * self.members, heads=self.geometry.kv_heads, capacity=capacity,
+                            item_bytes=self.item_bytes, readable=readable)
 
     def full_states(self, buffer: RowBuffer, *, batch: int, member: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, H, capacity, Dk]`` / ``[..., Dv]`` views of every token position, at fixed addresses

@@ -30,6 +30,7 @@ class PagedLayout(Layout):
     """See the module docstring."""
 
     name = "paged"
+    draws_from_arena = False
 
     def __init__(self, geometry: GroupGeometry, *, members: int, block_tokens: int = devices.PAGED_BLOCK_TOKENS,
                  fused: bool = False, attention_of: Callable[[], str | None] | None = None) -> None:

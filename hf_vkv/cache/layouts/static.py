@@ -52,6 +52,14 @@ class StaticLayout(Layout):
     def preferred_page_bytes(self, backend: str) -> int | None:
         return self.base.preferred_page_bytes(backend)
 
+    @property
+    def item_bytes(self) -> int:
+        return self.base.item_bytes
+
+    @property
+    def row_parts(self) -> int:
+        return self.base.row_parts
+
     def make_buffer(self, arena: Arena, *, rows: int, capacity: int, readable: bool = True) -> RowBuffer:
         """The base layout's buffer, readable. Over head-major, raise
         :class:`~hf_vkv.memory.errors.CacheOptionError` where ``StaticCache``'s (row, head) blocks of
