@@ -64,6 +64,7 @@ class PageTable:
         #: call per row); change it only through this table's operations.
         self.entries: list[Row] = [EMPTY_ROW] * rows
         self._undo: dict[int, Row] | None = None
+        self._kept: dict[int, int] = {}  # changed rows whose pages below a slot are those at begin (kept_prefixes)
         self._undo_counters: tuple[int, int, int] = (0, 0, 0)
         self.cow_copies = 0  # pages copied by copy-on-write, over the table's life
         self.remapped_rows = 0  # rows that took another row's table in reorders
@@ -75,14 +76,16 @@ class PageTable:
         if self._undo is not None:
             raise InvariantError("PageTable.begin() inside an open transaction")
         self._undo = {}
+        self._kept = {}
         self._undo_counters = (self.cow_copies, self.remapped_rows, self.tail_copies)
 
     def commit(self) -> None:
         self._undo = None
+        self._kept = {}
 
     def rollback(self) -> None:
         """Restore every row replaced since :meth:`begin`."""
-        undo, self._undo = self._undo or {}, None
+        undo, self._undo, self._kept = self._undo or {}, None, {}
         for index, row in undo.items():
             self.entries[index] = row
         self.cow_copies, self.remapped_rows, self.tail_copies = self._undo_counters
@@ -91,9 +94,24 @@ class PageTable:
         """Rows replaced in the open transaction, with their state at :meth:`begin`."""
         return dict(self._undo or {})
 
-    def _set(self, index: int, row: Row) -> None:
-        if self._undo is not None and index not in self._undo:
-            self._undo[index] = self.entries[index]
+    def kept_prefixes(self) -> dict[int, int]:
+        """Of the rows replaced in the open transaction, those whose every change kept their first
+        pages (a grow, a copy-on-write of later pages): row -> the slot below which the row's
+        start and pages are what they were at :meth:`begin`. What a buffer's mappings need not
+        compare (a token-major row of 8k tokens holds 92k pages, and grows every step)."""
+        return dict(self._kept)
+
+    def _set(self, index: int, row: Row, *, kept_below: int | None = None) -> None:
+        """Replace row ``index``; ``kept_below``: its start and its pages below that slot stay
+        (:meth:`kept_prefixes`)."""
+        if self._undo is not None:
+            first = index not in self._undo
+            if first:
+                self._undo[index] = self.entries[index]
+            if kept_below is not None and (first or index in self._kept):
+                self._kept[index] = kept_below if first else min(kept_below, self._kept[index])
+            else:
+                self._kept.pop(index, None)
         self.entries[index] = row
 
     # ----------------------------------------------------------------------------- queries
@@ -383,7 +401,7 @@ class PageTable:
                 table = tuple(edited)
                 taken += len(shared)
             if grown or shared or length != old.length:
-                self._set(row, Row(length, old.start, table))
+                self._set(row, Row(length, old.start, table), kept_below=shared[0] if shared else old.end)
         self.pool.decref(sources)
         self.pool.set_marks(moved)
         self.cow_copies += len(copies)

@@ -767,3 +767,32 @@ def test_page_occurrences_count_a_repeated_tuple_once_per_occurrence():
     a, b, c = (1, 2, 3), (3, 4), (9,)
     for runs in ([a, b, c], [a] * 5, [a, b, a, c, a, b], [], [(1, 1), (1, 1)]):
         assert _occurrences(list(runs)) == Counter(chain.from_iterable(runs)), runs
+
+
+def test_kept_prefixes_name_the_rows_whose_first_pages_a_transaction_left_alone():
+    """A grow keeps a row's pages (the slot below which they stay is its old end), a copy-on-write
+    the pages below its first copy; any other change of the row in the transaction leaves nothing
+    known, and the record ends with the transaction."""
+    t = make()
+    t.grow(0, 10)  # pages 0, 1, 2
+    t.share(0, 1)
+    t.share(0, 3)
+    t.grow(2, 4)
+    t.pool.begin()
+    t.begin()
+    t.grow(0, 14)  # a fourth page
+    t.grow_and_cow([1], 9, 11)  # row 1 copies its shared page 2
+    assert t.kept_prefixes() == {0: 3, 1: 2}
+    t.grow_and_cow([0], 8, 12)  # row 0 again: the page it copies (shared with row 3) is below the slot known
+    assert t.kept_prefixes() == {0: 2, 1: 2}
+    t.truncate(1, 4)  # another change of row 1: nothing is known of it any more
+    t.share(2, 3)  # row 3 changed without a hint, then grown
+    t.grow(3, 6)
+    assert t.kept_prefixes() == {0: 2}
+    changed = t.changed_rows()
+    for r, kept in t.kept_prefixes().items():
+        assert changed[r].start == t.row(r).start and changed[r].pages[:kept] == t.row(r).pages[:kept]
+    t.rollback()
+    t.pool.rollback()
+    assert t.kept_prefixes() == {}
+    ok(t)
