@@ -36,7 +36,9 @@ class PageTable:
 
     * a row's table covers exactly its bytes: ``start + len(pages) == ceil(length / page_size)``
       and ``start <= ceil(length / page_size) <= pages_per_row``;
-    * every page in a table is in use in the pool (no page is both free and referenced).
+    * every page in a table is in use in the pool (no page is both free and referenced);
+    * outside a transaction no row has a kept prefix (:meth:`kept_prefixes`: inside one, a row's
+      kept slot bounds the pages that are still those at :meth:`begin`).
 
     That a page's refcount equals the number of entries holding it, over every table of the pool,
     is checked by :func:`~hf_vkv.memory.invariants.check_pages`, given all those tables.
@@ -476,6 +478,8 @@ class PageTable:
         """Raise :class:`InvariantError` unless the table's invariants (class docstring) hold."""
         if self._undo is not None:
             raise InvariantError("check_invariants() inside an open transaction")
+        if self._kept:
+            raise InvariantError(f"rows {sorted(self._kept)[:4]} keep a transaction's kept prefixes after it ended")
         for i, row in enumerate(self.entries):
             need = _pages_for(row.length, self.page_size)
             if row.end != need or row.start > need or need > self.pages_per_row:

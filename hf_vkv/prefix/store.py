@@ -958,7 +958,8 @@ def _write_index(folder: Path, index: dict[str, Any]) -> None:
 def _weak_reclaim(store: PrefixStore) -> Callable[[int, PagePool], bool]:
     """``store._reclaim`` for its memory to call, holding the store weakly: the memory is the
     store's, and a bound method would make a cycle that keeps a dropped store, its pages and its
-    mapped files until the garbage collector's next full pass instead of freeing them at once."""
+    mapped files until a pass of the garbage collector reaches them, instead of freeing them at once.
+    Called after the store went, it lets nothing go (``False``)."""
     method = weakref.WeakMethod(store._reclaim)
 
     def reclaim(pages: int, pool: PagePool) -> bool:
