@@ -790,6 +790,8 @@ def test_kept_prefixes_name_the_rows_whose_first_pages_a_transaction_left_alone(
     t.grow(3, 6)
     assert t.kept_prefixes() == {0: 2}
     changed = t.changed_rows()
+    with pytest.raises(TypeError):
+        t.kept_prefixes()[1] = 0  # a view of the table's record, not to be written
     for r, kept in t.kept_prefixes().items():
         assert changed[r].start == t.row(r).start and changed[r].pages[:kept] == t.row(r).pages[:kept]
     t.rollback()
