@@ -59,7 +59,7 @@ import torch
 from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
 from ..devices import policy_for
-from ..memory import section
+from ..memory import register_critical, section
 from ..prefix.fingerprint import in_training, user_hooks
 from .names import CACHE_NAMES
 from .head_rows import HeadReads, RepeatedRows, leave_mode, repeat_for_head
@@ -320,6 +320,7 @@ def _expand_hidden(output: Any, prompts: int, k: int, keep: Any = None) -> tuple
 
 
 @contextlib.contextmanager
+@register_critical  # a Ctrl-C in its setup or teardown is raised once they have run (see the hooks below)
 def _rows_checked(model: Any, prompts: int, k: int, *, keep: Any = None) -> Iterator[RowExactness]:
     """Inside: the base model's forwards are checked call by call (:class:`RowExactness`) and its
     output rows expanded before the head reads them (the positions ``keep`` names only, guarded
@@ -345,7 +346,9 @@ def _rows_checked(model: Any, prompts: int, k: int, *, keep: Any = None) -> Iter
         return output
 
     # The hooks and the mode are put on whole and taken off whole, Ctrl-C held (hf_vkv.memory.interrupts): one
-    # left on the model by an interrupt would expand the rows of every later forward.
+    # left on the model by an interrupt would expand the rows of every later forward. The sections hold it inside
+    # them; between them (a Ctrl-C as the body's exception enters the first finally, before its section), this
+    # generator's frame, registered critical, has it raised again once the teardown has run.
     handles: list[Any] = []
     entered = False
     try:

@@ -23,7 +23,7 @@ from .errors import (
     VKVError,
 )
 from .host_backend import HostBackend
-from .interrupts import SectionLock, guarded, section
+from .interrupts import SectionLock, guarded, register_critical, section
 from .limits import PageSizeError
 from .map_budget import MappingLimitError
 from .page_table import CowCopy, PageTable, Row
@@ -34,5 +34,5 @@ from .subrow_buffer import SubRowBuffer
 __all__ = [
     "Arena", "Backend", "BackendError", "BlockBuffer", "BlockStore", "BufferStats", "CacheClosedError", "CapacityError", "CowCopy",
     "HostBackend", "InvariantError", "KVCacheOutOfMemory", "MappingLimitError", "PageSizeError", "OpenTables", "PageId", "PagePool",
-    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "SectionLock", "SubRowBuffer", "VKVError", "VirtualBuffer", "check_pages", "guarded", "section",
+    "PageStore", "PageTable", "PoolStats", "Row", "RowBuffer", "SectionLock", "SubRowBuffer", "VKVError", "VirtualBuffer", "check_pages", "guarded", "register_critical", "section",
 ]
