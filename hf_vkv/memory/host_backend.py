@@ -42,7 +42,7 @@ from .interrupts import register_critical
 from .limits import MAX_HOST_PAGE_BYTES, PageSizeError, check_page_bytes
 from .map_budget import PROCESS_MAP_BUDGET, process_mappings, read_max_map_count
 from .pool import PageId
-from .runs import consecutive_runs
+from .runs import consecutive_runs, is_one_run
 
 __all__ = ["HostBackend"]
 
@@ -267,8 +267,7 @@ class HostBackend:
         if offset + len(pages) * self.page_bytes > size:
             raise BackendError("map_file", f"the file holds {size:,} bytes, not {len(pages)} pages of "
                                            f"{self.page_bytes:,} from byte {offset:,}")
-        consecutive = range(pages[0], pages[0] + len(pages)) if pages else range(0)
-        if pages and (pages != consecutive if isinstance(pages, range) else list(pages) != list(consecutive)):
+        if pages and not is_one_run(pages):
             raise BackendError("map_file", "the pages of one file must be consecutive ids, in order")
         if pages and (not 0 <= pages[0] <= pages[-1] < self._id_space
                       or any(lo <= pages[-1] and pages[0] <= hi for lo, hi, _, _ in self._file_spans)):

@@ -201,13 +201,14 @@ class PagePool:
         with a negative count. Returns the pages' ids: a ``range``, as they are consecutive."""
         if self._undo is not None:
             raise InvariantError("PagePool.add_external() inside an open transaction")
-        if holds is not None and (len(holds) != num_pages or (num_pages and min(holds) < 0)):
+        low = min(holds) if holds else 0
+        if holds is not None and (len(holds) != num_pages or low < 0):
             raise ArgumentError(f"holds must give a count >= 0 for each of the {num_pages} pages")
         base = self.add_segment(num_pages)
         pages = range(base, base + num_pages)  # consecutive ids (PageId is an int at run time)
         self._external.update(pages)
-        if holds is None or (num_pages and min(holds) == max(holds) > 0):  # each page held alike (one entry)
-            self._refs.update(dict.fromkeys(pages, 1 + (holds[0] if holds is not None else 0)))
+        if holds is None or (low > 0 and low == max(holds)):  # each page held alike (one entry)
+            self._refs.update(dict.fromkeys(pages, 1 + low))
         else:
             held = list(compress(pages, holds))  # (iterators in C: a file has thousands of pages)
             self._refs.update(zip(held, map(add, compress(holds, holds), repeat(1))))
