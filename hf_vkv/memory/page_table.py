@@ -246,20 +246,40 @@ class PageTable:
     def assign(self, row: int, table: Row) -> None:
         """Make ``row`` hold ``table`` (pages of this pool, e.g. another table's row: a fork),
         adding a reference to each of its pages and dropping the row's previous pages."""
-        old = self.entries[self._check_row(row)]
-        if table == old:
-            return
-        need = _pages_for(table.length, self.page_size)
-        if table.end != need or table.start > need:
-            raise ArgumentError(f"row table {table} does not cover its length")
-        self._check_length(row, table.length)
+        self.assign_rows([(row, table)])
+
+    def assign_rows(self, tables: Iterable[tuple[int, Row]]) -> None:
+        """:meth:`assign` of each ``(row, table)`` (each row once), in one reference change for
+        all of them: every table is checked before anything changes, then each page of the new
+        tables gains a reference before the rows' previous pages lose theirs (so a page may move
+        from one of the rows to another). What a fork or an install of a row of many parts
+        does: one call where 180 of a SmolLM2 row's (layer, K/V, head) parts made 180."""
+        todo: list[tuple[int, Row]] = []
+        new: list[PageId] = []
+        old: list[PageId] = []
+        seen: set[int] = set()
+        for row, table in tables:
+            current = self.entries[self._check_row(row)]
+            if row in seen:
+                raise ArgumentError(f"row {row} is given twice")
+            seen.add(row)
+            if table == current:
+                continue
+            need = _pages_for(table.length, self.page_size)
+            if table.end != need or table.start > need:
+                raise ArgumentError(f"row table {table} does not cover its length")
+            self._check_length(row, table.length)
+            todo.append((row, table))
+            new.extend(table.pages)
+            old.extend(current.pages)
         refs = self.pool.refs
-        free = [p for p in table.pages if refs.get(p, 0) < 1] if 0 in map(refs.get, table.pages, repeat(0)) else []
-        if free:  # (in C when all are in use) named together, as a bad argument, before anything changes
-            raise ArgumentError(f"row table {table} holds pages {free[:4]} that are not in use in this pool")
-        self.pool.incref(table.pages)
-        self.pool.decref(old.pages)
-        self._set(row, table)
+        if 0 in map(refs.get, new, repeat(0)):  # (in C when all are in use) named, as a bad argument, before anything changes
+            free = [p for p in new if refs.get(p, 0) < 1]
+            raise ArgumentError(f"row tables hold pages {free[:4]} that are not in use in this pool")
+        self.pool.incref(new)
+        self.pool.decref(old)
+        for row, table in todo:
+            self._set(row, table)
 
     def reorder(self, index: Sequence[int | None], *, private_tails: bool = False, remaps_cost: bool = False,
                 gathered: bool = False, written: int | None = None,

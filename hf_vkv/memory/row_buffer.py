@@ -245,16 +245,18 @@ class RowBuffer(ABC):
         self._check_capacity(length)
         units, page = length * self.item_bytes, self.store.page_bytes
         pool = self.store.pool
+        end = -(-units // page)
         with self._transaction() as table:
             marks = {}
+            tables = []
             for a, b in zip(self.table_rows(row), source.table_rows(source_row)):
                 held = source.table.row(b)
-                end = -(-units // page)
                 if units and end <= held.start:
                     raise ArgumentError(f"row {source_row}'s first {length} items were dropped behind its window")
                 if units == held.length and units % page and pool.refcount(held.pages[-1]) == 1:
                     marks[held.pages[-1]] = units % page  # the source alone holds its last page: it is all it holds
-                table.assign(a, Row(units, held.start, held.pages[:end - held.start]) if units else EMPTY_ROW)
+                tables.append((a, Row(units, held.start, held.pages[:end - held.start]) if units else EMPTY_ROW))
+            table.assign_rows(tables)
             pool.set_marks(marks)
 
     def install(self, row: int, tables: Sequence[Row]) -> None:
@@ -270,8 +272,7 @@ class RowBuffer(ABC):
             raise ArgumentError(f"a table of {length} bytes does not hold whole items of {self.item_bytes}")
         self._check_capacity(length // self.item_bytes)
         with self._transaction() as table:
-            for a, held in zip(parts, tables):
-                table.assign(a, held)
+            table.assign_rows(zip(parts, tables))
 
     def reorder(self, index: Sequence[int], *, private_tails: bool = False, written: int | None = None) -> bool:
         """Row ``i`` takes row ``index[i]``'s pages (duplicates allowed); later rows are emptied.

@@ -208,6 +208,40 @@ def test_assign_rejects_rows_that_do_not_fit_with_nothing_changed():
     assert state(ok(t)) == before
 
 
+
+def test_assign_rows_is_assign_of_each_row_in_one_reference_change():
+    """What a fork or an install of a row of many parts does: the same tables and refcounts as
+    one assign per row; a page may move from one of the rows to another in the call (assigned one
+    at a time, the row letting go first would free it); a bad table, or a row given twice, changes
+    nothing."""
+    def grown() -> PageTable:
+        t = make()
+        t.grow(0, 6)  # pages 0, 1
+        t.grow(1, 4)  # page 4
+        return t
+
+    a, b = grown(), grown()
+    given = [(2, a.row(0)), (3, Row(3, 0, (P(4),))), (1, Row())]
+    for row, table in given:
+        a.assign(row, table)
+    b.assign_rows(given)
+    assert state(ok(a)) == state(ok(b))
+    t = grown()
+    t.assign_rows([(1, Row()), (2, t.row(1))])  # page 4 moves from row 1 to row 2
+    assert ok(t).row(2) == Row(4, 0, (P(4),)) and t.row(1) == Row() and refs(t, 4) == [1]
+    t = grown()
+    with pytest.raises(ValueError, match="not in use"):  # with assign one row at a time: row 1 frees page 4 first
+        t.assign(1, Row())
+        t.assign(2, Row(4, 0, (P(4),)))
+    t = grown()
+    before = state(t)
+    for bad, match in (([(2, t.row(0)), (3, Row(9, 0, (P(0),)))], "does not cover its length"),
+                       ([(2, t.row(0)), (3, Row(8, 0, (P(4), P(7))))], "not in use"),
+                       ([(2, t.row(0)), (2, t.row(1))], "given twice")):
+        with pytest.raises(ValueError, match=match):
+            t.assign_rows(bad)
+        assert state(ok(t)) == before
+
 # ------------------------------------------------------------------------------------ copy-on-write
 def test_cow_returns_exact_copy_records():
     t = make()
