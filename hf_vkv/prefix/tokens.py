@@ -22,10 +22,12 @@ def token_list(token_ids: Any, *, name: str = "token_ids") -> list[int]:
                 f"{name} must be one sequence of integer token ids ([T] or [1, T]), got a {token_ids.dtype} "
                 f"tensor of shape {tuple(token_ids.shape)}; entries are batch-1: pass one row"
             )
-        return [int(t) for t in token_ids.tolist()]
+        return token_ids.tolist()  # an integer tensor's items are ints
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise ArgumentTypeError(f"{name} must be a tensor or a sequence of int token ids, got {type(token_ids).__name__}")
     out = list(token_ids)
+    if set(map(type, out)) <= {int}:  # the common case, in C (a turn's ids: thousands)
+        return out
     for t in out:
         if not isinstance(t, int) or isinstance(t, bool):
             raise ArgumentTypeError(f"{name} must hold ints only, got a {type(t).__name__} ({t!r}): pass the token "
