@@ -252,8 +252,9 @@ class PageTable:
         """:meth:`assign` of each ``(row, table)`` (each row once), in one reference change for
         all of them: every table is checked before anything changes, then each page of the new
         tables gains a reference before the rows' previous pages lose theirs (so a page may move
-        from one of the rows to another). What a fork or an install of a row of many parts
-        does: one call where 180 of a SmolLM2 row's (layer, K/V, head) parts made 180."""
+        from one of the rows to another). What a fork, an adopt or an install of rows of many
+        parts does: one pool call for all their parts (a SmolLM2 row has 180, one per layer, K/V
+        and head), where :meth:`assign` of each part made one each."""
         todo: list[tuple[int, Row]] = []
         new: list[PageId] = []
         old: list[PageId] = []

@@ -336,9 +336,8 @@ class RowBuffer(ABC):
         other = self._sibling(rows)
         try:
             with other._transaction() as new:
-                for r in range(min(rows, self.rows)):
-                    for a, b in zip(other.table_rows(r), self.table_rows(r)):
-                        new.assign(a, table.row(b))
+                new.assign_rows((a, table.row(b)) for r in range(min(rows, self.rows))
+                                for a, b in zip(other.table_rows(r), self.table_rows(r)))
         except BaseException:
             other.close()  # now, not when a traceback that holds it goes: it counts as an open buffer
             raise
