@@ -391,14 +391,15 @@ class VKVCache(Cache):
         rows with the same source share each other's pages; any other row is copied (left
         padding places a prefix at an unaligned offset). Returns the rows copied.
 
-        Full-attention caches only (a sliding window or a layer kept by transformers is a
-        ``ValueError``, as is a cache that holds tokens or a source shorter than asked)."""
+        Caches whose every layer vkv keeps (a layer kept by transformers or the static layout is a
+        ``ValueError``, as is a cache that holds tokens or a source shorter than asked). Sliding
+        layers take shared rows only, whose sources still hold their window
+        (:meth:`LayerGroup.take_rows`)."""
         if self.get_seq_length() or self.rows:
             raise ArgumentError("take_rows fills an empty cache; this one holds rows (call it on a new VKVCache)")
-        if self.transformers_layers() or any(g.sliding_window is not None for g in self._groups) \
-                or self._layout_name == "static":
-            raise ArgumentError("take_rows fills caches of full-attention layers only (no sliding window, no layer "
-                                "kept by transformers, not the static layout)")
+        if self.transformers_layers() or self._layout_name == "static":
+            raise ArgumentError("take_rows fills caches whose every layer vkv keeps (no layer kept by transformers, "
+                                "not the static layout)")
         length = int_argument(length, "take_rows(length)")
         if not sources or length < 1:
             raise ArgumentError(f"take_rows needs rows and length >= 1, got {len(sources)} rows of {length}")

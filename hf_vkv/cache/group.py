@@ -394,9 +394,23 @@ class LayerGroup:
         length - offset)`` of row ``row`` of ``group`` (a group of the same geometry; ``None``
         when ``offset >= length``). A source in the same page store and layout with ``start ==
         offset == 0`` is shared (pages, no copy); a source equal to an earlier row's shares
-        that row's pages; any other is copied. Returns the rows copied."""
+        that row's pages; any other is copied. Returns the rows copied.
+
+        A sliding group takes shared rows only, each source holding the window the row's next token
+        attends to (tokens ``[length - window + 1, length)``): its pages behind the window are gone,
+        so it can neither be copied to another offset nor serve a shorter row (``ValueError``,
+        nothing taken; :meth:`~hf_vkv.cache.VKVCache.min_prefix_length` says how short)."""
         if self.sliding_window is not None:
-            raise ArgumentError(f"group {self.name!r} slides: take_rows fills full-attention groups only")
+            for src, _, start, offset in sources:
+                if src is None or offset >= length:
+                    continue
+                if start or offset:
+                    raise ArgumentError(f"group {self.name!r} slides: take_rows shares its rows from token 0, it "
+                                        f"cannot copy them to another offset (left padding)")
+                if self.window_start(length) < src.first_written():
+                    raise ArgumentError(f"group {self.name!r} slides: a row of {length} tokens needs tokens from "
+                                        f"{self.window_start(length)} on, and its source holds them from "
+                                        f"{src.first_written()} on")
         if any(self.lengths) or (self.buffer is not None and self.batch):
             raise ArgumentError(f"group {self.name!r} holds tokens: take_rows fills an empty group (use a new cache)")
         donors = [src for src, *_ in sources if src is not None and src.geometry is not None]
@@ -421,6 +435,9 @@ class LayerGroup:
             same = (src is not None and src.buffer is not None and src.buffer.store is buffer.store
                     and type(src.layout) is type(layout) and src.buffer.item_bytes == buffer.item_bytes)
             (shared if same and start == 0 and offset == 0 else copied).append(i)
+        if copied and self.sliding_window is not None:
+            raise ArgumentError(f"group {self.name!r} slides: take_rows shares its rows from a source of its own page "
+                                f"store and layout, and cannot copy them")
         for i in shared:
             src, row, _, _ = sources[i]
             buffer.adopt(i, src._buf(), row, length=length)

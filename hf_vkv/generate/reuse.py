@@ -28,10 +28,14 @@ Where reuse cannot apply, the call runs exactly as without a store and the repor
 (``cache.stats().reuse.refusal``, :class:`~hf_vkv.cache.stats.ReuseReport`) says why:
 encoder-decoder models (the decoder's K/V depend on the encoder's input, which the store's keys do
 not hold), a model with another config or other weights (or adapters) than the store's entries,
-peft's prompt learning and per-row adapters, sliding-window or recurrent layers, the static
-layout, ``inputs_embeds``, images and any other model input that token ids do not identify,
+peft's prompt learning and per-row adapters, recurrent layers, the static layout,
+``inputs_embeds``, images and any other model input that token ids do not identify,
 explicit ``position_ids`` other than the ones transformers would use, an attention mask that is
-not left padding, assisted decoding (its first forward is not generate's prefill).
+not left padding, assisted decoding (its first forward is not generate's prefill). Sliding-window
+layers (Gemma 2 and 3, Mistral with a window) keep only their window's pages, so their rows are
+shared from token 0 and never copied: a left-padded batch of such a model steps aside, a stored
+row serves only prefixes whose window it still holds (``min_prefix_length``), and a row is stored
+only where its window is whole (not cut back at an end-of-sequence token before its last token).
 
 Exactness: the reference is what transformers computes when a user reuses a cache by hand — a
 DynamicCache holding the same history, continued over the new tokens; the battery in
@@ -251,8 +255,6 @@ def _positions_refusal(position_ids: Any, pads: list[int], length: int) -> str |
 def _input_refusal(cache: VKVCache, model_kwargs: dict) -> str | None:
     if cache.get_seq_length():
         return "the cache already holds tokens"
-    if any(group.sliding_window is not None for group in cache.groups):
-        return "sliding-window layers: a stored prefix's window may be gone (reuse takes full-attention models)"
     if cache.transformers_layers():
         return "layers kept by transformers (recurrent or linear-attention state) cannot start from stored pages"
     if cache.layout == "static":
@@ -284,6 +286,9 @@ def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torc
     reason = _positions_refusal(model_kwargs.get("position_ids"), pads, length)
     if reason is not None:
         return reason
+    if any(pads) and _slides(cache):
+        return ("sliding-window layers with left-padded rows: a stored window is shared from token 0, never copied "
+                "to a padded row's offset (batches of one prompt length reuse)")
     call.input_ids, call.pads = input_ids, pads
     report.prompt_tokens = sum(length - p for p in pads)
     k = cache.prompt_repeats
@@ -306,6 +311,10 @@ def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torc
         report.start_column = column
         if column == 0:
             return None  # nothing stored yet: a full prefill, whose rows are stored afterwards
+        if _slides(cache) and any(entry.min_prefix_length() > column for entry, _ in found.values()):
+            report.start_column = 0
+            return (f"sliding-window layers: the batch's rows share {column} stored tokens, and a stored row's window "
+                    f"for them is gone (it serves longer prefixes only)")
         sources = []
         for row in range(rows):
             u = row - row % k
@@ -313,6 +322,11 @@ def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torc
         report.copied_rows = cache.take_rows(sources, length=column)
     report.reused_tokens = sum(max(column - p, 0) for p in pads)
     return None
+
+
+def _slides(cache: VKVCache) -> bool:
+    """Whether ``cache`` has sliding-window layers (whose stored rows hold their window only)."""
+    return any(group.sliding_window is not None for group in cache.groups)
 
 
 def _common_length(sequences: list[list[int]]) -> int:
@@ -415,10 +429,13 @@ def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *
             rows.append((r, row, end))
     else:
         return 0
-    rows = [(r, row, end) for r, row, end in rows if end - call.pads[r] >= 1]
+    shortest = cache.min_prefix_length() if _slides(cache) else 1  # a window behind a shorter row is gone
+    rows = [(r, row, end) for r, row, end in rows if end - call.pads[r] >= max(shortest, 1)]
     if len(rows) == 1 and call.pads[rows[0][0]] == 0 and cache.rows == 1:
         # give: the call's own cache, which nobody else holds; else a fork of it
         _, row, end = rows[0]
+        if end < held and _slides(cache):
+            return 0  # a sliding window is not cut back (its pages behind it are gone)
         if give and end < held:
             cache.crop(end - held)
         new = not store.serves(row[:end])  # an entry already serving the row is kept, not counted

@@ -168,14 +168,16 @@ def test_no_store_changes_nothing() -> None:
 
 
 def test_refusals_run_as_without_a_store() -> None:
-    """A sliding-window model and a mask that is not left padding: reuse steps aside, says why,
-    and the tokens are DynamicCache's."""
+    """A left-padded batch of a sliding-window model (a stored window is shared from token 0,
+    never copied to a padded row's offset) and a mask that is not left padding: reuse steps
+    aside, says why, and the tokens are DynamicCache's."""
     model = tiny("mistral")
     store = PrefixStore(model.config)
-    ids, mask = _batch([list(range(3, 40))])
+    ids, mask = _batch([list(range(3, 40)), list(range(3, 30))])
     got, report = _reuse(model, ids, mask, store)
     assert_same_tokens(_generate(model, ids, mask, None), got)
-    assert "sliding" in report.refusal and len(store) == 0
+    assert "sliding-window layers with left-padded rows" in report.refusal and len(store) == 0
+    ids, mask = _batch([list(range(3, 40))])
     llama = tiny("llama")
     store = PrefixStore(llama.config)
     mask = torch.ones_like(ids)

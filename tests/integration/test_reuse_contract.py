@@ -54,12 +54,14 @@ class Chat:
     threads: int = 1
     num_beams: int = 3
     seed: int = 0
+    page_bytes: int | None = None  # the store's (None: its default); 4 KiB pages let sliding windows drop pages
+
 
     @property
     def id(self) -> str:
         mode = f"beams{self.num_beams}" if self.mode == "beams" else self.mode
         return (f"{self.arch}-{mode}-{self.turns}turns-sys{self.system}-{str(self.dtype)[6:]}-{self.threads}t"
-                f"-s{self.seed}")
+                f"-s{self.seed}" + (f"-{self.page_bytes}B" if self.page_bytes else ""))
 
     def kwargs(self) -> dict[str, Any]:
         return {"greedy": {"do_sample": False},
@@ -101,6 +103,16 @@ CHATS = [
     Chat("gpt2", "greedy", 3, 30, seed=21),
     Chat("gpt2", "beams", 3, 20, num_beams=2, dtype=B16, seed=22),
     Chat("gpt2", "sample", 3, 40, threads=2, seed=23),
+    # sliding-window layers (mistral: every layer, window 8; gemma3: two of three, window 6): rows shared from
+    # token 0, the window of each stored row held
+    Chat("mistral", "greedy", 4, 4, seed=24),
+    Chat("mistral", "greedy", 4, 80, seed=31, page_bytes=4096),
+    Chat("mistral", "sample", 3, 150, dtype=B16, threads=2, seed=25, page_bytes=4096),
+    Chat("mistral", "sample_n2", 3, 90, seed=26, page_bytes=4096),
+    Chat("gemma3", "greedy", 3, 30, dtype=B16, seed=27),
+    Chat("gemma3", "greedy", 4, 70, threads=2, seed=28, page_bytes=4096),
+    Chat("gemma3", "sample", 3, 100, seed=29, page_bytes=4096),
+    Chat("gemma3", "sample_n2", 3, 140, dtype=B16, threads=2, seed=30, page_bytes=4096),
 ]
 
 
@@ -152,7 +164,7 @@ def _continue(cache: DynamicCache, *, columns: int, rows: int) -> DynamicCache:
 def _play(chat: Chat) -> int:
     """Play ``chat`` with a store and with the continued DynamicCache; return the tokens reused."""
     model = _model(chat.arch, chat.dtype)
-    store = PrefixStore(model.config)
+    store = PrefixStore(model.config, cache_config={"page_bytes": chat.page_bytes} if chat.page_bytes else None)
     g = torch.Generator().manual_seed(500 + chat.seed)
     history = _rand(chat.system, g)
     ref_cache: DynamicCache | None = None
@@ -188,6 +200,11 @@ def _play(chat: Chat) -> int:
         assert EOS not in answer[:-1], f"{where}: an early end of sequence (the tiny models make it rare)"
         history = history + answer
     store.check_invariants()
+    if chat.page_bytes:  # the windows dropped pages: a stored row serves only prefixes whose window it holds
+        forks = [store.lookup(list(tokens) + [3]) for tokens in store.prefixes()]
+        assert any(fork.min_prefix_length() > 0 for fork in forks), f"{chat.id}: no sliding window dropped a page"
+        for fork in forks:
+            fork.close()
     return reused
 
 
@@ -209,7 +226,7 @@ def test_the_battery_is_broad() -> None:
     assert {c.num_beams for c in CHATS if c.mode == "beams"} == {2, 3, 4}
     assert {c.turns for c in CHATS} == {2, 3, 4, 5}
     assert {c.dtype for c in CHATS} == {torch.float32, B16} and {c.threads for c in CHATS} == {1, 2}
-    assert {c.arch for c in CHATS} == {"llama", "qwen2", "gpt2"}
+    assert {c.arch for c in CHATS} == {"llama", "qwen2", "gpt2", "mistral", "gemma3"}
 
 
 # ------------------------------------------------------------------------------ a document, a batch
@@ -253,6 +270,12 @@ DOCUMENT_CASES = {
     "stored-first-one-length-qwen2": ("qwen2", torch.float32, 1, (6, 6, 6, 6), "stored", {"do_sample": False}),
     "common-prefix-one-length-beams": ("llama", torch.float32, 1, (5, 5), "common", {"do_sample": False,
                                                                                      "num_beams": 3}),
+    # sliding windows: questions of one length (a padded batch of such a model steps aside: below)
+    "stored-first-one-length-gemma3": ("gemma3", torch.float32, 1, (6, 6, 6), "stored", {"do_sample": False}),
+    "stored-first-one-length-gemma3-beams": ("gemma3", torch.float32, 1, (4, 4), "stored",
+                                             {"do_sample": False, "num_beams": 3}),
+    "common-prefix-one-length-mistral-bf16-sample": ("mistral", B16, 2, (5, 5), "common",
+                                                     {"do_sample": True, "top_k": 0}),
 }
 
 
@@ -324,3 +347,66 @@ def test_per_question_references_differ_by_batching_alone() -> None:
             assert torch.equal(a[0] - b[row], a[0] - c[row])
             worst = max(worst, float((a[0] - b[row]).abs().max()))
     assert worst <= PER_QUESTION_FP32_BOUND
+
+
+# ------------------------------------------------------------------------------ sliding windows
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_a_sliding_window_model_reuses_its_beams_and_steps_aside_for_a_padded_batch(arch: str) -> None:
+    """A sliding layer keeps only its window's pages: a 3-beam chat reuses its stored prompts (the
+    tokens of vkv without a store; the exact reference, a continued DynamicCache, is the beams
+    document case above), and a left-padded batch, whose rows would need a stored window copied to
+    another offset, runs as without a store and says why."""
+    model = tiny(arch)
+    store = PrefixStore(model.config)
+    g = torch.Generator().manual_seed(40)
+    history = _rand(40, g)
+    reused = 0
+    for turn in range(3):
+        ids = torch.tensor([history])
+        got = _generate(model, ids, torch.ones_like(ids), seed=turn, store=store, num_beams=3)
+        plain = _generate(model, ids, torch.ones_like(ids), seed=turn, num_beams=3, cache_implementation="vkv")
+        assert torch.equal(got.sequences, plain.sequences)
+        report = reuse_report(got)
+        assert report is not None and report.refusal is None, report
+        reused += report.reused_tokens
+        history = history + got.sequences[0, len(history):].tolist() + _rand(4, g)
+    assert reused > 0
+    store.check_invariants()
+    ids, mask, _ = _batch([history[:20], history[:27]])
+    got = _generate(model, ids, mask, seed=0, store=store)
+    report = reuse_report(got)
+    assert report is not None and "left-padded" in (report.refusal or "") and report.reused_tokens == 0, report
+    _assert_identical(_generate(model, ids, mask, seed=0, cache_implementation="vkv"), got, "padded batch")
+    store.check_invariants()
+
+
+def test_a_sliding_group_takes_shared_rows_that_hold_their_window_only() -> None:
+    """``take_rows`` into a cache with sliding layers: a row shared from token 0 whose source
+    holds the window; a row copied to another offset, or cut shorter than the source's window
+    allows, is refused with nothing taken."""
+    from hf_vkv.cache import RowSource
+    model = tiny("mistral")  # window 8 on every layer; 4 KiB pages hold 64 tokens of a (layer, K/V, head)
+    store = PrefixStore(model.config, cache_config={"page_bytes": 4096})
+    ids = torch.tensor([_rand(100, torch.Generator().manual_seed(41))])
+    out = _generate(model, ids, torch.ones_like(ids), seed=0, store=store, new=20)  # page 0 falls behind the window
+    assert reuse_report(out).inserted == 1
+    (entry,) = store.prefixes()
+    source = store.lookup(list(entry) + [3])
+    try:
+        shortest = source.min_prefix_length()
+        assert shortest == 64 + 8 - 1 < len(entry)  # page 0 is gone: the window of a row from 71 tokens on
+        for sources, length, match in (([RowSource(source, offset=2)], len(entry), "cannot copy"),
+                                       ([RowSource(source)], shortest - 1, "needs tokens from")):
+            into = store.new_cache(batch_size=1)
+            with pytest.raises(ValueError, match=match):
+                into.take_rows(sources, length=length)
+            assert into.get_seq_length() == 0 and into.rows == 0
+            into.close()
+        into = store.new_cache(batch_size=2)
+        into.take_rows([RowSource(source), RowSource(source)], length=shortest)
+        assert into.get_seq_length() == shortest and into.rows == 2
+        into.close()
+    finally:
+        source.close()
+    store.check_invariants()
+
