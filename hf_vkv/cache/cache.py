@@ -415,9 +415,10 @@ class VKVCache(Cache):
                                         f"rows) does not hold: take rows 0..{src.cache.rows - 1} and start + "
                                         f"length - offset <= {held}")
         copied = 0
-        for g, group in enumerate(self._groups):
-            copied = group.take_rows([(None if s.offset >= length else s.cache._groups[g], s.row, s.start, s.offset)
-                                      for s in sources], length)
+        # sliding groups first: one that cannot share its rows refuses before any group took a row
+        for g in sorted(range(len(self._groups)), key=lambda g: self._groups[g].sliding_window is None):
+            copied = self._groups[g].take_rows([(None if s.offset >= length else s.cache._groups[g], s.row, s.start,
+                                                 s.offset) for s in sources], length)
         for layer in self.layers:
             if isinstance(layer, VKVLayer):
                 layer.adopt_group()

@@ -33,7 +33,8 @@ peft's prompt learning and per-row adapters, recurrent layers, the static layout
 explicit ``position_ids`` other than the ones transformers would use, an attention mask that is
 not left padding, assisted decoding (its first forward is not generate's prefill). Sliding-window
 layers (Gemma 2 and 3, Mistral with a window) keep only their window's pages, so their rows are
-shared from token 0 and never copied: a left-padded batch of such a model steps aside, a stored
+shared from token 0 and never copied: a left-padded batch of such a model, or one in the paged
+layout (whose rows copy the stored ones), steps aside, a stored
 row serves only prefixes whose window it still holds (``min_prefix_length``), and a row is stored
 only where its window is whole (not cut back at an end-of-sequence token before its last token).
 
@@ -54,7 +55,7 @@ import torch
 from .. import devices
 from ..cache import RowSource, VKVCache
 from ..cache.options import PREFIX_STORE_KEY
-from ..memory.errors import CacheOptionError, CacheOptionTypeError, VKVError
+from ..memory.errors import ArgumentError, CacheOptionError, CacheOptionTypeError, VKVError
 from ..prefix import PrefixStore
 from ..prefix.errors import PrefixMismatchError
 from ..prefix.fingerprint import (OFFLOADED, WEIGHTS_DIFFER, config_fingerprint, describe_config_difference, in_training,
@@ -286,9 +287,12 @@ def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torc
     reason = _positions_refusal(model_kwargs.get("position_ids"), pads, length)
     if reason is not None:
         return reason
-    if any(pads) and _slides(cache):
+    if _slides(cache) and any(pads):
         return ("sliding-window layers with left-padded rows: a stored window is shared from token 0, never copied "
                 "to a padded row's offset (batches of one prompt length reuse)")
+    if _slides(cache) and getattr(model.config, "_attn_implementation", None) == devices.PAGED_ATTENTION:
+        return ("sliding-window layers in the paged layout ('vkv_paged'): its rows would copy the stored windows, "
+                "which a window's pages do not allow")
     call.input_ids, call.pads = input_ids, pads
     report.prompt_tokens = sum(length - p for p in pads)
     k = cache.prompt_repeats
@@ -319,7 +323,13 @@ def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torc
         for row in range(rows):
             u = row - row % k
             sources.append(RowSource(found[u][0] if column > pads[u] else None, offset=pads[u]))
-        report.copied_rows = cache.take_rows(sources, length=column)
+        try:
+            report.copied_rows = cache.take_rows(sources, length=column)
+        except ArgumentError as e:  # a sliding group that cannot share a row refuses before any group takes one
+            if not _slides(cache) or cache.get_seq_length() or cache.rows:
+                raise
+            report.start_column = 0
+            return f"sliding-window layers: {e}"
     report.reused_tokens = sum(max(column - p, 0) for p in pads)
     return None
 

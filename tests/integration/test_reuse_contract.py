@@ -410,3 +410,21 @@ def test_a_sliding_group_takes_shared_rows_that_hold_their_window_only() -> None
         source.close()
     store.check_invariants()
 
+
+
+def test_a_sliding_window_model_in_the_paged_layout_steps_aside() -> None:
+    """Under ``vkv_paged`` a call's rows would copy the stored rows into its block pool, which a
+    sliding window's pages do not allow: the call runs as without a store and says why."""
+    model = tiny("gemma3", attn="vkv_paged")
+    store = PrefixStore(model.config)
+    ids = torch.tensor([_rand(60, torch.Generator().manual_seed(42))])
+    for turn in range(2):
+        got = _generate(model, ids, torch.ones_like(ids), seed=turn, store=store, do_sample=True,
+                        num_return_sequences=2)
+        report = reuse_report(got)
+        assert report is not None and "paged layout" in (report.refusal or "") and report.reused_tokens == 0, report
+        plain = _generate(model, ids, torch.ones_like(ids), seed=turn, do_sample=True, num_return_sequences=2,
+                          cache_implementation="vkv")
+        _assert_identical(plain, got, f"turn {turn + 1}")
+        ids = got.sequences[:1]
+    assert len(store) == 0
