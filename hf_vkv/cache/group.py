@@ -443,8 +443,11 @@ class LayerGroup:
             buffer.adopt(i, src._buf(), row, length=length)
         if copied:
             buffer.prepare_write(copied, 0, length)
-        for first, i in repeats:  # before the copies are written: a view covers only mapped rows
-            buffer.share(first, [i], length=length)
+        followers: dict[int, list[int]] = {}
+        for first, i in repeats:
+            followers.setdefault(first, []).append(i)
+        for first, rows in followers.items():  # before the copies are written: a view covers only mapped rows
+            buffer.share(first, rows, length=length)
         layout.invalidate()
         for member in range(len(self.members)):
             for i in copied:

@@ -233,15 +233,25 @@ class PageTable:
         """Make ``dst`` hold the first ``length`` bytes of ``src`` (all of it by default) by
         referencing the same pages; ``dst``'s previous pages are dropped. Zero bytes move; a
         partly filled last page stays shared until someone writes to it (see :meth:`cow`)."""
+        self.share_rows([(src, dst)], length=length)
+
+    def share_rows(self, pairs: Iterable[tuple[int, int]], *, length: int | None = None) -> None:
+        """:meth:`share` of each ``(src, dst)`` pair (each ``dst`` once), in one reference change
+        (:meth:`assign_rows`): every source's table is read, and every pair checked, before any
+        row changes. What sharing a prompt's rows of many parts with its repeats does (one call
+        for all parts and all followers, where :meth:`share` of each part made one each)."""
+        self.assign_rows([(dst, self._prefix_of(src, length)) for src, dst in pairs])
+
+    def _prefix_of(self, src: int, length: int | None) -> Row:
+        """The table holding the first ``length`` bytes of row ``src`` (all of it for ``None``)."""
         source = self.entries[self._check_row(src)]
-        self._check_row(dst)
         length = source.length if length is None else length
         if not 0 <= length <= source.length:
             raise ArgumentError(f"length {length} is outside row {src}'s 0..{source.length} bytes")
         end = _pages_for(length, self.page_size)
         if length and end <= source.start:
             raise ArgumentError(f"row {src}'s first {length} bytes were dropped behind its window")
-        self.assign(dst, Row(length, source.start, source.pages[: end - source.start]) if length else EMPTY_ROW)
+        return Row(length, source.start, source.pages[: end - source.start]) if length else EMPTY_ROW
 
     def assign(self, row: int, table: Row) -> None:
         """Make ``row`` hold ``table`` (pages of this pool, e.g. another table's row: a fork),

@@ -222,13 +222,13 @@ class RowBuffer(ABC):
 
     def share(self, src: int, dsts: Iterable[int], *, length: int | None = None) -> None:
         """Make each row of ``dsts`` hold the first ``length`` items of ``src`` (all by default)
-        on the same pages: no bytes move."""
+        on the same pages: no bytes move. One page-table call for all their parts
+        (:meth:`~hf_vkv.memory.page_table.PageTable.share_rows`)."""
         with self._transaction() as table:
             units = None if length is None else length * self.item_bytes
-            for d in dsts:
-                if d != src:
-                    for a, b in zip(self.table_rows(src), self.table_rows(d)):
-                        table.share(a, b, length=units)
+            parts = self.table_rows(src)
+            table.share_rows([pair for d in dict.fromkeys(dsts) if d != src for pair in zip(parts, self.table_rows(d))],
+                             length=units)
 
     def adopt(self, row: int, source: RowBuffer, source_row: int, *, length: int) -> None:
         """Make ``row`` hold the first ``length`` items of ``source``'s row ``source_row`` on the

@@ -242,6 +242,32 @@ def test_assign_rows_is_assign_of_each_row_in_one_reference_change():
             t.assign_rows(bad)
         assert state(ok(t)) == before
 
+
+def test_share_rows_is_share_of_each_pair_reading_every_source_first():
+    """What sharing a prompt's parts with its repeats does: the same tables and refcounts as one
+    share per pair; the sources are read before any row changes (a row that is a source of one
+    pair and a destination of another gives its table as it was); a bad pair changes nothing."""
+    def grown() -> PageTable:
+        t = make()
+        t.grow(0, 10)  # pages 0, 1, 2
+        t.grow(1, 4)  # page 4
+        return t
+
+    a, b = grown(), grown()
+    for src, dst in ((0, 2), (1, 3)):
+        a.share(src, dst, length=4)
+    b.share_rows([(0, 2), (1, 3)], length=4)
+    assert state(ok(a)) == state(ok(b)) and b.row(2) == Row(4, 0, (P(0),)) and b.row(3) == Row(4, 0, (P(4),))
+    t = grown()
+    t.share_rows([(0, 1), (1, 2)])  # row 2 takes row 1's table as it was (one share at a time: row 0's)
+    assert ok(t).row(2) == Row(4, 0, (P(4),)) and t.row(1) == t.row(0) and refs(t, 0, 1, 2, 4) == [2, 2, 2, 1]
+    t = grown()
+    before = state(t)
+    for bad, length, match in (([(0, 2), (1, 3), (1, 2)], 4, "given twice"), ([(0, 2), (1, 3)], 5, "outside row 1's")):
+        with pytest.raises(ValueError, match=match):
+            t.share_rows(bad, length=length)
+        assert state(ok(t)) == before
+
 # ------------------------------------------------------------------------------------ copy-on-write
 def test_cow_returns_exact_copy_records():
     t = make()
