@@ -439,8 +439,8 @@ def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *
             rows.append((r, row, end))
     else:
         return 0
-    shortest = cache.min_prefix_length() if _slides(cache) else 1  # a window behind a shorter row is gone
-    rows = [(r, row, end) for r, row, end in rows if end - call.pads[r] >= max(shortest, 1)]
+    shortest = max(cache.min_prefix_length(), 1)  # a sliding window behind a shorter row is gone
+    rows = [(r, row, end) for r, row, end in rows if end - call.pads[r] >= shortest]
     if len(rows) == 1 and call.pads[rows[0][0]] == 0 and cache.rows == 1:
         # give: the call's own cache, which nobody else holds; else a fork of it
         _, row, end = rows[0]
