@@ -90,6 +90,11 @@ CUDA_CREATE_AHEAD = 16
 #: the arena is made), so that no option makes vkv take the machine down.
 HOST_BUDGET_FRACTION = 0.5
 
+#: Address space a row of a sliding-window group may reserve however small the budget (64 GiB): its
+#: pages behind the window are dropped, so the memory budget does not bound its tokens, addresses do
+#: (a 64 KiB budget capped a window-8 Mistral at 129 tokens, where it holds 8 KiB whatever the length).
+SLIDING_ROW_ADDRESS_BYTES = 1 << 36
+
 #: Host page size of an arena made with no ``page_bytes`` and no layout to ask (layouts state their
 #: own: :data:`TOKEN_MAJOR_PAGE_BYTES`, :data:`HEAD_MAJOR_PAGE_BYTES`): decode is flat across
 #: 4 KiB .. 2 MiB pages (``benchmarks/page_size_cpu.py``, ``benchmarks/results/page_size_cpu.json``).

@@ -288,9 +288,10 @@ class VKVCache(Cache):
         self._arena_for.reclaim = reclaim
 
     def reserved_tokens(self) -> int | None:
-        """Tokens a row has room for in every group that keeps all its tokens (the smallest
-        reservation; ``None`` where every group keeps a sliding window, bounded whatever the length)."""
-        rooms = [group.capacity for group in self._groups if group.sliding_window is None]
+        """Tokens a row has room for in every group (the smallest reservation; a sliding group
+        drops its pages behind the window, but its tokens still take addresses of its reservation);
+        ``None`` for a cache without groups."""
+        rooms = [group.capacity for group in self._groups]
         return min(rooms) if rooms else None
 
     def bytes_at_most(self, *, rows: int, tokens: int) -> int | None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .. import devices
 from ..kv_records import paged_kv_of
 from ..memory import Arena, BufferStats, PageId, RowBuffer, VirtualBuffer
 from ..memory.errors import ArgumentError, CacheIndexError, InvariantError, VKVError
@@ -113,11 +114,15 @@ class LayerGroup:
         the arena's budget (its pages are all distinct), nor fewer than the first ``tokens``. A
         ``generate(max_new_tokens=10**12, max_time=...)`` asks for an address range no system can
         reserve; the budget runs out first (:class:`KVCacheOutOfMemory`), as a DynamicCache's memory would.
-        ``geometry``: the states' (default: this group's)."""
+        A sliding group drops its pages behind the window, so the budget does not bound its tokens:
+        it reserves within :data:`~hf_vkv.devices.SLIDING_ROW_ADDRESS_BYTES` a row, or the budget
+        where that is larger. ``geometry``: the states' (default: this group's)."""
         geometry = geometry or self.geometry
         if budget_bytes is None or geometry is None:
             return self.capacity
         per_token = len(self.members) * geometry.token_elements * geometry.dtype.itemsize
+        if self.sliding_window is not None:
+            budget_bytes = max(budget_bytes, devices.SLIDING_ROW_ADDRESS_BYTES)
         # one token more than the budget holds: the pool refuses it first, with the typed error
         return min(self.capacity, max(budget_bytes // per_token + 1, tokens))
 

@@ -190,6 +190,54 @@ def test_a_cache_passed_to_generate_without_room_is_refused_before_any_step():
         model.generate(**prompts(1, 10), max_new_tokens=30, **{cache_kwarg(): VKVCache(model.config, max_tokens=20)})
 
 
+def test_a_sliding_model_s_cache_without_room_is_refused_before_any_step():
+    """A sliding group's tokens take addresses of its reservation too (its pages behind the window
+    are dropped, not its addresses): a window-8 Mistral's conversation continued past the 256 tokens
+    its cache reserved raised ``CapacityError`` at the first decode step, the cache left holding
+    the whole prompt, so a shorter retry was refused as well. Refused before anything is computed
+    now, as for full attention, the cache as it was, and a call that fits continues it."""
+    from transformers import DynamicCache
+
+    from hf_vkv import CapacityError
+
+    model = tiny("mistral")
+    first = model.generate(**prompts(1, 10), max_new_tokens=5, cache_implementation="vkv", return_dict_in_generate=True)
+    cache = first[cache_kwarg()]
+    held = cache.get_seq_length()
+    long = torch.cat([first.sequences, prompts(1, 236, seed=1)["input_ids"]], 1)
+    with pytest.raises(CapacityError, match="has room for 256 tokens a row and this call may cache 260.*nothing was "
+                                            "computed"):
+        model.generate(input_ids=long, max_new_tokens=10, **{cache_kwarg(): cache})
+    assert cache.get_seq_length() == held
+    cache.check_invariants()
+    ids = torch.cat([first.sequences, torch.tensor([[7, 8]])], 1)
+    ref_cache = DynamicCache(config=model.config)
+    model.generate(**prompts(1, 10), max_new_tokens=5, **{cache_kwarg(): ref_cache})
+    ref = model.generate(input_ids=ids, max_new_tokens=20, **{cache_kwarg(): ref_cache})
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=20, **{cache_kwarg(): cache}), ref)
+    with pytest.raises(CapacityError, match="room for 256 tokens a row and this call may cache 259"):
+        model.generate(**prompts(1, 250), max_new_tokens=10, **{cache_kwarg(): VKVCache(model.config)})
+
+
+@pytest.mark.parametrize(("arch", "attn"), [("mistral", "sdpa"), ("mistral", "vkv_paged"), ("gemma3", "sdpa")])
+def test_a_budget_does_not_bound_the_tokens_of_a_sliding_group(arch: str, attn: str):
+    """A sliding group holds its window whatever the length, so the memory budget does not bound
+    its tokens: with ``budget_bytes`` 64 KiB (256 KiB paged), a window-8 Mistral's reservation was
+    cut to 129 tokens (budget / bytes a token + 1) and a 200-token answer raised ``CapacityError``
+    at token 130 (``max_tokens`` did not help), Gemma 3's sliding groups too, where their windows
+    and the full layer's 160 tokens take 44 KiB. Now DynamicCache's tokens."""
+    inputs = prompts(1, 10)
+    new = 600 if attn == "vkv_paged" else 200
+    ref = tiny(arch).generate(**inputs, max_new_tokens=new, do_sample=False)
+    budget = (256 if attn == "vkv_paged" else 64) * 1024
+    out = tiny(arch, attn=attn).generate(**inputs, max_new_tokens=new, do_sample=False, cache_implementation="vkv",
+                                         cache_config={"budget_bytes": budget}, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    cache = out[cache_kwarg()]
+    cache.check_invariants()
+    assert cache.stats().resident_bytes <= budget
+
+
 @pytest.mark.parametrize("layers", [1, 4])
 def test_a_cache_of_a_model_of_another_depth_is_refused_before_any_step(layers: int):
     """A 2-layer model's cache passed to a deeper model's generate filled layers 0-1 and then
