@@ -78,8 +78,12 @@ class MappedPages:
         change time differ: ``cp`` or ``rsync --inplace`` over it, a truncation): its pages, which
         the file's page cache backs, may no longer hold what was checked, or exist (a read past a
         truncated end is a SIGBUS). A save into the folder writes a new file and leaves this one as
-        it was."""
-        return _file_state(os.fstat(self._fd)) != self._seen
+        it was: renamed over this one, it unlinks it, which changes its change time (not its bytes), so
+        an unlinked file is compared by its size and modification time."""
+        st = os.fstat(self._fd)
+        if st.st_nlink == 0:
+            return _file_state(st)[:-1] != self._seen[:-1]
+        return _file_state(st) != self._seen
 
     def holds(self, pages: HeldPages) -> bool:
         """Whether ``pages`` (a holder's) include a page of this file."""

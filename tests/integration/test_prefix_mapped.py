@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -648,6 +649,29 @@ def test_two_stores_of_one_process_saving_into_one_folder_at_once_leave_a_folder
     assert {tuple(p[:70]) for p in first_prompts} <= held or {tuple(p[:70]) for p in second_prompts} <= held
     warm.check_invariants()
     assert sorted(p.name for p in folder.iterdir()) == sorted([PAGES_FILE, STORE_INDEX])
+
+
+@pytest.mark.parametrize("saver", ["itself", "another store"])
+def test_a_save_into_a_served_folder_leaves_the_stores_that_opened_it_serving(tmp_path: Path, saver: str) -> None:
+    """What the docs prescribe for updating a served folder: save into it. The save renames a new
+    page file over the old one, which unlinks the old file and so changes its change time, not its
+    bytes: a store that had opened the folder took that for a write in place, warned, and dropped
+    every entry (the next turn reused nothing). It keeps serving the file it opened now, bit for bit."""
+    model = tiny("llama")
+    first, folder, prompts = _saved_store(tmp_path, model)
+    served = PrefixStore(model.config)
+    held = served.load(folder, model=model)
+    old = (folder / PAGES_FILE).stat().st_ino
+    (served if saver == "itself" else first).save(folder, model=model)
+    assert (folder / PAGES_FILE).stat().st_ino != old  # a new file
+    turn = prompts[0] + [7, 8]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = _generate(model, turn, served)
+    assert hf_vkv.reuse_report(out).reused_tokens >= len(prompts[0]) - 1
+    assert _same(out, _generate(model, turn, first))  # what the store that computed them gives
+    assert sum(map(len, served.prefixes())) >= held
+    served.check_invariants()
 
 
 _WRITTEN_UNDER = r"""
