@@ -148,6 +148,19 @@ def _check_folder(path: str | None, option: str, parser: argparse.ArgumentParser
         parser.error(f"{option} {path} is a file, not a folder: name a folder (new, or one PrefixStore.save wrote)")
 
 
+def _check_json_out(path: Any, parser: argparse.ArgumentParser) -> None:
+    """``--json OUT``: a usage error before any work where ``OUT`` cannot be a file written there (a
+    folder, or a path under a file), not a traceback after the command ran."""
+    if not isinstance(path, (str, Path)) or str(path) == "-":
+        return
+    out = Path(path)
+    if out.is_dir():
+        parser.error(f"--json {path} is a folder: name a file (e.g. {out / 'out.json'})")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        parser.error(f"--json {path}: {parent} is a file, so nothing can be written under it: name another path")
+
+
 def _pad_id(tok: PreTrainedTokenizerBase) -> int | None:
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
@@ -686,6 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.serve_args = rest  # hf-vkv serve: every argument not vkv's goes to transformers serve, in its order
+    _check_json_out(getattr(args, "json", None), args.command_parser)
     try:
         return int(args.func(args, args.command_parser))
     except InvariantError:

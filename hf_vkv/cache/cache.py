@@ -147,6 +147,11 @@ class VKVCache(Cache):
         self.prefill_counts = PrefillCounts()
         self.reuse: ReuseReport | None = None
         self.call: Any = None  # hf_vkv.generate.GenerateCall while a generate() call uses the cache
+        #: Whether a row holds columns an attention mask hid (generate's left padding, or a mask with
+        #: zeros): its K/V are not those of its token ids from position 0, so it is no prefix to keep
+        #: by hand (``save_prefix`` and ``PrefixStore.insert`` refuse it). Set by ``generate``'s
+        #: prefill and by :meth:`take_rows` with an offset; cleared by :meth:`reset`.
+        self.padded = False
         if memory_of is not None and not isinstance(memory_of, VKVCache):
             raise ArgumentTypeError(f"memory_of must be a VKVCache (or None), got {type(memory_of).__name__}")
         types, kwargs = _layer_types(text_config)  # (transformers' config lookups: ~1 ms, once)
@@ -423,6 +428,7 @@ class VKVCache(Cache):
         for layer in self.layers:
             if isinstance(layer, VKVLayer):
                 layer.adopt_group()
+        self.padded = any(0 < s.offset < length for s in sources)
         return copied
 
     def take_over(self, other: VKVCache) -> None:
@@ -445,6 +451,7 @@ class VKVCache(Cache):
         for layer in self.layers:
             if isinstance(layer, VKVLayer):
                 layer.adopt_group()
+        self.padded = other.padded
 
     def cut_to(self, length: int) -> None:
         """Keep at most the first ``length`` tokens of every layer, whatever each holds (a
@@ -583,6 +590,7 @@ class VKVCache(Cache):
     def reset(self) -> None:
         """Forget every cached token (pages go back to the pool)."""
         self._row_operation(LayerGroup.clear, lambda layer: layer.reset())
+        self.padded = False
 
     def activate_past_recording(self, **kwargs: Any) -> None:
         """Keep sliding layers' pages behind the window until :meth:`crop` (assisted decoding).

@@ -551,6 +551,10 @@ def _prefill(original: Any, model: Any, input_ids: Any, generation_config: Any, 
     if found is not None and found[0] is cache and model_kwargs.get("inputs_embeds") is None:
         _check_continued(cache, input_ids)
     call = None if cache is None else cache.call
+    mask = model_kwargs.get("attention_mask")
+    if cache is not None and isinstance(mask, torch.Tensor) and not model.config.is_encoder_decoder \
+            and not bool(mask.all()):
+        cache.padded = True  # rows hold columns the mask hides: no prefix to keep by hand
     if call is not None:
         with section():  # Ctrl-C waits for the rows to be taken from the store and recorded (interrupts.py)
             reuse.start(call, cache, model, input_ids, model_kwargs)

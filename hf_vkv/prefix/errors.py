@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from ..memory.errors import VKVError
+import os
+from pathlib import Path
+from typing import Any
+
+from ..memory.errors import ArgumentTypeError, VKVError
 
 __all__ = [
     "PrefixFileError", "PrefixFileCorruptError", "PrefixFormatError", "PrefixMismatchError",
-    "PrefixPathError", "PrefixNotFoundError", "PrefixIsAFolderError", "PrefixNotAFolderError",
+    "PrefixPathError", "PrefixNotFoundError", "PrefixIsAFolderError", "PrefixNotAFolderError", "path_argument",
 ]
 
 
@@ -61,3 +65,11 @@ class PrefixIsAFolderError(PrefixPathError, IsADirectoryError):
 class PrefixNotAFolderError(PrefixPathError, FileExistsError):
     """A file where :meth:`~hf_vkv.PrefixStore.save` writes its folder (the path, or a folder
     above it); ``FileExistsError``, as the ``mkdir`` it replaces raised."""
+
+
+def path_argument(path: Any, doing: str) -> Path:
+    """``path`` (a ``str`` or ``os.PathLike``) as a :class:`~pathlib.Path`; anything else (``None``, an
+    int, bytes) is :class:`~hf_vkv.ArgumentTypeError` naming ``doing``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError(f"{doing} takes a path (a str or pathlib.Path), got {type(path).__name__} {path!r:.60}")
+    return Path(path)

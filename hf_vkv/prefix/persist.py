@@ -49,11 +49,12 @@ from .errors import (
     PrefixIsAFolderError,
     PrefixMismatchError,
     PrefixNotFoundError,
+    path_argument,
 )
 from .checksums import checksums_of, verify_checksums, validate_meta
 from .fingerprint import (WEIGHTS_DIFFER, config_difference, config_fingerprint, config_record, weights_fingerprint,
                           weights_match)
-from .tokens import outside_vocabulary, token_list
+from .tokens import check_unpadded, outside_vocabulary, token_list
 
 __all__ = ["save_prefix", "load_prefix", "FORMAT", "VERSION", "LAYOUT"]
 
@@ -82,7 +83,7 @@ def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, mode
     if not isinstance(cache, VKVCache):
         raise ArgumentTypeError(f"save_prefix needs a hf_vkv.VKVCache, got {type(cache).__name__}: generate with "
                                 f"cache_implementation='vkv' and pass out.past_key_values")
-    path = Path(path)
+    path = path_argument(path, "save_prefix")
     if path.is_dir():
         raise PrefixIsAFolderError(f"{path} is a folder: save_prefix writes one file, name one inside it (e.g. "
                                    f"{path / 'prefix.safetensors'}); a whole store goes to a folder by PrefixStore.save")
@@ -101,6 +102,7 @@ def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, mode
     if len(tokens) != n or n == 0:
         raise ArgumentError(f"token_ids has {len(tokens)} ids but the cache holds {n} tokens; pass the ids of "
                          f"the cached positions: out.sequences[0, :cache.get_seq_length()]")
+    check_unpadded(cache, "save_prefix")
     if model is not None and config_fingerprint(model.config) != config_fingerprint(cache.config):
         raise PrefixMismatchError("config", "the cache was not made by this model (config fingerprints differ)")
     tensors: dict[str, torch.Tensor] = {}
@@ -176,7 +178,7 @@ def _load(
         raise ArgumentTypeError("load_prefix needs exactly one of model=... or config=...: pass the model the file "
                                 "is for (or its config)")
     config = model.config if model is not None else config
-    path = Path(path)
+    path = path_argument(path, "load_prefix")
     if path.is_dir():
         raise PrefixIsAFolderError(f"{path} is a folder, not a prefix file: a folder written by PrefixStore.save(folder) "
                                    f"is read by PrefixStore.load(folder, model=model)")

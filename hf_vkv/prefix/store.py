@@ -40,9 +40,11 @@ from ..memory.held_pages import HeldPages, PageCounts
 from .errors import (
     PrefixFileCorruptError,
     PrefixFormatError,
+    PrefixIsAFolderError,
     PrefixMismatchError,
     PrefixNotAFolderError,
     PrefixNotFoundError,
+    path_argument,
 )
 from .fingerprint import (WEIGHTS_DIFFER, TensorsSeen, config_fingerprint, config_record, describe_config_difference,
                           weights_fingerprint)
@@ -50,7 +52,7 @@ from .mapped import PAGES_FILE, MappedEntry, check_index_text, clean_saves, inde
 from .page_check import MappedPages
 from .persist import _check_model, _load, _save
 from .radix import RadixTree
-from .tokens import outside_vocabulary, token_list
+from .tokens import check_unpadded, outside_vocabulary, token_list
 from ..version import __version__
 
 __all__ = ["PrefixStore", "PrefixStats", "token_list", "saved_files", "STORE_INDEX"]
@@ -582,7 +584,7 @@ class PrefixStore:
                 other weights or another dtype (``field`` says which).
         """
         self._check_process()
-        path = Path(path)
+        path = path_argument(path, "PrefixStore.load")
         if path.name in (PAGES_FILE, STORE_INDEX) and path.is_file():
             path = path.parent  # a file of a saved store: its folder says what it holds
         if not path.exists():
@@ -624,6 +626,9 @@ class PrefixStore:
             if section is not None:
                 tokens_of = [t for e in section.get("entries", []) if isinstance(e, dict)
                              for t in (e.get("tokens") or [])] if isinstance(section, dict) else []
+                if not set(map(type, tokens_of)) <= {int}:
+                    raise PrefixFormatError(f"{path / STORE_INDEX} is not an hf_vkv prefix store index: an entry's "
+                                            f"token ids are not integers")
                 _check_model(path, {**index, "token_ids": tokens_of}, self.config, model, None,
                              check_weights=check_weights, weights=weights, config_known=self._config_known)
                 given, mapped = map_entries(path, section, memory=memory, device=model.device)
@@ -677,10 +682,14 @@ class PrefixStore:
             return self._save_folder(directory, model)
 
     def _save_folder(self, directory: str | os.PathLike[str], model: torch.nn.Module | None) -> list[Path]:
-        out = Path(directory)
+        out = path_argument(directory, "PrefixStore.save")
         if out.exists() and not out.is_dir():
             raise PrefixNotAFolderError(f"PrefixStore.save writes a folder, and {out} is a file: name a folder (new, "
                                         f"or one PrefixStore.save wrote); save_prefix writes one entry to a file")
+        taken = [name for name in (STORE_INDEX, PAGES_FILE) if (out / name).is_dir()]
+        if taken:
+            raise PrefixIsAFolderError(f"PrefixStore.save writes its {taken[0]} as a file, and {out / taken[0]} is a "
+                                       f"folder: remove it, or save to another folder")
         if model is not None:
             self._check_model(model)
         weights = None if model is None else self.fingerprint(model)
@@ -866,6 +875,7 @@ class PrefixStore:
         if n_rows != 1:
             raise ArgumentError(f"insert stores batch-1 caches, this one holds {n_rows} rows; keep one row first "
                                 f"(cache.batch_select_indices(torch.tensor([row])) on a fork)")
+        check_unpadded(cache, "insert")
 
     def _check_mapped(self, entry: MappedEntry) -> None:
         """What :meth:`_check_cache` refuses, for a mapped entry (its dtype; its length)."""
@@ -973,6 +983,10 @@ def saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:
     an index every ``*.safetensors`` file in it, by name — and the index (version 2: with its
     mapped pages' section and the model checks; ``None`` without an index or for version 1)."""
     index = folder / STORE_INDEX
+    for name in (STORE_INDEX, PAGES_FILE):
+        if (folder / name).is_dir():
+            raise PrefixFileCorruptError(f"{folder} is not whole: its {name} is a folder, where PrefixStore.save "
+                                         f"writes a file")
     if not index.exists():
         files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
         if not files:

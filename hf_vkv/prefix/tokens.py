@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ..memory.errors import ArgumentTypeError
+from ..memory.errors import ArgumentError, ArgumentTypeError
 
-__all__ = ["outside_vocabulary", "token_list"]
+__all__ = ["check_unpadded", "outside_vocabulary", "token_list"]
 
 
 def token_list(token_ids: Any, *, name: str = "token_ids") -> list[int]:
@@ -43,3 +43,16 @@ def outside_vocabulary(ids: Sequence[int], config: Any) -> tuple[int, int, int] 
     if not isinstance(vocab, int) or not ids or (0 <= min(ids) and max(ids) < vocab):
         return None
     return next(((i, t, vocab) for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+
+
+def check_unpadded(cache: Any, doing: str) -> None:
+    """Raise :class:`~hf_vkv.ArgumentError` where ``cache`` holds columns an attention mask hid
+    (``VKVCache.padded``: a left-padded batch's row holds its padding's columns and positions
+    counted from its first real token, so its K/V are not those of its token ids from position 0;
+    kept as a prefix of those ids, they gave other tokens)."""
+    if getattr(cache, "padded", False):
+        raise ArgumentError(
+            f"{doing}: the cache's rows hold columns an attention mask hid (a left-padded batch, or a mask with "
+            f"zeros), so its K/V are not those of its token ids from position 0 and a prefix of them would give other "
+            f"tokens; generate the prompt alone without padding to keep it, or pass cache_config={{'prefix_store': "
+            f"store}} to generate, which stores each row without its padding")

@@ -330,3 +330,18 @@ def test_a_refusal_is_one_logged_line_and_exit_status_3(model_dir: Path, monkeyp
 def test_demo_usage_errors(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str) -> None:
     code, _, err = run_main(capsys, "demo", *args)
     assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("where", ["a folder", "under a file"])
+def test_a_json_out_that_cannot_be_written_is_a_usage_error_before_any_work(
+        model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str) -> None:
+    """``--json OUT`` naming a folder, or a path under a file, ended in a traceback (exit 1, which
+    ``prefix inspect`` documents as "not whole") after the command had run; ``chat --json`` after
+    the whole chat. A usage error (exit 2) before any work now."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out = tmp_path if where == "a folder" else afile / "x.json"
+    code, _, err = run_main(capsys, "ab", "--model", model_dir, "--prompt", "w5 w6 w7", "--max-new-tokens", "2",
+                            "--json", out)
+    assert code == 2 and ("is a folder" if where == "a folder" else "is a file, so nothing can be written") in err
+    assert "Traceback" not in err

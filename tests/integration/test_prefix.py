@@ -617,3 +617,39 @@ def test_a_generation_config_holding_a_store_is_compared_and_shown_by_it_without
         assert a == same and hash(a) == hash(same)
     with pytest.warns(UserWarning, match=r"PrefixStore.*written without it"):
         assert "prefix_store" not in json.loads(a.to_json_string())["cache_config"]
+
+
+def test_a_cache_whose_rows_hold_masked_columns_is_no_prefix_by_hand(tmp_path: Path) -> None:
+    """A batch-1 cache generated from a left-padded prompt holds the padding's columns and positions
+    counted from the first real token: saved with ``save_prefix`` (or inserted by hand) as a prefix
+    of its ids, pad ids included, it was loaded and reused, and SmolLM2 gave other tokens (logits
+    22.8 apart). Refused now with a typed error naming the ways that work; the cache stays usable,
+    ``reset`` clears the mark, and generate's own store still keeps a padded batch's rows, each
+    without its padding."""
+    model = tiny("llama")
+    inputs = prompts(1, 12, left_pad=[3])
+    out = model.generate(**inputs, max_new_tokens=3, do_sample=False, cache_implementation="vkv",
+                         return_dict_in_generate=True)
+    cache = out[cache_kwarg()]
+    ids = out.sequences[0, :cache.get_seq_length()]
+    assert cache.padded
+    with pytest.raises(hf_vkv.ArgumentError, match="hold columns an attention mask hid"):
+        hf_vkv.save_prefix(tmp_path / "p.safetensors", cache, ids, model=model)
+    store = hf_vkv.PrefixStore(model.config)
+    with pytest.raises(hf_vkv.ArgumentError, match="insert: the cache's rows hold columns"):
+        store.insert(ids, cache)
+    assert not (tmp_path / "p.safetensors").exists() and len(store) == 0
+    cache.check_invariants()
+    more = torch.cat([out.sequences, torch.tensor([[5, 6]])], 1)
+    mask = torch.cat([inputs["attention_mask"], torch.ones(1, more.shape[1] - inputs["attention_mask"].shape[1],
+                                                           dtype=torch.long)], 1)
+    ref = model.generate(more, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert torch.equal(model.generate(more, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                      **{cache_kwarg(): cache}), ref)
+    cache.reset()
+    assert not cache.padded
+    batch = prompts(2, 12, left_pad=[0, 3])
+    model.generate(**batch, max_new_tokens=3, do_sample=False, cache_implementation="vkv",
+                   cache_config={"prefix_store": store})
+    assert len(store) == 2
+    store.check_invariants()

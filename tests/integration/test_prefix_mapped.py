@@ -735,3 +735,37 @@ def test_a_page_file_written_while_it_is_open_is_dropped_not_read(tmp_path: Path
     finally:
         child.kill()
     assert child.returncode == 0 and out.strip().endswith("served"), (child.returncode, err[-3000:])
+
+
+def test_wrong_typed_paths_folders_in_a_folder_and_text_token_ids_are_typed_errors(tmp_path: Path) -> None:
+    """Bad input a user may give, each a typed error where it was a bare one (``TypeError`` from
+    ``Path(None)``, ``IsADirectoryError`` from a file that is a folder, ``TypeError`` from comparing
+    text ids); the store stays usable."""
+    from hf_vkv.prefix.errors import PrefixIsAFolderError
+    from hf_vkv.prefix.mapped import index_text
+
+    model = tiny("llama")
+    store, folder, prompts = _saved_store(tmp_path, model)
+    for call in (lambda: store.save(None), lambda: PrefixStore(model.config).load(None, model=model),
+                 lambda: hf_vkv.save_prefix(None, store.lookup(torch.tensor([prompts[0]])), prompts[0][:-1]),
+                 lambda: hf_vkv.load_prefix(None, model=model)):
+        with pytest.raises(ArgumentTypeError, match="takes a path"):
+            call()
+    for name in (PAGES_FILE, STORE_INDEX):
+        broken = tmp_path / f"broken_{name}"
+        broken.mkdir()
+        (broken / name).mkdir()
+        with pytest.raises(PrefixFileCorruptError, match=f"its {name} is a folder"):
+            PrefixStore(model.config).load(broken, model=model)
+        with pytest.raises(PrefixIsAFolderError, match=f"writes its {name} as a file"):
+            store.save(broken, model=model)
+    index = json.loads((folder / STORE_INDEX).read_text())
+    del index["sha256"]  # index_text writes it again: a file made to pass the digest
+    index["mapped"]["entries"][0]["tokens"] = [str(t) for t in index["mapped"]["entries"][0]["tokens"]]
+    (folder / STORE_INDEX).write_text(index_text(index))
+    fresh = PrefixStore(model.config)
+    with pytest.raises(hf_vkv.PrefixFormatError, match="token ids are not integers"):
+        fresh.load(folder, model=model)
+    assert len(fresh) == 0
+    store.check_invariants()
+    assert hf_vkv.reuse_report(_generate(model, prompts[0] + [7], store)).reused_tokens > 0
