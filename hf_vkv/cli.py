@@ -143,9 +143,21 @@ def _system_text(args: argparse.Namespace, parser: argparse.ArgumentParser) -> s
 
 
 def _check_folder(path: str | None, option: str, parser: argparse.ArgumentParser) -> None:
-    """A folder the command writes a prefix store into: refused before any work where a file is there."""
-    if path is not None and Path(path).exists() and not Path(path).is_dir():
+    """A folder the command writes a prefix store into: refused before any work where a file is
+    there, or above it."""
+    if path is None:
+        return
+    if Path(path).exists() and not Path(path).is_dir():
         parser.error(f"{option} {path} is a file, not a folder: name a folder (new, or one PrefixStore.save wrote)")
+    above = _file_above(Path(path))
+    if above is not None:
+        parser.error(f"{option} {path}: {above} is a file, so no folder can be made under it: name another folder")
+
+
+def _file_above(path: Path) -> Path | None:
+    """The file that the nearest existing path above ``path`` is, if it is one (nothing can be made under it)."""
+    above = next((p for p in path.parents if p.exists()), None)
+    return above if above is not None and not above.is_dir() else None
 
 
 def _check_json_out(path: Any, parser: argparse.ArgumentParser) -> None:
@@ -156,9 +168,9 @@ def _check_json_out(path: Any, parser: argparse.ArgumentParser) -> None:
     out = Path(path)
     if out.is_dir():
         parser.error(f"--json {path} is a folder: name a file (e.g. {out / 'out.json'})")
-    parent = next((p for p in out.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        parser.error(f"--json {path}: {parent} is a file, so nothing can be written under it: name another path")
+    above = _file_above(out)
+    if above is not None:
+        parser.error(f"--json {path}: {above} is a file, so nothing can be written under it: name another path")
 
 
 def _pad_id(tok: PreTrainedTokenizerBase) -> int | None:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..memory.errors import ArgumentTypeError, VKVError
+from ..memory.errors import ArgumentError, ArgumentTypeError, VKVError
 
 __all__ = [
     "PrefixFileError", "PrefixFileCorruptError", "PrefixFormatError", "PrefixMismatchError",
@@ -69,7 +69,11 @@ class PrefixNotAFolderError(PrefixPathError, FileExistsError):
 
 def path_argument(path: Any, doing: str) -> Path:
     """``path`` (a ``str`` or ``os.PathLike``) as a :class:`~pathlib.Path`; anything else (``None``, an
-    int, bytes) is :class:`~hf_vkv.ArgumentTypeError` naming ``doing``."""
+    int, bytes) is :class:`~hf_vkv.ArgumentTypeError` naming ``doing``, an empty path (``Path("")``
+    is the current folder: an unset variable, more likely) :class:`~hf_vkv.ArgumentError`."""
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentTypeError(f"{doing} takes a path (a str or pathlib.Path), got {type(path).__name__} {path!r:.60}")
+    if not os.fspath(path):
+        raise ArgumentError(f"{doing} takes a path, got an empty one (which would name the current folder): pass "
+                            f"the path, '.' for the current folder")
     return Path(path)

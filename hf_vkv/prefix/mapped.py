@@ -248,9 +248,12 @@ def _check_whole(path: Path, fd: int, section: dict[str, Any], *, end: int) -> N
                                      f"save into the folder from another process, running or stopped: load it again "
                                      f"once that save is done, or save it again)")
     size = os.fstat(fd).st_size
-    if size != section.get("file_bytes") or size != end:
+    if size != end:
         how = "truncated" if size < end else "bytes appended"
         raise PrefixFileCorruptError(f"{path} is not whole ({how}): {size:,} bytes, the index gives {end:,}")
+    if size != section.get("file_bytes"):
+        raise PrefixFileCorruptError(f"{path} is not whole: {size:,} bytes, and its index's file_bytes is "
+                                     f"{section.get('file_bytes')!r:.40} (the index was edited or damaged)")
 
 
 def _geometry(info: dict[str, Any], device: torch.device) -> GroupGeometry:

@@ -380,8 +380,10 @@ class PrefixStore:
             for entry in gone:
                 self._drop(entry)
             warnings.warn(f"PrefixStore: {mapped.path} was written after it was opened (its size or times changed: "
-                          f"cp or rsync --inplace over it, a truncation): the {len(gone)} entries holding its pages "
-                          f"were dropped, and requests compute those tokens again; save into a folder instead of "
+                          f"cp or rsync --inplace over it, a truncation): "
+                          + (f"the {len(gone)} entries holding its pages were dropped, and requests compute those "
+                             f"tokens again" if gone else "no entry held its pages any more")
+                          + f"; save into a folder instead of "
                           f"writing a served page file in place, and load it again", UserWarning, stacklevel=4)
 
     def _verify(self, entry: _Entry) -> None:

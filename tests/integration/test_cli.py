@@ -123,7 +123,7 @@ def test_an_explicit_zero_or_negative_count_is_a_usage_error(capsys: pytest.Capt
 
 def test_missing_inputs_and_files_in_place_of_folders_are_usage_errors_before_any_model_loads(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A missing --system-file, a file where a store folder goes, an empty --prompt: status 2 and
+    """A missing --system-file, a file where a store folder goes (or above it), an empty --prompt: status 2 and
     a message naming the option, before a model loads (once: raw FileNotFoundError / FileExistsError
     tracebacks with status 1, the last after the whole chat had run)."""
     def no_model(*_: object, **__: object) -> None:
@@ -140,6 +140,8 @@ def test_missing_inputs_and_files_in_place_of_folders_are_usage_errors_before_an
                           (("prefix", "save", tmp_path / "out", "--system-file", missing), "--system-file: cannot read"),
                           (("chat", "--store", a_file), "--store"),
                           (("prefix", "save", a_file), "is a file, not a folder"),
+                          (("prefix", "save", a_file / "sub"), "is a file, so no folder can be made under it"),
+                          (("chat", "--json", a_file / "out.json"), "is a file, so nothing can be written under it"),
                           (("ab", "--prompt", " "), "--prompt is empty")):
         code, _, err = run_main(capsys, *args)
         assert code == 2 and message in err and str(a_file if a_file in args else "") in err, (args, err)

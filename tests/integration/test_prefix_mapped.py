@@ -751,6 +751,8 @@ def test_wrong_typed_paths_folders_in_a_folder_and_text_token_ids_are_typed_erro
                  lambda: hf_vkv.load_prefix(None, model=model)):
         with pytest.raises(ArgumentTypeError, match="takes a path"):
             call()
+    with pytest.raises(hf_vkv.ArgumentError, match="an empty one"):  # Path("") is the current folder
+        store.save("")
     for name in (PAGES_FILE, STORE_INDEX):
         broken = tmp_path / f"broken_{name}"
         broken.mkdir()
@@ -759,13 +761,17 @@ def test_wrong_typed_paths_folders_in_a_folder_and_text_token_ids_are_typed_erro
             PrefixStore(model.config).load(broken, model=model)
         with pytest.raises(PrefixIsAFolderError, match=f"writes its {name} as a file"):
             store.save(broken, model=model)
-    index = json.loads((folder / STORE_INDEX).read_text())
-    del index["sha256"]  # index_text writes it again: a file made to pass the digest
-    index["mapped"]["entries"][0]["tokens"] = [str(t) for t in index["mapped"]["entries"][0]["tokens"]]
-    (folder / STORE_INDEX).write_text(index_text(index))
-    fresh = PrefixStore(model.config)
-    with pytest.raises(hf_vkv.PrefixFormatError, match="token ids are not integers"):
-        fresh.load(folder, model=model)
-    assert len(fresh) == 0
+    original = json.loads((folder / STORE_INDEX).read_text())
+    del original["sha256"]  # index_text writes it again: files made to pass the digest
+    text_ids, no_size = copy.deepcopy(original), copy.deepcopy(original)
+    text_ids["mapped"]["entries"][0]["tokens"] = [str(t) for t in text_ids["mapped"]["entries"][0]["tokens"]]
+    del no_size["mapped"]["file_bytes"]  # its message said "bytes appended: N bytes, the index gives N"
+    for index, error, match in ((text_ids, hf_vkv.PrefixFormatError, "token ids are not integers"),
+                                (no_size, PrefixFileCorruptError, "its index's file_bytes is None")):
+        (folder / STORE_INDEX).write_text(index_text(index))
+        fresh = PrefixStore(model.config)
+        with pytest.raises(error, match=match):
+            fresh.load(folder, model=model)
+        assert len(fresh) == 0
     store.check_invariants()
     assert hf_vkv.reuse_report(_generate(model, prompts[0] + [7], store)).reused_tokens > 0
