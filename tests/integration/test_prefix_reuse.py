@@ -623,3 +623,34 @@ def test_run_ab_against_a_full_prefill_refuses_the_tee() -> None:
     with pytest.raises(ValueError, match="tee=False"):
         run_ab(model, {"input_ids": ids, "attention_mask": mask}, max_new_tokens=2, prefix_store=PrefixStore(model.config),
                reference="prefill")
+
+
+@pytest.mark.parametrize("expand", [{"do_sample": True, "num_return_sequences": 2}, {"num_beams": 3}])
+def test_rows_from_stored_sliding_windows_that_prefill_once_cannot_keep_run_on_every_row(expand: dict) -> None:
+    """Gemma 3n (sliding and full layers; its AltUp ``matmul`` is not rows-first, so prefill once
+    gives up on one row per prompt midway): a turn that reused a stored prefix and expanded its
+    prompt (sampled sequences, beams) raised ``ArgumentError`` from ``cut_to`` in the middle of the
+    call, since a sliding window cannot be cut back to the stored prefix it dropped pages of. Prefill
+    once steps aside for rows that start from stored sliding windows now: the turn reuses the
+    prefix, prefills on every row, and gives the tokens of the run without a store."""
+    import breadth_models
+
+    model = breadth_models.tiny("gemma3n")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(breadth_models.FIRST_WORD, breadth_models.VOCAB, (1, 7), generator=g)
+    store = PrefixStore(model.config)
+    first = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, cache_implementation="vkv",
+                           cache_config={"prefix_store": store}, return_dict_in_generate=True)
+    turn = torch.cat([first.sequences, torch.randint(breadth_models.FIRST_WORD, breadth_models.VOCAB, (1, 5),
+                                                     generator=g)], 1)
+    runs = []
+    for config in ({}, {"prefix_store": store}):
+        torch.manual_seed(0)
+        runs.append(model.generate(turn, attention_mask=torch.ones_like(turn), max_new_tokens=8,
+                                   cache_implementation="vkv", cache_config=config, return_dict_in_generate=True,
+                                   **expand))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    report = reuse_report(runs[1])
+    assert report.refusal is None and report.reused_tokens > 0
+    assert "sliding-window layers" in runs[1].cache.prefill_counts.verdict
+    store.check_invariants()
