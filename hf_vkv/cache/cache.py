@@ -225,14 +225,15 @@ class VKVCache(Cache):
     def for_generate(cls, model: Any, *, batch_size: int, expand: int, max_length: int,
                      cache_config: Mapping[str, Any] | None, num_beams: int = 1,
                      prompt_tokens: int | None = None, compiling: bool = False,
-                     memory_of: VKVCache | None = None) -> VKVCache:
+                     memory_of: VKVCache | None = None, max_cache_len: int | None = None) -> VKVCache:
         """The cache ``generate(..., cache_implementation="vkv")`` builds (and the A/B harness).
 
         Rows: ``batch_size * expand`` (``expand = max(num_beams, num_return_sequences)``, the
         rows sharing each prompt). Tokens: ``cache_config['max_tokens']``, else room for the
         model's whole context and at least ``max_length`` — only address space, so the returned
         cache can be passed back to ``generate()`` to continue; in the static layout (whose
-        attention reads the whole capacity, as StaticCache's) ``max_length``, or the largest
+        attention reads the whole capacity, as StaticCache's) ``max_length``, or ``max_cache_len``
+        (``generate``'s, transformers' ceiling for static caches) where larger, or the largest
         capacity an earlier static call of ``model`` had, as transformers sizes its StaticCache
         (StaticCache's sums over the capacity, bit for bit). Layout:
         :func:`hf_vkv.devices.choose_layout` of ``cache_config['layout']`` and the call's workload
@@ -246,7 +247,7 @@ class VKVCache(Cache):
         if options.get("layout") == "static" or (options.get("layout") is None and compiling):
             # as transformers sizes its StaticCache in generate: the largest capacity a static call of this model had
             # (it keeps it in model._previous_max_cache_length, against recompiling), which the attention reads whole
-            asked = options.get("max_tokens") or max_length - 1
+            asked = options.get("max_tokens") or max(max_length - 1, max_cache_len or 0)
             options["max_tokens"] = max(asked, getattr(model, "_previous_max_cache_length", -1))
             model._previous_max_cache_length = options["max_tokens"]
         elif options.get("max_tokens") is None:

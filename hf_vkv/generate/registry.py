@@ -426,7 +426,8 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
         VKVCache.for_generate, model, batch_size=batch_size, expand=expand, max_length=max_cache_length + 1 + drafted,
         cache_config=cache_config, num_beams=generation_config.num_beams or 1,
         compiling=_compiles(model, generation_config),
-        prompt_tokens=None if new is None else max(max_cache_length + 1 - new, 0))
+        prompt_tokens=None if new is None else max(max_cache_length + 1 - new, 0),
+        max_cache_len=getattr(generation_config, "max_cache_len", None))
     try:
         cache: Any = build(memory_of=memory)
     except MappingLimitError as exc:

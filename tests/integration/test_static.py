@@ -327,3 +327,26 @@ def test_a_shorter_call_after_a_longer_one_keeps_static_cache_s_capacity(given: 
     for a, b in zip(ref.logits, got.logits, strict=True):
         assert torch.equal(a, b)
     assert got[cache_kwarg()].options.max_tokens == model._previous_max_cache_length == capacity
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_generate_s_max_cache_len_sizes_the_static_layout_as_static_cache(arch: str) -> None:
+    """``generate(max_cache_len=L)`` is transformers' ceiling for its StaticCache (sized
+    ``max(max_length - 1, L)``), whose attention sums over the whole capacity: the static layout
+    sized itself to the call alone and its logits were 7e-7 off StaticCache's, silently. Now sized
+    as StaticCache, bit for bit (and ``cache_config['max_tokens']``, vkv's own, still wins)."""
+    import copy
+
+    reference, model = copy.deepcopy(tiny(arch)), copy.deepcopy(tiny(arch))  # fresh: _previous_max_cache_length
+    inputs = prompts(3, 10, seed=5, left_pad=[0, 3, 5])
+    kwargs: dict[str, Any] = dict(do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                  max_new_tokens=12, max_cache_len=64)
+    ref = reference.generate(**inputs, cache_implementation="static", **kwargs)
+    got = model.generate(**inputs, cache_implementation="vkv", cache_config={"layout": "static"}, **kwargs)
+    assert_same_tokens(ref.sequences, got.sequences)
+    for a, b in zip(ref.logits, got.logits, strict=True):
+        assert torch.equal(a, b)
+    assert got[cache_kwarg()].options.max_tokens == 64
+    own = model.generate(**inputs, cache_implementation="vkv", cache_config={"layout": "static", "max_tokens": 80},
+                         **kwargs)
+    assert own[cache_kwarg()].options.max_tokens == 80
