@@ -63,8 +63,10 @@ def exit_code(reports: Sequence[ABReport]) -> int:
     return 0 if all(r.passed for r in reports) else 1
 
 
-def _load(name: str, *, quiet: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``"default"``: the embedded SmolLM2 (float32); otherwise a local model folder with its tokenizer."""
+def _load(name: str, parser: argparse.ArgumentParser, *, quiet: bool = False
+          ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``"default"``: the embedded SmolLM2 (float32); otherwise a local model folder with its tokenizer (one
+    transformers cannot load, a config that is not JSON say, is a usage error naming it)."""
     import torch
 
     from .ab.progress import quiet_library_progress
@@ -79,8 +81,11 @@ def _load(name: str, *, quiet: bool = False) -> tuple[PreTrainedModel, PreTraine
         return load_default_model(dtype=torch.float32)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True).eval()
-    tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True).eval()
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--model {name}: transformers cannot load it: {' '.join(str(exc).split())[:300]}")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
@@ -160,17 +165,27 @@ def _file_above(path: Path) -> Path | None:
     return above if above is not None and not above.is_dir() else None
 
 
-def _check_json_out(path: Any, parser: argparse.ArgumentParser) -> None:
-    """``--json OUT``: a usage error before any work where ``OUT`` cannot be a file written there (a
-    folder, or a path under a file), not a traceback after the command ran."""
-    if not isinstance(path, (str, Path)) or str(path) == "-":
-        return
-    out = Path(path)
-    if out.is_dir():
-        parser.error(f"--json {path} is a folder: name a file (e.g. {out / 'out.json'})")
-    above = _file_above(out)
-    if above is not None:
-        parser.error(f"--json {path}: {above} is a file, so nothing can be written under it: name another path")
+#: What ``--plot`` writes (matplotlib picks the format by the suffix).
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def _check_outputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--json OUT`` and ``--plot OUT``: a usage error before any work where ``OUT`` cannot be a file
+    written there (a folder, or a path under a file) or a plot of that suffix, not a traceback
+    after the command ran."""
+    for option, example in (("json", "out.json"), ("plot", "out.png")):
+        path = getattr(args, option, None)
+        if not isinstance(path, (str, Path)) or str(path) == "-":
+            continue
+        out = Path(path)
+        if out.is_dir():
+            parser.error(f"--{option} {path} is a folder: name a file (e.g. {out / example})")
+        above = _file_above(out)
+        if above is not None:
+            parser.error(f"--{option} {path}: {above} is a file, so nothing can be written under it: name another path")
+        if option == "plot" and out.suffix.lower() not in PLOT_SUFFIXES:
+            parser.error(f"--plot {path}: a plot is written as {', '.join(PLOT_SUFFIXES)}: name such a file "
+                         f"(e.g. {out.with_suffix('.png')})")
 
 
 def _pad_id(tok: PreTrainedTokenizerBase) -> int | None:
@@ -229,7 +244,7 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--document-tokens must be >= 1")
     t0 = time.perf_counter()
     _threads(args.threads)
-    model, tok = _load(DEFAULT_MODEL, quiet=args.quiet)
+    model, tok = _load(DEFAULT_MODEL, parser, quiet=args.quiet)
 
     def started(case: Any, prompt_tokens: int) -> None:
         if not args.quiet:
@@ -302,6 +317,8 @@ def _prompt_texts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             lines = [line.strip() for line in Path(args.prompts_file).read_text().splitlines()]
         except OSError as e:
             parser.error(f"--prompts-file: cannot read {args.prompts_file}: {e.strerror}")
+        except UnicodeDecodeError as e:
+            parser.error(f"--prompts-file: {args.prompts_file} is not UTF-8 text (byte {e.start}: {e.reason})")
         texts = [line for line in lines if line]
         if not texts:
             parser.error(f"--prompts-file {args.prompts_file} has no non-empty line (one prompt per line)")
@@ -324,7 +341,7 @@ def ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--reference chooses what --reuse's turns are compared with: give --reuse TURNS")
     _check_model(args.model, parser)
     _threads(args.threads)
-    model, tok = _load(args.model, quiet=args.quiet)
+    model, tok = _load(args.model, parser, quiet=args.quiet)
     if args.reuse:
         return _ab_reuse(args, parser, model, tok, texts, kwargs)
     inputs = _encode(tok, texts, chat=not args.raw)
@@ -368,7 +385,7 @@ def chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _threads(args.threads)
     if args.interactive and args.message:
         parser.error("--message and --interactive: give the messages one way (--interactive reads them from stdin)")
-    model, tok = _load(args.model, quiet=True)
+    model, tok = _load(args.model, parser, quiet=True)
     _check_chat_template(tok, args.model, parser)
     out = _text_out(args)
     store = PrefixStore(model.config, budget_bytes=args.budget_mib << 20)
@@ -406,7 +423,7 @@ def prefix_save(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     system = _system_text(args, parser)
     _check_folder(args.folder, "prefix save", parser)
     _threads(args.threads)
-    model, tok = _load(args.model, quiet=True)
+    model, tok = _load(args.model, parser, quiet=True)
     _check_chat_template(tok, args.model, parser)
     done = save_system_prompt(model, tok, system, args.folder)
     print(f"{args.folder}: {done['tokens']:,} system-prompt tokens computed in {done['compute_s']:.2f} s, saved in "
@@ -514,7 +531,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(e))
     _check_model(args.model, parser)
     _threads(args.threads)
-    model, _ = _load(args.model)
+    model, _ = _load(args.model, parser)
     name = DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL else args.model
     return run(args, model, grid=grid, model_name=name, command=" ".join(["hf-vkv", *sys.argv[1:]]),
                json_path=Path(args.json))
@@ -538,6 +555,27 @@ SERVE_EPILOG = """Every other argument is transformers serve's own (`transformer
 the model to preload ('default': the embedded SmolLM2), --host, --port, --continuous-batching, ...
 Each model the server loads generates with cache_implementation="vkv" and one prefix store, so a
 conversation prefills only what no earlier request computed (docs/serve.md)."""
+
+
+def _serve_model_at(rest: Sequence[str]) -> int | None:
+    """Where the model (the positional argument) is among ``transformers serve``'s arguments, which
+    may come before it (``--port 8000 default``): options that take no value are read from its
+    command's flags (click's, through typer), any other option takes the next argument."""
+    import click
+    import typer
+    from transformers.cli.transformers import app
+
+    command = app if isinstance(app, click.Command) else typer.main.get_command(app)
+    serve_command = command.commands.get("serve") if isinstance(command, click.Group) else None
+    flags = {name for param in getattr(serve_command, "params", []) if isinstance(param, click.Option) and param.is_flag
+             for name in (*param.opts, *param.secondary_opts)}
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("-"):
+            return i
+        i += 1 if "=" in arg or arg in flags else 2
+    return None
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -567,11 +605,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     rest = list(args.serve_args)
     if rest[:1] == ["--"]:
         rest = rest[1:]
-    if rest and rest[0] == DEFAULT_MODEL:
+    at = _serve_model_at(rest)
+    if at is not None and rest[at] == DEFAULT_MODEL:
         from .default_model import default_model_dir, load_default_model
 
         load_default_model()  # converts the embedded GGUF to a model folder on first use
-        rest[0] = str(default_model_dir())
+        rest[at] = str(default_model_dir())
     try:
         register_serving()
     except ImportError as exc:
@@ -711,7 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.serve_args = rest  # hf-vkv serve: every argument not vkv's goes to transformers serve, in its order
-    _check_json_out(getattr(args, "json", None), args.command_parser)
+    _check_outputs(args, args.command_parser)
     try:
         return int(args.func(args, args.command_parser))
     except InvariantError:

@@ -392,8 +392,8 @@ def finish(call: GenerateCall, cache: VKVCache, sequences: Any, *, returned: boo
     if not call.prefilled and report.refusal is None:
         report.refusal = "assisted decoding: its first forward is not generate's prefill, which reuse starts"
     if report.refusal is None and call.input_ids is not None and isinstance(sequences, torch.Tensor):
-        call.taken = 0  # the row, inserted longer than the entry it took over, stores that entry again
-        report.inserted = _insert_rows(call, cache, sequences, give=call.owned and not returned)
+        taken, call.taken = call.taken, 0  # the row, inserted longer than the entry it took over, stores that entry again
+        report.inserted = _insert_rows(call, cache, sequences, give=call.owned and not returned, taken=taken)
     return report.inserted
 
 
@@ -414,11 +414,13 @@ def give_back(call: GenerateCall, cache: VKVCache) -> bool:
     return True  # the store holds it (or closed it: an entry alone over the budget)
 
 
-def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *, give: bool) -> int:
+def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *, give: bool, taken: int = 0) -> int:
     """Insert the finished rows of ``cache`` (their ids in ``sequences``); return how many became
     entries (a row an entry already serves is kept by the store as that entry: not counted). All
     or none: every row that needs a cache of its own gets it before the first goes in, so a row
-    that cannot (no memory left) fails the call with nothing inserted."""
+    that cannot (no memory left) fails the call with nothing inserted. ``taken``: the tokens of the
+    entry the call took over (:meth:`PrefixStore.take`); a row alone over the store's budget, which
+    the store would drop, stores those again instead (the entry is not lost)."""
     store, ids = call.store, call.input_ids
     assert store is not None and ids is not None
     held = cache.get_seq_length()
@@ -444,6 +446,9 @@ def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *
     if len(rows) == 1 and call.pads[rows[0][0]] == 0 and cache.rows == 1:
         # give: the call's own cache, which nobody else holds; else a fork of it
         _, row, end = rows[0]
+        budget = store.budget_bytes
+        if taken and budget is not None and (cache.bytes_at_most(rows=1, tokens=end) or 0) > budget:
+            end = taken  # the row alone is over the budget: keep the entry it took over
         if end < held and _slides(cache):
             return 0  # a sliding window is not cut back (its pages behind it are gone)
         if give and end < held:

@@ -540,8 +540,15 @@ class PrefixStore:
 
     def _add(self, entry: _Entry, dtype: torch.dtype | None) -> bool:
         """Store ``entry``: drop the entries it makes redundant, count it, evict to the budget;
-        return whether it is held afterwards."""
+        return whether it is held afterwards. An entry alone over the budget is dropped as it goes
+        in, before anything else goes (it emptied the store first: a served system prompt too)."""
         tokens = entry.tokens
+        if self.budget_bytes is not None and entry.pages is not None and entry.pages.nbytes > self.budget_bytes:
+            self._inserts += 1
+            self._evictions += 1
+            if entry.cache is not None:
+                entry.cache.close()
+            return False
         for shared, key in self._tree.common_prefixes(tokens):
             old = self._entries[key]
             if len(old.tokens) == shared and entry.min_reuse <= shared:

@@ -142,6 +142,10 @@ def test_missing_inputs_and_files_in_place_of_folders_are_usage_errors_before_an
                           (("prefix", "save", a_file), "is a file, not a folder"),
                           (("prefix", "save", a_file / "sub"), "is a file, so no folder can be made under it"),
                           (("chat", "--json", a_file / "out.json"), "is a file, so nothing can be written under it"),
+                          (("ab", "--prompts-file", binary), "--prompts-file: " + str(binary) + " is not UTF-8 text"),
+                          (("ab", "--plot", tmp_path / "plot.txt"), "a plot is written as .png, .pdf, .svg"),
+                          (("ab", "--plot", tmp_path), "is a folder: name a file"),
+                          (("ab", "--plot", a_file / "x.png"), "is a file, so nothing can be written under it"),
                           (("ab", "--prompt", " "), "--prompt is empty")):
         code, _, err = run_main(capsys, *args)
         assert code == 2 and message in err and str(a_file if a_file in args else "") in err, (args, err)
@@ -347,3 +351,26 @@ def test_a_json_out_that_cannot_be_written_is_a_usage_error_before_any_work(
                             "--json", out)
     assert code == 2 and ("is a folder" if where == "a folder" else "is a file, so nothing can be written") in err
     assert "Traceback" not in err
+
+
+def test_a_model_folder_transformers_cannot_load_is_a_usage_error(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A model folder whose config is not JSON: two tracebacks and status 1; one line, status 2."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"')
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "tokenizer.json").write_text("{}")
+    code, _, err = run_main(capsys, "ab", "--model", folder, "--prompt", "w5 w6", "--max-new-tokens", "2")
+    assert code == 2 and "transformers cannot load it" in err and "Traceback" not in err, err
+
+
+def test_serve_finds_the_model_after_transformers_serve_s_options() -> None:
+    """``hf-vkv serve --port 8000 default``: transformers serve takes its options before the model,
+    but only a first argument ``default`` was resolved to the embedded model, so this one reached
+    transformers as a hub id (offline: a traceback). The model is found by its place among the
+    options, flags (no value) read from transformers serve's own command."""
+    pytest.importorskip("transformers.cli.transformers")
+    for args, at in ((["default"], 0), (["--port", "8000", "default"], 2), (["--host=127.0.0.1", "default"], 1),
+                     (["--enable-cors", "default", "--port", "1"], 1), (["--port", "8000"], None)):
+        assert cli._serve_model_at(args) == at, args

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -653,4 +654,35 @@ def test_rows_from_stored_sliding_windows_that_prefill_once_cannot_keep_run_on_e
     report = reuse_report(runs[1])
     assert report.refusal is None and report.reused_tokens > 0
     assert "sliding-window layers" in runs[1].cache.prefill_counts.verdict
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("continues", [False, True])
+def test_a_row_alone_over_the_budget_costs_the_store_none_of_its_entries(continues: bool) -> None:
+    """A conversation that outgrew the store's budget emptied the store: its row, alone over the
+    budget, was inserted first and evicted last, the least recently used entries going before it
+    (a served system prompt among them), and a row that took a short entry over lost that entry
+    too. Now the row is dropped as it goes in and the entries held stay; a row that took an entry
+    over stores that entry again."""
+    model = tiny("llama")
+    store = PrefixStore(model.config, budget_bytes=64 * 1024, cache_config={"page_bytes": 4096})
+    short = list(range(10, 30))  # 8 sub-rows x one 4 KiB page: 32 KiB
+    long = short + list(range(40, 220)) if continues else list(range(300, 500))  # 8 x 4 pages: 128 KiB
+
+    def run(tokens: list[int]) -> ReuseReport:
+        ids = torch.tensor([tokens])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                             pad_token_id=PAD, cache_implementation="vkv", cache_config={"prefix_store": store},
+                             return_dict_in_generate=True)
+        report = reuse_report(out)
+        assert report is not None
+        return report
+
+    run(short)
+    assert store.serves(short)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the over-budget warning, where the store saw the row
+        assert run(long).reused_tokens == (len(short) if continues else 0)
+    assert store.serves(short) and store.stats().bytes_held <= 64 * 1024
+    assert run(short).reused_tokens == len(short) - 1
     store.check_invariants()
