@@ -84,8 +84,9 @@ def _load(name: str, parser: argparse.ArgumentParser, *, quiet: bool = False
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True).eval()
         tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        parser.error(f"--model {name}: transformers cannot load it: {' '.join(str(exc).split())[:300]}")
+    except Exception as exc:  # a config that is not JSON, a damaged weights file (safetensors' own error), ...
+        parser.error(f"--model {name}: transformers cannot load it: {type(exc).__name__}: "
+                     f"{' '.join(str(exc).split())[:300]}")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
@@ -165,8 +166,13 @@ def _file_above(path: Path) -> Path | None:
     return above if above is not None and not above.is_dir() else None
 
 
-#: What ``--plot`` writes (matplotlib picks the format by the suffix).
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+def _plot_suffixes() -> tuple[str, ...]:
+    """The file suffixes ``--plot`` can write: matplotlib's (it picks the format by the suffix)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # plot_report says how to install it
+        return (".png",)
+    return tuple(sorted(f".{kind}" for kind in FigureCanvasBase.get_supported_filetypes()))
 
 
 def _check_outputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -175,7 +181,7 @@ def _check_outputs(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     after the command ran."""
     for option, example in (("json", "out.json"), ("plot", "out.png")):
         path = getattr(args, option, None)
-        if not isinstance(path, (str, Path)) or str(path) == "-":
+        if not isinstance(path, (str, Path)) or (option == "json" and str(path) == "-"):  # JSON to stdout
             continue
         out = Path(path)
         if out.is_dir():
@@ -183,8 +189,8 @@ def _check_outputs(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         above = _file_above(out)
         if above is not None:
             parser.error(f"--{option} {path}: {above} is a file, so nothing can be written under it: name another path")
-        if option == "plot" and out.suffix.lower() not in PLOT_SUFFIXES:
-            parser.error(f"--plot {path}: a plot is written as {', '.join(PLOT_SUFFIXES)}: name such a file "
+        if option == "plot" and out.suffix.lower() not in _plot_suffixes():
+            parser.error(f"--plot {path}: a plot is written as {', '.join(_plot_suffixes())}: name such a file "
                          f"(e.g. {out.with_suffix('.png')})")
 
 
@@ -572,6 +578,8 @@ def _serve_model_at(rest: Sequence[str]) -> int | None:
     i = 0
     while i < len(rest):
         arg = rest[i]
+        if arg == "--":  # the end of options: the model follows
+            return i + 1 if i + 1 < len(rest) else None
         if not arg.startswith("-"):
             return i
         i += 1 if "=" in arg or arg in flags else 2

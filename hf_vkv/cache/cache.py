@@ -150,7 +150,7 @@ class VKVCache(Cache):
         #: Whether a row holds columns an attention mask hid (generate's left padding, or a mask with
         #: zeros): its K/V are not those of its token ids from position 0, so it is no prefix to keep
         #: by hand (``save_prefix`` and ``PrefixStore.insert`` refuse it). Set by ``generate``'s
-        #: prefill and by :meth:`take_rows` with an offset; cleared by :meth:`reset`.
+        #: decoding loop (every mode) and by :meth:`take_rows` with an offset; cleared by :meth:`reset`.
         self.padded = False
         if memory_of is not None and not isinstance(memory_of, VKVCache):
             raise ArgumentTypeError(f"memory_of must be a VKVCache (or None), got {type(memory_of).__name__}")
@@ -429,7 +429,7 @@ class VKVCache(Cache):
         for layer in self.layers:
             if isinstance(layer, VKVLayer):
                 layer.adopt_group()
-        self.padded = any(0 < s.offset < length for s in sources)
+        self.padded = self.padded or any(s.offset > 0 for s in sources)  # (set by generate before, for its mask)
         return copied
 
     def take_over(self, other: VKVCache) -> None:

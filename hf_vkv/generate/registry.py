@@ -552,10 +552,6 @@ def _prefill(original: Any, model: Any, input_ids: Any, generation_config: Any, 
     if found is not None and found[0] is cache and model_kwargs.get("inputs_embeds") is None:
         _check_continued(cache, input_ids)
     call = None if cache is None else cache.call
-    mask = model_kwargs.get("attention_mask")
-    if cache is not None and isinstance(mask, torch.Tensor) and not model.config.is_encoder_decoder \
-            and not bool(mask.all()):
-        cache.padded = True  # rows hold columns the mask hides: no prefix to keep by hand
     if call is not None:
         with section():  # Ctrl-C waits for the rows to be taken from the store and recorded (interrupts.py)
             reuse.start(call, cache, model, input_ids, model_kwargs)
@@ -573,6 +569,10 @@ def _decoding_loop(original: Any, model: Any, input_ids: Any, *args: Any, **mode
     found = prefill_once.vkv_cache_of(model_kwargs)
     cache = None if found is None else found[1]
     call = None if cache is None else cache.call
+    mask = model_kwargs.get("attention_mask")
+    if cache is not None and isinstance(mask, torch.Tensor) and not model.config.is_encoder_decoder \
+            and not bool(mask.all()):
+        cache.padded = True  # rows hold columns the mask hides (every mode, assisted too): no prefix to keep by hand
     if call is None:
         out = original(model, input_ids, *args, **model_kwargs)
         if cache is not None:

@@ -61,7 +61,8 @@ class MappedPages:
         self.arena = arena  # the page store whose ids page_ids are (what a cache's held pages name)
         self._fd = os.dup(fd)  # the mapped file itself (the folder's name may come to name another)
         weakref.finalize(self, os.close, self._fd)
-        self._seen = _file_state(os.fstat(self._fd))
+        opened = os.fstat(self._fd)
+        self._seen, self._links = _file_state(opened), opened.st_nlink
         self._first = int(page_ids[0]) if page_ids else 0  # the file's pages have consecutive ids
         self._checksums = checksums
         self._verified = np.zeros(len(page_ids), dtype=bool)
@@ -79,9 +80,9 @@ class MappedPages:
         the file's page cache backs, may no longer hold what was checked, or exist (a read past a
         truncated end is a SIGBUS). A save into the folder writes a new file and leaves this one as
         it was: renamed over this one, it unlinks it, which changes its change time (not its bytes), so
-        an unlinked file is compared by its size and modification time."""
+        a file that lost a link since it was opened is compared by its size and modification time."""
         st = os.fstat(self._fd)
-        if st.st_nlink == 0:
+        if st.st_nlink < self._links:
             return _file_state(st)[:-1] != self._seen[:-1]
         return _file_state(st) != self._seen
 

@@ -143,7 +143,8 @@ def test_missing_inputs_and_files_in_place_of_folders_are_usage_errors_before_an
                           (("prefix", "save", a_file / "sub"), "is a file, so no folder can be made under it"),
                           (("chat", "--json", a_file / "out.json"), "is a file, so nothing can be written under it"),
                           (("ab", "--prompts-file", binary), "--prompts-file: " + str(binary) + " is not UTF-8 text"),
-                          (("ab", "--plot", tmp_path / "plot.txt"), "a plot is written as .png, .pdf, .svg"),
+                          (("ab", "--plot", tmp_path / "plot.txt"), "a plot is written as "),
+                          (("ab", "--plot", "-"), "a plot is written as "),  # savefig wrote "-.png"
                           (("ab", "--plot", tmp_path), "is a folder: name a file"),
                           (("ab", "--plot", a_file / "x.png"), "is a file, so nothing can be written under it"),
                           (("ab", "--prompt", " "), "--prompt is empty")):
@@ -363,6 +364,13 @@ def test_a_model_folder_transformers_cannot_load_is_a_usage_error(tmp_path: Path
     (folder / "tokenizer.json").write_text("{}")
     code, _, err = run_main(capsys, "ab", "--model", folder, "--prompt", "w5 w6", "--max-new-tokens", "2")
     assert code == 2 and "transformers cannot load it" in err and "Traceback" not in err, err
+    damaged = tmp_path / "damaged"  # a whole config, a weights file whose header is not JSON (safetensors' own error)
+    tiny("llama").save_pretrained(damaged)
+    (damaged / "tokenizer.json").write_text("{}")
+    weights = damaged / "model.safetensors"
+    weights.write_bytes((64).to_bytes(8, "little") + b"{" * 64 + weights.read_bytes()[72:])
+    code, _, err = run_main(capsys, "ab", "--model", damaged, "--prompt", "w5 w6", "--max-new-tokens", "2")
+    assert code == 2 and "transformers cannot load it" in err and "Traceback" not in err, err
 
 
 def test_serve_finds_the_model_after_transformers_serve_s_options() -> None:
@@ -372,5 +380,6 @@ def test_serve_finds_the_model_after_transformers_serve_s_options() -> None:
     options, flags (no value) read from transformers serve's own command."""
     pytest.importorskip("transformers.cli.transformers")
     for args, at in ((["default"], 0), (["--port", "8000", "default"], 2), (["--host=127.0.0.1", "default"], 1),
-                     (["--enable-cors", "default", "--port", "1"], 1), (["--port", "8000"], None)):
+                     (["--enable-cors", "default", "--port", "1"], 1), (["--port", "8000"], None),
+                     (["--host", "0.0.0.0", "--", "default"], 3)):
         assert cli._serve_model_at(args) == at, args

@@ -653,3 +653,14 @@ def test_a_cache_whose_rows_hold_masked_columns_is_no_prefix_by_hand(tmp_path: P
                    cache_config={"prefix_store": store})
     assert len(store) == 2
     store.check_invariants()
+    # rows taken from the store beside a padded row: the call's cache still says so (take_rows kept the mark)
+    stored = batch["input_ids"][0].tolist() + [7, 8, 9, 10]
+    mixed = {"input_ids": torch.tensor([stored, [0] * 10 + [5, 6, 7, 8, 9, 10]]),
+             "attention_mask": torch.tensor([[1] * 16, [0] * 10 + [1] * 6])}
+    out = model.generate(**mixed, max_new_tokens=2, do_sample=False, cache_implementation="vkv",
+                         cache_config={"prefix_store": store}, return_dict_in_generate=True)
+    assert hf_vkv.reuse_report(out).reused_tokens > 0 and out[cache_kwarg()].padded
+    # every decoding mode marks it: prompt lookup runs assisted decoding, whose loop has no prefill hook
+    out = model.generate(**inputs, max_new_tokens=3, do_sample=False, cache_implementation="vkv",
+                         prompt_lookup_num_tokens=2, return_dict_in_generate=True)
+    assert out[cache_kwarg()].padded
