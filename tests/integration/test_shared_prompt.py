@@ -132,7 +132,7 @@ def test_hf_vkv_demo_prints_time_beside_memory(model, monkeypatch: pytest.Monkey
     """``hf-vkv demo``'s tables on the tiny model (the embedded one takes minutes: tests/integration/test_cli.py)."""
     from hf_vkv import cli
 
-    monkeypatch.setattr(cli, "_load", lambda name, quiet=False: (model, tokenizer()))
+    monkeypatch.setattr(cli, "_load", lambda name, parser, quiet=False: (model, tokenizer()))
     assert cli.main(["demo", "--max-new-tokens", "2", "--document-tokens", "8", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "Time beside memory" in out
