@@ -23,6 +23,7 @@ from models import EOS, PAD, assert_same_tokens, save_chat_model, tiny, tokenize
 import hf_vkv
 from hf_vkv import PrefixFileError, PrefixStore, VKVCache
 from hf_vkv.devices import MIN_COMMON_PREFIX
+from hf_vkv.generate import cache_kwarg
 from hf_vkv.prefix.store import STORE_INDEX
 from hf_vkv import ReuseReport, reuse_report
 
@@ -653,7 +654,7 @@ def test_rows_from_stored_sliding_windows_that_prefill_once_cannot_keep_run_on_e
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     report = reuse_report(runs[1])
     assert report.refusal is None and report.reused_tokens > 0
-    assert "sliding-window layers" in runs[1].cache.prefill_counts.verdict
+    assert "sliding-window layers" in runs[1][cache_kwarg()].prefill_counts.verdict
     store.check_invariants()
 
 
