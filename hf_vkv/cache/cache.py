@@ -293,6 +293,11 @@ class VKVCache(Cache):
         memory: its least recently used entries go before a call fails."""
         self._arena_for.reclaim = reclaim
 
+    def slides(self) -> bool:
+        """Whether a layer group of this cache keeps a sliding window (its pages behind the window
+        are dropped: such a row cannot be cut back, copied to another offset or serve a shorter prefix)."""
+        return any(group.sliding_window is not None for group in self._groups)
+
     def reserved_tokens(self) -> int | None:
         """Tokens a row has room for in every group (the smallest reservation; a sliding group
         drops its pages behind the window, but its tokens still take addresses of its reservation);
@@ -459,7 +464,7 @@ class VKVCache(Cache):
         forward that raised part-way leaves layers holding different counts; :meth:`crop` removes
         the same count from each). Full-attention vkv layers only (``ValueError`` otherwise,
         nothing changed)."""
-        if length < 0 or self.transformers_layers() or any(g.sliding_window is not None for g in self._groups):
+        if length < 0 or self.transformers_layers() or self.slides():
             raise ArgumentError(f"cut_to keeps a length >= 0 of caches whose every layer vkv keeps, with full "
                                 f"attention (got length {length}; crop() cuts the same count from every layer of any "
                                 f"cache)")

@@ -291,7 +291,7 @@ def _refusal(model: Any, cache: VKVCache, input_ids: torch.Tensor, model_kwargs:
     if cache.transformers_layers():
         return ("the cache keeps transformers' own layers (linear or recurrent state), which cannot be rolled back "
                 "if a call of the forward proves inexact midway")
-    if cache.get_seq_length() and any(group.sliding_window is not None for group in cache.groups):
+    if cache.get_seq_length() and cache.slides():
         return ("the rows start from stored prefixes in sliding-window layers, which cannot be cut back to them if a "
                 "call of the forward proves inexact midway (a window drops its pages behind it as it grows)")
     if model.config.model_type in _SEQUENCE_FIRST:

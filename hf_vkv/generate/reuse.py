@@ -287,10 +287,10 @@ def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torc
     reason = _positions_refusal(model_kwargs.get("position_ids"), pads, length)
     if reason is not None:
         return reason
-    if _slides(cache) and any(pads):
+    if cache.slides() and any(pads):
         return ("sliding-window layers with left-padded rows: a stored window is shared from token 0, never copied "
                 "to a padded row's offset (batches of one prompt length reuse)")
-    if _slides(cache) and getattr(model.config, "_attn_implementation", None) == devices.PAGED_ATTENTION:
+    if cache.slides() and getattr(model.config, "_attn_implementation", None) == devices.PAGED_ATTENTION:
         return ("sliding-window layers in the paged layout ('vkv_paged'): its rows would copy the stored windows, "
                 "which a window's pages do not allow")
     call.input_ids, call.pads = input_ids, pads
@@ -315,7 +315,7 @@ def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torc
         report.start_column = column
         if column == 0:
             return None  # nothing stored yet: a full prefill, whose rows are stored afterwards
-        if _slides(cache) and any(entry.min_prefix_length() > column for entry, _ in found.values()):
+        if cache.slides() and any(entry.min_prefix_length() > column for entry, _ in found.values()):
             report.start_column = 0
             return (f"sliding-window layers: the batch's rows share {column} stored tokens, and a stored row's window "
                     f"for them is gone (it serves longer prefixes only)")
@@ -326,17 +326,12 @@ def _start_rows(call: GenerateCall, cache: VKVCache, model: Any, input_ids: torc
         try:
             report.copied_rows = cache.take_rows(sources, length=column)
         except ArgumentError as e:  # a sliding group that cannot share a row refuses before any group takes one
-            if not _slides(cache) or cache.get_seq_length() or cache.rows:
+            if not cache.slides() or cache.get_seq_length() or cache.rows:
                 raise
             report.start_column = 0
             return f"sliding-window layers: {e}"
     report.reused_tokens = sum(max(column - p, 0) for p in pads)
     return None
-
-
-def _slides(cache: VKVCache) -> bool:
-    """Whether ``cache`` has sliding-window layers (whose stored rows hold their window only)."""
-    return any(group.sliding_window is not None for group in cache.groups)
 
 
 def _common_length(sequences: list[list[int]]) -> int:
@@ -449,7 +444,7 @@ def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *
         budget = store.budget_bytes
         if taken and budget is not None and (cache.bytes_at_most(rows=1, tokens=end) or 0) > budget:
             end = taken  # the row alone is over the budget: keep the entry it took over
-        if end < held and _slides(cache):
+        if end < held and cache.slides():
             return 0  # a sliding window is not cut back (its pages behind it are gone)
         if give and end < held:
             cache.crop(end - held)
