@@ -27,6 +27,9 @@ from typing import Any
 
 from ..memory.errors import BackendError, VKVError
 
+#: Per thread: the context of the innermost :meth:`Driver.current` block open on it (``None``: none).
+_INNERMOST = threading.local()
+
 __all__ = ["CU_STREAM_LEGACY", "CudaDriverError", "CudaUnavailableError", "Driver", "INSTALL_HINT", "PageSharingError",
            "check", "load_bindings"]
 
@@ -160,17 +163,18 @@ class Driver:
         self._device = self._check("cuDeviceGet", cu.cuDeviceGet(device_index))
         self._context = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._device))
         self._context_id = int(self._context)
-        self._depth = threading.local()  # per thread: how many current() blocks are open
         if shareable:
-            attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
-            supported = self._check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(attribute, self._device))
-            if not int(supported):
-                self._check("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(self._device))
-                self._context = None
-                raise PageSharingError("cuDeviceGetAttribute",
-                                       f"device {device_index} does not support POSIX file descriptor handles "
-                                       f"(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0): "
-                                       f"its pages cannot be shared across processes; use shareable=False")
+            try:
+                attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+                supported = self._check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(attribute, self._device))
+                if not int(supported):
+                    raise PageSharingError("cuDeviceGetAttribute",
+                                           f"device {device_index} does not support POSIX file descriptor handles "
+                                           f"(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0): "
+                                           f"its pages cannot be shared across processes; use shareable=False")
+            except BaseException:
+                self.close()  # the context retained above: a Driver that raises holds nothing
+                raise
 
     def _check(self, call: str, result: Any) -> Any:
         return check(call, result, module=self.cu)
@@ -180,30 +184,28 @@ class Driver:
     def current(self) -> Iterator[None]:
         """Run the block with this device's primary context current on the calling thread.
 
-        The outermost block of a thread asks the driver which context is current and pushes the
-        primary context only if it is not (and pops it after): the thread's own context, if any,
-        is left as it was. Nested blocks cost nothing.
+        A block asks the driver which context is current and pushes the primary context only if
+        it is not (and pops it after): the thread's own context, if any, is left as it was. A
+        block directly inside a block of the same context (any Driver's of that device: the
+        thread's innermost block is known) costs nothing; inside another device's block (a
+        finalizer of one backend running in another's call) it pushes its own.
         """
         if self._context is None:
             raise CudaDriverError("cuCtxPushCurrent", "CUDA_ERROR_INVALID_CONTEXT", 201,
                                   "this Driver was closed (its primary context released)")
-        depth = getattr(self._depth, "n", 0)
-        if depth:
-            self._depth.n = depth + 1
-            try:
-                yield
-            finally:
-                self._depth.n -= 1
+        outer = getattr(_INNERMOST, "context", None)
+        if outer == self._context_id:
+            yield
             return
         current = self._check("cuCtxGetCurrent", self.cu.cuCtxGetCurrent())
         pushed = current is None or int(current) != self._context_id
         if pushed:
             self._check("cuCtxPushCurrent", self.cu.cuCtxPushCurrent(self._context))
-        self._depth.n = 1
+        _INNERMOST.context = self._context_id
         try:
             yield
         finally:
-            self._depth.n = 0
+            _INNERMOST.context = outer
             if pushed:
                 self._check("cuCtxPopCurrent", self.cu.cuCtxPopCurrent())
 

@@ -124,40 +124,46 @@ class CudaBackend:
         self.shareable = bool(shareable)
         self._hooks = torch_hooks(device) if hooks is None else hooks
         self._driver = Driver(device.index, shareable=shareable) if driver is None else driver
-        self._calls: dict[str, list[float]] = {}  # driver call -> [count, seconds]
-        self._counts: Counter[str] = Counter()  # pages mapped / unmapped, waits: see counters()
-        granularity = self._timed("granularity", self._driver.granularity)
-        if page_bytes is None:
-            page_bytes = granularity
-        if not isinstance(page_bytes, int) or page_bytes <= 0 or page_bytes % granularity:
-            raise PageSizeError(f"cache_config['page_bytes'] must be a positive multiple of the device's allocation "
-                                f"granularity ({granularity:,} bytes) up to {MAX_CUDA_PAGE_BYTES:,}, got {page_bytes!r}")
-        if page_bytes > max(MAX_CUDA_PAGE_BYTES, granularity):
-            raise PageSizeError(f"cache_config['page_bytes']={page_bytes:,} is larger than {MAX_CUDA_PAGE_BYTES:,} "
-                                f"bytes; use a multiple of the granularity ({granularity:,}) up to that")
-        self.page_bytes = page_bytes
-        self.map_budget = None  # GPU virtual memory: not the process's vm.max_map_count
-        self.gathered_copies = False  # copies run in order on the stream
-        self._align = _alignment(page_bytes)
-        if max_pages is None:
-            max_pages = max(1, self._hooks.total_bytes() // page_bytes)
-        if not isinstance(max_pages, int) or max_pages < 1:
-            raise ArgumentError(f"max_pages must be a positive int, got {max_pages!r}")
-        self.max_pages = max_pages
-        self._id_space = 0
-        self._slot_of: dict[PageId, int] = {}  # created page -> its window slot
-        self._handle: dict[int, int] = {}  # window slot -> handle (pages' and spares')
-        self._spares: list[int] = []  # slots whose handle no page uses
-        self._imported: set[int] = set()  # slots whose handle was imported from another process
-        self._empty: list[int] = []  # slots below _next_slot that hold no handle
-        self._next_slot = 0
-        self._mapped: dict[int, PageId] = {}  # row address of a mapped page -> that page
-        self._scratch_at: set[int] = set()  # row addresses where the scratch page is mapped
-        self._scratch: int | None = None  # handle of the scratch page (readable reservations)
-        self._reservations: dict[int, int] = {}  # address -> nbytes (rows'; the window's is separate)
-        self._readable: dict[int, int] = {}  # the readable ones among them
-        self._closed = False
-        self._window = self._timed("reserve", self._driver.reserve, max_pages * page_bytes, self._align)
+        try:
+            self._calls: dict[str, list[float]] = {}  # driver call -> [count, seconds]
+            self._counts: Counter[str] = Counter()  # pages mapped / unmapped, waits: see counters()
+            granularity = self._timed("granularity", self._driver.granularity)
+            if page_bytes is None:
+                page_bytes = granularity
+            if not isinstance(page_bytes, int) or page_bytes <= 0 or page_bytes % granularity:
+                raise PageSizeError(f"cache_config['page_bytes'] must be a positive multiple of the device's "
+                                    f"allocation granularity ({granularity:,} bytes) up to {MAX_CUDA_PAGE_BYTES:,}, "
+                                    f"got {page_bytes!r}")
+            if page_bytes > max(MAX_CUDA_PAGE_BYTES, granularity):
+                raise PageSizeError(f"cache_config['page_bytes']={page_bytes:,} is larger than {MAX_CUDA_PAGE_BYTES:,} "
+                                    f"bytes; use a multiple of the granularity ({granularity:,}) up to that")
+            self.page_bytes = page_bytes
+            self.map_budget = None  # GPU virtual memory: not the process's vm.max_map_count
+            self.gathered_copies = False  # copies run in order on the stream
+            self._align = _alignment(page_bytes)
+            if max_pages is None:
+                max_pages = max(1, self._hooks.total_bytes() // page_bytes)
+            if not isinstance(max_pages, int) or max_pages < 1:
+                raise ArgumentError(f"max_pages must be a positive int, got {max_pages!r}")
+            self.max_pages = max_pages
+            self._id_space = 0
+            self._slot_of: dict[PageId, int] = {}  # created page -> its window slot
+            self._handle: dict[int, int] = {}  # window slot -> handle (pages' and spares')
+            self._spares: list[int] = []  # slots whose handle no page uses
+            self._imported: set[int] = set()  # slots whose handle was imported from another process
+            self._empty: list[int] = []  # slots below _next_slot that hold no handle
+            self._next_slot = 0
+            self._mapped: dict[int, PageId] = {}  # row address of a mapped page -> that page
+            self._scratch_at: set[int] = set()  # row addresses where the scratch page is mapped
+            self._scratch: int | None = None  # handle of the scratch page (readable reservations)
+            self._reservations: dict[int, int] = {}  # address -> nbytes (rows'; the window's is separate)
+            self._readable: dict[int, int] = {}  # the readable ones among them
+            self._closed = self._closing = False
+            self._window = self._timed("reserve", self._driver.reserve, max_pages * page_bytes, self._align)
+        except BaseException:
+            if driver is None:  # the driver made here: a backend that raises holds no context
+                self._driver.close()
+            raise
 
     # ----------------------------------------------------------------------------- accounting
     def _timed(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -740,43 +746,54 @@ class CudaBackend:
         if self._closed:
             return
         self._closed = True
+        self._closing = True  # an unreserve meanwhile (a finalizer) leaves the driver open for the rest
         errors: list[BaseException] = []
-        with self._driver.current():
-            self._timed("synchronize", self._hooks.synchronize)
-            self._counts["synchronizes"] += 1
-            page = self.page_bytes
-            for base, nbytes in self._reservations.items():  # runs never span two reservations
-                try:
-                    self._unmap_slots(base, nbytes // page, scratch=True)
-                except BaseException as exc:  # noqa: BLE001  (free what can be freed, then report)
-                    errors.append(exc)
-            self._mapped.clear()
-            self._scratch_at.clear()
-            for slot in sorted(self._handle):
-                try:
-                    self._free_slot(slot)
-                except BaseException as exc:  # noqa: BLE001
-                    errors.append(exc)
-            self._slot_of.clear()
-            self._spares.clear()
-            self._imported.clear()
-            if self._scratch is not None:
-                try:
-                    self._timed("release", self._driver.release, self._scratch)
-                except BaseException as exc:  # noqa: BLE001
-                    errors.append(exc)
-                self._scratch = None
-            try:
-                self._timed("address_free", self._driver.address_free, self._window, self.max_pages * page)
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
+        try:
+            with self._driver.current():
+                self._close_pages(errors)
+        finally:
+            self._closing = False
         self._maybe_close_driver()
         if errors:
             raise errors[0]
 
+    def _close_pages(self, errors: list[BaseException]) -> None:
+        """:meth:`close`'s work, the context current: what fails goes to ``errors`` and the rest goes on."""
+        self._timed("synchronize", self._hooks.synchronize)
+        self._counts["synchronizes"] += 1
+        page = self.page_bytes
+        # a copy, each checked again: a collection the hooks run may call a finalizer that gives one back (unreserve)
+        for base, nbytes in list(self._reservations.items()):  # runs never span two reservations
+            if self._reservations.get(base) != nbytes:
+                continue
+            try:
+                self._unmap_slots(base, nbytes // page, scratch=True)
+            except BaseException as exc:  # noqa: BLE001  (free what can be freed, then report)
+                errors.append(exc)
+        self._mapped.clear()
+        self._scratch_at.clear()
+        for slot in sorted(self._handle):
+            try:
+                self._free_slot(slot)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+        self._slot_of.clear()
+        self._spares.clear()
+        self._imported.clear()
+        if self._scratch is not None:
+            try:
+                self._timed("release", self._driver.release, self._scratch)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+            self._scratch = None
+        try:
+            self._timed("address_free", self._driver.address_free, self._window, self.max_pages * page)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
     def _maybe_close_driver(self) -> None:
         # Reservations outlive close() (tensors may hold them); each unreserve needs the context.
-        if self._closed and not self._reservations:
+        if self._closed and not self._closing and not self._reservations:
             self._driver.close()
 
 

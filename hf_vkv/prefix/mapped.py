@@ -2,8 +2,8 @@
 
 :meth:`PrefixStore.save` writes ``prefix_store.kv`` beside its index: the physical pages of every
 entry that can be mapped, each page once however many entries share it, page-aligned, after a
-header page; the index (``prefix_store.json``, version 2) describes each entry as what its cache
-holds — per layer group, the page table of every part of its row, pages named by their index in
+header page; the index (``prefix_store.json``, version 2 and later) describes each entry as what
+its cache holds — per layer group, the page table of every part of its row, pages named by their index in
 the file (:class:`~hf_vkv.cache.GroupImage`). :meth:`PrefixStore.load` opens the file and maps its
 pages into the store's memory as *external* pages (:meth:`hf_vkv.memory.Arena.map_file`): no byte
 of K/V is read or copied, processes that open one file share its page cache, and a row that writes
@@ -15,18 +15,22 @@ and the page count, as JSON), zero-padded to ``data_offset`` (a multiple of the 
 the OS page); page ``i`` at ``data_offset + i * page_bytes``. The index names the file id, so an
 index never maps another save's pages.
 
-**The index's section** (version 3): ``checksums`` is one hex string, the little-endian bytes of
-the pages' int64 sums in file order; each table is ``[bytes held, first page index, runs]`` with
-``runs`` a list of ``[first file page, count]`` (a head-major sub-row's pages are one run). Version
-2 wrote the sums and the tables' pages as lists of integers; both are read
+**The index's section** (version 4): ``checksum`` names how the pages' checksums were computed
+(:data:`~hf_vkv.prefix.page_check.WEIGHTED64`; versions 2-3 hold plain sums,
+:data:`~hf_vkv.prefix.page_check.SUM64`, and name none); ``checksums`` is one hex string, the
+little-endian bytes of the pages' int64 checksums in file order; each table is ``[bytes held,
+first page index, runs]`` with ``runs`` a list of ``[first file page, count]`` (a head-major
+sub-row's pages are one run). Version 2 wrote the sums and the tables' pages as lists of
+integers; both are read
 (:func:`_file_checksums`, :func:`_table_runs`). The shorter text parses in about a third of the
 time the lists took.
 
 **Integrity, without reading everything first**: opening checks the index (its own SHA-256), the
 header and the file's exact size — a truncated or swapped file is refused before anything is
-mapped. Each page's checksum (the wrapping sum of its 64-bit words: any change within one word is
-caught, and random damage with probability 1 - 2**-64) is verified before attention can read it:
-opening starts the check in a thread (:meth:`MappedPages.check_in_background`), and the first time
+mapped. Each page's checksum (:func:`~hf_vkv.prefix.page_check.page_checksums`: the wrapping sum
+of its 64-bit words weighed by their places; any change within one word is caught, random damage
+with probability 1 - 2**-64, and words or sectors that trade places within a page) is verified
+before attention can read it: opening starts the check in a thread (:meth:`MappedPages.check_in_background`), and the first time
 an entry's pages are handed out (:meth:`MappedPages.verify`, by :meth:`PrefixStore.borrow` and
 :meth:`PrefixStore.take`) checks what that thread has not reached; each page is checked once. A
 damaged page raises :class:`PrefixFileCorruptError` at that first use, the store drops every entry
@@ -60,7 +64,7 @@ from ..cache import GroupGeometry, GroupImage, VKVCache
 from ..memory import Arena, PageId, Row
 from ..memory.errors import InvariantError
 from .errors import PrefixFileCorruptError, PrefixFormatError
-from .page_check import MappedPages, page_checksums
+from .page_check import CHECKSUM_KINDS, SUM64, WEIGHTED64, MappedPages, page_checksums
 
 __all__ = ["MAGIC", "PAGES_FILE", "MappedEntry", "clean_saves", "pages_path", "TableRuns", "check_index_text", "index_text", "map_entries", "verify_file",
            "write_pages"]
@@ -70,7 +74,7 @@ MAGIC = b"HFVKVPG1"
 _HEADER_MAX = 4096
 
 
-_DIGEST_HEAD = '{"sha256":"'  # an index of version 2 starts so, then 64 hex digits of its own digest
+_DIGEST_HEAD = '{"sha256":"'  # an index of version 2 or later starts so, then 64 hex digits of its own digest
 
 
 def index_text(index: dict[str, Any]) -> str:
@@ -82,7 +86,7 @@ def index_text(index: dict[str, Any]) -> str:
 
 
 def check_index_text(path: Path, text: str) -> None:
-    """Raise :class:`PrefixFileCorruptError` unless ``text`` (an index of version 2) is whole: its
+    """Raise :class:`PrefixFileCorruptError` unless ``text`` (an index of version 2 or later) is whole: its
     leading digest equals the SHA-256 of the text with the digest zeroed."""
     n = len(_DIGEST_HEAD)
     digest = text[n:n + 64]
@@ -158,7 +162,7 @@ def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[Grou
             f.seek(data_offset)
             for at in range(0, len(pages), 256):  # a few MiB at a time
                 chunk = arena.read_pages(pages[at:at + 256])
-                sums.extend(page_checksums(chunk))
+                sums.extend(page_checksums(chunk, kind=WEIGHTED64))
                 f.write(chunk.numpy().tobytes())
             f.truncate(data_offset + len(pages) * page_bytes)
         os.replace(tmp, path)
@@ -168,7 +172,7 @@ def write_pages(folder: Path, entries: Sequence[tuple[tuple[int, ...], list[Grou
     section: dict[str, Any] = {
         "file": path.name, "file_id": file_id, "page_bytes": page_bytes, "pages": len(pages),
         "data_offset": data_offset, "file_bytes": data_offset + len(pages) * page_bytes,
-        "checksums": np.array(sums, dtype="<i8").tobytes().hex(),
+        "checksum": WEIGHTED64, "checksums": np.array(sums, dtype="<i8").tobytes().hex(),
         "groups": [{"name": g.name, "members": list(g.members), "kv_heads": g.geometry.kv_heads,
                     "key_dim": g.geometry.key_dim, "value_dim": g.geometry.value_dim,
                     "dtype": str(g.geometry.dtype).removeprefix("torch."), "layout": g.layout,
@@ -222,8 +226,13 @@ def _page_ids(runs: list[tuple[int, int]], base: int) -> tuple[PageId, ...]:
     return tuple(base + i for first, n in runs for i in range(first, first + n))  # type: ignore[misc]
 
 
-def _file_checksums(section: dict[str, Any], count: int) -> np.ndarray:
-    """The section's ``count`` page checksums as int64: one hex string (version 3) or a list."""
+def _file_checksums(section: dict[str, Any], count: int) -> tuple[np.ndarray, str]:
+    """The section's ``count`` page checksums as int64 (one hex string since version 3, a list
+    before) and how they were computed (``"checksum"``, since version 4; :data:`SUM64` before)."""
+    kind = section.get("checksum", SUM64)
+    if kind not in CHECKSUM_KINDS:
+        raise PrefixFormatError(f"the index's page checksums are of an unknown kind {kind!r:.40} (this hf_vkv reads "
+                                f"{', '.join(CHECKSUM_KINDS)}): a newer hf_vkv saved it")
     sums = section["checksums"]
     if isinstance(sums, str):
         out = np.frombuffer(bytes.fromhex(sums), dtype="<i8").astype(np.int64)
@@ -231,7 +240,7 @@ def _file_checksums(section: dict[str, Any], count: int) -> np.ndarray:
         out = np.array([int(x) for x in sums], dtype=np.int64)
     if len(out) != count:
         raise PrefixFormatError(f"{len(out)} checksums for {count} pages")
-    return out
+    return out, kind
 
 
 def _check_whole(path: Path, fd: int, section: dict[str, Any], *, end: int) -> None:
@@ -347,7 +356,7 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
     try:
         path = pages_path(folder, section)
         page_bytes, count, offset = int(section["page_bytes"]), int(section["pages"]), int(section["data_offset"])
-        groups, entries, sums = section["groups"], section["entries"], _file_checksums(section, count)
+        groups, entries, (sums, kind) = section["groups"], section["entries"], _file_checksums(section, count)
         if Path(section["file"]).name != section["file"]:
             raise PrefixFormatError(f"its file {section['file']!r} is not a name inside the folder")
     except (KeyError, TypeError, ValueError) as e:
@@ -401,7 +410,8 @@ def map_entries(folder: Path, section: Any, *, memory: VKVCache, device: torch.d
             for tokens, sized, group_tables, held in parsed:
                 out.append(MappedEntry(tokens, sized, group_tables, base, arena, (held + base).tolist()))
                 arena.hold(out[-1])
-        return out, MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes, data_offset=offset, arena=arena)
+        return out, MappedPages(path, fd, page_ids, sums, page_bytes=page_bytes, data_offset=offset, kind=kind,
+                                arena=arena)
     except BaseException as e:
         for entry in out:
             entry.release()
@@ -433,11 +443,11 @@ def verify_file(folder: Path, section: Any, *, pages: bool = True) -> int:
         if not pages:
             return 0
         f.seek(offset)
-        sums = _file_checksums(section, count)
+        sums, kind = _file_checksums(section, count)
         for at in range(0, count, 256):
             k = min(256, count - at)
             data = torch.frombuffer(bytearray(f.read(k * page_bytes)), dtype=torch.uint8).view(k, page_bytes)
-            for i, got in enumerate(page_checksums(data)):
+            for i, got in enumerate(page_checksums(data, kind=kind)):
                 if got != sums[at + i]:
                     raise PrefixFileCorruptError(f"{path} is not whole: page {at + i} differs from its checksum")
     return count

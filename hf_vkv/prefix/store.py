@@ -60,9 +60,10 @@ __all__ = ["PrefixStore", "PrefixStats", "token_list", "saved_files", "STORE_IND
 #: The index :meth:`PrefixStore.save` writes into its folder: the files it saved, least recently used first.
 STORE_INDEX = "prefix_store.json"
 STORE_FORMAT = "hf_vkv.prefix_store"
-STORE_VERSION = 3  # 2: the entries' pages in one mapped file (prefix_store.kv); 3: its index's checksums and
-#                    tables written compactly (hex, runs). Versions 1 and 2 still load.
-_MAPPED_VERSIONS = (2, STORE_VERSION)  # indexes with a digest, model fields and mapped pages
+STORE_VERSION = 4  # 2: the entries' pages in one mapped file (prefix_store.kv); 3: its index's checksums and
+#                    tables written compactly (hex, runs); 4: page checksums that weigh each word by its place
+#                    (page_check.WEIGHTED64). Versions 1 to 3 still load.
+_MAPPED_VERSIONS = (2, 3, STORE_VERSION)  # indexes with a digest, model fields and mapped pages
 
 
 @dataclass(frozen=True, slots=True)

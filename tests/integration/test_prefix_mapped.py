@@ -146,37 +146,58 @@ def test_a_memory_of_no_device_vkv_serves_is_refused(device: Any, error: type[Ex
     store.check_invariants()
 
 
-def test_an_index_of_version_2_still_loads_and_a_run_outside_the_file_is_refused(tmp_path: Path) -> None:
-    """Version 3 writes the checksums as one hex string and each table's pages as runs; a
-    version-2 index (both as lists of integers) maps the same pages and serves the same tokens."""
+def test_indexes_of_versions_2_and_3_still_load_and_a_run_outside_the_file_is_refused(tmp_path: Path) -> None:
+    """Version 4 checksums each page by its words weighed by their places (``"checksum":
+    "weighted64"``); versions 2 and 3 summed the words (no ``"checksum"``), version 3 as one hex
+    string with each table's pages as runs, version 2 both as lists of integers. Older indexes map
+    the same pages and serve the same tokens; a checksum kind this version does not know is refused."""
     import numpy as np
 
     from hf_vkv.prefix.mapped import index_text
+    from hf_vkv.prefix.page_check import SUM64, page_checksums
 
     model = tiny("llama")
     store, folder, prompts = _saved_store(tmp_path, model)
     index = folder / STORE_INDEX
     text = index.read_text()
     data = json.loads(text)
-    assert data["version"] == 3 and isinstance(data["mapped"]["checksums"], str)
+    assert data["version"] == 4 and data["mapped"]["checksum"] == "weighted64"
+    assert isinstance(data["mapped"]["checksums"], str)
     tables = [t for e in data["mapped"]["entries"] for g in e["groups"] for t in g["tables"]]
     assert tables and all(isinstance(run, list) and len(run) == 2 for t in tables for run in t[2])
-    old = copy.deepcopy(data)
-    old["version"] = 2
-    old["mapped"]["checksums"] = np.frombuffer(bytes.fromhex(data["mapped"]["checksums"]), dtype="<i8").tolist()
-    for e in old["mapped"]["entries"]:
+    section = data["mapped"]
+    raw = (folder / section["file"]).read_bytes()[section["data_offset"]:]
+    pages = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(section["pages"], section["page_bytes"])
+    summed = page_checksums(pages, kind=SUM64)
+    assert not np.array_equal(summed, np.frombuffer(bytes.fromhex(section["checksums"]), dtype="<i8"))
+    v3 = copy.deepcopy(data)
+    v3["version"] = 3
+    del v3["mapped"]["checksum"], v3["sha256"]
+    v3["mapped"]["checksums"] = summed.astype("<i8").tobytes().hex()
+    v2 = copy.deepcopy(v3)
+    v2["version"] = 2
+    v2["mapped"]["checksums"] = summed.tolist()
+    for e in v2["mapped"]["entries"]:
         for g in e["groups"]:
             g["tables"] = [[n, start, [i for first, k in runs for i in range(first, first + k)]]
                            for n, start, runs in g["tables"]]
-    del old["sha256"]
-    index.write_text(index_text(old))
-    v2 = PrefixStore(model.config)
-    assert v2.load(folder, model=model) == sum(map(len, store.prefixes()))
     g = torch.Generator().manual_seed(5)
-    for p in prompts:
-        follow = p + _rand(4, g)
-        assert _same(_generate(model, follow, store), _generate(model, follow, v2))
-    v2.check_invariants()
+    follows = [p + _rand(4, g) for p in prompts]
+    held = sum(map(len, store.prefixes()))
+    want = [_generate(model, follow, store) for follow in follows]
+    for old in (v3, v2):
+        index.write_text(index_text(old))
+        older = PrefixStore(model.config)
+        assert older.load(folder, model=model) == held
+        for follow, expected in zip(follows, want):
+            assert _same(expected, _generate(model, follow, older))
+        older.check_invariants()
+    # a checksum kind of a later version is refused, naming it, nothing mapped
+    later = copy.deepcopy(data)
+    del later["sha256"]
+    later["mapped"]["checksum"] = "crc128"
+    index.write_text(index_text(later))
+    _fresh_refusal(folder, model, hf_vkv.PrefixFormatError, "unknown kind 'crc128'")
     # a run past the file's last page (in an index whose digest is right) is refused, nothing mapped
     bad = copy.deepcopy(data)
     del bad["sha256"]
@@ -186,6 +207,48 @@ def test_an_index_of_version_2_still_loads_and_a_run_outside_the_file_is_refused
     _fresh_refusal(folder, model, hf_vkv.PrefixFormatError, "outside the file")
     index.write_text(text)
     assert PrefixStore(model.config).load(folder, model=model) > 0
+
+
+def test_words_or_sectors_that_trade_places_in_a_page_are_refused_never_served(tmp_path: Path) -> None:
+    """Page checksums were the plain sum of a page's words, which a page whose 512-byte sectors (or
+    two words) traded places passed: its entry was served with K/V in the wrong places. Weighed by
+    place, each such page of the saved file is refused at its first use and the store serves on."""
+    from hf_vkv.prefix.page_check import SUM64, WEIGHTED64, page_checksums
+
+    model = tiny("llama")
+    store, folder, prompts = _saved_store(tmp_path, model)
+    kv = folder / PAGES_FILE
+    whole = kv.read_bytes()
+    section = json.loads((folder / STORE_INDEX).read_text())["mapped"]
+    offset, page_bytes = section["data_offset"], section["page_bytes"]
+    want = [store.lookup(p + [5]) for p in prompts]
+    swaps = [(0, 0, 512, 512), (1, 8, 24, 8), (section["pages"] - 1, 0, page_bytes - 512, 512)]  # page, a, b, bytes
+    for page, a, b, n in swaps:
+        data = bytearray(whole)
+        at = offset + page * page_bytes
+        first, second = bytes(data[at + a:at + a + n]), bytes(data[at + b:at + b + n])
+        assert first != second
+        data[at + a:at + a + n], data[at + b:at + b + n] = second, first
+        moved = torch.frombuffer(bytearray(data[at:at + page_bytes]), dtype=torch.uint8).view(1, page_bytes)
+        saved = torch.frombuffer(bytearray(whole[at:at + page_bytes]), dtype=torch.uint8).view(1, page_bytes)
+        assert page_checksums(moved, kind=SUM64) == page_checksums(saved, kind=SUM64)  # what the sum passed
+        assert page_checksums(moved, kind=WEIGHTED64) != page_checksums(saved, kind=WEIGHTED64)
+        kv.write_bytes(bytes(data))
+        fresh = PrefixStore(model.config)
+        fresh.load(folder, model=model)
+        with pytest.raises(PrefixFileCorruptError, match=f"page {page} differs from its checksum"):
+            for p in prompts:
+                fresh.lookup(p + [5]).close()
+        fresh.check_invariants()
+        ids = [7, 8, 9, 10]
+        assert torch.equal(_generate(model, ids, fresh).sequences, _generate(model, ids, None).sequences)
+        kv.write_bytes(whole)
+    fresh = PrefixStore(model.config)
+    fresh.load(folder, model=model)
+    for p, w in zip(prompts, want):
+        got = fresh.lookup(p + [5])
+        assert all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(got.layers, w.layers))
+        got.close()
 
 
 def test_mapped_pages_retire_when_no_entry_holds_them(tmp_path: Path) -> None:
@@ -533,11 +596,11 @@ from models import tiny
 import hf_vkv
 import hf_vkv.prefix.page_check as page_check
 plain = page_check.page_checksums
-def slow(pages):  # a file of gigabytes: the check is still inside torch when the process exits
+def slow(pages, *, kind):  # a file of gigabytes: the check is still inside torch when the process exits
     a = torch.randn(700, 700)
     for _ in range(40):
         a = torch.tanh(a @ a)
-    return plain(pages)
+    return plain(pages, kind=kind)
 page_check.page_checksums = slow
 model = tiny("llama")
 store = hf_vkv.PrefixStore(model.config)

@@ -391,6 +391,98 @@ def test_unreserve_refuses_an_unknown_range() -> None:
     assert_nothing_held(cu)
 
 
+def test_close_frees_everything_when_a_finalizer_gives_a_reservation_back_meanwhile() -> None:
+    """``close()`` iterated the reservations while its waits could run a collection whose
+    finalizer (a row buffer's view left in a cycle) gave one back: 'dictionary changed size during
+    iteration', with every handle, the window and the context still held."""
+    import gc
+    import weakref
+
+    from fake_cuda import fake_hooks
+    from hf_vkv.cuda import TorchHooks
+
+    cu = FakeCu()
+    base = fake_hooks(cu)
+
+    def idle_after_a_collection() -> bool:
+        gc.collect()
+        return base.stream_idle()
+
+    hooks = TorchHooks(synchronize=base.synchronize, stream=base.stream, stream_idle=idle_after_a_collection,
+                       tensor=base.tensor, total_bytes=base.total_bytes, free_bytes=base.free_bytes)
+    cu.make_current()
+    backend = CudaBackend("cuda:0", create_ahead=4, max_pages=64, driver=Driver(0, module=cu), hooks=hooks)
+    backend.ensure_id_space(4)
+    backend.create([PageId(0), PageId(1)])
+    kept = backend.reserve(2 * PAGE, readable=True)
+    given = backend.reserve(2 * PAGE, readable=True)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    owner.cycle = owner  # freed by a collection only
+    weakref.finalize(owner, backend.unreserve, given, 2 * PAGE)
+    del owner
+    backend.close()
+    assert cu.handles == {} and list(cu.reservations) == [kept]
+    backend.unreserve(kept, 2 * PAGE)
+    assert_nothing_held(cu)
+
+
+def test_a_driver_or_backend_that_fails_as_it_is_made_holds_no_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The primary context retained first was kept when a later step failed: a failing
+    ``cuDeviceGetAttribute`` of a shareable Driver, or a backend that made its own Driver and then
+    refused its page size or could not reserve its window."""
+    import hf_vkv.cuda.vmm_backend as vmm_backend
+    from fake_cuda import fake_hooks
+
+    cu = FakeCu()
+    cu.make_current()
+    cu.fail("cuDeviceGetAttribute", 1, CUresult.CUDA_ERROR_INVALID_VALUE)
+    with pytest.raises(CudaDriverError, match="cuDeviceGetAttribute"):
+        Driver(0, module=cu, shareable=True)
+    assert_nothing_held(cu)  # torch's retain alone
+    made = vmm_backend.Driver
+    monkeypatch.setattr(vmm_backend, "Driver", lambda index, shareable=False: made(index, module=cu, shareable=shareable))
+    with pytest.raises(ValueError, match="multiple of the device's"):
+        CudaBackend("cuda:0", page_bytes=PAGE + 4096, hooks=fake_hooks(cu))
+    cu.fail("cuMemAddressReserve", 1)
+    with pytest.raises(BackendError, match="cuMemAddressReserve"):
+        CudaBackend("cuda:0", hooks=fake_hooks(cu))
+    assert_nothing_held(cu)
+    CudaBackend("cuda:0", hooks=fake_hooks(cu)).close()  # and one that does not fail gives its context back too
+    assert_nothing_held(cu)
+
+
+def test_a_block_inside_another_devices_block_runs_under_its_own_context() -> None:
+    """A ``current()`` block inside one of another device's (a finalizer of one backend running
+    in another's call), itself inside one of its own device's, skipped the driver's check as a
+    nested block and ran its calls under the other device's context."""
+    from fake_cuda import PRIMARY
+
+    cu = FakeCu()
+    cu.make_current(0)
+    a, b = Driver(0, module=cu), Driver(1, module=cu)
+    seen = []
+    with a.current():
+        seen.append(cu._stack()[-1] - PRIMARY)
+        with b.current():
+            seen.append(cu._stack()[-1] - PRIMARY)
+            with a.current():
+                seen.append(cu._stack()[-1] - PRIMARY)
+                with a.current():  # directly inside its own: no driver call
+                    before = len(cu.calls)
+                    seen.append(cu._stack()[-1] - PRIMARY)
+                    assert len(cu.calls) == before
+            seen.append(cu._stack()[-1] - PRIMARY)
+        seen.append(cu._stack()[-1] - PRIMARY)
+    assert seen == [0, 1, 0, 0, 1, 0]
+    assert cu._stack() == [PRIMARY]
+    a.close()
+    b.close()
+
+
 # ------------------------------------------------------------------------------------ under a VirtualBuffer
 def _driver_rows(buf: VirtualBuffer, backend: CudaBackend, cu: FakeCu) -> dict[tuple[int, int], int]:
     """What the fake driver maps in ``buf``'s reservation: ``{(row, slot): handle}``."""

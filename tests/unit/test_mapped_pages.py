@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_vkv import PrefixFileCorruptError
-from hf_vkv.prefix.page_check import MappedPages, page_checksums as _checksums
+from hf_vkv.prefix.page_check import SUM64, WEIGHTED64, MappedPages, page_checksums
 
 PAGE = 4096
 OFFSET = 2 * PAGE  # the header's room
@@ -26,7 +26,7 @@ def _file(tmp_path: Path, pages: int, *, damage: int | None = None) -> tuple[Pat
     """A page file of random pages after ``OFFSET`` bytes, its checksums taken before ``damage``
     (a page index) gets a flipped bit."""
     data = torch.randint(0, 256, (pages, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(pages))
-    sums = np.asarray(_checksums(data), dtype=np.int64)
+    sums = np.asarray(page_checksums(data, kind=WEIGHTED64), dtype=np.int64)
     if damage is not None:
         data[damage, 17] ^= 0x20
     path = tmp_path / "pages.kv"
@@ -37,7 +37,8 @@ def _file(tmp_path: Path, pages: int, *, damage: int | None = None) -> tuple[Pat
 def _open(path: Path, sums: np.ndarray) -> MappedPages:
     fd = os.open(path, os.O_RDONLY)
     try:
-        return MappedPages(path, fd, list(range(BASE, BASE + len(sums))), sums, page_bytes=PAGE, data_offset=OFFSET)
+        return MappedPages(path, fd, list(range(BASE, BASE + len(sums))), sums, page_bytes=PAGE, data_offset=OFFSET,
+                           kind=WEIGHTED64)
     finally:
         os.close(fd)
 
