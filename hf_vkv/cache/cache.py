@@ -30,7 +30,8 @@ from .group import LayerGroup
 from .shared_prefix_group import SharedPrefixGroup
 from .static_group import StaticGroup
 from .hybrid import LinearState, cuts_back_unrecorded, make_vkv_layer, transformers_part
-from .layer import VKVLayer, VKVSlidingLayer, VKVStaticLayer, int_argument, selected_rows
+from .layer import (LayerCallError, VKVLayer, VKVSlidingLayer, VKVStaticLayer, int_argument, reorder_rows,
+                    repeats_argument, selected_rows)
 from . import oom
 from .options import CacheOptions, config_dict
 from .row_image import GroupImage
@@ -468,7 +469,7 @@ class VKVCache(Cache):
             raise ArgumentError(f"cut_to keeps a length >= 0 of caches whose every layer vkv keeps, with full "
                                 f"attention (got length {length}; crop() cuts the same count from every layer of any "
                                 f"cache)")
-        self._row_operation(lambda group: group.cut_to(length), lambda layer: None)
+        self._row_operation("cut_to", lambda group: group.cut_to(length), lambda layer: None)
 
     # ----------------------------------------------------------------------------- row images
     def row_images(self) -> list[GroupImage]:
@@ -518,8 +519,17 @@ class VKVCache(Cache):
                 group.map_ahead(tokens)
 
     # ----------------------------------------------------------------------------- row operations
-    def _row_operation(self, on_group: Callable[[LayerGroup], None], on_layer: Callable[[Any], None]) -> None:
-        """Apply a row operation once to each group and to each layer kept by transformers."""
+    def _row_operation(self, call: str, on_group: Callable[[LayerGroup], None],
+                       on_layer: Callable[[Any], None]) -> None:
+        """Apply the row operation ``call`` once to each group and to each layer kept by
+        transformers; :class:`~hf_vkv.cache.layer.LayerCallError` first, changing nothing, where
+        such a layer has no ``call`` (transformers' linear-attention layers select and repeat no rows)."""
+        lacking = sorted({type(layer).__name__ for layer in self.transformers_layers()
+                          if not callable(getattr(layer, call, None))})
+        if lacking:
+            raise LayerCallError(
+                f"{call}: this model's cache keeps layers of transformers' {', '.join(lacking)}, which have no "
+                f"{call} (a DynamicCache of this model cannot do it either); nothing was changed")
         for group in self._groups:
             group.before_row_operation()
         for group in self._groups:
@@ -531,15 +541,11 @@ class VKVCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` takes row ``beam_idx[i]``'s pages (``beam_idx``: int tensor, any device): no copy."""
-        if not isinstance(beam_idx, torch.Tensor) or beam_idx.is_floating_point() or beam_idx.is_complex() \
-                or beam_idx.dtype == torch.bool or beam_idx.dim() != 1:
-            raise ArgumentTypeError(f"reorder_cache takes a 1-d integer tensor of row indices (beam_idx), got "
-                                    f"{getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
-                                    f"{tuple(getattr(beam_idx, 'shape', ()))}; pass e.g. beam_idx.long()")
-        index = [int(i) for i in beam_idx.tolist()]  # one host transfer for every group
+        index = reorder_rows(beam_idx)  # one host transfer for every group
         for group in self._groups:  # every group first: a refused reorder changes nothing
             group.check_index(index, "reorder_cache(beam_idx)")
-        self._row_operation(lambda group: group.reorder(index), lambda layer: layer.reorder_cache(beam_idx))
+        self._row_operation("reorder_cache", lambda group: group.reorder(index),
+                            lambda layer: layer.reorder_cache(beam_idx))
 
     def batch_select_indices(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Keep only the rows ``indices`` (row numbers, negative ones, a bool mask, a tensor or a
@@ -547,15 +553,13 @@ class VKVCache(Cache):
         index = selected_rows(indices, self.rows)
         for group in self._groups:  # every group first: a refused selection changes nothing
             group.check_index(index, "batch_select_indices(indices)")
-        self._row_operation(lambda group: group.reorder(index), lambda layer: layer.batch_select_indices(indices))
+        self._row_operation("batch_select_indices", lambda group: group.reorder(index),
+                            lambda layer: layer.batch_select_indices(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times, consecutively (pages shared, nothing copied)."""
-        repeats = int_argument(repeats, "batch_repeat_interleave(repeats)")
-        if repeats < 1:
-            raise ArgumentError(f"batch_repeat_interleave: repeats must be >= 1, got {repeats} (1 keeps the batch; "
-                                f"reset() or batch_select_indices drop rows)")
-        self._row_operation(lambda group: group.repeat_rows(repeats),
+        repeats = repeats_argument(repeats)
+        self._row_operation("batch_repeat_interleave", lambda group: group.repeat_rows(repeats),
                             lambda layer: layer.batch_repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -588,14 +592,18 @@ class VKVCache(Cache):
         """``Cache.update``, with a ``layer_idx`` outside the model's layers refused
         (:class:`~hf_vkv.memory.errors.CacheIndexError`, nothing changed)."""
         n = len(self.layers)
+        layer_idx = int_argument(layer_idx, "update(layer_idx)")
         if not -n <= layer_idx < n:
             raise CacheIndexError(f"update: layer_idx {layer_idx} is not a layer of this cache: it has {n} layers, "
                                   f"0..{n - 1} (a cache serves the model whose config made it)")
+        if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
+            raise ArgumentTypeError(f"update takes key and value states as tensors [batch, heads, tokens, head_dim], "
+                                    f"got {type(key_states).__name__} and {type(value_states).__name__}")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reset(self) -> None:
         """Forget every cached token (pages go back to the pool)."""
-        self._row_operation(LayerGroup.clear, lambda layer: layer.reset())
+        self._row_operation("reset", LayerGroup.clear, lambda layer: layer.reset())
         self.padded = False
 
     def activate_past_recording(self, **kwargs: Any) -> None:
@@ -619,6 +627,7 @@ class VKVCache(Cache):
             raise CacheIndexError(f"write_states: layer_idx {layer_idx!r} is not a layer of this cache: it has {n} "
                                   f"layers, 0..{n - 1}")
         layer = self.layers[layer_idx]
+        start = int_argument(start, "write_states(start)")
         if start < 0:
             raise ArgumentError(f"write_states: start must be >= 0, got {start}")
         if not isinstance(layer, VKVLayer):

@@ -247,12 +247,16 @@ class LayerGroup:
                 f"batch {batch} is larger than the {buffer.rows} rows the cache was created for; "
                 f"create a new cache (or let generate() size it)"
             )
-        if start > 0 and batch < self.batch:
-            # continuing fewer rows than the cache holds would leave the others behind, unread (DynamicCache
-            # cannot concatenate them at all)
+        if start > 0 and batch != self.batch:
+            # continuing fewer rows than the cache holds would leave the others behind, unread; more rows would
+            # read rows the cache dropped (a selection keeps their pages until they are reused) or never held
+            # (DynamicCache cannot concatenate either)
             raise LayerMismatchError(
                 f"batch {batch} continues a cache of {self.batch} rows; keep the rows wanted first "
-                f"(cache.batch_select_indices(torch.tensor([...]))), or pass every row")
+                f"(cache.batch_select_indices(torch.tensor([...]))), or pass every row" if batch < self.batch else
+                f"batch {batch} continues a cache of {self.batch} rows: its other {batch - self.batch} rows hold no "
+                f"tokens; pass the cache's {self.batch} rows (cache.batch_repeat_interleave or reorder_cache makes "
+                f"more)")
         rows = range(batch)
         self.prompts.settle()
         if self.sliding_window is not None and not self.record_past:
@@ -381,13 +385,15 @@ class LayerGroup:
         self._kept_from = None
 
     def clear(self) -> None:
-        """Empty every row (the buffer and its reservation stay)."""
+        """Empty every row (the buffer and its reservation stay; a closed buffer refuses first,
+        changing nothing)."""
+        if self.buffer is not None:
+            self.buffer.clear(range(self.buffer.rows))
         self.lengths = [0] * len(self.members)
         self.written_from = 0
         if self._kept_from is not None:
             self._kept_from = 0
         if self.buffer is not None:
-            self.buffer.clear(range(self.buffer.rows))
             self.batch = 0
             self._changed()
 

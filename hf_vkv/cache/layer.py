@@ -30,7 +30,8 @@ from .group import LayerGroup
 from .static_group import StaticGroup
 from .oom import STORE_BUDGET, step_out_of_memory
 
-__all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer", "int_argument", "selected_rows"]
+__all__ = ["LayerCallError", "VKVLayer", "VKVSlidingLayer", "VKVStaticLayer", "int_argument", "reorder_rows",
+           "repeats_argument", "selected_rows"]
 
 
 def int_argument(value: Any, name: str) -> int:
@@ -42,12 +43,45 @@ def int_argument(value: Any, name: str) -> int:
     raise ArgumentTypeError(f"{name} takes an int, got {type(value).__name__} {value!r}")
 
 
-def selected_rows(indices: torch.Tensor | Sequence[int], rows: int) -> list[int]:
+def reorder_rows(beam_idx: Any) -> list[int]:
+    """The row numbers of a ``reorder_cache(beam_idx)`` (a 1-d integer tensor, any device, as
+    ``DynamicCache`` takes it), in one host transfer; :class:`ArgumentTypeError` otherwise (a
+    bool mask, floats, a list, a 2-d tensor)."""
+    if not isinstance(beam_idx, torch.Tensor) or beam_idx.is_floating_point() or beam_idx.is_complex() \
+            or beam_idx.dtype == torch.bool or beam_idx.dim() != 1:
+        raise ArgumentTypeError(f"reorder_cache takes a 1-d integer tensor of row indices (beam_idx), got "
+                                f"{getattr(beam_idx, 'dtype', type(beam_idx).__name__)} "
+                                f"{tuple(getattr(beam_idx, 'shape', ()))}; pass e.g. beam_idx.long()")
+    return [int(i) for i in beam_idx.tolist()]
+
+
+def repeats_argument(repeats: Any) -> int:
+    """The ``repeats`` of a ``batch_repeat_interleave``: an int >= 1 (:class:`ArgumentTypeError`,
+    :class:`ArgumentError` otherwise)."""
+    repeats = int_argument(repeats, "batch_repeat_interleave(repeats)")
+    if repeats < 1:
+        raise ArgumentError(f"batch_repeat_interleave: repeats must be >= 1, got {repeats} (1 keeps the batch; "
+                            f"reset() or batch_select_indices drop rows)")
+    return repeats
+
+
+def selected_rows(indices: torch.Tensor | Sequence[int] | slice, rows: int) -> list[int]:
     """The row numbers a ``batch_select_indices(indices)`` keeps of ``rows`` (row numbers,
-    negative ones, a bool mask, a tensor or a sequence of them, as ``DynamicCache`` selects its
-    batch dimension): :class:`ArgumentTypeError` or :class:`CacheIndexError` naming them otherwise."""
+    negative ones, a bool mask, a tensor or a sequence of them, a slice, as ``DynamicCache``
+    selects its batch dimension): :class:`ArgumentTypeError` or :class:`CacheIndexError` naming
+    them otherwise (a single int, which would drop the batch dimension, among them)."""
+    if isinstance(indices, slice):
+        try:
+            return list(range(rows)[indices])
+        except (TypeError, ValueError) as e:
+            raise ArgumentTypeError(f"batch_select_indices: the slice {indices!r} does not select rows ({e})") from None
     if not isinstance(indices, torch.Tensor):
-        given = list(indices)
+        try:
+            given = list(indices)
+        except TypeError:
+            raise ArgumentTypeError(f"batch_select_indices takes row numbers or a bool mask (a tensor, a sequence of "
+                                    f"ints or bools, or a slice), got {type(indices).__name__} {indices!r:.40}; pass "
+                                    f"[i] to keep row i") from None
         try:
             indices = torch.tensor(given, dtype=torch.bool if given and all(isinstance(i, bool) for i in given)
                                    else torch.long)
@@ -73,8 +107,10 @@ def selected_rows(indices: torch.Tensor | Sequence[int], rows: int) -> list[int]
 
 
 class LayerCallError(VKVError, NotImplementedError):
-    """A row operation called on one layer whose rows are shared with other layers (its group's);
-    the message names the cache-level call that does it."""
+    """A row operation a layer cannot do: called on one layer whose rows are shared with other
+    layers (its group's; the message names the cache-level call that does it), or called on a
+    cache that keeps layers of transformers' own classes lacking it (transformers'
+    ``LinearAttentionLayer`` selects and repeats no rows): refused before anything changes."""
 
 
 class VKVLayer(CacheLayerMixin):
@@ -222,9 +258,9 @@ class VKVLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` takes row ``beam_idx[i]``'s pages (no copy), as ``DynamicLayer.reorder_cache``."""
+        index = reorder_rows(beam_idx)
         group = self._alone("reorder_cache(beam_idx)")
         if self.get_seq_length() > 0:
-            index = [int(i) for i in beam_idx.tolist()]
             group.check_index(index, "reorder_cache(beam_idx)")
             group.reorder(index)
 
@@ -238,9 +274,10 @@ class VKVLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times (pages shared), as ``DynamicLayer.batch_repeat_interleave``."""
+        repeats = repeats_argument(repeats)
         group = self._alone(f"batch_repeat_interleave({repeats})")
         if self.get_seq_length() > 0:
-            group.repeat_rows(int_argument(repeats, "batch_repeat_interleave(repeats)"))
+            group.repeat_rows(repeats)
 
     def reset(self) -> None:
         """Forget the cached tokens (pages go back to the pool), as ``DynamicLayer.reset``."""

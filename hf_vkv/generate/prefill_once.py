@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from transformers.cache_utils import EncoderDecoderCache
 
 from ..cache import VKVCache
 from ..cache.encoder_decoder import VKVEncoderDecoderCache
@@ -93,12 +94,17 @@ class _Unplaced(Exception):
     """An input whose row dimension this module does not know."""
 
 
-def vkv_cache_of(model_kwargs: dict) -> tuple[Any, VKVCache] | None:
-    """``(the cache generate passes, its VKVCache part)`` or ``None`` for any other cache."""
+def vkv_cache_of(model_kwargs: dict, *, wrapped: bool = False) -> tuple[Any, VKVCache] | None:
+    """``(the cache generate passes, its VKVCache part)`` or ``None`` for any other cache: a
+    :class:`VKVCache` or a :class:`VKVEncoderDecoderCache` (whose row operations work, as prefill
+    once and the decoding loop need), and with ``wrapped`` also transformers' own
+    ``EncoderDecoderCache`` around a :class:`VKVCache` (what a user builds by hand: its
+    self-attention cache is checked before anything runs as any other vkv cache)."""
+    kinds = EncoderDecoderCache if wrapped else VKVEncoderDecoderCache
     for name in CACHE_NAMES:
         outer = model_kwargs.get(name)
         if outer is not None:
-            inner = outer.self_attention_cache if isinstance(outer, VKVEncoderDecoderCache) else outer
+            inner = outer.self_attention_cache if isinstance(outer, kinds) else outer
             return (outer, inner) if isinstance(inner, VKVCache) else None
     return None
 

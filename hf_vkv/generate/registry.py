@@ -363,7 +363,7 @@ def _prepare_cache(original: Any, model: Any, generation_config: Any, model_kwar
             raise CacheOptionError(
                 f"cache_config={{{PREFIX_STORE_KEY!r}: ...}} needs cache_implementation='vkv' (got "
                 f"{generation_config.cache_implementation!r}): add cache_implementation='vkv'")
-        passed = prefill_once.vkv_cache_of(model_kwargs)
+        passed = prefill_once.vkv_cache_of(model_kwargs, wrapped=True)
         if passed is not None:  # a vkv cache given to generate: what it cannot serve, before anything runs
             _check_compiled(model)
             _check_layers(model, passed[1])

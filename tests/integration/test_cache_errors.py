@@ -259,3 +259,162 @@ def test_constructor_misuse() -> None:
     cache.update(*_states(q=5), 0)
     with pytest.raises(CapacityError):  # max_tokens is honoured
         cache.update(*_states(q=1), 0)
+
+
+# ------------------------------------------------------------------------------------ row operations' arguments
+def _fed(model: Any, cache: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, past_key_values=cache, use_cache=True).logits
+
+
+def test_a_cache_continued_with_more_rows_than_it_holds_is_refused() -> None:
+    """After a selection of 2 of 3 rows, a forward of 3 rows was taken: the third row read the
+    cached tokens of a row the selection had dropped (head-major) or moved (token-major), with no
+    error, where DynamicCache refuses (its concatenation). ``generate`` gave 3 rows of tokens."""
+    model = tiny("llama")
+    ids = prompts(3, 9)["input_ids"]
+    for layout in ("head_major", "token_major"):
+        cache = VKVCache(config=model.config, layout=layout)
+        reference = DynamicCache(config=model.config)
+        assert torch.equal(_fed(model, cache, ids), _fed(model, reference, ids))
+        cache.batch_select_indices(torch.tensor([2, 0]))
+        reference.batch_select_indices(torch.tensor([2, 0]))
+        more = torch.full((3, 1), FIRST_WORD + 5)
+        with pytest.raises(RuntimeError):
+            _fed(model, reference, more)
+        with pytest.raises(LayerMismatchError, match="batch 3 continues a cache of 2 rows: its other 1 rows hold no"):
+            _fed(model, cache, more)
+        cache.check_invariants()
+        assert cache.get_seq_length() == 9
+        with pytest.raises(LayerMismatchError, match="batch 3 continues a cache of 2 rows"):
+            model.generate(torch.cat([torch.cat([ids[[2, 0]], ids[:1]]), more], dim=1),
+                           attention_mask=torch.ones(3, 10, dtype=torch.long), max_new_tokens=2,
+                           **{cache_kwarg(): cache})
+        reference = DynamicCache(config=model.config)  # the 2 rows continue as DynamicCache's do
+        _fed(model, reference, ids[[2, 0]])
+        assert torch.equal(_fed(model, cache, more[:2]), _fed(model, reference, more[:2]))
+
+
+def test_row_operations_a_kept_transformers_layer_lacks_are_refused_before_anything_changes() -> None:
+    """LFM2's convolution layers are transformers' ``LinearAttentionLayer``, which has no
+    ``batch_select_indices`` or ``batch_repeat_interleave``: vkv's groups changed their rows
+    first and transformers' layers then raised an AttributeError, leaving the attention rows and
+    the convolution state apart (a continued forward: other logits than DynamicCache's)."""
+    from breadth_models import tiny as breadth_tiny
+
+    from hf_vkv import LayerCallError
+
+    model = breadth_tiny("lfm2")
+    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(0))
+    cache, reference = VKVCache(config=model.config), DynamicCache(config=model.config)
+    assert torch.equal(_fed(model, cache, ids), _fed(model, reference, ids))
+    for call, argument in (("batch_select_indices", torch.tensor([2, 0])), ("batch_repeat_interleave", 2)):
+        with pytest.raises(AttributeError):
+            getattr(reference, call)(argument)
+        with pytest.raises(LayerCallError, match=f"{call}: .*LinearAttentionLayer.*nothing was changed"):
+            getattr(cache, call)(argument)
+        assert [g.batch for g in cache.groups] == [3]
+        cache.check_invariants()
+    more = torch.randint(3, 128, (3, 1), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_fed(model, cache, more), _fed(model, reference, more))
+
+
+def test_one_layers_row_operations_check_their_arguments_as_the_caches_do() -> None:
+    """With ``groups="layer"`` a layer's own ``reorder_cache`` read a bool mask as row numbers and
+    truncated floats, and its ``batch_repeat_interleave(-1)`` emptied the layer: the cache-level
+    calls (and DynamicLayer) refuse all three."""
+    from hf_vkv import ArgumentError, ArgumentTypeError
+
+    model = tiny("llama")
+    ids = prompts(3, 9)["input_ids"]
+    cache = VKVCache(config=model.config, groups="layer")
+    _fed(model, cache, ids)
+    keys = [layer.keys.clone() for layer in cache.layers]
+    for bad in (torch.tensor([True, False, True]), torch.tensor([0.9, 1.0, 2.0]), [2, 1, 0], torch.tensor([[2, 1, 0]])):
+        with pytest.raises(ArgumentTypeError, match="1-d integer tensor"):
+            cache.layers[0].reorder_cache(bad)
+    with pytest.raises(ArgumentError, match="repeats must be >= 1"):
+        cache.layers[0].batch_repeat_interleave(-1)
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(cache.layers, keys))
+    cache.check_invariants()
+
+
+def test_bad_arguments_of_update_write_states_and_selections_are_typed_and_change_nothing() -> None:
+    from hf_vkv import ArgumentTypeError
+
+    model = tiny("llama")
+    cache = VKVCache(config=model.config)
+    k, v = _states()
+    for layer_idx in ("0", None, 0.0):
+        with pytest.raises(ArgumentTypeError, match=r"update\(layer_idx\) takes an int"):
+            cache.update(k, v, layer_idx)
+    with pytest.raises(ArgumentTypeError, match="key and value states as tensors"):
+        cache.update([[0.0]], [[0.0]], 0)
+    with pytest.raises(ArgumentTypeError, match=r"write_states\(start\) takes an int"):
+        cache.write_states(0, k, v, start="1")
+    assert cache.get_seq_length() == 0
+    ids = prompts(3, 9)["input_ids"]
+    _fed(model, cache, ids)
+    for bad in (1, "ab"):
+        with pytest.raises(ArgumentTypeError, match="batch_select_indices takes row numbers"):
+            cache.batch_select_indices(bad)
+    assert cache.rows == 3
+    reference = DynamicCache(config=model.config)
+    _fed(model, reference, ids)
+    cache.batch_select_indices(slice(0, 2))  # as DynamicCache indexes its batch dimension
+    reference.batch_select_indices(slice(0, 2))
+    more = torch.full((2, 1), FIRST_WORD + 3)
+    assert torch.equal(_fed(model, cache, more), _fed(model, reference, more))
+    cache.check_invariants()
+
+
+def test_a_refused_reset_of_a_closed_cache_changes_nothing() -> None:
+    """``reset()`` of a closed cache raised CacheClosedError after zeroing its lengths: the cache
+    then said it held no tokens, and a later fork said so instead of that it was closed."""
+    model = tiny("llama")
+    cache = VKVCache(config=model.config)
+    _fed(model, cache, prompts(1, 9)["input_ids"])
+    cache.close()
+    with pytest.raises(CacheClosedError):
+        cache.reset()
+    assert cache.get_seq_length() == 9
+    with pytest.raises(CacheClosedError):
+        cache.fork(3)
+
+
+def test_a_vkv_cache_wrapped_in_transformers_encoder_decoder_cache_is_checked_before_anything_runs() -> None:
+    """``EncoderDecoderCache(VKVCache(...), DynamicCache(...))``, the way to pass a vkv cache to
+    an encoder-decoder model by hand, skipped vkv's up-front checks: a cache without room raised
+    ``CapacityError`` after 8 steps had run (holding 8 tokens), one made for a 2-layer decoder
+    raised mid-forward in a 3-layer one (its layers 0 and 1 holding a token)."""
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.cache_utils import EncoderDecoderCache
+
+    from hf_vkv import ArgumentError
+
+    def bart(layers: int) -> Any:
+        config = transformers.BartConfig(d_model=32, encoder_layers=2, decoder_layers=layers, encoder_attention_heads=2,
+                                         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                         max_position_embeddings=64, vocab_size=128, pad_token_id=0, eos_token_id=1,
+                                         bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+        torch.manual_seed(0)
+        model = transformers.BartForConditionalGeneration(config).eval()
+        model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                                                   decoder_start_token_id=2)
+        return model
+
+    model, deeper = bart(2), bart(3)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    cache = EncoderDecoderCache(VKVCache(config=model.config, max_tokens=8), DynamicCache(config=model.config))
+    with pytest.raises(CapacityError, match="room for 8 tokens a row"):
+        model.generate(input_ids=ids, max_new_tokens=20, **{cache_kwarg(): cache})
+    assert cache.self_attention_cache.get_seq_length() == 0
+    cache = EncoderDecoderCache(VKVCache(config=model.config), DynamicCache(config=model.config))
+    with pytest.raises(ArgumentError, match="made for a model of 2 layers"):
+        deeper.generate(input_ids=ids, max_new_tokens=5, **{cache_kwarg(): cache})
+    assert [layer.get_seq_length() for layer in cache.self_attention_cache.layers] == [0, 0]
+    cache.self_attention_cache.check_invariants()
+    reference = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    got = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, **{cache_kwarg(): cache})
+    assert torch.equal(reference, got)  # the cache serves its own model as before

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from models import VOCAB, prompts, tokenizer
+from models import EOS, PAD, VOCAB, prompts, tokenizer
 from test_prefill_exact import _BART, _T5, _build, _llama, ab
 
 import hf_vkv.generate.row_exactness as rx
@@ -45,6 +45,39 @@ def test_encoder_decoders_sampled_at_two_threads(arch: str) -> None:
                      else ("BartForConditionalGeneration", "BartConfig")), **(_T5 if arch == "t5" else _BART))
     for seed in (11, 12, 13):
         _expect_on_or_proven(ab(model, prompts(2, 6, seed=seed), seed=seed, do_sample=True, num_return_sequences=3))
+
+
+@pytest.mark.threads(2)
+@pytest.mark.parametrize("arch", ["marian", "bart"])
+def test_an_unpadded_source_s_first_cross_attention_at_two_threads(arch: str) -> None:
+    """The first decoder step's cross-attention over an unpadded source is SDPA with one query, no
+    mask and not causal: at 2 threads its result on one row per prompt depended on the values, so
+    it runs on every row. The Marian case is the one found (on a 2-core Intel Xeon its first logits
+    were 2.4e-7 from DynamicCache's with 4 beams, its proofs' three draws agreeing), then unpadded
+    single prompts, beams, beam sampling and samples."""
+    if arch == "marian":
+        model = _build("MarianMTModel", "MarianConfig", vocab_size=128, decoder_vocab_size=128, d_model=32,
+                       encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+                       encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, decoder_start_token_id=PAD)
+        with torch.no_grad():  # sharper logits, as trained weights give: more of them tell rows apart
+            model.get_output_embeddings().weight.mul_(10.0)
+            model.get_output_embeddings().weight[EOS].mul_(0.01)
+        ids = torch.tensor([[59, 19, 16, 71, 10, 46, 114, 116, 41, 90, 56, 60, 102, 88, 10, 11, 79, 109, 93, 117, 101,
+                             125, 89]])
+        found = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        ab(model, found, seed=380, num_beams=4)
+        ab(model, found, seed=380, do_sample=True, num_beams=4)
+        ab(model, found, seed=380, do_sample=True, num_return_sequences=4)
+        vocab = 128
+    else:
+        model = _build("BartForConditionalGeneration", "BartConfig", **_BART)
+        vocab = VOCAB
+    for seed in range(3):
+        inputs = prompts(1, 15 + 4 * seed, seed=seed)
+        inputs["input_ids"] = inputs["input_ids"] % vocab
+        ab(model, inputs, seed=seed, num_beams=4)
+        ab(model, inputs, seed=seed, do_sample=True, num_beams=4)
+        ab(model, inputs, seed=seed, do_sample=True, num_return_sequences=4)
 
 
 def _bf16_llama() -> torch.nn.Module:

@@ -238,10 +238,11 @@ def test_a_short_product_split_between_threads_gives_dynamic_cache_bits_on_fewer
         rx.clear_verdicts()
 
 
-def test_masked_attention_at_two_threads_runs_on_every_row() -> None:
-    """SDPA with an explicit mask on the host at more than one thread is never admitted on the
-    unique rows (its result there was seen to depend on the values, which no draw settles);
-    without a mask, or at one thread, the proofs decide."""
+def test_masked_or_non_causal_attention_at_two_threads_runs_on_every_row() -> None:
+    """SDPA with an explicit mask, or not causal, on the host at more than one thread is never
+    admitted on the unique rows (its result there was seen to depend on the values, which no draw
+    settles: an encoder-decoder's first cross-attention, one query, no mask); causal SDPA without a
+    mask, or any at one thread, the proofs decide."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     q, k = torch.randn(3, 2, 1, 16), torch.randn(3, 2, 11, 16)
     mask = torch.zeros(3, 2, 1, 11)
@@ -250,9 +251,14 @@ def test_masked_attention_at_two_threads_runs_on_every_row() -> None:
         torch.set_num_threads(2)
         assert rx._values_decide_rows(sdpa, (q, k, k), {"attn_mask": mask})
         assert rx._values_decide_rows(sdpa, (q, k, k, mask), {})
+        assert rx._values_decide_rows(sdpa, (q, k, k), {})
+        assert rx._values_decide_rows(sdpa, (q, k, k), {"is_causal": False})
+        assert rx._values_decide_rows(sdpa, (q, k, k, None, 0.0, False), {})
         assert not rx._values_decide_rows(sdpa, (q, k, k), {"is_causal": True})
+        assert not rx._values_decide_rows(sdpa, (q, k, k, None, 0.0, True), {})
         assert not rx._values_decide_rows(torch.nn.functional.linear, (q, k), {})
         torch.set_num_threads(1)
         assert not rx._values_decide_rows(sdpa, (q, k, k), {"attn_mask": mask})
+        assert not rx._values_decide_rows(sdpa, (q, k, k), {})
     finally:
         torch.set_num_threads(before)
