@@ -611,7 +611,7 @@ def _whole_call(exc: BaseException, cache: Any, call: Any) -> KVCacheOutOfMemory
     if not isinstance(exc, KVCacheOutOfMemory) or call.tokens is None:
         return None
     need = cache.bytes_at_most(rows=call.rows, tokens=call.tokens)
-    if need is None:  # the paged layout: its error names its need and what is free
+    if not need:  # the paged layout, or a group refused before it made its buffer (static): the error names its need
         return None
     return exc.for_whole_call(rows=call.rows, tokens=call.tokens, call_bytes=need,
                               held_bytes=cache.stats().resident_bytes)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ import torch
 from .. import devices
 from ..cache import RowSource, VKVCache
 from ..cache.options import PREFIX_STORE_KEY
-from ..memory.errors import ArgumentError, CacheOptionError, CacheOptionTypeError, VKVError
+from ..memory.errors import ArgumentError, CacheOptionError, CacheOptionTypeError, KVCacheOutOfMemory, VKVError
 from ..prefix import PrefixStore
 from ..prefix.errors import PrefixMismatchError
 from ..prefix.fingerprint import (OFFLOADED, WEIGHTS_DIFFER, config_fingerprint, describe_config_difference, in_training,
@@ -412,8 +413,9 @@ def give_back(call: GenerateCall, cache: VKVCache) -> bool:
 def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *, give: bool, taken: int = 0) -> int:
     """Insert the finished rows of ``cache`` (their ids in ``sequences``); return how many became
     entries (a row an entry already serves is kept by the store as that entry: not counted). All
-    or none: every row that needs a cache of its own gets it before the first goes in, so a row
-    that cannot (no memory left) fails the call with nothing inserted. ``taken``: the tokens of the
+    or none: every row that needs a cache of its own gets it before the first goes in, so where a
+    row cannot (a padded row's copy finds the store's memory full) none is inserted, with a
+    warning, and the call returns what it computed. ``taken``: the tokens of the
     entry the call took over (:meth:`PrefixStore.take`); a row alone over the store's budget, which
     the store would drop, stores those again instead (the entry is not lost)."""
     store, ids = call.store, call.input_ids
@@ -460,10 +462,17 @@ def _insert_rows(call: GenerateCall, cache: VKVCache, sequences: torch.Tensor, *
             one = store.new_cache(batch_size=1, **room)
             made.append((row[pad:end], one))
             one.take_rows([RowSource(cache, row=r, start=pad)], length=end - pad)
-    except BaseException:
+    except BaseException as error:
         for _, one in made:
             one.close()
-        raise
+        if not isinstance(error, KVCacheOutOfMemory):
+            raise
+        warnings.warn(f"PrefixStore: this call's {len(rows)} rows were not stored: copying them out of the call's "
+                      f"cache (rows with padding are copied) needs more than the store's memory has free "
+                      f"({error.requested_bytes:,} bytes asked, {error.free_bytes:,} free); the call's output is "
+                      f"whole. Raise the store's cache_config['budget_bytes'] to keep such calls", UserWarning,
+                      stacklevel=2)
+        return 0
     inserted = 0
     for i, (tokens, one) in enumerate(made):
         try:

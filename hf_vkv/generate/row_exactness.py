@@ -504,26 +504,39 @@ def _machine() -> tuple:
             torch.backends.mkldnn.enabled, torch.are_deterministic_algorithms_enabled())
 
 
+#: Floating-point types narrower than the accumulators of the host's kernels (float32).
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def _values_decide_rows(func: Any, args: tuple, kwargs: dict) -> bool:
     """Calls whose result on the unique rows can differ from DynamicCache's rows for some values
     and not for others, so that no proof by synthetic draws settles them: they run on every row.
-    Measured, on the host at more than one intra-op thread (2-core machines):
+    Measured on the host (2-core machines):
 
-    * SDPA with an explicit mask (T5's cross-attention on an AMD EPYC, AVX2: three draws agreed,
-      the real keys and queries of a 3-prompt batch gave logits 2.4e-7 apart);
-    * SDPA that is not causal, mask or not (an encoder-decoder's cross-attention at its first
-      decoder step, one query over the unpadded source: on an Intel Xeon, one row against four
-      differed in 32 of 100 random draws of a float32 shape of 2 heads, 23 keys and head dim 16,
-      up to 100 of 100 for others, for 1 to 3 queries and odd batches; a tiny Marian's first
-      logits with prefill once were 2.4e-7 from DynamicCache's where three draws had agreed).
-      Causal SDPA, the self-attention of a prompt, differed in none of the same scan."""
+    * a half-precision call of a proved function (a matmul, attention, a norm, a reduction), at any
+      thread count: its kernel accumulates in float32 and rounds the result to bfloat16 / float16,
+      which hides a different summation order in all but the few results that sit near a rounding
+      boundary (a tiny bfloat16 Llama's ``v_proj`` on an Intel Xeon with AVX512-BF16, 2 prompt
+      tokens on one row against two: 1 of 100 random inputs differed, its real input did, and the
+      first logits of 2 samples were 0.002 from DynamicCache's where three draws had agreed);
+    * at more than one intra-op thread, SDPA with an explicit mask (T5's cross-attention on an AMD
+      EPYC, AVX2: three draws agreed, the real keys and queries of a 3-prompt batch gave logits
+      2.4e-7 apart), or SDPA that is not causal, mask or not (an encoder-decoder's cross-attention
+      at its first decoder step, one query over the unpadded source: on an Intel Xeon, one row
+      against four differed in 32 of 100 random draws of a float32 shape of 2 heads, 23 keys and
+      head dim 16, up to 100 of 100 for others, for 1 to 3 queries and odd batches; a tiny
+      Marian's first logits with prefill once were 2.4e-7 from DynamicCache's where three draws had
+      agreed). Causal SDPA, the self-attention of a prompt, differed in none of the same scan."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not tensors or tensors[0].device.type != "cpu":
+        return False
+    if func in proved_functions() and any(t.dtype in _HALF for t in tensors):
+        return True
     if func is not torch.nn.functional.scaled_dot_product_attention or torch.get_num_threads() < 2:
         return False
     mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
     causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-    query = args[0] if args else kwargs.get("query")
-    return isinstance(query, torch.Tensor) and query.device.type == "cpu" and (
-        isinstance(mask, torch.Tensor) or not causal)
+    return isinstance(mask, torch.Tensor) or not causal
 
 
 def _real_operands(func: Any, args: tuple, kwargs: dict) -> frozenset[int]:

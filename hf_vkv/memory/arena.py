@@ -82,6 +82,7 @@ class Arena(OpenTables):
                                            f"instead (a saved prefix is loaded by copy on this device)")
         self.made_in.check("this cache's memory")
         with self.lock:
+            self._close_retired_files()  # a process that opens file after file keeps those still in use only
             pages = self.pool.add_external(num_pages, holds=holds)
             try:
                 self.backend.ensure_id_space(self.pool.id_space)
@@ -92,6 +93,17 @@ class Arena(OpenTables):
                 self.pool.retire_unheld(pages)
                 raise
         return pages
+
+    def close_retired_files(self) -> None:
+        """Let the mapped files go whose every page retired (no table holds one): their
+        descriptors are closed (mappings made of them stay valid)."""
+        with self.lock:
+            self._close_retired_files()
+
+    def _close_retired_files(self) -> None:
+        close = getattr(self.backend, "close_files", None)
+        if close is not None and self.made_in.here:
+            close(self.pool.all_retired)
 
     def read_pages(self, pages: Sequence[PageId]) -> torch.Tensor:
         """A ``uint8`` CPU copy ``[len(pages), page_bytes]`` of ``pages`` (to write them to a file)."""

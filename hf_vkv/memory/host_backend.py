@@ -32,12 +32,11 @@ import errno
 import mmap
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from .errors import BackendError, CacheClosedError
-from .errors import ArgumentError
+from .errors import ArgumentError, BackendError, CacheClosedError, InvariantError
 from .interrupts import register_critical
 from .limits import MAX_HOST_PAGE_BYTES, PageSizeError, check_page_bytes
 from .map_budget import PROCESS_MAP_BUDGET, process_mappings, read_max_map_count
@@ -155,7 +154,7 @@ class HostBackend:
         self._readable: set[int] = set()  # addresses of the reservations made readable
         self._closed = False
         self._fd_finalizer = weakref.finalize(self, os.close, self._fd)
-        self._files: list[_File] = []  # mapped files (map_file), by index
+        self._files: list[_File | None] = []  # mapped files (map_file), by index (None: closed, every page retired)
         # each map_file call's pages: (lowest id, highest id, file index, byte offset of the lowest)
         self._file_spans: list[tuple[int, int, int, int]] = []
 
@@ -246,7 +245,7 @@ class HostBackend:
             if span is not None:
                 lo, hi, index, offset = span
                 stop = min(end, hi + 1)
-                out.append((page, stop - page, self._files[index].fd, offset + (page - lo) * self.page_bytes,
+                out.append((page, stop - page, self._file(index).fd, offset + (page - lo) * self.page_bytes,
                             _PROT_READ, _MAP_PRIVATE))
             else:
                 stop = min([end, *(lo for lo, _, _, _ in self._file_spans if lo > page)])
@@ -278,6 +277,26 @@ class HostBackend:
         if pages:
             self._file_spans.append((pages[0], pages[-1], len(self._files) - 1, offset))
 
+    def _file(self, index: int) -> _File:
+        file = self._files[index]
+        if file is None:  # a span's file is closed with the span
+            raise InvariantError(f"mapped file {index} was closed while a span still named it (a bug in hf_vkv)")
+        return file
+
+    def close_files(self, retired: Callable[[int, int], bool]) -> int:
+        """Close the mapped files whose every page ``retired(lowest id, highest id)`` says is
+        retired (no table holds one, and no id of them is handed out again); returns how many.
+        Mappings made of them stay valid (a mapping keeps its file)."""
+        gone = [span for span in self._file_spans if retired(span[0], span[1])]
+        for _, _, index, _ in gone:
+            file = self._files[index]
+            if file is not None:
+                file.close()
+                self._files[index] = None
+        if gone:
+            self._file_spans = [span for span in self._file_spans if span not in gone]
+        return len(gone)
+
     def _span_of(self, page: int) -> tuple[int, int, int, int] | None:
         """The :meth:`map_file` span ``(lowest id, highest id, file index, byte offset)`` holding ``page``."""
         return next((span for span in self._file_spans if span[0] <= page <= span[1]), None)
@@ -302,7 +321,7 @@ class HostBackend:
             if not bool(hit.any()):
                 continue
             rows = hit.nonzero().squeeze(1)
-            file = self._files[index].view()[offset:offset + (hi - lo + 1) * self.page_bytes]
+            file = self._file(index).view()[offset:offset + (hi - lo + 1) * self.page_bytes]
             source = file.view(hi - lo + 1, self.page_bytes).view(_WORDS[word])[:, :nbytes // word]
             out.index_copy_(0, rows, source.index_select(0, ids.index_select(0, rows) - lo))
             left = ~hit if left is None else left & ~hit
@@ -399,7 +418,8 @@ class HostBackend:
             self._pool_view = None
             self._fd_finalizer()
             for f in self._files:  # mappings of them stay valid until their reservations go
-                f.close()
+                if f is not None:
+                    f.close()
 
 
 def _word(nbytes: int, page_bytes: int) -> int:

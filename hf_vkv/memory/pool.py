@@ -216,6 +216,12 @@ class PagePool:
                 self._retired.update(compress(pages, map(not_, holds)))
         return pages
 
+    def all_retired(self, lo: PageId, hi: PageId) -> bool:
+        """Whether every page ``lo..hi`` (external pages of one file) is retired: no table holds
+        any, and none is handed out again (its file may be let go)."""
+        retired = self._retired
+        return all(page in retired for page in range(lo, hi + 1))
+
     def retire_unheld(self, pages: Iterable[PageId]) -> list[PageId]:
         """Retire the external ``pages`` that no table entry holds (only the pin left), e.g. a
         mapped file's pages no entry took; return them."""

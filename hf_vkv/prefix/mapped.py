@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import mmap
@@ -66,7 +67,7 @@ from ..memory.errors import InvariantError
 from .errors import PrefixFileCorruptError, PrefixFormatError
 from .page_check import CHECKSUM_KINDS, SUM64, WEIGHTED64, MappedPages, page_checksums
 
-__all__ = ["MAGIC", "PAGES_FILE", "MappedEntry", "clean_saves", "pages_path", "TableRuns", "check_index_text", "index_text", "map_entries", "verify_file",
+__all__ = ["MAGIC", "PAGES_FILE", "MappedEntry", "clean_saves", "commit_lock", "pages_path", "TableRuns", "check_index_text", "index_text", "map_entries", "verify_file",
            "write_pages"]
 
 PAGES_FILE = "prefix_store.kv"
@@ -108,6 +109,21 @@ def pages_path(folder: Path, section: dict[str, Any]) -> Path:
     if not named.exists() and (folder / PAGES_FILE).exists():
         return folder / PAGES_FILE
     return named
+
+
+@contextlib.contextmanager
+def commit_lock(folder: Path) -> Iterator[None]:
+    """Held while a save commits into ``folder`` (its index, the page file's rename to
+    ``prefix_store.kv``, the index that names it so, the clean-up): saves from any processes or
+    threads commit one at a time (an ``flock`` of the folder itself: no file is left behind), so
+    an index never names ``prefix_store.kv`` while it holds another save's pages. Each save writes
+    its page file under a name of its own before, unlocked."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing it lets the lock go)
 
 
 def clean_saves(folder: Path, keep: str) -> None:

@@ -48,7 +48,8 @@ from .errors import (
 )
 from .fingerprint import (WEIGHTS_DIFFER, TensorsSeen, config_fingerprint, config_record, describe_config_difference,
                           weights_fingerprint)
-from .mapped import PAGES_FILE, MappedEntry, check_index_text, clean_saves, index_text, map_entries, write_pages
+from .mapped import (PAGES_FILE, MappedEntry, check_index_text, clean_saves, commit_lock, index_text, map_entries,
+                     write_pages)
 from .page_check import MappedPages
 from .persist import _check_model, _load, _save
 from .radix import RadixTree
@@ -227,21 +228,34 @@ class PrefixStore:
         return root
 
     def _reclaim(self, pages: int, pool: PagePool) -> bool:
-        """A call drawing from the store's memory found its budget full: let the least recently
-        used entries go whose pages no one else holds, as many as free ``pages``; whether any went.
-        None goes where all of them could not free enough (the step would fail all the same), nor
-        an entry whose pages live rows share (the call's own history: letting it go frees nothing)."""
+        """A call drawing from the store's memory found its budget full: let entries go, least
+        recently used first, as many as make room for ``pages``; whether any went.
+
+        First the entries whose pages no one else holds, counting the pages each frees. Where
+        those cannot make room, also the entries whose pages live rows share (the call's own
+        history, which it borrowed: letting such an entry go frees none of its pages, but a row's
+        write into a page it then holds alone needs no copy), counting those pages as the copies
+        they may save. None goes where all of them could not make room (the step would fail all
+        the same)."""
         with self._lock:
             stats = pool.stats()
-            free, going = stats.budget_pages - stats.in_use, []
+            free, going, sharing = stats.budget_pages - stats.in_use, [], []
             for entry in self._entries.values():  # least recently used first
                 if free >= pages:
                     break
-                alone = sum(int(pool.refcount(int(p)) == 1) for store, (_, ids) in _pages_of(entry).pages.items()
-                            if getattr(store, "pool", None) is pool for p in ids)
+                counts = [int(pool.refcount(int(p))) for store, (_, ids) in _pages_of(entry).pages.items()
+                          if getattr(store, "pool", None) is pool for p in ids]
+                alone = sum(c == 1 for c in counts)
                 if alone:
                     going.append(entry)
                     free += alone
+                elif counts:
+                    sharing.append((entry, len(counts)))
+            for entry, shared in sharing:  # (least recently used first)
+                if free >= pages:
+                    break
+                going.append(entry)
+                free += shared
             if free < pages:
                 return False
             for entry in going:
@@ -657,8 +671,11 @@ class PrefixStore:
                 kept = {entry.tokens for entry in self._entries.values()}
             if mapped is not None:
                 with self._lock:
-                    self._files.append(mapped)
-                mapped.check_in_background()  # its pages are checked by their first use, or then
+                    # a page file no entry holds a page of is not watched (nor checked, nor kept open): a folder
+                    # loaded again whose entries the store already held, files whose entries all went
+                    self._files = [m for m in (*self._files, mapped) if self._holds_pages_of(m)]
+                if mapped in self._files:
+                    mapped.check_in_background()  # its pages are checked by their first use, or then
         finally:
             for cache, _ in loaded:
                 cache.close()
@@ -752,17 +769,20 @@ class PrefixStore:
         # The index is the commit: written after the files it names, each under a name of its own, so
         # a save stopped at any point leaves the last save's folder or this one, both whole. Then the
         # page file takes its usual name (an index that names the other finds it there: pages_path).
-        try:
-            _write_index(out, index)
-        except BaseException:
-            if section is not None:  # never committed: its page file goes (the last save's stays whole)
-                (out / section["file"]).unlink(missing_ok=True)
-            raise
-        if section is not None:
-            os.replace(out / section["file"], out / PAGES_FILE)
-            _write_index(out, {**index, "mapped": {**section, "file": PAGES_FILE}})
-            paths.append(out / PAGES_FILE)
-        clean_saves(out, keep=PAGES_FILE)
+        # Saves from other processes commit one at a time: one's rename between another's and that one's last
+        # index would leave an index naming prefix_store.kv over the other's pages.
+        with commit_lock(out):
+            try:
+                _write_index(out, index)
+            except BaseException:
+                if section is not None:  # never committed: its page file goes (the last save's stays whole)
+                    (out / section["file"]).unlink(missing_ok=True)
+                raise
+            if section is not None:
+                os.replace(out / section["file"], out / PAGES_FILE)
+                _write_index(out, {**index, "mapped": {**section, "file": PAGES_FILE}})
+                paths.append(out / PAGES_FILE)
+            clean_saves(out, keep=PAGES_FILE)
         return paths
 
     def _check_model(self, model: torch.nn.Module) -> None:
@@ -823,11 +843,20 @@ class PrefixStore:
             return [e.tokens for e in self._entries.values()]
 
     def clear(self) -> None:
-        """Drop every entry (pages go back unless live requests still hold them)."""
+        """Drop every entry (pages go back unless live requests still hold them; a mapped page
+        file is let go once none of its pages is held)."""
         with self._lock:
             for entry in list(self._entries.values()):
                 self._drop(entry)
+            for mapped in self._files:
+                close = getattr(mapped.arena, "close_retired_files", None)
+                if close is not None:
+                    close()
             self._files.clear()
+
+    def _holds_pages_of(self, mapped: MappedPages) -> bool:
+        """Whether an entry holds a page of the opened page file ``mapped`` (under the lock)."""
+        return any(mapped.holds(_pages_of(entry)) for entry in self._entries.values())
 
     close = clear
 
@@ -991,7 +1020,18 @@ def _weak_reclaim(store: PrefixStore) -> Callable[[int, PagePool], bool]:
 def saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:
     """The prefix files of a folder — those its :data:`STORE_INDEX` lists, in its order, or without
     an index every ``*.safetensors`` file in it, by name — and the index (version 2: with its
-    mapped pages' section and the model checks; ``None`` without an index or for version 1)."""
+    mapped pages' section and the model checks; ``None`` without an index or for version 1).
+    A folder (or its index) removed while it is read is :class:`PrefixNotFoundError`."""
+    try:
+        return _saved_files(folder)
+    except FileNotFoundError as e:
+        if isinstance(e, PrefixNotFoundError):
+            raise
+        raise PrefixNotFoundError(f"{folder} was removed while it was read ({e.strerror}: {e.filename}): load it once "
+                                  f"it is saved again") from None
+
+
+def _saved_files(folder: Path) -> tuple[list[Path], dict[str, Any] | None]:
     index = folder / STORE_INDEX
     for name in (STORE_INDEX, PAGES_FILE):
         if (folder / name).is_dir():

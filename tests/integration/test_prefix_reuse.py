@@ -21,7 +21,7 @@ import torch
 from models import EOS, PAD, assert_same_tokens, save_chat_model, tiny, tokenizer, words
 
 import hf_vkv
-from hf_vkv import PrefixFileError, PrefixStore, VKVCache
+from hf_vkv import KVCacheOutOfMemory, PrefixFileError, PrefixStore, VKVCache
 from hf_vkv.devices import MIN_COMMON_PREFIX
 from hf_vkv.generate import cache_kwarg
 from hf_vkv.prefix.store import STORE_INDEX
@@ -687,3 +687,64 @@ def test_a_row_alone_over_the_budget_costs_the_store_none_of_its_entries(continu
     assert store.serves(short) and store.stats().bytes_held <= 64 * 1024
     assert run(short).reused_tokens == len(short) - 1
     store.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample_n2"])
+def test_a_prompt_asked_again_is_not_starved_by_its_own_stored_entry(mode: str) -> None:
+    """A store whose memory held 1.5x what a call needs: the same prompt asked again failed with
+    ``KVCacheOutOfMemory`` every time (a fresh store ran it). The call borrowed the stored entry,
+    its writes needed copies of the pages they shared, and the store let no entry go because
+    letting that one go freed no page. Now it goes (its pages then the row's alone, written in
+    place), and the call reuses it and stores its own history again."""
+    model = tiny("llama")
+    ids = torch.tensor([_rand(62, torch.Generator().manual_seed(101))])
+    mask = torch.ones_like(ids)
+    kwargs = dict(MODES[mode], min_new_tokens=NEW)
+
+    def needs(budget: int) -> bool:
+        try:
+            _generate(model, ids, mask, PrefixStore(model.config, cache_config={"budget_bytes": budget}), **kwargs)
+        except KVCacheOutOfMemory:
+            return False
+        return True
+
+    page = 16 * 1024  # the store's pages on the host
+    least = next(n for n in range(1, 256) if needs(n * page))
+    store = PrefixStore(model.config, cache_config={"budget_bytes": int(least * 1.5) * page})
+    reference = _generate(model, ids, mask, None, **kwargs)
+    for turn in range(3):
+        out, report = _reuse(model, ids, mask, store, **kwargs)
+        assert torch.equal(out, reference)
+        rows = kwargs.get("num_return_sequences", 1)
+        assert report.reused_tokens == (0 if turn == 0 else rows * (ids.shape[1] - 1))
+        store.check_invariants()
+    assert store.stats().entries >= 1
+
+
+def test_rows_the_store_has_no_memory_to_copy_are_not_stored_and_the_call_returns_whole() -> None:
+    """A padded batch whose rows the store copies into entries as the call ends: where the store's
+    memory had room for the call but not for those copies, the call raised ``KVCacheOutOfMemory``
+    after its last step, its output lost (and the error named a budget below the one that failed).
+    Now the rows are not stored, with a warning, and the call returns what it computed."""
+    model = tiny("llama", layers=4)
+    g = torch.Generator().manual_seed(2)
+    ids, mask = _batch([_rand(60, g), _rand(55, g)])
+    kwargs = dict(do_sample=False, min_new_tokens=NEW)
+    reference = _generate(model, ids, mask, None, **kwargs)
+    page = 16 * 1024
+    outcomes = set()
+    for pages in range(8, 80, 4):
+        store = PrefixStore(model.config, cache_config={"budget_bytes": pages * page})
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                out = _generate(model, ids, mask, store, **kwargs)
+            except KVCacheOutOfMemory:
+                outcomes.add("too small for the call")
+                continue
+        assert torch.equal(out, reference)
+        stored = store.stats().entries > 0
+        outcomes.add("stored" if stored else "not stored")
+        assert stored or any("rows were not stored" in str(w.message) for w in said)
+        store.check_invariants()
+    assert outcomes == {"too small for the call", "not stored", "stored"}, outcomes

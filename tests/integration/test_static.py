@@ -350,3 +350,65 @@ def test_generate_s_max_cache_len_sizes_the_static_layout_as_static_cache(arch: 
     own = model.generate(**inputs, cache_implementation="vkv", cache_config={"layout": "static", "max_tokens": 80},
                          **kwargs)
     assert own[cache_kwarg()].options.max_tokens == 80
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_budget_that_cannot_hold_the_capacity_is_refused_before_any_step(compiled: bool) -> None:
+    """The static layout's attention reads every row's whole capacity (the mask covers
+    ``max_cache_len``); a budget holding fewer tokens a row cut the reservation below it, and
+    attention failed with a raw torch ``RuntimeError`` (mask 100 against keys 65). Now a
+    :class:`KVCacheOutOfMemory` before any step, nothing stored, whose ``fits_bytes`` runs the call
+    with StaticCache's logits bit for bit."""
+    import copy
+
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    steps: list[int] = []
+
+    class Count(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            steps.append(1)
+            return scores
+
+    reference, model = copy.deepcopy(tiny("llama")), copy.deepcopy(tiny("llama"))  # fresh: _previous_max_cache_length
+    inputs = prompts(1, 9, seed=38)
+    kwargs: dict[str, Any] = dict(max_new_tokens=92, min_new_tokens=92, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)
+    extra: dict[str, Any] = {"compile_config": _compile_config()} if compiled else {}
+    layout = {} if compiled else {"layout": "static"}  # a compile_config chooses the static layout
+    # 2 layers x K/V x 2 heads x 16 dims x 4 bytes = 512 bytes a token: 8 pages hold the prompt and 64 tokens a
+    # row, not the capacity of 100
+    torch._dynamo.reset()
+    FRAMES.clear()
+    with pytest.raises(hf_vkv.KVCacheOutOfMemory) as refused:
+        model.generate(**inputs, cache_implementation="vkv",
+                       cache_config={**layout, "page_bytes": 4096, "budget_bytes": 8 * 4096},
+                       logits_processor=LogitsProcessorList([Count()]), **extra, **kwargs)
+    assert not steps and not FRAMES  # no step ran, nothing compiled
+    assert "budget_bytes" in str(refused.value) and refused.value.fits_bytes == 16 * 4096  # 8 sub-rows, 2 pages each
+    torch._dynamo.reset()
+    ref = reference.generate(**inputs, cache_implementation="static", **extra, **kwargs)
+    torch._dynamo.reset()
+    got = model.generate(**inputs, cache_implementation="vkv",
+                         cache_config={**layout, "page_bytes": 4096, "budget_bytes": refused.value.fits_bytes},
+                         **extra, **kwargs)
+    assert got.past_key_values.layout == "static"
+    assert_same_tokens(ref.sequences, got.sequences)
+    for a, b in zip(ref.logits, got.logits, strict=True):
+        assert torch.equal(a, b)
+    got.past_key_values.check_invariants()
+
+
+def test_a_static_cache_refused_by_its_budget_is_left_as_it_was() -> None:
+    """A cache passed in whose budget cannot hold a row's capacity refuses the first update before
+    it makes anything (no buffer, no layer initialized, no page): the message says what to do."""
+    model = tiny("llama")
+    ids = prompts(2, 9, seed=39)["input_ids"]
+    # the budget holds the prompt and 128 tokens a row (16 pages), not 200; both rows: 2 x 8 sub-rows x 4 pages
+    cache = VKVCache(model.config, layout="static", page_bytes=4096, budget_bytes=16 * 4096, max_tokens=200)
+    with torch.no_grad(), pytest.raises(hf_vkv.KVCacheOutOfMemory, match=r"budget_bytes'\] to at least 262,144"):
+        model(input_ids=ids, **{cache_kwarg(): cache}, use_cache=True)
+    assert not any(layer.is_initialized for layer in cache.layers) and cache.get_seq_length() == 0
+    assert all(group.buffer is None and group.geometry is None for group in cache._groups)
+    assert cache.stats().resident_bytes == 0
+    cache.check_invariants()

@@ -238,11 +238,13 @@ def test_a_short_product_split_between_threads_gives_dynamic_cache_bits_on_fewer
         rx.clear_verdicts()
 
 
-def test_masked_or_non_causal_attention_at_two_threads_runs_on_every_row() -> None:
+def test_masked_or_non_causal_attention_at_two_threads_and_half_precision_run_on_every_row() -> None:
     """SDPA with an explicit mask, or not causal, on the host at more than one thread is never
     admitted on the unique rows (its result there was seen to depend on the values, which no draw
-    settles: an encoder-decoder's first cross-attention, one query, no mask); causal SDPA without a
-    mask, or any at one thread, the proofs decide."""
+    settles: an encoder-decoder's first cross-attention, one query, no mask); neither is a
+    half-precision matmul, attention or reduction at any thread count (its rounding hides a
+    summation order but for a few values); causal float32 SDPA without a mask, or any at one
+    thread, the proofs decide."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     q, k = torch.randn(3, 2, 1, 16), torch.randn(3, 2, 11, 16)
     mask = torch.zeros(3, 2, 1, 11)
@@ -260,5 +262,12 @@ def test_masked_or_non_causal_attention_at_two_threads_runs_on_every_row() -> No
         torch.set_num_threads(1)
         assert not rx._values_decide_rows(sdpa, (q, k, k), {"attn_mask": mask})
         assert not rx._values_decide_rows(sdpa, (q, k, k), {})
+        # half precision: every proved function at any thread count (the rounding hides a summation order)
+        half = q.bfloat16()
+        assert rx._values_decide_rows(torch.nn.functional.linear, (half, half[0, 0]), {})
+        assert rx._values_decide_rows(torch.einsum, ("bhqd,bhkd->bhqk", half, half), {})
+        assert rx._values_decide_rows(sdpa, (half, half, half), {"is_causal": True})
+        assert not rx._values_decide_rows(torch.nn.functional.linear, (q, q[0, 0]), {})
+        assert not rx._values_decide_rows(torch.nn.functional.silu, (half,), {})
     finally:
         torch.set_num_threads(before)
