@@ -12,6 +12,7 @@ Backends:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -27,9 +28,9 @@ from .memory.limits import mem_available
 from .memory.map_budget import PROCESS_MAP_BUDGET, MappingLimitError
 
 __all__ = ["BEAM_TOKEN_MAJOR_MAX_PROMPT", "CASCADE_MIN_SHARED_TOKENS", "CUDA_CREATE_AHEAD", "CUDA_MARGIN_FRACTION", "CUDA_MIN_MARGIN_BYTES",
-           "DevicePolicy", "HEAD_MAJOR_BEAM_SUBROW_MAPPINGS", "HEAD_MAJOR_PAGE_BYTES", "HEAD_MAJOR_SUBROW_MAPPINGS", "HOST_BUDGET_FRACTION", "HOST_PAGE_BYTES", "MAP_AHEAD_TOKENS",
-           "MEMORY_LIMIT_MAX_PROMPT", "MEMORY_LIMIT_SLACK", "VIEW_ALIGNMENT_BYTES", "MIN_COMMON_PREFIX", "PAGED_BLOCK_TOKENS", "TOKEN_MAJOR_PAGE_BYTES", "PREFIX_STORE_PAGE_BYTES", "UnsupportedDeviceError",
-           "Workload", "WorkloadError", "arena_for_device", "cascade_refusal", "choose_layout", "default_cuda_budget", "head_major_excess", "head_major_mappings", "subrow_item_bytes", "default_host_budget", "layer_devices_of", "policy_for"]
+           "DevicePolicy", "HEAD_MAJOR_BEAM_SUBROW_MAPPINGS", "HEAD_MAJOR_PAGE_BYTES", "HEAD_MAJOR_SHARED_PROMPT_ROWS", "HEAD_MAJOR_SUBROW_MAPPINGS", "HOST_BUDGET_FRACTION", "HOST_PAGE_BYTES", "MAP_AHEAD_TOKENS",
+           "MEMORY_LIMIT_MAX_PROMPT", "MEMORY_LIMIT_SLACK", "VIEW_ALIGNMENT_BYTES", "MIN_COMMON_PREFIX", "PAGED_BLOCK_TOKENS", "TOKEN_MAJOR_PAGE_BYTES", "PREFIX_STORE_PAGE_BYTES", "UNKNOWN_NEW_TOKENS", "UnsupportedDeviceError",
+           "Workload", "WorkloadError", "arena_for_device", "cascade_refusal", "choose_layout", "default_cuda_budget", "head_major_excess", "head_major_mappings", "head_major_written_pages", "subrow_item_bytes", "default_host_budget", "layer_devices_of", "policy_for"]
 
 #: Fewest tokens a cluster of rows must share for the ``"vkv_cascade"`` attention to read them once,
 #: by intra-op threads, then by the rows in the cluster; ``None``: it did not pay at any length
@@ -133,25 +134,54 @@ BEAM_TOKEN_MAJOR_MAX_PROMPT = 512
 #: a head-major row without beams: its run of shared prompt pages, its own pages (a copy of the
 #: prompt's partly written last page, then the pages it grows) and the unmapped rest of its slots,
 #: which no neighbour can merge with. A run of own pages breaks where the pool cannot give the
-#: next consecutive id (a recycled page, an id another row took), so this is the common count, not
-#: a bound. Measured with ``PROCESS_MAP_BUDGET.held`` at every step:
+#: next consecutive id (a recycled page, an id another row took); where rows share a prompt, that
+#: happens to about one row's sub-rows of the prompt's rows, and to up to ~3.6 rows' worth where
+#: the rows fill their reservation, which :data:`HEAD_MAJOR_SHARED_PROMPT_ROWS` adds per shared
+#: prompt (:func:`head_major_mappings`).
+#: Measured, the most held at any step or asked for by a change (``MapBudget.check``):
 #:
 #: * SmolLM2-135M, n=96 sampled rows of a 2048-token prompt, 6 new tokens: 51,660 mappings, 2.99
 #:   per sub-row (``benchmarks/results/map_budget_step_2048x96_t1.json``);
 #: * a 4-layer, 4-KV-head tiny Llama (32 sub-rows a row, 64-token pages;
 #:   ``benchmarks/map_budget_layout.py count``, ``benchmarks/results/map_budget_count.json``):
 #:   greedy 2.0, n=8 sampling 2.0 / 3.18 / 2.88 at prompts 20 / 100 / 130 with 6 / 60 / 120 new
-#:   tokens, 4 and 8 beams up to 4.0 (:data:`HEAD_MAJOR_BEAM_SUBROW_MAPPINGS`); token-major at most
-#:   2.0 per row of a group in every case.
+#:   tokens; token-major at most 2.0 per row of a group in every case;
+#: * tiny Llamas of 2 layers x 2 KV heads and 4 x 4, 64- and 16-token pages (head dim 16 / 64,
+#:   float32), 799 sampled or greedy calls (n = 1..32 rows of 1, 2 or 4 prompts, left padding,
+#:   prompts 60..520 tokens, 1..1000 new tokens, reservations of the model's 2048 positions down to
+#:   the call's own length; ``docs/layouts.md#mappings`` has the commands): rows of distinct prompts
+#:   at most 2 per sub-row (and the 2 of a change); rows sharing a prompt at most 3 per sub-row plus
+#:   1.32 rows' worth of sub-rows per prompt in 2048-position reservations, 3.62 where the rows
+#:   fill their reservation (n=2 of 100 tokens, 600 new: 4.69 per sub-row; n=8: 3.45; n=24: 3.15).
+#:   That extra stops growing with the new tokens (the same at 600 and 1000).
 #:
-#: 3, not the 3.18 seen once: a larger count would move rows that run on head-major today to
-#: token-major, whose step is ~1.5x head-major's there (below); a workload that fragments past it
-#: near the limit gets a :class:`~hf_vkv.memory.map_budget.MappingLimitError` before anything
-#: changes, as it did before the rule.
+#: 3 per sub-row: SmolLM2's n=96 keeps head-major and its step (token-major's is ~1.5x there, below).
 HEAD_MAJOR_SUBROW_MAPPINGS = 3
-#: The same count under beam search, whose reorders share and drop pages in more runs: 4.0 per
-#: sub-row measured (4 and 8 beams, prompt 100, 60 new tokens, the tiny Llama above).
-HEAD_MAJOR_BEAM_SUBROW_MAPPINGS = 4
+#: Rows' worth of sub-rows that the rows sharing one prompt (``prompt_repeats`` > 1) may hold over
+#: :data:`HEAD_MAJOR_SUBROW_MAPPINGS` a sub-row: 3.62 measured at most (above), 4 with a margin.
+HEAD_MAJOR_SHARED_PROMPT_ROWS = 4
+#: Mappings a head-major sub-row holds besides one per page written past its prompt's whole pages:
+#: the run of those prompt pages (one prefill wrote them to consecutive ids) and the unmapped rest.
+#: So a sub-row holds at most ``2 + ceil((P mod t + G) / t)`` for a P-token prompt and G new tokens
+#: of ``t`` tokens a page (:func:`head_major_written_pages`), and a change adds 2 for the moment
+#: inside a run (``mapping_change``). This is what beam search reaches: its reorders give a row
+#: pages that other rows wrote, so almost every page it writes is a run of its own, and a fixed
+#: count per sub-row (4 before) was passed part-way through long calls (48 layers x 8 KV heads,
+#: 16 beams, 520-token prompt: ``MappingLimitError`` at step 126 of 300 with vm.max_map_count
+#: 65530, 53,796 held). Measured (tiny Llama of 2 layers x 2 KV heads, 64-token pages, the most
+#: held or asked for at any step, per sub-row, against the bound; ``docs/layouts.md#mappings``):
+#: 16 beams of 70 tokens: 2.95 / 4.95 / 6.02 / 11.02 at 50 / 150 / 300 / 600 new tokens (bound 3 /
+#: 5 / 7 / 12); 8 beams, 600 new: 11.91 (12); 16-token pages (SmolLM2's head dim in float32), 16
+#: beams of 520 tokens, 300 new: 20.94 (22). Over 370 beam calls (2..16 beams, batches of 1, 2 and
+#: 4 prompts, left padding, prompts 63..520 tokens, 1..600 new tokens, 64- and 16-token pages,
+#: reservations of 2048 positions or of the call's own length) a call held at most the bound plus
+#: the 2 of a change.
+HEAD_MAJOR_BEAM_SUBROW_MAPPINGS = 2
+#: New tokens a row is counted to write where the workload does not say (``Workload.new_tokens``
+#: is ``None``): a context longer than common models reserve, so that beams whose call length is
+#: not known get token-major (rule 7 of :func:`choose_layout`) wherever the process has a
+#: ``vm.max_map_count``-sized budget, rather than head-major rows that may run out part-way.
+UNKNOWN_NEW_TOKENS = 1 << 17
 #: Largest share by which a call's KV may exceed its physical limit, the tokens it holds stored
 #: once: (prompt + rows x new tokens) tokens for rows sharing one prompt. Where head-major's
 #: partly written pages could exceed it, :func:`choose_layout` gives the rows token-major (rule 6,
@@ -260,12 +290,16 @@ class Workload:
     mappings_free: int | None = None  # mappings vkv may still add (None: as the process's MapBudget.fits says)
     prompt_repeats: int | None = None  # rows sharing each prompt: max(num_beams, num_return_sequences) (None: not known)
     item_bytes: int | None = None  # bytes of one token in one sub-row: the wider K/V head dim x the dtype's size (None: not known)
+    new_tokens: int | None = None  # tokens a row may cache past its prompt: a call's max_new_tokens (None: not known)
 
     def __post_init__(self) -> None:
         for name in ("num_beams", "rows", "subrows", "prompt_repeats", "item_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise WorkloadError(f"Workload.{name} must be a positive int, got {value!r}")
+        value = self.new_tokens
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise WorkloadError(f"Workload.new_tokens must be an int >= 0, got {value!r}")
 
 
 def choose_layout(asked: str | None, workload: Workload) -> str | None:
@@ -297,7 +331,9 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
        (:func:`head_major_mappings` > ``mappings_free``, by default as
        ``PROCESS_MAP_BUDGET.fits`` says: ``vm.max_map_count`` less its headroom, the rest of
        the process and what vkv holds), ``"token_major"``, which maps at most ~2 ranges per row
-       of a group instead of ~3 per (layer, K/V, head) sub-row;
+       of a group instead of ~3 per (layer, K/V, head) sub-row, and under beams up to one per page
+       of each sub-row (so beams count the call's ``new_tokens``, and where those are not known
+       :data:`UNKNOWN_NEW_TOKENS`, which gives them token-major);
     8. the device's default (:attr:`DevicePolicy.layout`).
 
     Rule 6, measured (``benchmarks/memory_limit.py``, SmolLM2-135M float32, default options, 5
@@ -310,10 +346,13 @@ def choose_layout(asked: str | None, workload: Workload) -> str | None:
     and one row of 512 tokens (1.02x; a lone row's limit is DynamicCache's).
 
     Rule 7, measured (``benchmarks/map_budget_layout.py``, SmolLM2-135M: 30 layers x K/V x 3 KV
-    heads = 180 sub-rows a row, 540 mappings a row by :data:`HEAD_MAJOR_SUBROW_MAPPINGS`, 720
-    under beams; with ``vm.max_map_count`` 65530 the budget leaves vkv 56,406 in a process that
-    loaded the model, so head-major serves up to 104 sampled rows, 78 beam rows, token-major
-    above, whatever the prompt's length):
+    heads = 180 sub-rows a row, 540 mappings a row by :data:`HEAD_MAJOR_SUBROW_MAPPINGS` and 720
+    more per shared prompt; with ``vm.max_map_count`` 65530 the budget leaves vkv 56,406 in a
+    process that loaded the model, so head-major serves up to 103 sampled rows of one prompt (104
+    where the new tokens fit in a page), and beam rows as their new tokens allow (float32, 16
+    tokens a page, a prompt of a multiple of 16 tokens: 104 rows for 16 new tokens, 34 for 100,
+    14 for 300, none where the call does not say); token-major above, whatever the prompt's
+    length):
 
     * n=128 of an 8192-token prompt, bfloat16, 4 new tokens, default options (before: head-major,
       ``MappingLimitError`` at the first decode step, holding 46,080 and needing 22,862 more):
@@ -381,6 +420,11 @@ def _check_store_rows(layout: str, workload: Workload) -> None:
     layout is chosen, not at a later step; ``generate`` then runs the call without the store."""
     policy = policy_for(workload.device_type)
     head_major = layout == "head_major" or (layout == "contiguous" and policy.layout == "head_major")
+    if workload.num_beams > 1 and workload.new_tokens is None:
+        # The store's rows cannot take another layout, and counting UNKNOWN_NEW_TOKENS would refuse
+        # the store for every beam call: where the call's length is not known they are checked for
+        # their first step, and may meet the limit later (MappingLimitError at that step).
+        workload = dataclasses.replace(workload, new_tokens=1)
     needed = _head_major_overflow(workload) if head_major and policy.backend == "host" else None
     if needed is not None:
         budget = PROCESS_MAP_BUDGET
@@ -422,16 +466,44 @@ def subrow_item_bytes(config: Any, dtype: torch.dtype) -> int | None:
     return max(dims) * dtype.itemsize
 
 
+def head_major_written_pages(workload: Workload) -> int:
+    """Pages a head-major sub-row of ``workload`` may write past its prompt's whole pages:
+    ``ceil((P mod t + G) / t)`` for a P-token prompt (its partly written last page is copied or
+    written on) and G new tokens (``workload.new_tokens``, :data:`UNKNOWN_NEW_TOKENS` where not
+    known), ``t`` tokens a :data:`HEAD_MAJOR_PAGE_BYTES` page (one where the item size is not
+    known; ``P mod t`` counted as ``t - 1`` where the prompt is not)."""
+    per_page = max(HEAD_MAJOR_PAGE_BYTES // workload.item_bytes, 1) if workload.item_bytes else 1
+    new = workload.new_tokens if workload.new_tokens is not None else UNKNOWN_NEW_TOKENS
+    partial = workload.prompt_tokens % per_page if workload.prompt_tokens is not None else per_page - 1
+    return -(-(partial + new) // per_page)
+
+
 def head_major_mappings(workload: Workload) -> int | None:
-    """Kernel mappings the head-major layout's rows may hold for ``workload``: rows x sub-rows x
-    :data:`HEAD_MAJOR_SUBROW_MAPPINGS` (:data:`HEAD_MAJOR_BEAM_SUBROW_MAPPINGS` under beam
-    search); ``None`` when rows or sub-rows are not known. An estimate from measured counts, not
-    a bound: the buffers count exactly and refuse a change past the limit
-    (:class:`~hf_vkv.memory.map_budget.MappingLimitError`)."""
-    if workload.rows is None or workload.subrows is None:
+    """Kernel mappings the head-major layout's rows may hold for ``workload`` at any step, the 2
+    of a change included; ``None`` when rows or sub-rows are not known.
+
+    * At most, whatever the rows do: ``2 + pages written`` a sub-row
+      (:data:`HEAD_MAJOR_BEAM_SUBROW_MAPPINGS`, :func:`head_major_written_pages`), every page it
+      writes a mapping of its own. Beam search reaches it (its reorders give rows each other's
+      pages), so under beams that is the count: it grows with the new tokens, and where those are
+      not known it counts :data:`UNKNOWN_NEW_TOKENS`.
+    * Without beams, the lesser of that and the measured count: :data:`HEAD_MAJOR_SUBROW_MAPPINGS`
+      a sub-row, and :data:`HEAD_MAJOR_SHARED_PROMPT_ROWS` rows' worth more per prompt that rows
+      share (``prompt_repeats`` > 1), whatever the new tokens.
+
+    The buffers count exactly and refuse a change past the limit
+    (:class:`~hf_vkv.memory.map_budget.MappingLimitError`); this count is what lets the layout rule
+    decide before the first step."""
+    rows, subrows = workload.rows, workload.subrows
+    if rows is None or subrows is None:
         return None
-    per_subrow = HEAD_MAJOR_BEAM_SUBROW_MAPPINGS if workload.num_beams > 1 else HEAD_MAJOR_SUBROW_MAPPINGS
-    return workload.rows * workload.subrows * per_subrow
+    every_page = rows * subrows * (HEAD_MAJOR_BEAM_SUBROW_MAPPINGS + head_major_written_pages(workload)) + 2
+    if workload.num_beams > 1:
+        return every_page
+    repeats = workload.prompt_repeats or 1
+    shared_prompts = -(-rows // repeats) if repeats > 1 else 0
+    measured = rows * subrows * HEAD_MAJOR_SUBROW_MAPPINGS + shared_prompts * subrows * HEAD_MAJOR_SHARED_PROMPT_ROWS
+    return min(measured, every_page)
 
 
 def default_host_budget() -> int | None:

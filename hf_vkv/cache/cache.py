@@ -244,7 +244,9 @@ class VKVCache(Cache):
         device = devices.model_device(model)
         workload = devices.Workload(device_type=None if device is None else device.type, num_beams=num_beams,
                                     prompt_tokens=prompt_tokens, compiling=compiling, prompt_repeats=expand,
-                                    item_bytes=devices.subrow_item_bytes(model.config.get_text_config(decoder=True), model.dtype))
+                                    item_bytes=devices.subrow_item_bytes(model.config.get_text_config(decoder=True), model.dtype),
+                                    # the most a row writes after its prompt (beams' mappings grow with it: rule 7)
+                                    new_tokens=None if prompt_tokens is None else max(max_length - prompt_tokens, 0))
         if options.get("layout") == "static" or (options.get("layout") is None and compiling):
             # as transformers sizes its StaticCache in generate: the largest capacity a static call of this model had
             # (it keeps it in model._previous_max_cache_length, against recompiling), which the attention reads whole

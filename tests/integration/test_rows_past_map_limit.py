@@ -11,10 +11,12 @@ import gc
 import pytest
 import torch
 from models import assert_same_tokens, prompts, tiny
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_vkv  # noqa: F401
 from hf_vkv.ab import run_ab
-from hf_vkv.devices import HEAD_MAJOR_SUBROW_MAPPINGS, MEMORY_LIMIT_MAX_PROMPT
+from hf_vkv.devices import (BEAM_TOKEN_MAJOR_MAX_PROMPT, HEAD_MAJOR_SUBROW_MAPPINGS, MEMORY_LIMIT_MAX_PROMPT, Workload,
+                            head_major_mappings)
 from hf_vkv.generate import cache_kwarg
 from hf_vkv.memory.map_budget import PROCESS_MAP_BUDGET, MappingLimitError, process_mappings
 
@@ -59,6 +61,50 @@ def test_many_rows_past_the_mapping_limit_generate_with_dynamic_caches_tokens_an
         assert stats.groups[0].shared_prompt_rows > 0  # prefill once: the rows share the prompt's pages
     torch.manual_seed(7)
     assert_same_tokens(model.generate(**inputs, **kwargs), out.sequences)  # DynamicCache, the same draws
+
+
+def test_beams_whose_sub_rows_fragment_past_a_fixed_count_run_on_the_default_options():
+    """Beam search over a prompt past rule 5's, default options: its reorders give a head-major
+    row pages other rows wrote, so its sub-rows grow by up to one mapping per page they write (5.5
+    a sub-row here at the end, against the 4 the rule counted under beams before). Before, the rule
+    kept head-major (4 beams x 32 sub-rows x 4 = 512 fit the limit below) and the call raised
+    ``MappingLimitError`` part-way through decoding (the same call on head-major below, at step
+    ~120 of 250); now it counts every page the beams may write and gives them token-major, with
+    DynamicCache's tokens."""
+    model = _model()
+    beams, new = 4, 250
+    length = BEAM_TOKEN_MAJOR_MAX_PROMPT + 8  # 520 tokens: past rule 5 (short beams: token-major)
+    inputs = prompts(1, length)
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, num_beams=beams, do_sample=False, pad_token_id=0)
+    reference = model.generate(**inputs, **kwargs)  # DynamicCache
+    old_count = beams * SUBROWS * 4  # what the rule counted before
+    item = model.config.head_dim * 4  # float32: 64 tokens a 4 KiB page
+    room = old_count + 16
+    steps = []
+
+    class Steps(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            steps.append(input_ids.shape[1])
+            return scores
+
+    gc.collect()
+    with PROCESS_MAP_BUDGET.override(limit=process_mappings() + room, headroom=0):
+        with pytest.raises(MappingLimitError):  # head-major passes the old count part-way through
+            model.generate(**inputs, cache_implementation="vkv", cache_config={"layout": "head_major"},
+                           logits_processor=LogitsProcessorList([Steps()]), **kwargs)
+        assert len(steps) > 1  # not at the first step: a count the rule makes before it must cover it
+        gc.collect()
+        out = model.generate(**inputs, cache_implementation="vkv", return_dict_in_generate=True, **kwargs)
+        assert out[cache_kwarg()].layout == "token_major"
+        # token-major's rows fragment under beams too (259 here), but by pages of whole rows (a page
+        # holds 2 tokens of all 32 sub-rows here), not by pages of every sub-row
+        assert out[cache_kwarg()].stats().mappings < room
+    assert_same_tokens(reference, out.sequences)
+    # the count behind it: every page the beams may write, once generate passes the call's length
+    # (Workload.new_tokens; until then beams count UNKNOWN_NEW_TOKENS)
+    bound = head_major_mappings(Workload(rows=beams, subrows=SUBROWS, num_beams=beams, prompt_tokens=length,
+                                         item_bytes=item, new_tokens=new))
+    assert bound == beams * SUBROWS * (2 + 5) + 2 > room  # (520 mod 64 + 250) / 64: 5 pages written a sub-row
 
 
 def test_rows_within_the_mapping_limit_keep_head_major():
