@@ -65,6 +65,15 @@ def _layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict[str, An
     return list(types), list(kwargs)
 
 
+def _cross_attention_layers(config: PretrainedConfig) -> frozenset[int]:
+    """The decoder layers of ``config`` (a text config) that attend to another sequence and cache
+    its K/V (Mllama's ``cross_attention_layers``, which cache the image's tokens at the prefill and
+    are only read after): their token count is not the text's, so they never share a layer group
+    with the self-attention layers (a group's members write the same tokens in a step)."""
+    layers = getattr(config, "cross_attention_layers", None)
+    return frozenset(i for i in layers if isinstance(i, int)) if isinstance(layers, (list, tuple)) else frozenset()
+
+
 def _subrows(config: PretrainedConfig, types: list[str]) -> int | None:
     """(layer, K/V, head) sub-rows of one row in the head-major layout: 2 x the key/value heads of
     every layer vkv stores, layer by layer (``types``: the config's layer types; ``None`` where the
@@ -172,13 +181,16 @@ class VKVCache(Cache):
 
         members: dict[tuple[str, int | None, str], list[int]] = {}
         static = self._layout_name == "static"
+        cross = _cross_attention_layers(text_config)
         for idx, (kind, kw) in enumerate(zip(types, kwargs)):
             # the static layout pages full-attention layers; a sliding window is bounded, so in a
             # compiled step it stays transformers' StaticSlidingWindowLayer (the same as StaticCache's)
             if kind in _VKV_KINDS and not (static and kind != "full_attention"):
                 window = kw.get("sliding_window") if _VKV_KINDS[kind] else None
                 device = str(layer_devices.get(idx, "")) if layer_devices else ""
-                key = ("sliding_attention" if window else "full_attention", window, f"{device}#{idx}" if self.options.groups == "layer" else device)
+                # a cross-attention layer caches the image's tokens once, not the text's: a group of its own
+                group_kind = "cross_attention" if idx in cross else "sliding_attention" if window else "full_attention"
+                key = (group_kind, window, f"{device}#{idx}" if self.options.groups == "layer" else device)
                 members.setdefault(key, []).append(idx)
         self._groups: list[LayerGroup] = []
 
@@ -193,7 +205,7 @@ class VKVCache(Cache):
                           share_prompts=self.options.share_prompts)
             if static:
                 self._groups.append(StaticGroup(map_ahead=self.options.map_ahead or devices.MAP_AHEAD_TOKENS, **common))
-            elif cascade and window is None:
+            elif cascade and kind == "full_attention":
                 self._groups.append(SharedPrefixGroup(half_precision=self.options.cascade_half_precision, **common))
             else:
                 self._groups.append(LayerGroup(**common))
@@ -216,6 +228,13 @@ class VKVCache(Cache):
         transformers names them (``"full_attention"``, ``"linear_attention"``, ...)."""
         types, _ = _layer_types(config.get_text_config(decoder=True))
         return list(dict.fromkeys(types))
+
+    @staticmethod
+    def cross_attention_layers(config: PretrainedConfig) -> frozenset[int]:
+        """The decoder layers of ``config``'s model that cache another sequence's K/V (Mllama's
+        cross-attention layers: the image's tokens, at the prefill): a layer group of their own,
+        empty after a text-only call."""
+        return _cross_attention_layers(config.get_text_config(decoder=True))
 
     @staticmethod
     def stores_kv(config: PretrainedConfig) -> bool:
@@ -429,13 +448,24 @@ class VKVCache(Cache):
                     raise ArgumentError(f"row source {src} asks for tokens its cache ({held} tokens, {src.cache.rows} "
                                         f"rows) does not hold: take rows 0..{src.cache.rows - 1} and start + "
                                         f"length - offset <= {held}")
+        per_group = [[(None if s.offset >= length else s.cache._groups[g], s.row, s.start, s.offset) for s in sources]
+                     for g in range(len(self._groups))]
+        taken = []  # a group no source holds tokens of stays empty (Mllama's cross-attention layers, text only)
+        for g, group_sources in enumerate(per_group):
+            held = [(src, s.cache.get_seq_length()) for (src, *_), s in zip(group_sources, sources)
+                    if src is not None and any(src.lengths)]
+            if any(n != seq for src, seq in held for n in src.lengths):
+                raise ArgumentError(f"group {self._groups[g].name!r} of a source holds other tokens than its cache's "
+                                    f"{held[0][1]}: it caches another sequence (cross-attention), whose rows take_rows "
+                                    f"cannot take")
+            if held:
+                taken.append(self._groups[g])
         copied = 0
         # sliding groups first: one that cannot share its rows refuses before any group took a row
-        for g in sorted(range(len(self._groups)), key=lambda g: self._groups[g].sliding_window is None):
-            copied = self._groups[g].take_rows([(None if s.offset >= length else s.cache._groups[g], s.row, s.start,
-                                                 s.offset) for s in sources], length)
+        for group in sorted(taken, key=lambda group: group.sliding_window is None):
+            copied = group.take_rows(per_group[self._groups.index(group)], length)
         for layer in self.layers:
-            if isinstance(layer, VKVLayer):
+            if isinstance(layer, VKVLayer) and layer.group in taken:
                 layer.adopt_group()
         self.padded = self.padded or any(s.offset > 0 for s in sources)  # (set by generate before, for its mask)
         return copied

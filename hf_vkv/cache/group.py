@@ -257,6 +257,12 @@ class LayerGroup:
                 f"batch {batch} continues a cache of {self.batch} rows: its other {batch - self.batch} rows hold no "
                 f"tokens; pass the cache's {self.batch} rows (cache.batch_repeat_interleave or reorder_cache makes "
                 f"more)")
+        if start == 0 and any(self.lengths) and self.prompts.applies(batch=batch, start=start, end=end):
+            # sharing a prompt starts its rows afresh: the tokens members already wrote would go
+            raise LayerMismatchError(
+                f"group {self.name!r}: a member writes tokens [0, {end}) while others hold "
+                f"{sorted(set(self.lengths) - {0})} tokens: the layers of one group must write the same tokens in a "
+                f"step; give each layer its own group with cache_config={{'groups': 'layer'}}")
         rows = range(batch)
         self.prompts.settle()
         if self.sliding_window is not None and not self.record_past:

@@ -110,6 +110,11 @@ def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, mode
     dtype: torch.dtype | None = None
     for i, layer in enumerate(cache.layers):
         keys, values = layer.keys, layer.values
+        if (keys is None or values is None) and i in VKVCache.cross_attention_layers(cache.config):
+            # a cross-attention layer of a text-only call holds nothing (an earlier reader refuses the file: a layer
+            # "starting" at token n that does not slide)
+            layers.append({"start": n, "window": None, "empty": True})  # its tensors: [1, 0, 0, 0], below
+            continue
         if keys is None or values is None:
             raise ArgumentError(f"layer {i} of the cache holds no states: nothing to save; save the cache after "
                                 f"generate (or a forward) filled it")
@@ -118,6 +123,10 @@ def _save(path: str | os.PathLike[str], cache: VKVCache, token_ids: Any, *, mode
         tensors[f"layers.{i}.values"] = values.detach().to("cpu").contiguous()
         layers.append({"start": n - keys.shape[2], "window": getattr(layer, "sliding_window", None)})
     assert dtype is not None
+    for i, info in enumerate(layers):
+        if info.get("empty"):
+            tensors[f"layers.{i}.keys"] = torch.zeros(1, 0, 0, 0, dtype=dtype)
+            tensors[f"layers.{i}.values"] = torch.zeros(1, 0, 0, 0, dtype=dtype)
     meta = {
         "format": FORMAT, "version": VERSION, "layout": LAYOUT, "writer": f"hf_vkv {__version__}",
         "dtype": str(dtype).removeprefix("torch."), "length": n, "token_ids": tokens,
@@ -194,6 +203,8 @@ def _load(
         for i, (layer, info) in enumerate(zip(cache.layers, meta["layers"])):
             keys, values = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
             start = info["start"]
+            if info.get("empty") is True and keys.numel() == 0 and i in VKVCache.cross_attention_layers(cache.config):
+                continue  # a cross-attention layer that held nothing: it stays empty
             if start > 0 and (info["window"] is None or getattr(layer, "sliding_window", None) != info["window"]):
                 raise PrefixFormatError(f"{path}: layer {i} starts at token {start} but is not sliding")
             cache.write_states(i, keys.to(device), values.to(device), start=start)
