@@ -18,7 +18,7 @@ This reorders the float sums of attention, so it is opt-in: ``attn_implementatio
 (the door is the attention implementation because the computation that changes is attention's;
 ``cache_implementation="vkv"`` then tags the shared prefix). The A/B harness reports its max
 |Δlogit| against DynamicCache; tokens must stay identical. Sums run in float32 for half-precision
-inputs. Float32 on the CPU without a mask reads each part in one fused pass (torch's CPU flash
+inputs (and in float64 for float64 ones). Float32 on the CPU without a mask reads each part in one fused pass (torch's CPU flash
 kernel, which returns the log-sum-exp the merge needs, as sdpa's own kernel); other inputs take a
 matmul-softmax-matmul in float32. The common step — one cluster of every row (a prompt's samples,
 beams), no mask, float32 on the CPU — is two calls of that kernel (the stacked prefix, the rows'
@@ -53,23 +53,24 @@ def attend_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
         key, value: ``[..., n, D]`` / ``[..., n, Dv]``.
         mask: bool, broadcastable to ``[..., m, n]`` (True = attend), or ``None``.
     Returns:
-        ``(out [..., m, Dv], lse [..., m])`` in float32; a query with nothing to attend to in this
+        ``(out [..., m, Dv], lse [..., m])`` in float32 (float64 for float64 inputs); a query with nothing to attend to in this
         part has ``lse = -inf`` and ``out = 0``.
     """
+    sums = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64
     if key.shape[-2] == 0:  # an empty part: nothing to attend to
         shape = torch.broadcast_shapes(query.shape[:-2], value.shape[:-2])
-        return (query.new_zeros(*shape, query.shape[-2], value.shape[-1], dtype=torch.float32),
-                query.new_full((*shape, query.shape[-2]), float("-inf"), dtype=torch.float32))
+        return (query.new_zeros(*shape, query.shape[-2], value.shape[-1], dtype=sums),
+                query.new_full((*shape, query.shape[-2]), float("-inf"), dtype=sums))
     if mask is None and _fused(query, key, value):
         return _fused_part(query, key, value, scale=scale)
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)).mul_(scale)
+    scores = torch.matmul(query.to(sums), key.to(sums).transpose(-1, -2)).mul_(scale)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # nothing to attend to: exp gives 0
     weights = scores.sub_(top).exp_()  # one exp pass: the softmax's numerators
     total = weights.sum(dim=-1)
-    out = torch.matmul(weights, value.float()).div_(total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1))
+    out = torch.matmul(weights, value.to(sums)).div_(total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1))
     return out, top.squeeze(-1) + torch.log(total)
 
 

@@ -55,7 +55,7 @@ def test_merging_two_parts_equals_attention_over_both() -> None:
     assert torch.equal(merge_partials(*empty, *b), b[0])
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)])
 @pytest.mark.parametrize("prefix", [0, 1, PAGE_TOKENS, 7 * PAGE_TOKENS])
 def test_cascade_decode_against_reference(dtype: torch.dtype, atol: float, heads: int, kv_heads: int,
