@@ -172,27 +172,39 @@ def check_host_budget() -> Check:
 
 
 def check_map_count() -> Check:
-    """``vm.max_map_count`` bounds the mappings of the process: every row maps at least one range
-    per layer group (head-major: per (layer, K/V, head) sub-row), two with a shared prompt, and at
-    worst one per page."""
+    """``vm.max_map_count`` bounds the mappings of the process. How many rows of the default model
+    head-major serves within what vkv may map is :func:`hf_vkv.devices.head_major_mappings`' count
+    (sampled rows of one prompt), the rule that picks token-major past it (rule 7 of
+    :func:`hf_vkv.devices.choose_layout`: rows are limited by memory, not mappings); a warning
+    where that is under 64 rows, since token-major's decode is slower."""
     limit = _read_int("/proc/sys/vm/max_map_count")
     if limit is None:
         return Check("vm.max_map_count", "warn", "cannot read /proc/sys/vm/max_map_count; the limit is unknown",
                      fix="on Linux: sysctl vm.max_map_count")
-    used = _own_mappings()
-    free = max(limit - used, 0)
-    layout, page = default_layout_and_page("cpu")
-    per_row = 2 * (_DEFAULT_MODEL_SUBROWS if layout == "head_major" else 1)
-    rows = free // per_row
-    from .memory.map_budget import PROCESS_MAP_BUDGET as budget
+    from .devices import Workload, head_major_mappings
+    from .memory.map_budget import MapBudget, MappingLimitError
 
-    budget.others(fresh=True)
-    detail = (f"{limit:,} ({used:,} used by this process): at worst one mapping per page, so {free:,} pages x "
-              f"{_size(page)} = {_size(free * page)} of KV mapped at once; at best {per_row} per row with a shared "
-              f"prompt ({layout}{', SmolLM2-135M' if layout == 'head_major' else ''}), so <= {rows:,} rows; "
-              f"mapping budget: vkv may map {max(budget.available(), 0):,} more ({budget.headroom:,} left as headroom "
-              f"for the rest of the process), and refuses a step past it with KVCacheOutOfMemory before any change")
-    if rows < 64:
+    used, headroom = _own_mappings(), MapBudget(limit=limit).headroom
+    free = max(limit - headroom - used, 0)  # what the process's budget lets vkv map (it holds nothing here)
+    layout, _ = default_layout_and_page("cpu")
+
+    def needs(rows: int) -> int:
+        return head_major_mappings(Workload(rows=rows, subrows=_DEFAULT_MODEL_SUBROWS, prompt_repeats=rows)) or 0
+
+    lo, hi = 0, 1
+    while needs(hi) <= free:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # the most rows whose count fits
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if needs(mid) <= free else (lo, mid)
+    detail = (f"{limit:,} ({used:,} used by this process); vkv may map {free:,} more "
+              f"({headroom:,} left as headroom for the rest of the process). The default model's "
+              f"head-major rows take {needs(3) - needs(2):,} mappings each and {needs(2) - 2 * (needs(3) - needs(2)):,} "
+              f"more per shared prompt, so {layout} serves up to {lo:,} sampled rows of one prompt (beams fewer, as "
+              f"their new tokens grow); past that generate picks token_major (about 2 a row: rows are limited by "
+              f"memory, its decode step is slower), and a step past the budget raises "
+              f"{MappingLimitError.__name__} before any change")
+    if layout == "head_major" and lo < 64:
         return Check("vm.max_map_count", "warn", detail, fix=_SYSCTL_FIX)
     return Check("vm.max_map_count", "ok", detail)
 

@@ -114,6 +114,11 @@ class MappedPages:
             return _file_state(st)[:-1] != self._seen[:-1]
         return _file_state(st) != self._seen
 
+    def holds_from(self, arena: object, first: int) -> bool:
+        """Whether pages whose ids start at ``first`` in ``arena`` are this file's (a mapped entry's,
+        whose pages all come from the one file it was opened with: no id is looked at)."""
+        return bool(self.page_ids) and arena is self.arena and first == self._first
+
     def holds(self, pages: HeldPages) -> bool:
         """Whether ``pages`` (a holder's) include a page of this file."""
         ids = pages.pages.get(self.arena)

@@ -147,5 +147,22 @@ def test_doctor_states_the_cpu_budget_and_the_mapping_budget():
     assert check.status == "ok" and "of MemAvailable" in check.detail and "budget_bytes" in check.detail
     assert doctor._size(default_host_budget()) in check.detail
     maps = doctor.check_map_count()
-    assert "mapping budget: vkv may map" in maps.detail and "headroom" in maps.detail
+    assert "vkv may map" in maps.detail and "left as headroom" in maps.detail
     assert any(name == "cpu budget" for name, _ in doctor.CHECKS)
+
+
+def test_the_rows_the_doctor_gives_head_major_are_those_the_layout_rule_keeps_head_major() -> None:
+    """The doctor counted 2 mappings per sub-row (<= 179 rows) where the layout rule counts the
+    measured 3 and 4 rows' worth per shared prompt (103 rows at the default limit)."""
+    import re
+
+    from hf_vkv.devices import Workload, choose_layout
+
+    detail = doctor.check_map_count().detail
+    rows = int(re.search(r"serves up to ([\d,]+) sampled rows", detail).group(1).replace(",", ""))
+
+    def layout(n: int) -> str | None:
+        return choose_layout(None, Workload(device_type="cpu", rows=n, subrows=doctor._DEFAULT_MODEL_SUBROWS,
+                                            prompt_repeats=n))
+
+    assert rows >= 1 and layout(rows) == "head_major" and layout(rows + 1) == "token_major", detail
