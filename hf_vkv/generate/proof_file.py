@@ -26,10 +26,11 @@ import hashlib
 import json
 import os
 import platform
-import threading
 from pathlib import Path
 
 import torch
+
+from ..memory.process import ProcessLock
 
 __all__ = ["ENV_VAR", "ProofFile", "digest", "environment", "proof_file"]
 
@@ -63,7 +64,7 @@ class ProofFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._known: dict[str, str] | None = None
-        self._lock = threading.Lock()
+        self._lock = ProcessLock()  # the process's one object for its path: unheld in a forked child
 
     def _load(self) -> dict[str, str]:
         if self._known is None:
@@ -104,7 +105,7 @@ class ProofFile:
 
 
 _FILES: dict[Path, ProofFile] = {}
-_FILES_LOCK = threading.Lock()
+_FILES_LOCK = ProcessLock()  # unheld in a forked child
 
 
 def proof_file() -> ProofFile | None:

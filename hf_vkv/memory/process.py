@@ -12,16 +12,22 @@ the process that made it. Processes share K/V through files instead (``PrefixSto
 
 The process is told by a count of forks (:func:`os.register_at_fork` bumps it in every child),
 compared as an int on every buffer operation, rather than by ``os.getpid()``, a system call.
+
+A fork also copies every lock as it was: one a thread of the parent held stays held in the child,
+where no thread lets it go. A :class:`ProcessLock` is unheld in every child.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from dataclasses import dataclass
+from types import TracebackType
 
 from .errors import VKVError
 
-__all__ = ["ForkedMemoryError", "MadeIn", "made_here"]
+__all__ = ["ForkedMemoryError", "MadeIn", "ProcessLock", "made_here"]
 
 _forks = 0  # forks between the first process and this one (the child's count moves at each fork)
 
@@ -29,9 +35,36 @@ _forks = 0  # forks between the first process and this one (the child's count mo
 def _forked() -> None:
     global _forks
     _forks += 1
+    for lock in tuple(_PROCESS_LOCKS):  # the child's one thread, before it runs anything else
+        lock.renew()
 
 
 os.register_at_fork(after_in_child=_forked)
+
+
+class ProcessLock:
+    """A ``threading.Lock`` (``with lock:``) that a forked child gets unheld: a thread of the
+    parent that held it at the fork (a ``PrefixStore.save`` in another thread) does not exist in
+    the child, which would wait for it forever."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        _PROCESS_LOCKS.add(self)
+
+    def renew(self) -> None:
+        """A fresh, unheld lock (in a forked child, at the fork)."""
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> ProcessLock:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self._lock.release()
+
+
+_PROCESS_LOCKS: weakref.WeakSet[ProcessLock] = weakref.WeakSet()
 
 
 class ForkedMemoryError(VKVError, RuntimeError):

@@ -37,6 +37,7 @@ from ..cache.options import config_dict
 from ..memory import PageId, PagePool, SectionLock
 from ..memory.errors import ArgumentError, ArgumentTypeError, InvariantError
 from ..memory.held_pages import HeldPages, PageCounts
+from ..memory.process import ProcessLock
 from .errors import (
     PrefixFileCorruptError,
     PrefixFormatError,
@@ -113,7 +114,8 @@ def _device_type(device: Any) -> str:
     return device.type
 
 
-_SAVING = threading.Lock()  # held by every PrefixStore.save of the process (not call state: a file lock's stand-in)
+# held by every PrefixStore.save of the process (not call state: a file lock's stand-in); unheld in a forked child
+_SAVING = ProcessLock()
 
 
 class PrefixStore:

@@ -93,3 +93,51 @@ def test_a_forked_child_refuses_its_parents_memory_and_leaves_it_whole(tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert report.read_text().splitlines() == ["cache: refused", "store: refused", "crop: refused", "own cache: exact"]
     assert "parent: kept continued" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+_HELD_AT_FORK = r"""
+import os, sys, threading, torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+from models import PAD, tiny
+import hf_vkv
+from hf_vkv.generate.proof_file import proof_file
+from hf_vkv.prefix import store as store_module
+
+model = tiny("llama")
+ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 30, 2, 19]])
+held, done = threading.Event(), threading.Event()
+
+def saving():  # a thread in the middle of a save (and of a proof file's write) when the main thread forks
+    with store_module._SAVING, proof_file()._lock:
+        held.set()
+        done.wait()
+
+threading.Thread(target=saving, daemon=True).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    import signal
+    signal.alarm(60)  # a child waiting for the parent's thread forever is killed: the test fails
+    store = hf_vkv.PrefixStore(model.config)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, pad_token_id=PAD, num_return_sequences=2,
+                   do_sample=True, cache_implementation="vkv", cache_config={{"prefix_store": store}})
+    store.save({folder!r}, model=model)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+done.set()
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_while_a_thread_saved_saves_its_own_store(tmp_path: Path) -> None:
+    """A thread of the parent held the process's save lock (and the proof file's) when the main
+    thread forked: the child's own save waited for a thread it does not have, forever."""
+    folder = tmp_path / "child_store"
+    code = _HELD_AT_FORK.format(tests=str(Path(__file__).parents[1]), folder=str(folder))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_VKV_PROOF_CACHE": str(tmp_path / "proofs.jsonl")},
+                          cwd=str(Path(__file__).parents[2]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "child exit 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert (folder / "prefix_store.json").is_file()
