@@ -118,9 +118,26 @@ def commit_lock(folder: Path) -> Iterator[None]:
     threads commit one at a time (an ``flock`` of the folder itself: no file is left behind), so
     an index never names ``prefix_store.kv`` while it holds another save's pages. Each save writes
     its page file under a name of its own before, unlocked."""
+    with _folder_lock(folder, fcntl.LOCK_EX):
+        yield
+
+
+@contextlib.contextmanager
+def read_lock(folder: Path) -> Iterator[None]:
+    """Held while a load reads ``folder``'s index and opens the files it names (shared: loads run
+    together): a save's commit (:func:`commit_lock`) never falls between them. Its first index
+    names the page file by a name of its own, which the commit then renames to
+    ``prefix_store.kv``: a load that had opened the file by the first name saw its change time
+    move, took the file for rewritten, and dropped every entry it had loaded."""
+    with _folder_lock(folder, fcntl.LOCK_SH):
+        yield
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path, mode: int) -> Iterator[None]:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, mode)
         yield
     finally:
         os.close(fd)  # (closing it lets the lock go)

@@ -50,7 +50,7 @@ from .errors import (
 from .fingerprint import (WEIGHTS_DIFFER, TensorsSeen, config_fingerprint, config_record, describe_config_difference,
                           weights_fingerprint)
 from .mapped import (PAGES_FILE, MappedEntry, check_index_text, clean_saves, commit_lock, index_text, map_entries,
-                     write_pages)
+                     read_lock, write_pages)
 from .page_check import MappedPages
 from .persist import _check_model, _load, _save
 from .radix import RadixTree
@@ -620,16 +620,17 @@ class PrefixStore:
         weights = self.fingerprint(model)
         memory = self.memory(model.device)
         for attempt in itertools.count():
-            files, index = saved_files(path) if path.is_dir() else ([path], None)
-            try:
-                wanted, kept = self._load_saved(path, files, index, model=model, check_weights=check_weights,
-                                                weights=weights, memory=memory)
-                break
-            except PrefixFileCorruptError:
-                # a save from another process replaced the folder's files while they were read: its new index
-                # names them (a folder that stays as it was is damaged)
-                if index is None or attempt >= 2 or saved_files(path)[1] == index:
-                    raise
+            with read_lock(path) if path.is_dir() else contextlib.nullcontext():  # no save commits meanwhile
+                files, index = saved_files(path) if path.is_dir() else ([path], None)
+                try:
+                    wanted, kept = self._load_saved(path, files, index, model=model, check_weights=check_weights,
+                                                    weights=weights, memory=memory)
+                    break
+                except PrefixFileCorruptError:
+                    # a save from another process replaced the folder's files while they were read: its new index
+                    # names them (a folder that stays as it was is damaged)
+                    if index is None or attempt >= 2 or saved_files(path)[1] == index:
+                        raise
         held = [tokens for tokens in wanted if tokens in kept]
         if len(held) < len(wanted):
             warnings.warn(f"PrefixStore.load({str(path)!r}): {len(wanted) - len(held)} of its {len(wanted)} entries "
