@@ -18,9 +18,9 @@ This reorders the float sums of attention, so it is opt-in: ``attn_implementatio
 (the door is the attention implementation because the computation that changes is attention's;
 ``cache_implementation="vkv"`` then tags the shared prefix). The A/B harness reports its max
 |Δlogit| against DynamicCache; tokens must stay identical. Sums run in float32 for half-precision
-inputs (and in float64 for float64 ones). Float32 on the CPU without a mask reads each part in one fused pass (torch's CPU flash
-kernel, which returns the log-sum-exp the merge needs, as sdpa's own kernel); other inputs take a
-matmul-softmax-matmul in float32. The common step — one cluster of every row (a prompt's samples,
+inputs (in float64 for float64 ones). Float32 on the CPU without a mask reads each part in one
+fused pass (torch's CPU flash kernel, which returns the log-sum-exp the merge needs, as sdpa's own
+kernel); other inputs take a matmul-softmax-matmul in float32 (or float64). The common step — one cluster of every row (a prompt's samples,
 beams), no mask, float32 on the CPU — is two calls of that kernel (the stacked prefix, the rows'
 suffixes) and one merge, returned as is; at several threads the prefix goes into its call as parts
 of its tokens, so that the kernel's (batch, head) pairs spread evenly over the threads
@@ -53,8 +53,8 @@ def attend_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
         key, value: ``[..., n, D]`` / ``[..., n, Dv]``.
         mask: bool, broadcastable to ``[..., m, n]`` (True = attend), or ``None``.
     Returns:
-        ``(out [..., m, Dv], lse [..., m])`` in float32 (float64 for float64 inputs); a query with nothing to attend to in this
-        part has ``lse = -inf`` and ``out = 0``.
+        ``(out [..., m, Dv], lse [..., m])`` in float32 (float64 for float64 inputs); a query with
+        nothing to attend to in this part has ``lse = -inf`` and ``out = 0``.
     """
     sums = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64
     if key.shape[-2] == 0:  # an empty part: nothing to attend to

@@ -450,7 +450,7 @@ class VKVCache(Cache):
                                         f"length - offset <= {held}")
         per_group = [[(None if s.offset >= length else s.cache._groups[g], s.row, s.start, s.offset) for s in sources]
                      for g in range(len(self._groups))]
-        taken = []  # a group no source holds tokens of stays empty (Mllama's cross-attention layers, text only)
+        taken: list[int] = []  # a group no source holds tokens of stays empty (Mllama's cross-attention, text only)
         for g, group_sources in enumerate(per_group):
             held = [(src, s.cache.get_seq_length()) for (src, *_), s in zip(group_sources, sources)
                     if src is not None and any(src.lengths)]
@@ -459,13 +459,14 @@ class VKVCache(Cache):
                                     f"{held[0][1]}: it caches another sequence (cross-attention), whose rows take_rows "
                                     f"cannot take")
             if held:
-                taken.append(self._groups[g])
+                taken.append(g)
         copied = 0
         # sliding groups first: one that cannot share its rows refuses before any group took a row
-        for group in sorted(taken, key=lambda group: group.sliding_window is None):
-            copied = group.take_rows(per_group[self._groups.index(group)], length)
+        for g in sorted(taken, key=lambda g: self._groups[g].sliding_window is None):
+            copied = self._groups[g].take_rows(per_group[g], length)
+        filled = [self._groups[g] for g in taken]
         for layer in self.layers:
-            if isinstance(layer, VKVLayer) and layer.group in taken:
+            if isinstance(layer, VKVLayer) and any(layer.group is group for group in filled):
                 layer.adopt_group()
         self.padded = self.padded or any(s.offset > 0 for s in sources)  # (set by generate before, for its mask)
         return copied

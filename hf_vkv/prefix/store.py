@@ -627,8 +627,8 @@ class PrefixStore:
                                                     weights=weights, memory=memory)
                     break
                 except PrefixFileCorruptError:
-                    # a save from another process replaced the folder's files while they were read: its new index
-                    # names them (a folder that stays as it was is damaged)
+                    # a writer that takes no lock (an earlier version's save) replaced the folder's files while they
+                    # were read: its new index names them (a folder that stays as it was is damaged)
                     if index is None or attempt >= 2 or saved_files(path)[1] == index:
                         raise
         held = [tokens for tokens in wanted if tokens in kept]
