@@ -181,7 +181,7 @@ def check_map_count() -> Check:
     if limit is None:
         return Check("vm.max_map_count", "warn", "cannot read /proc/sys/vm/max_map_count; the limit is unknown",
                      fix="on Linux: sysctl vm.max_map_count")
-    from .devices import Workload, head_major_mappings
+    from .devices import HEAD_MAJOR_SHARED_PROMPT_ROWS, HEAD_MAJOR_SUBROW_MAPPINGS, Workload, head_major_mappings
     from .memory.map_budget import MapBudget, MappingLimitError
 
     used, headroom = _own_mappings(), MapBudget(limit=limit).headroom
@@ -199,8 +199,8 @@ def check_map_count() -> Check:
         lo, hi = (mid, hi) if needs(mid) <= free else (lo, mid)
     detail = (f"{limit:,} ({used:,} used by this process); vkv may map {free:,} more "
               f"({headroom:,} left as headroom for the rest of the process). The default model's "
-              f"head-major rows take {needs(3) - needs(2):,} mappings each and {needs(2) - 2 * (needs(3) - needs(2)):,} "
-              f"more per shared prompt, so {layout} serves up to {lo:,} sampled rows of one prompt (beams fewer, as "
+              f"head-major rows take {_DEFAULT_MODEL_SUBROWS * HEAD_MAJOR_SUBROW_MAPPINGS:,} mappings each and "
+              f"{_DEFAULT_MODEL_SUBROWS * HEAD_MAJOR_SHARED_PROMPT_ROWS:,} more per shared prompt, so {layout} serves up to {lo:,} sampled rows of one prompt (beams fewer, as "
               f"their new tokens grow); past that generate picks token_major (about 2 a row: rows are limited by "
               f"memory, its decode step is slower), and a step past the budget raises "
               f"{MappingLimitError.__name__} before any change")

@@ -20,11 +20,11 @@ This reorders the float sums of attention, so it is opt-in: ``attn_implementatio
 |Δlogit| against DynamicCache; tokens must stay identical. Sums run in float32 for half-precision
 inputs (in float64 for float64 ones). Float32 on the CPU without a mask reads each part in one
 fused pass (torch's CPU flash kernel, which returns the log-sum-exp the merge needs, as sdpa's own
-kernel); other inputs take a matmul-softmax-matmul in float32 (or float64). The common step — one cluster of every row (a prompt's samples,
-beams), no mask, float32 on the CPU — is two calls of that kernel (the stacked prefix, the rows'
-suffixes) and one merge, returned as is; at several threads the prefix goes into its call as parts
-of its tokens, so that the kernel's (batch, head) pairs spread evenly over the threads
-(:func:`_prefix_splits`). The cache tags a cluster only from the measured crossover of shared
+kernel); other inputs take a matmul-softmax-matmul in float32 (or float64). The common step — one
+cluster of every row (a prompt's samples, beams), no mask, float32 on the CPU — is two calls of
+that kernel (the stacked prefix, the rows' suffixes) and one merge, returned as is; at several
+threads the prefix goes into its call as parts of its tokens, so that the kernel's (batch, head)
+pairs spread evenly over the threads (:func:`_prefix_splits`). The cache tags a cluster only from the measured crossover of shared
 tokens by rows and threads (:func:`~hf_vkv.devices.cascade_refusal`), below which the plain path is
 as fast.
 """
